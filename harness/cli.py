@@ -1,0 +1,204 @@
+"""``kph``: the command line. The only module that prints or configures logging."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any, Callable, Sequence
+
+from .errors import HarnessError, SetupError, VMError
+
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
+
+DESCRIPTION = """\
+kprobe-harness: boot a real x86_64 Linux kernel under QEMU and probe it with kprobe
+semantics, from the host through QEMU's gdbstub and inside the guest as real kprobes.
+
+With no kernel named, every command uses the embedded default image (the current Debian
+cloud kernel with a busybox initramfs), built by `kph image build` into $KPH_CACHE
+(default ~/.cache/kprobe-harness).
+"""
+
+EPILOG = """\
+first steps:
+  kph doctor                              what QEMU, gdb and image will be used
+  kph image build                         provision the default image (idempotent)
+  kph boot --run 'uname -r'               boot it, run a command, power off
+exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
+3 the VM was lost (panic, QEMU died, timeout)."""
+
+
+def _kernel_group(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Kernel selection (default: the embedded default image)")
+    g.add_argument("--kernel", metavar="F", help="a bzImage, or a kernel build directory")
+    g.add_argument("--initrd", metavar="F", help="an initramfs (default: the image's)")
+    g.add_argument("--image", metavar="VERSION|DIR", help="an image in the cache other than the default")
+
+
+def _qemu_group(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("QEMU")
+    g.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use (also $KPH_QEMU)")
+    g.add_argument("--smp", type=int, default=1, metavar="N", help="virtual CPUs (default 1)")
+    g.add_argument("--memory", default="512M", metavar="SIZE", help="guest memory (default 512M)")
+    g.add_argument("--accel", choices=("tcg", "kvm"), default="tcg",
+                   help="tcg (default, tested) or kvm where /dev/kvm works")
+    g.add_argument("--append", metavar="ARGS", help="kernel command line (replaces the default)")
+    g.add_argument("--dry-run", action="store_true", help="print the QEMU command line and exit")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kph", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default="WARNING",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="library log level")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    img = sub.add_parser("image", help="Build or show the embedded default image")
+    isub = img.add_subparsers(dest="image_cmd", metavar="ACTION")
+    b = isub.add_parser("build", help="Provision the default image: kernel, initramfs, kallsyms")
+    b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
+    b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot")
+    isub.add_parser("info", help="Print the default image's manifest")
+
+    q = sub.add_parser("qemu", help="Provision or show the QEMU the harness uses")
+    qsub = q.add_subparsers(dest="qemu_cmd", metavar="ACTION")
+    pv = qsub.add_parser("provision", help="Unpack QEMU >= 10.2 from Debian 13 backports "
+                         "into the cache (skipped when the system QEMU is new enough)")
+    pv.add_argument("--force", action="store_true", help="provision even if one exists")
+    qsub.add_parser("which", help="Print the QEMU that would be used and why")
+
+    bt = sub.add_parser("boot", help="Boot the default image (or --kernel/--initrd) and run commands",
+                        description="Boot, run each --run command in the guest printing its "
+                        "output, power off. Exit status: that of the last command.")
+    bt.add_argument("--run", action="append", default=[], metavar="CMD",
+                    help="a shell command to run in the guest (repeatable)")
+    bt.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                    help="limit for each command (default 60)")
+    bt.add_argument("--console", action="store_true", help="print the guest console at the end")
+    _kernel_group(bt)
+    _qemu_group(bt)
+
+    sub.add_parser("doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix")
+    return p
+
+
+def _boot(args: argparse.Namespace) -> int:
+    from .vmctl import Machine
+
+    opts: dict[str, Any] = dict(kernel=args.kernel, initrd=args.initrd, smp=args.smp,
+                                accel=args.accel, memory=args.memory, append=args.append,
+                                qemu=args.qemu)
+    if args.dry_run:
+        print(Machine.prepare(args.image, **opts).dry_run())
+        return EXIT_OK
+    status = EXIT_OK
+    vm = Machine.boot(args.image, **opts)
+    with vm:
+        _warn_slow_qemu(vm.qemu, args)
+        for cmd in args.run:
+            r = vm.run(cmd, timeout=args.timeout)
+            sys.stdout.write(r.stdout)
+            sys.stderr.write(r.stderr)
+            sys.stdout.flush()
+            status = r.status
+        if args.console:
+            print(vm.console_text(), end="")
+    return status
+
+
+def _warn_slow_qemu(q: Any, args: argparse.Namespace) -> None:
+    if not q.fast_gdbstub and not args.quiet:
+        print(f"warning: QEMU {q.version_str} flushes its translation cache on every "
+              "breakpoint hit (~70 ms); ./setup.sh provisions QEMU >= 10.2", file=sys.stderr)
+
+
+def _image(args: argparse.Namespace) -> int:
+    from .images import build_image, default_image
+
+    if args.image_cmd == "build":
+        build_image(force=args.force, qemu=args.qemu,
+                    progress=(lambda s: None) if args.quiet else _progress)
+        return EXIT_OK
+    if args.image_cmd == "info":
+        import json
+        img = default_image()
+        print(json.dumps(dict(img.manifest, dir=str(img.dir)), indent=2))
+        return EXIT_OK
+    raise SetupError("kph image needs an action", "try `kph image build`")
+
+
+def _qemu_cmd(args: argparse.Namespace) -> int:
+    from .qemu import find_qemu, provision_private_qemu, system_qemu, why_chosen
+
+    if args.qemu_cmd == "provision":
+        s = system_qemu()
+        if s and s.fast_gdbstub and not args.force:
+            _progress(f"qemu: system QEMU {s.version_str} is >= 10.2; nothing to provision")
+            return EXIT_OK
+        provision_private_qemu(progress=_progress, force=args.force)
+        return EXIT_OK
+    if args.qemu_cmd == "which":
+        q = find_qemu()
+        print(f"QEMU {q.version_str}: {q.argv[-1]} ({why_chosen(q)})")
+        return EXIT_OK
+    raise SetupError("kph qemu needs an action", "try `kph qemu provision` or `kph qemu which`")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_checks
+
+    bad = 0
+    for c in run_checks():
+        mark = "ok  " if c.ok else "FAIL"
+        print(f"[{mark}] {c.name:12s} {c.detail}")
+        if not c.ok:
+            bad += 1
+            if c.fix:
+                print(f"       {'':12s} fix: {c.fix}")
+    return EXIT_OK if not bad else EXIT_USAGE
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
+}
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(name)s: %(message)s")
+    logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
+    if not args.cmd:
+        parser.print_help()
+        return EXIT_USAGE
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return COMMANDS[args.cmd](args)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except VMError as exc:
+        first = str(exc.args[0]) if exc.args else str(exc)
+        where = f"; console kept in {exc.console_log}" if exc.console_log else ""
+        print(f"error: {first}{where}", file=sys.stderr)
+        return EXIT_INFRA
+    except HarnessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Defaults in one place (timeouts in seconds, sizes as QEMU spells them)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Guest memory when none is given.
+DEFAULT_MEMORY = "512M"
+#: From QEMU start to the guest agent answering (TCG boot is ~1.5 s; xdist halves the CPU).
+BOOT_TIMEOUT = 60.0
+#: Default limit for one guest command.
+RUN_TIMEOUT = 60.0
+#: One QMP command.
+QMP_TIMEOUT = 10.0
+#: Grace time for QEMU to exit after ``quit`` before it is killed.
+QUIT_TIMEOUT = 3.0
+#: Kernel command line of the default image. ``nokaslr`` keeps kallsyms addresses valid.
+DEFAULT_APPEND = "console=ttyS0 nokaslr quiet panic=-1 oops=panic"
+#: The first QEMU release whose gdbstub no longer flushes the translation cache on every stop.
+FAST_GDBSTUB_QEMU = (10, 2)
+#: The Debian package that names the current cloud kernel ABI.
+KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
+#: Console lines kept in errors.
+CONSOLE_TAIL_LINES = 25
+
+
+def cache_dir() -> Path:
+    """``$KPH_CACHE``, else ``~/.cache/kprobe-harness``: images, kallsyms, the private QEMU."""
+    env = os.environ.get("KPH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kprobe-harness"

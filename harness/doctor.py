@@ -1,0 +1,89 @@
+"""``kph doctor``: what the harness would use, and what to do about anything missing."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from .constants import cache_dir
+from .errors import HarnessError
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def _qemu() -> list[Check]:
+    from .qemu import find_qemu, system_qemu, why_chosen
+
+    try:
+        q = find_qemu()
+    except HarnessError as exc:
+        return [Check("qemu", False, str(exc), "run ./setup.sh")]
+    out = [Check("qemu", q.fast_gdbstub,
+                 f"{q.version_str} at {q.argv[-1]} ({why_chosen(q)})",
+                 "" if q.fast_gdbstub else "run ./setup.sh to provision QEMU >= 10.2")]
+    try:
+        s = system_qemu()
+    except HarnessError:
+        s = None
+    if s is not None and q.source != "system":
+        out.append(Check("system qemu", True, f"{s.version_str} at {s.argv[0]} (fallback, not used)"))
+    return out
+
+
+def _gdb() -> Check:
+    gdb = shutil.which("gdb")
+    if not gdb:
+        return Check("gdb", False, "not found", "apt-get install gdb")
+    v = subprocess.run([gdb, "--version"], capture_output=True, text=True, timeout=20).stdout
+    return Check("gdb", True, f"{v.splitlines()[0] if v else '?'} at {gdb}")
+
+
+def _kvm() -> Check:
+    if not os.path.exists("/dev/kvm"):
+        return Check("kvm", True, "no /dev/kvm: TCG will be used (the tested default)")
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR)
+        os.close(fd)
+    except OSError as exc:
+        return Check("kvm", True, f"/dev/kvm not usable ({exc.strerror}): TCG will be used")
+    return Check("kvm", True, "/dev/kvm opens; TCG stays the default (--accel kvm to try it)")
+
+
+def _image() -> list[Check]:
+    from .images import default_image, image_is_current
+
+    try:
+        img = default_image()
+    except HarnessError as exc:
+        return [Check("image", False, str(exc).split(";")[0], "run `kph image build`")]
+    current = image_is_current(img)
+    m = img.manifest
+    return [Check("image", current,
+                  f"{img.version} in {img.dir} (built {m.get('built', '?')}, "
+                  f"{m.get('boot_seconds', '?')} s to agent-ready)",
+                  "" if current else "run `kph image build` (recipe or artifacts changed)"),
+            Check("kallsyms", img.kallsyms.exists(),
+                  f"{sum(1 for _ in open(img.kallsyms))} symbols" if img.kallsyms.exists() else "missing",
+                  "" if img.kallsyms.exists() else "run `kph image build --force`")]
+
+
+def _tools() -> list[Check]:
+    out = []
+    for tool, pkg in (("cpio", "cpio"), ("/bin/busybox", "busybox-static"),
+                      ("/usr/sbin/qemu-ga", "qemu-guest-agent")):
+        found = shutil.which(tool) or (tool if os.path.exists(tool) else None)
+        out.append(Check(tool.rsplit("/", 1)[-1], bool(found), found or "missing",
+                         "" if found else f"apt-get install {pkg}"))
+    return out
+
+
+def run_checks() -> list[Check]:
+    return [*_qemu(), _gdb(), _kvm(), *_tools(),
+            Check("cache", True, str(cache_dir())), *_image()]

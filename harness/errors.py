@@ -1,0 +1,117 @@
+"""Every error the harness raises, in one leaf module.
+
+An exception means the harness itself could not do what was asked; a kernel that
+refuses a probe is a *result* (see ``harness.engine``), not an error here.
+
+::
+
+    HarnessError                          root; never raised directly
+     ├─ SetupError(.hint)                 missing QEMU, image, file: the fix is in .hint
+     ├─ VMError(.console_tail)            QEMU failed to start, or the guest died
+     │   ├─ GuestPanicError               the guest kernel panicked (pvpanic or console)
+     │   ├─ GuestShutdownError            the guest powered off or reset on its own
+     │   └─ VMLostError                   no reply from QMP or the guest agent in time
+     ├─ StateError(.state, .required)     a call made in the wrong VmState
+     ├─ GuestAgentError(.error_class)     the guest agent answered with an error
+     ├─ GuestExecError(.exitcode, .stdout, .stderr)   a guest command failed (check=True)
+     ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
+     ├─ SymbolNotFoundError(.name)        also a KeyError
+     └─ ProbeSpecError(.text, .column)    a malformed probe spec
+"""
+from __future__ import annotations
+
+
+class HarnessError(Exception):
+    """Root of every error raised by kprobe-harness."""
+
+
+class SetupError(HarnessError):
+    """Something the harness needs is missing or unusable; ``hint`` says what to do."""
+
+    def __init__(self, msg: str, hint: str = "") -> None:
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+        self.hint = hint
+
+
+class VMError(HarnessError):
+    """QEMU failed or the guest died; ``console_tail`` holds the last console lines."""
+
+    def __init__(self, msg: str, console_tail: str = "") -> None:
+        super().__init__(msg)
+        self.console_tail = console_tail
+        self.console_log: object = None  # where the whole console was kept, if it was
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if self.console_tail:
+            return f"{base}\n--- console tail ---\n{self.console_tail}"
+        return base
+
+
+class GuestPanicError(VMError):
+    """The guest kernel panicked."""
+
+
+class GuestShutdownError(VMError):
+    """The guest powered off or reset while the harness still needed it."""
+
+
+class VMLostError(VMError):
+    """QMP or the guest agent stopped answering within the timeout."""
+
+
+class StateError(HarnessError):
+    """A call was made while the machine was in a state that does not allow it."""
+
+    def __init__(self, msg: str, state: object = None, required: object = None) -> None:
+        super().__init__(msg)
+        self.state = state
+        self.required = required
+
+
+class GuestAgentError(HarnessError):
+    """The guest agent (qemu-ga) answered a command with an error."""
+
+    def __init__(self, msg: str, error_class: str = "") -> None:
+        super().__init__(msg)
+        self.error_class = error_class
+
+
+class GuestExecError(HarnessError):
+    """A guest command exited non-zero where success was required."""
+
+    def __init__(self, cmd: str, exitcode: int, stdout: str, stderr: str) -> None:
+        super().__init__(f"guest command {cmd!r} exited {exitcode}: {stderr.strip()[-500:]}")
+        self.exitcode = exitcode
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class GdbMIError(HarnessError):
+    """GDB answered an MI command with ``^error``."""
+
+    def __init__(self, msg: str, token: int | None = None) -> None:
+        super().__init__(msg)
+        self.token = token
+        self.msg = msg
+
+
+class SymbolNotFoundError(HarnessError, KeyError):
+    """A kernel symbol is not in the symbol table in use."""
+
+    def __init__(self, name: str, hint: str = "") -> None:
+        super().__init__(name)
+        self.name = name
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"unknown symbol {self.name!r}" + (f"; {self.hint}" if self.hint else "")
+
+
+class ProbeSpecError(HarnessError):
+    """A probe spec does not parse; ``column`` is the 0-based offset of the bad token."""
+
+    def __init__(self, msg: str, text: str = "", column: int = 0) -> None:
+        super().__init__(msg)
+        self.text = text
+        self.column = column

@@ -1,0 +1,318 @@
+"""Build and locate the embedded default image (kernel, initramfs, kallsyms, manifest).
+
+``images/`` in the source tree is the recipe; this module turns it into artifacts in
+the cache, keyed by the kernel ABI that Debian's ``linux-image-cloud-amd64`` points to
+*today* (Debian bumps it with security updates and drops old ones from the mirror, so
+nothing here names a version). The first boot of a new image harvests
+``/proc/kallsyms`` and the kprobes blacklist into the cache: Debian's System.map is a stub.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .constants import KERNEL_META_PACKAGE, cache_dir
+from .errors import SetupError
+
+#: Bump when the build steps change in a way the recipe files do not show.
+BUILD_FORMAT = 1
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
+HOST_BUSYBOX = "/bin/busybox"
+HOST_QEMU_GA = "/usr/sbin/qemu-ga"
+ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "config")
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Image:
+    """A built image in the cache. Paths are absolute; ``manifest`` is manifest.json."""
+
+    dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def version(self) -> str:
+        return str(self.manifest["kernel_version"])
+
+    @property
+    def kernel(self) -> Path:
+        return self.dir / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.dir / "initrd.img"
+
+    @property
+    def kallsyms(self) -> Path:
+        return self.dir / "kallsyms"
+
+    @property
+    def blacklist(self) -> Path:
+        return self.dir / "kprobes_blacklist"
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "config"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def recipe_hash() -> str:
+    h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
+    for f in sorted(RECIPE_DIR.rglob("*")):
+        if f.is_file() and f.suffix != ".md":
+            h.update(f.relative_to(RECIPE_DIR).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def resolve_kernel_abi() -> str:
+    """The kernel package ``linux-image-cloud-amd64`` depends on today, e.g. ``6.1.0-NN-cloud-amd64``."""
+    try:
+        out = subprocess.run(["apt-cache", "depends", KERNEL_META_PACKAGE], capture_output=True,
+                             text=True, timeout=60, check=False)
+    except OSError as exc:
+        raise SetupError("apt-cache is not available", "build on Debian 12 or pass --kernel") from exc
+    m = re.search(r"Depends:\s*linux-image-(\S+)", out.stdout)
+    if not m:
+        raise SetupError(f"apt knows no {KERNEL_META_PACKAGE}",
+                         "run `apt-get update` (./setup.sh does) and try again")
+    return m[1]
+
+
+def _read_default() -> str | None:
+    f = cache_dir() / "default"
+    return f.read_text().strip() if f.exists() else None
+
+
+def load_image(directory: Path) -> Image:
+    mf = directory / "manifest.json"
+    if not mf.exists():
+        raise SetupError(f"no image in {directory}", "run `kph image build`")
+    return Image(directory, json.loads(mf.read_text()))
+
+
+def default_image(name: str | os.PathLike[str] | None = None) -> Image:
+    """The image to boot when none is named: the last one ``kph image build`` made.
+
+    ``name`` may be a kernel version in the cache or an image directory.
+    """
+    if name is not None:
+        p = Path(name)
+        return load_image(p if p.is_dir() else cache_dir() / str(name))
+    version = _read_default()
+    if not version:
+        raise SetupError(f"no default image in {cache_dir()}",
+                         "run `kph image build` (or ./setup.sh) first")
+    return load_image(cache_dir() / version)
+
+
+def image_is_current(img: Image) -> bool:
+    """True when every artifact exists with the hash the manifest records."""
+    if img.manifest.get("recipe") != recipe_hash():
+        return False
+    for name, meta in img.manifest.get("artifacts", {}).items():
+        p = img.dir / name
+        if not p.exists() or p.stat().st_size != meta["size"] or _sha256(p) != meta["sha256"]:
+            return False
+    return all(n in img.manifest.get("artifacts", {}) for n in ARTIFACTS)
+
+
+def build_image(*, force: bool = False, progress: Progress = print, qemu: str | None = None) -> Image:
+    """Provision the default image; idempotent (a warm cache returns in well under a second).
+
+    :raise SetupError: apt, dpkg-deb, cpio, busybox or qemu-ga missing, or the download failed.
+    """
+    abi = resolve_kernel_abi()
+    dest = cache_dir() / abi
+    if not force and (dest / "manifest.json").exists():
+        img = load_image(dest)
+        if image_is_current(img):
+            (cache_dir() / "default").write_text(abi + "\n")
+            progress(f"image: {abi} is up to date in {dest}")
+            return img
+        progress(f"image: {abi} in the cache is stale or incomplete; rebuilding")
+    for tool, hint in ((HOST_BUSYBOX, "apt-get install busybox-static"),
+                       (HOST_QEMU_GA, "apt-get install qemu-guest-agent")):
+        if not Path(tool).exists():
+            raise SetupError(f"{tool} is missing", f"{hint} (./setup.sh does)")
+    if not shutil.which("cpio"):
+        raise SetupError("cpio is missing", "apt-get install cpio (./setup.sh does)")
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{abi}.tmp-", dir=cache_dir()))
+    try:
+        out = work / "out"
+        out.mkdir()
+        progress(f"image: fetching linux-image-{abi}")
+        _sh(["apt-get", "download", "-q", f"linux-image-{abi}"], cwd=work, what="apt-get download")
+        deb = next(work.glob("linux-image-*.deb"))
+        pkg_version = deb.name.split("_")[1]
+        progress(f"image: unpacking {deb.name}")
+        kdir = work / "kernel"
+        _sh(["dpkg-deb", "-x", str(deb), str(kdir)], what="dpkg-deb -x")
+        deb.unlink()
+        shutil.copy(kdir / f"boot/vmlinuz-{abi}", out / "vmlinuz")
+        shutil.copy(kdir / f"boot/config-{abi}", out / "config")
+        progress("image: assembling the initramfs (busybox, qemu-ga, modules, init)")
+        root = work / "root"
+        mods = _assemble_root(root, kdir / "lib/modules" / abi)
+        shutil.rmtree(kdir)
+        _pack_cpio(root, out / "initrd.img")
+        progress(f"image: initramfs {(out / 'initrd.img').stat().st_size // 1024} KiB, "
+                 f"modules: {', '.join(mods)}")
+        manifest: dict[str, Any] = {
+            "kernel_version": abi, "kernel_package": f"linux-image-{abi}",
+            "kernel_package_version": pkg_version, "recipe": recipe_hash(),
+            "modules": mods, "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        _write_manifest(out, manifest)
+        progress("image: first boot, harvesting /proc/kallsyms and the kprobes blacklist")
+        _harvest(out, manifest, qemu)
+        _write_manifest(out, manifest)
+        if dest.exists():
+            shutil.rmtree(dest)
+        out.rename(dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    (cache_dir() / "default").write_text(abi + "\n")
+    img = load_image(dest)
+    progress(f"image: {abi} ready in {dest}")
+    return img
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    manifest["artifacts"] = {
+        p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+        for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _harvest(out: Path, manifest: dict[str, Any], qemu: str | None) -> None:
+    from .vmctl import Machine
+
+    with Machine.boot(kernel=out / "vmlinuz", initrd=out / "initrd.img", qemu=qemu,
+                      name=f"kph-build-{os.getpid()}") as vm:
+        release = vm.run("uname -r", check=True).stdout.strip()
+        if release != manifest["kernel_version"]:
+            raise SetupError(f"the image booted kernel {release}, expected {manifest['kernel_version']}")
+        syms = vm.run("gzip -c /proc/kallsyms", check=True, timeout=120).out
+        (out / "kallsyms").write_bytes(gzip.decompress(syms))
+        bl = vm.run("cat /sys/kernel/debug/kprobes/blacklist", check=True).out
+        (out / "kprobes_blacklist").write_bytes(bl)
+        manifest["boot_seconds"] = round(vm.boot_seconds, 2)
+        manifest["qemu"] = vm.qemu.version_str
+
+
+def _modinfo_depends(ko: Path) -> list[str]:
+    m = re.search(rb"\0depends=([^\0]*)\0", b"\0" + ko.read_bytes())
+    return [d for d in m[1].decode().split(",") if d] if m else []
+
+
+def _assemble_root(root: Path, moddir: Path) -> list[str]:
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc/kph", "lib/modules", "proc", "sys",
+              "dev", "tmp", "run", "root"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy(HOST_BUSYBOX, root / "bin/busybox")
+    applets = subprocess.run([HOST_BUSYBOX, "--list"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    for a in applets:
+        if not (root / "bin" / a).exists():
+            os.symlink("busybox", root / "bin" / a)
+    _copy_with_libs(HOST_QEMU_GA, root, "usr/sbin/qemu-ga")
+    shutil.copy(RECIPE_DIR / "init", root / "init")
+    os.chmod(root / "init", 0o755)
+    # Module index: name (with - and _ equal) -> path; then a dependency-ordered list.
+    index = {}
+    for ko in moddir.rglob("*.ko*"):
+        index[ko.name.split(".ko")[0].replace("-", "_")] = ko
+    order: list[str] = []
+
+    def add(name: str) -> None:
+        key = name.replace("-", "_")
+        if key in order:
+            return
+        if key not in index:
+            raise SetupError(f"module {name} is not in this kernel package",
+                             f"edit {RECIPE_DIR / 'modules.txt'}")
+        for dep in _modinfo_depends(_plain_ko(index[key], root)):
+            add(dep)
+        order.append(key)
+
+    wanted = [ln.split("#")[0].strip() for ln in (RECIPE_DIR / "modules.txt").read_text().splitlines()]
+    for w in filter(None, wanted):
+        add(w)
+    (root / "etc/kph/modules.load").write_text("".join(f"{k}.ko\n" for k in order))
+    return order
+
+
+def _plain_ko(src: Path, root: Path) -> Path:
+    """Copy a module into the initramfs, decompressed (busybox insmod reads plain ELF)."""
+    name = src.name.split(".ko")[0].replace("-", "_") + ".ko"
+    dst = root / "lib/modules" / name
+    if dst.exists():
+        return dst
+    if src.name.endswith(".ko"):
+        shutil.copy(src, dst)
+    elif src.name.endswith(".ko.xz"):
+        import lzma
+        dst.write_bytes(lzma.decompress(src.read_bytes()))
+    elif src.name.endswith(".ko.gz"):
+        dst.write_bytes(gzip.decompress(src.read_bytes()))
+    else:
+        _sh(["zstd", "-dq", str(src), "-o", str(dst)], what="zstd")
+    return dst
+
+
+def _copy_with_libs(binary: str, root: Path, rel: str) -> None:
+    """Copy a dynamic binary and every library ``ldd`` resolves (with the loader)."""
+    dst = root / rel
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(binary, dst)
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        m = re.search(r"(?:=>\s*)?(/\S+)\s+\(0x", line)
+        if not m:
+            continue
+        lib = Path(m[1])
+        target = root / lib.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            shutil.copy(lib.resolve(), target)
+    # The loader path the binary asks for (PT_INTERP) must exist even on a merged /usr.
+    for interp in ("lib64/ld-linux-x86-64.so.2",):
+        if not (root / interp).exists() and Path("/" + interp).exists():
+            (root / interp).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path("/" + interp).resolve(), root / interp)
+
+
+def _pack_cpio(root: Path, dst: Path) -> None:
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    proc = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet", "-R", "0:0"], cwd=root,
+                          input=("\n".join(["."] + files) + "\n").encode(),
+                          capture_output=True, check=False)
+    if proc.returncode != 0:
+        raise SetupError(f"cpio failed: {proc.stderr.decode()[-200:]}")
+    dst.write_bytes(gzip.compress(proc.stdout, compresslevel=6, mtime=0))
+
+
+def _sh(cmd: list[str], *, what: str, cwd: Path | None = None) -> None:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise SetupError(f"{what} failed: {(proc.stderr or proc.stdout).strip()[-300:]}",
+                         "check apt's configuration and network access to the Debian mirror")

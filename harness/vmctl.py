@@ -1,0 +1,499 @@
+"""``Machine``: one QEMU guest, driven over QMP and the guest agent, always torn down.
+
+The only module that builds a QEMU command line. Every socket lives in a private 0700
+run directory and is created by the harness, listening, then handed to QEMU by file
+descriptor (``-chardev socket,fd=N,server=on,wait=off``): no TCP, no race on socket
+files appearing. QMP runs on an asyncio loop thread (``qemu.qmp``), so GUEST_PANICKED and
+SHUTDOWN are seen the moment QEMU sends them, even while a guest command is running.
+
+Lifecycle (``VmState``): OFF -> BOOTING -> RUNNING <-> HALTED (by the gdbstub) ->
+SHUTDOWN | PANICKED | LOST. QEMU is ended by its pid on every path: ``close()`` (also
+from ``__exit__`` and an ``atexit`` hook) and, if this process is killed outright, by
+the kernel through ``PR_SET_PDEATHSIG``.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import enum
+import itertools
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import constants as C
+from .agent import GuestAgent
+from .aio import LoopThread
+from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, SetupError,
+                     StateError, VMError, VMLostError)
+from .qemu import QemuBinary, find_qemu
+
+log = logging.getLogger(__name__)
+
+_PANIC_MARK = b"Kernel panic - not syncing"
+_CONSOLE_KEEP = 1 << 20
+_counter = itertools.count(1)
+_live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
+
+
+class VmState(enum.Enum):
+    OFF = "off"
+    BOOTING = "booting"
+    RUNNING = "running"
+    HALTED = "halted"
+    PANICKED = "panicked"
+    SHUTDOWN = "shutdown"
+    LOST = "lost"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one guest command returned."""
+
+    cmd: str
+    status: int
+    out: bytes
+    err: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.out.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err.decode("utf-8", "replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _listen(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(1)
+    return s
+
+
+def _check_kernel_format(path: Path) -> None:
+    """Refuse files QEMU would load as garbage and then hang on: bzImage or ELF only."""
+    with open(path, "rb") as f:
+        head = f.read(0x206)
+    if head[:4] == b"\x7fELF" or head[0x202:0x206] == b"HdrS":
+        return
+    raise SetupError(f"not a bootable x86 kernel: {path}",
+                     "pass a bzImage (arch/x86/boot/bzImage) or an ELF vmlinux with a PVH note")
+
+
+def run_dir_base() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+class Machine:
+    """A booted guest. Use ``Machine.boot()`` as a context manager."""
+
+    def __init__(self, *, kernel: Path, initrd: Path | None, append: str, smp: int = 1,
+                 accel: str = "tcg", memory: str = C.DEFAULT_MEMORY,
+                 qemu: QemuBinary | None = None, name: str | None = None,
+                 extra_args: Sequence[str] = (), image: Any = None) -> None:
+        self.kernel, self.initrd, self.append = kernel, initrd, append
+        self.smp, self.accel, self.memory = smp, accel, memory
+        self.qemu = qemu or find_qemu()
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        self.name = name or f"kph{('-' + worker) if worker else ''}-{os.getpid()}-{next(_counter)}"
+        self.image = image
+        self.extra_args = list(extra_args)
+        self.log = log.getChild(self.name)
+        self.state = VmState.OFF
+        self.rundir: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.agent: GuestAgent | None = None
+        self.events: list[tuple[float, str, dict[str, Any]]] = []
+        self.saved_console: Path | None = None
+        self._socks: dict[str, socket.socket] = {}
+        self._loop: LoopThread | None = None
+        self._qmp: Any = None
+        self._panicked = threading.Event()
+        self._shutdown = threading.Event()
+        self._quitting = False
+        self._console_fd: int | None = None
+        self._console = bytearray()
+        self._lock = threading.RLock()
+        self.host: Any = None  # set by harness.engine when host-side probes are used
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def boot(cls, image: Any = None, *, kernel: str | os.PathLike[str] | None = None,
+             initrd: str | os.PathLike[str] | None = None, smp: int = 1, accel: str = "tcg",
+             memory: str = C.DEFAULT_MEMORY, append: str | None = None,
+             qemu: QemuBinary | str | None = None, name: str | None = None,
+             timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = ()) -> "Machine":
+        """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
+
+        :raise SetupError: a kernel, initrd or image that does not exist.
+        :raise GuestPanicError: the guest panicked while booting.
+        :raise VMError: QEMU refused to start.
+        :raise VMLostError: the guest agent never answered.
+        """
+        m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
+                        memory=memory, append=append, qemu=qemu, name=name,
+                        extra_args=extra_args)
+        try:
+            m.start(timeout=timeout)
+        except BaseException as exc:
+            m.close()
+            if isinstance(exc, VMError):
+                exc.console_log = m.saved_console
+            raise
+        return m
+
+    @classmethod
+    def prepare(cls, image: Any = None, *, kernel: str | os.PathLike[str] | None = None,
+                initrd: str | os.PathLike[str] | None = None, smp: int = 1,
+                accel: str = "tcg", memory: str = C.DEFAULT_MEMORY, append: str | None = None,
+                qemu: QemuBinary | str | None = None, name: str | None = None,
+                extra_args: Sequence[str] = ()) -> "Machine":
+        """Resolve and check every input without starting anything (``--dry-run`` uses it)."""
+        from .images import Image, default_image
+
+        if accel not in ("tcg", "kvm"):
+            raise SetupError(f"unknown accelerator {accel!r}", "use --accel tcg or --accel kvm")
+        if smp < 1:
+            raise SetupError(f"--smp {smp} is not a CPU count", "use --smp 1 or more")
+        if kernel is None:
+            img = image if isinstance(image, Image) else default_image(image)
+            kpath, ipath = img.kernel, img.initrd
+            if initrd is not None:
+                ipath = Path(initrd)
+        else:
+            img = None
+            kpath = Path(kernel)
+            ipath = Path(initrd) if initrd is not None else None
+            if kpath.is_dir():  # a kernel build directory
+                cand = kpath / "arch/x86/boot/bzImage"
+                if not cand.exists():
+                    raise SetupError(f"no arch/x86/boot/bzImage in {kpath}",
+                                     "build the kernel first or pass the bzImage itself")
+                kpath = cand
+        for what, p in (("kernel", kpath), ("initrd", ipath)):
+            if p is not None and not p.is_file():
+                raise SetupError(f"{what} not found: {p}",
+                                 f"pass an existing file with --{what}" +
+                                 (" or run `kph image build`" if img is None else ""))
+        _check_kernel_format(kpath)
+        q = qemu if isinstance(qemu, QemuBinary) else find_qemu(qemu)
+        return cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
+                   accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
+                   image=img)
+
+    def command_line(self, fds: dict[str, int] | None = None) -> list[str]:
+        """The exact QEMU argv (``fds`` maps qmp/qga/gdb to the descriptors QEMU inherits)."""
+        fds = fds or {"qmp": 3, "qga": 4, "gdb": 5}
+        console = (self.rundir or Path("RUNDIR")) / "console.log"
+        args = ["-name", self.name, "-nodefaults", "-no-user-config", "-display", "none",
+                "-machine", "pc", "-m", self.memory, "-smp", str(self.smp),
+                "-accel", self.accel, "-no-reboot", "-action", "panic=pause",
+                "-serial", f"file:{console}",
+                "-chardev", f"socket,id=qmp0,fd={fds['qmp']},server=on,wait=off",
+                "-mon", "chardev=qmp0,mode=control",
+                "-device", "virtio-serial-pci,id=vs0",
+                "-chardev", f"socket,id=qga0,fd={fds['qga']},server=on,wait=off",
+                "-device", "virtserialport,bus=vs0.0,chardev=qga0,name=org.qemu.guest_agent.0",
+                "-chardev", f"socket,id=gdb0,fd={fds['gdb']},server=on,wait=off",
+                "-gdb", "chardev:gdb0",
+                "-device", "pvpanic-pci",
+                "-kernel", str(self.kernel), "-append", self.append]
+        if self.accel == "kvm":
+            args += ["-cpu", "host"]
+        if self.initrd is not None:
+            args += ["-initrd", str(self.initrd)]
+        return self.qemu.command(args + self.extra_args)
+
+    def dry_run(self) -> str:
+        return shlex.join(self.command_line())
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self, *, timeout: float = C.BOOT_TIMEOUT) -> None:
+        if self.state is not VmState.OFF:
+            raise StateError(f"{self.name} is {self.state.value}; it can start only once",
+                             self.state, VmState.OFF)
+        t0 = time.monotonic()
+        self.state = VmState.BOOTING
+        _live.add(self)
+        self.rundir = Path(tempfile.mkdtemp(prefix=f"{self.name}.", dir=run_dir_base()))
+        os.chmod(self.rundir, 0o700)
+        for key in ("qmp", "qga", "gdb"):
+            self._socks[key] = _listen(self.rundir / f"{key}.sock")
+        fds = {k: s.fileno() for k, s in self._socks.items()}
+        console = self.rundir / "console.log"
+        console.touch()
+        self._console_fd = os.open(console, os.O_RDONLY | os.O_NONBLOCK)
+        cmd = self.command_line(fds)
+        self.log.debug("starting %s", shlex.join(cmd))
+        qlog = open(self.rundir / "qemu.log", "wb")
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
+                                         stderr=subprocess.STDOUT, pass_fds=list(fds.values()),
+                                         start_new_session=True, preexec_fn=_pdeathsig,
+                                         env=dict(os.environ, **self.qemu.env))
+        except OSError as exc:
+            raise SetupError(f"cannot start QEMU {self.qemu.argv[0]}: {exc}",
+                             "run `kph doctor`") from exc
+        finally:
+            qlog.close()
+        # QEMU holds the listening sockets now; ours are only needed to connect.
+        self._loop = LoopThread(f"{self.name}-qmp")
+        try:
+            self._loop.call(self._qmp_connect(), C.QMP_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - turned into a precise error below
+            self._check()
+            raise VMLostError(f"QMP did not answer: {exc}", self.console_tail()) from exc
+        qga = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        qga.connect(str(self.rundir / "qga.sock"))
+        self.agent = GuestAgent(qga, check=self._check)
+        try:
+            self.agent.wait_ready(max(1.0, timeout - (time.monotonic() - t0)))
+        except VMLostError as exc:
+            raise VMLostError(f"{self.name}: guest agent not ready after {timeout:.0f} s "
+                              f"(kernel {self.kernel})", self.console_tail()) from exc
+        self.state = VmState.RUNNING
+        self.boot_seconds = time.monotonic() - t0
+        self.log.debug("ready in %.2f s", self.boot_seconds)
+
+    async def _qmp_connect(self) -> None:
+        import asyncio
+
+        from qemu.qmp import QMPClient
+
+        self._qmp = QMPClient(self.name)
+        await self._qmp.connect(str(self.rundir / "qmp.sock"))  # type: ignore[operator]
+        asyncio.get_running_loop().create_task(self._pump_events())
+
+    async def _pump_events(self) -> None:
+        async for ev in self._qmp.events:
+            name = ev["event"]
+            data = dict(ev.get("data", {}))
+            self.events.append((time.time(), name, data))
+            del self.events[:-200]
+            self._qmp.events.clear()
+            self.log.debug("<-- event %s %s", name, data)
+            if name == "GUEST_PANICKED":
+                self._panicked.set()
+            elif name == "SHUTDOWN" and not self._quitting:
+                self._shutdown.set()
+
+    def __enter__(self) -> "Machine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End QEMU by its pid, stop the QMP loop and remove the run directory. Idempotent."""
+        with self._lock:
+            if self.state is VmState.OFF and self.rundir is None:
+                return
+            self._quitting = True
+            failed = self.state in (VmState.PANICKED, VmState.LOST, VmState.BOOTING)
+            if self.host is not None:
+                try:
+                    self.host.close()
+                except Exception:  # noqa: BLE001 - teardown goes on
+                    self.log.exception("host-side close failed")
+            if self.agent is not None:
+                self.agent.close()
+            proc = self.proc
+            if proc is not None and proc.poll() is None:
+                if self._qmp is not None and self._loop is not None:
+                    try:
+                        self._loop.call(self._qmp.execute("quit"), 1.0)
+                    except Exception:  # noqa: BLE001 - signals follow
+                        pass
+                for sig, wait in ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+                    if sig is not None:
+                        try:
+                            os.kill(proc.pid, sig)
+                        except ProcessLookupError:
+                            pass
+                    try:
+                        proc.wait(wait)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            if self._qmp is not None and self._loop is not None:
+                try:
+                    self._loop.call(self._qmp.disconnect(), 1.0)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._loop is not None:
+                self._loop.close()
+            for s in self._socks.values():
+                s.close()
+            self._read_console()
+            if self._console_fd is not None:
+                os.close(self._console_fd)
+                self._console_fd = None
+            if self.rundir is not None:
+                if failed and self._console:
+                    self._save_console()
+                shutil.rmtree(self.rundir, ignore_errors=True)
+                self.rundir = None
+            if self.state in (VmState.RUNNING, VmState.HALTED, VmState.BOOTING):
+                self.state = VmState.SHUTDOWN
+            _live.discard(self)
+
+    def _save_console(self) -> None:
+        logs = C.cache_dir() / "logs"
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            self.saved_console = logs / f"{self.name}.console.log"
+            self.saved_console.write_bytes(bytes(self._console))
+        except OSError:
+            self.saved_console = None
+
+    # -- health ---------------------------------------------------------------------------
+    def _read_console(self) -> bytes:
+        if self._console_fd is None:
+            return b""
+        new = b""
+        while True:
+            try:
+                chunk = os.read(self._console_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            new += chunk
+        if new:
+            self._console += new
+            if len(self._console) > _CONSOLE_KEEP:
+                del self._console[:-_CONSOLE_KEEP]
+        return new
+
+    def console_text(self) -> str:
+        self._read_console()
+        return self._console.decode("utf-8", "replace")
+
+    def console_tail(self, lines: int = C.CONSOLE_TAIL_LINES) -> str:
+        return "\n".join(self.console_text().rstrip("\n").splitlines()[-lines:])
+
+    def _panic_line(self) -> str:
+        for line in self.console_text().splitlines():
+            if _PANIC_MARK.decode() in line:
+                return line.strip()
+        return "GUEST_PANICKED from pvpanic"
+
+    def _check(self) -> None:
+        """Raise at once if the guest panicked, shut down, or QEMU died."""
+        self._read_console()
+        where = f" while booting {self.kernel}" + (f" with initrd {self.initrd}" if self.initrd else "") \
+            if self.state is VmState.BOOTING else ""
+        if self._panicked.is_set() or _PANIC_MARK in self._console:
+            self.state = VmState.PANICKED
+            raise GuestPanicError(f"{self.name}: guest kernel panicked{where}: {self._panic_line()}",
+                                  self.console_tail())
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            self.state = VmState.LOST if not self._shutdown.is_set() else VmState.SHUTDOWN
+            qlog = ""
+            if self.rundir is not None and (self.rundir / "qemu.log").exists():
+                qlog = (self.rundir / "qemu.log").read_text(errors="replace").strip()
+            if self._shutdown.is_set():
+                raise GuestShutdownError(f"{self.name}: guest shut down or reset{where}",
+                                         self.console_tail())
+            first = qlog.splitlines()[-1] if qlog else ""
+            raise VMError(f"{self.name}: QEMU exited with status {code}{where}"
+                          + (f": {first}" if first else ""), self.console_tail())
+        if self._shutdown.is_set():
+            self.state = VmState.SHUTDOWN
+            raise GuestShutdownError(f"{self.name}: guest shut down{where}", self.console_tail())
+
+    def _require_running(self) -> GuestAgent:
+        if self.state not in (VmState.RUNNING,) or self.agent is None:
+            raise StateError(f"{self.name} is {self.state.value}; the guest must be running",
+                             self.state, VmState.RUNNING)
+        return self.agent
+
+    # -- guest access ---------------------------------------------------------------------
+    def run(self, cmd: str, *, timeout: float = C.RUN_TIMEOUT, check: bool = False,
+            stdin: bytes | None = None) -> RunResult:
+        """Run ``cmd`` with the guest's ``/bin/sh -c``; return status, stdout, stderr.
+
+        :raise GuestExecError: ``check`` is true and the command exited non-zero.
+        :raise GuestPanicError: the guest panicked meanwhile (seconds, not the timeout).
+        :raise VMLostError: no result within ``timeout``.
+        """
+        agent = self._require_running()
+        self.log.debug("--> run %r", cmd)
+        try:
+            status, out, err = agent.exec(["/bin/sh", "-c", cmd], stdin=stdin, timeout=timeout)
+        except VMLostError as exc:
+            self._check()
+            raise VMLostError(str(exc), self.console_tail()) from exc
+        res = RunResult(cmd, status, out, err)
+        if check and not res.ok:
+            raise GuestExecError(cmd, status, res.stdout, res.stderr)
+        return res
+
+    def push(self, local: str | os.PathLike[str], guest_path: str, *, mode: int | None = None,
+             timeout: float = C.RUN_TIMEOUT) -> None:
+        """Copy a host file into the guest (``mode`` as for chmod)."""
+        agent = self._require_running()
+        data = Path(local).read_bytes()
+        agent.write_file(guest_path, data, timeout=timeout)
+        if mode is not None:
+            self.run(f"chmod {mode:o} {shlex.quote(guest_path)}", timeout=timeout, check=True)
+
+    def pull(self, guest_path: str, *, timeout: float = C.RUN_TIMEOUT) -> bytes:
+        """Read a whole guest file (regular files; use ``run('cat ...')`` for procfs)."""
+        return self._require_running().read_file(guest_path, timeout=timeout)
+
+    def qmp(self, cmd: str, args: dict[str, Any] | None = None, *,
+            timeout: float = C.QMP_TIMEOUT) -> Any:
+        """Execute one QMP command and return its result."""
+        if self._loop is None or self._qmp is None:
+            raise StateError(f"{self.name} has no QMP connection", self.state, VmState.RUNNING)
+        try:
+            return self._loop.call(self._qmp.execute(cmd, args), timeout)
+        except TimeoutError as exc:
+            self._check()
+            raise VMLostError(f"QMP {cmd} did not answer in {timeout} s",
+                              self.console_tail()) from exc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def gdb_socket(self) -> Path:
+        if self.rundir is None:
+            raise StateError(f"{self.name} is not started", self.state, VmState.RUNNING)
+        return self.rundir / "gdb.sock"
+
+    def __repr__(self) -> str:
+        return f"<Machine {self.name} {self.state.value} pid={self.pid}>"
+
+
+@atexit.register
+def _close_all() -> None:
+    for m in list(_live):
+        try:
+            m.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up kprobe-harness on Debian 12, idempotently: system packages, a virtualenv with
+# the package, a QEMU >= 10.2 (private, only if the system's is older), the kernel
+# headers for the image's kernel, and the embedded default image.
+# Safe to run again: every step skips what is already done.
+set -euo pipefail
+cd "$(dirname "$0")"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+say() { printf '==> %s\n' "$*" >&2; }
+
+PKGS="qemu-system-x86 qemu-utils gdb busybox-static cpio qemu-guest-agent python3-venv
+      python3-pip make gcc libc6-dev"
+say "apt: updating package lists"
+$SUDO apt-get update -q >/dev/null
+missing=$(for p in $PKGS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' || echo "$p"; done)
+if [ -n "$missing" ]; then
+  say "apt: installing" $missing
+  $SUDO apt-get install -y -q --no-install-recommends $missing >/dev/null
+fi
+
+abi=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{sub("linux-image-","",$2); print $2; exit}')
+[ -n "$abi" ] || { echo "error: apt knows no linux-image-cloud-amd64; check /etc/apt/sources.list.d" >&2; exit 2; }
+if ! dpkg-query -W -f='${Status}\n' "linux-headers-$abi" 2>/dev/null | grep -q '^install ok installed'; then
+  say "apt: installing linux-headers-$abi (for the in-guest kprobes module)"
+  $SUDO apt-get install -y -q --no-install-recommends "linux-headers-$abi" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  say "python: creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c 'import harness, pygdbmi, qemu.qmp, elftools, xdist, pytest_timeout' 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.kph-installed ]; then
+  say "python: installing kprobe-harness and its test tools into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  touch .venv/.kph-installed
+fi
+
+.venv/bin/kph qemu provision
+.venv/bin/kph image build
+say "ready: .venv/bin/kph doctor"

@@ -1,0 +1,161 @@
+"""Machine against the real default image: commands, files, failures, teardown."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from harness.errors import GuestPanicError, SetupError, StateError
+from harness.vmctl import Machine, VmState
+
+pytestmark = pytest.mark.vm
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes only once reaped; Popen.wait reaps it.
+    return True
+
+
+def test_runs_commands_with_status_and_streams(vm, default_image):
+    r = vm.run("uname -r; cat /proc/cmdline; echo oops >&2; exit 7")
+    assert r.status == 7
+    release, cmdline = r.stdout.splitlines()[:2]
+    assert release == default_image.version
+    assert "nokaslr" in cmdline
+    assert r.stderr == "oops\n"
+
+
+def test_guest_has_kernel_filesystems_and_modules(vm):
+    r = vm.run("ls /sys/kernel/tracing/kprobe_events /sys/kernel/debug/kprobes/list "
+               "&& grep -c . /proc/kallsyms && lsmod", check=True)
+    assert int(r.stdout.splitlines()[2]) > 50000
+    assert "virtio_console" in r.stdout and "pvpanic_pci" in r.stdout
+
+
+def test_push_and_pull_round_trip(vm, tmp_path):
+    data = os.urandom(300_000)
+    src = tmp_path / "blob"
+    src.write_bytes(data)
+    vm.push(src, "/tmp/blob", mode=0o600)
+    assert vm.pull("/tmp/blob") == data
+    assert vm.run("stat -c %a /tmp/blob").stdout.strip() == "600"
+
+
+def test_sockets_live_in_a_private_run_dir(vm):
+    st = os.stat(vm.rundir)
+    assert st.st_mode & 0o777 == 0o700
+    socks = sorted(p.name for p in vm.rundir.iterdir() if p.suffix == ".sock")
+    assert socks == ["gdb.sock", "qga.sock", "qmp.sock"]
+    # Nothing of ours listens on TCP.
+    cmd = " ".join(vm.command_line())
+    assert "tcp:" not in cmd and "port=" not in cmd
+
+
+def test_qmp_answers(vm):
+    st = vm.qmp("query-status")
+    assert st["status"] == "running"
+
+
+def test_two_machines_at_once(default_image):
+    results = {}
+
+    def one(tag):
+        with Machine.boot(default_image) as m:
+            m.run(f"echo {tag} > /tmp/tag", check=True)
+            time.sleep(0.2)
+            results[tag] = (m.run("cat /tmp/tag").stdout.strip(), m.pid)
+
+    threads = [threading.Thread(target=one, args=(t,)) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["a"][0] == "a" and results["b"][0] == "b"
+    assert results["a"][1] != results["b"][1]
+    for _, pid in results.values():
+        assert not _alive(pid)
+
+
+def test_panic_raises_within_seconds_and_cleans_up(default_image):
+    m = Machine.boot(default_image)
+    pid = m.pid
+    t0 = time.monotonic()
+    with pytest.raises(GuestPanicError, match="sysrq triggered crash"):
+        m.run("echo c > /proc/sysrq-trigger", timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert m.state is VmState.PANICKED
+    m.close()
+    assert not _alive(pid)
+    assert m.rundir is None
+    with pytest.raises(StateError):
+        m.run("true")
+
+
+def test_corrupt_initramfs_names_the_file(default_image, tmp_path):
+    bad = tmp_path / "corrupt-initrd.img"
+    bad.write_bytes(default_image.initrd.read_bytes()[:50_000])
+    with pytest.raises(GuestPanicError, match="corrupt-initrd.img"):
+        Machine.boot(default_image, initrd=bad, timeout=60)
+
+
+def test_missing_kernel_is_a_setup_error():
+    with pytest.raises(SetupError, match="/nonexistent"):
+        Machine.boot(kernel="/nonexistent")
+
+
+def _kph(*args):
+    return [sys.executable, "-m", "harness.cli", *args]
+
+
+def test_cli_boot_prints_release_and_cmdline(default_image):
+    r = subprocess.run(_kph("boot", "--run", "uname -r", "--run", "cat /proc/cmdline"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == default_image.version
+    assert "console=ttyS0" in r.stdout.splitlines()[1]
+
+
+def test_cli_exit_status_is_the_last_commands():
+    r = subprocess.run(_kph("boot", "--run", "true", "--run", "exit 5"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 5, r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_signal_mid_run_leaves_nothing(sig):
+    p = subprocess.Popen(_kph("boot", "--run", "echo started; sleep 60"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    qemu_pids: list[int] = []
+    while time.monotonic() < deadline and not qemu_pids:
+        qemu_pids = [int(d.name) for d in __import__("pathlib").Path("/proc").iterdir()
+                     if d.name.isdigit() and _ppid(d.name) == p.pid]
+        time.sleep(0.1)
+    assert qemu_pids, "kph boot never started QEMU"
+    time.sleep(4)  # let the guest boot and the command start
+    p.send_signal(sig)
+    p.wait(30)
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr.read()
+    time.sleep(0.2)
+    for pid in qemu_pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"QEMU {pid} survived {sig.name}"
+
+
+def _ppid(pid: str) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
