@@ -16,6 +16,7 @@ refuses a probe is a *result* (see ``harness.engine``), not an error here.
      ├─ GuestExecError(.exitcode, .stdout, .stderr)   a guest command failed (check=True)
      ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
      ├─ SymbolNotFoundError(.name)        also a KeyError
+     ├─ ProbeRejectedError(.errno, .addr) the kernel's rules refuse this probe address
      └─ ProbeSpecError(.text, .column)    a malformed probe spec
 """
 from __future__ import annotations
@@ -106,6 +107,19 @@ class SymbolNotFoundError(HarnessError, KeyError):
 
     def __str__(self) -> str:
         return f"unknown symbol {self.name!r}" + (f"; {self.hint}" if self.hint else "")
+
+
+class ProbeRejectedError(HarnessError):
+    """A probe the kernel would refuse, with the errno ``register_kprobe`` would return.
+
+    EINVAL: blacklisted or not kernel text; ENOENT: unknown symbol; EILSEQ: not an
+    instruction boundary (x86 ``can_probe``); EBUSY: reserved text (jump label, static call).
+    """
+
+    def __init__(self, msg: str, errno: int, addr: int | None = None) -> None:
+        super().__init__(msg)
+        self.errno = errno
+        self.addr = addr
 
 
 class ProbeSpecError(HarnessError):
