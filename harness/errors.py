@@ -112,8 +112,9 @@ class SymbolNotFoundError(HarnessError, KeyError):
 class ProbeRejectedError(HarnessError):
     """A probe the kernel would refuse, with the errno ``register_kprobe`` would return.
 
-    EINVAL: blacklisted or not kernel text; ENOENT: unknown symbol; EILSEQ: not an
-    instruction boundary (x86 ``can_probe``); EBUSY: reserved text (jump label, static call).
+    EINVAL: blacklisted, not kernel text, or reserved text (jump label, static call: 6.1's
+    ``check_kprobe_address_safe`` says EINVAL for those too); ENOENT: unknown symbol or an
+    address inside no symbol; EILSEQ: not an instruction boundary (x86 ``can_probe``).
     """
 
     def __init__(self, msg: str, errno: int, addr: int | None = None) -> None:

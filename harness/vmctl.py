@@ -136,6 +136,7 @@ class Machine:
         self._console = bytearray()
         self._lock = threading.RLock()
         self.host: Any = None  # set by harness.engine when host-side probes are used
+        self._stub: Any = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -311,11 +312,14 @@ class Machine:
                 return
             self._quitting = True
             failed = self.state in (VmState.PANICKED, VmState.LOST, VmState.BOOTING)
-            if self.host is not None:
+            for part in (self.host, self._stub):
+                if part is None:
+                    continue
                 try:
-                    self.host.close()
+                    part.close()
                 except Exception:  # noqa: BLE001 - teardown goes on
-                    self.log.exception("host-side close failed")
+                    self.log.exception("closing %r failed", part)
+            self.host = self._stub = None
             if self.agent is not None:
                 self.agent.close()
             proc = self.proc
@@ -475,6 +479,19 @@ class Machine:
             self._check()
             raise VMLostError(f"QMP {cmd} did not answer in {timeout} s",
                               self.console_tail()) from exc
+
+    def gdbstub(self, *, resume: bool = True) -> Any:
+        """The machine's one GDB/MI session (``harness.gdbstub.GdbStub``), attached on first use.
+
+        Attaching pauses the guest; it is resumed unless ``resume`` is False. The stub is
+        closed (gdb ended by its pid) before QEMU when the machine closes.
+        """
+        if self._stub is None or self._stub.proc.poll() is not None:
+            from .gdbstub import attach
+
+            self._require_running()
+            self._stub = attach(self, resume=resume)
+        return self._stub
 
     @property
     def pid(self) -> int | None:

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""What one host-side breakpoint hit costs, measured three ways in one run.
+
+Same guest workload (N short processes, each opening a file, so do_sys_openat2 runs a
+few times per process) on one booted guest:
+  none     no breakpoint: the baseline (measured before and after, averaged);
+  raw      a raw RSP client (bench/rsp.py) stops at do_sys_openat2, reads rip and rdi,
+           moves rip past the 5-byte entry nop, resumes;
+  gdbstub  GdbStub (GDB/MI) does exactly the same.
+"added/hit" is (wall - baseline) / hits; "handling/hit" is the time from the stop
+reaching the harness to the resume being sent (the part the harness controls).
+Repeated with the system QEMU when it is older than the chosen one, so the table shows
+what QEMU >= 10.2 buys (no translation-cache flush per debug stop).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.gdbstub import attach  # noqa: E402
+from harness.images import default_image  # noqa: E402
+from harness.qemu import find_qemu, system_qemu  # noqa: E402
+from harness.symbols import load_kallsyms_cached  # noqa: E402
+from harness.vmctl import Machine  # noqa: E402
+from rsp import RawStub  # noqa: E402
+
+RIP, RDI = 16, 5
+
+
+def workload(n: int) -> str:
+    return f"i=0; while [ $i -lt {n} ]; do cat /proc/version >/dev/null; i=$((i+1)); done"
+
+
+def timed_run(vm: Machine, n: int) -> float:
+    t0 = time.monotonic()
+    vm.run(workload(n), timeout=600, check=True)
+    return time.monotonic() - t0
+
+
+def in_thread(vm: Machine, n: int, out: dict) -> threading.Thread:
+    def go() -> None:
+        out["wall"] = timed_run(vm, n)
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def raw_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float]]:
+    stub = RawStub(str(vm.gdb_socket))
+    assert stub.cmd(f"Z0,{addr:x},1") == "OK"
+    stub.cont()
+    out: dict = {}
+    th = in_thread(vm, n, out)
+    hits, handling = 0, []
+    while th.is_alive():
+        try:
+            reply = stub.wait_stop(0.2)
+        except TimeoutError:
+            continue
+        t0 = time.perf_counter()
+        if not reply.startswith("T05"):
+            stub.cont()
+            continue
+        rip = stub.read_reg(RIP)
+        stub.read_reg(RDI)
+        stub.write_reg(RIP, rip + 5)
+        stub.cont()
+        handling.append(time.perf_counter() - t0)
+        hits += 1
+    th.join()
+    # Remove the breakpoint and detach (QEMU resumes the guest).
+    stub.interrupt()
+    stub.cmd(f"z0,{addr:x},1")
+    stub.close()
+    return out["wall"], hits, handling
+
+
+def gdbstub_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float]]:
+    g = attach(vm, resume=False)
+    g.insert_breakpoint(addr)
+    g.cont()
+    out: dict = {}
+    th = in_thread(vm, n, out)
+    hits, handling = 0, []
+    while th.is_alive():
+        try:
+            s = g.wait_stop(timeout=0.2)
+        except TimeoutError:
+            continue
+        t0 = time.perf_counter()
+        g.read_registers(("rdi",))  # rip is in the stop record
+        g.resume(s.addr + 5)
+        handling.append(time.perf_counter() - t0)
+        hits += 1
+        assert s.addr == addr
+    th.join()
+    g.close()
+    return out["wall"], hits, handling
+
+
+def measure(qemu, addr: int, n: int, rounds: int) -> list[tuple[str, float, int, list[float]]]:
+    """Interleave the three methods ``rounds`` times on one guest; medians of each."""
+    walls: dict[str, list[float]] = {"none": [], "raw": [], "gdbstub": []}
+    hits: dict[str, int] = {"none": 0, "raw": 0, "gdbstub": 0}
+    handling: dict[str, list[float]] = {"none": [], "raw": [], "gdbstub": []}
+    with Machine.boot(qemu=qemu) as vm:
+        timed_run(vm, 5)  # warm up the guest's page cache and TBs
+        for _ in range(rounds):
+            walls["none"].append(timed_run(vm, n))
+            for name, fn in (("raw", raw_loop), ("gdbstub", gdbstub_loop)):
+                wall, h, hand = fn(vm, addr, n)
+                walls[name].append(wall)
+                hits[name] = h
+                handling[name] += hand
+        walls["none"].append(timed_run(vm, n))
+    return [(k, statistics.median(walls[k]), hits[k], handling[k]) for k in walls]
+
+
+def report(qemu, rows, n: int) -> dict:
+    base = rows[0][1]
+    print(f"\nQEMU {qemu.version_str} ({qemu.source}), {n} processes, median of the rounds")
+    print(f"  {'method':8s} {'wall s':>8s} {'hits':>6s} {'added/hit ms':>13s} {'handling/hit ms':>16s}")
+    per = {}
+    for name, wall, hits, handling in rows:
+        added = (wall - base) / hits * 1e3 if hits else 0.0
+        hand = statistics.median(handling) * 1e3 if handling else 0.0
+        per[name] = (added, hand)
+        print(f"  {name:8s} {wall:8.2f} {hits:6d} {added:13.2f} {hand:16.3f}")
+    ratio = per["gdbstub"][0] / per["raw"][0] if per["raw"][0] > 0 else float("nan")
+    print(f"  ratio gdbstub/raw (added per hit): {ratio:.2f}")
+    return per
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=200, help="processes in the workload (default 200)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--no-system", action="store_true", help="skip the system QEMU comparison")
+    args = ap.parse_args()
+    img = default_image()
+    addr = load_kallsyms_cached(img.kallsyms).lookup("do_sys_openat2").addr
+    chosen = find_qemu()
+    results = {}
+    results["chosen"] = report(chosen, measure(chosen, addr, args.n, args.rounds), args.n)
+    sysq = None if args.no_system else system_qemu()
+    if sysq and sysq.version < chosen.version:
+        n = max(20, args.n // 4)  # ~70 ms per hit: keep the run short
+        results["system"] = report(sysq, measure(sysq, addr, n, 1), n)
+        a, b = results["system"]["gdbstub"][0], results["chosen"]["gdbstub"][0]
+        print(f"\nQEMU {chosen.version_str} vs {sysq.version_str}: added time per GdbStub hit "
+              f"{b:.2f} ms vs {a:.2f} ms ({a / b:.0f}x less)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
