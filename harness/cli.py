@@ -33,6 +33,8 @@ def _kernel_group(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Kernel selection (default: the embedded default image)")
     g.add_argument("--kernel", metavar="F", help="a bzImage, or a kernel build directory")
     g.add_argument("--initrd", metavar="F", help="an initramfs (default: the image's)")
+    g.add_argument("--vmlinux", metavar="F", help="the kernel's ELF with symbols (default: the "
+                   "image's kallsyms, or the guest's /proc/kallsyms)")
     g.add_argument("--image", metavar="VERSION|DIR", help="an image in the cache other than the default")
 
 
@@ -87,7 +89,8 @@ def make_parser() -> argparse.ArgumentParser:
 def _boot(args: argparse.Namespace) -> int:
     from .vmctl import Machine
 
-    opts: dict[str, Any] = dict(kernel=args.kernel, initrd=args.initrd, smp=args.smp,
+    opts: dict[str, Any] = dict(kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
+                                smp=args.smp,
                                 accel=args.accel, memory=args.memory, append=args.append,
                                 qemu=args.qemu)
     if args.dry_run:

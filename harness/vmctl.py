@@ -111,8 +111,10 @@ class Machine:
     def __init__(self, *, kernel: Path, initrd: Path | None, append: str, smp: int = 1,
                  accel: str = "tcg", memory: str = C.DEFAULT_MEMORY,
                  qemu: QemuBinary | None = None, name: str | None = None,
-                 extra_args: Sequence[str] = (), image: Any = None) -> None:
+                 extra_args: Sequence[str] = (), image: Any = None,
+                 vmlinux: Path | None = None) -> None:
         self.kernel, self.initrd, self.append = kernel, initrd, append
+        self.vmlinux = vmlinux
         self.smp, self.accel, self.memory = smp, accel, memory
         self.qemu = qemu or find_qemu()
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -137,6 +139,8 @@ class Machine:
         self._lock = threading.RLock()
         self.host: Any = None  # set by harness.engine when host-side probes are used
         self._stub: Any = None
+        self._symbols: Any = None
+        self._blacklist: Any = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -144,7 +148,8 @@ class Machine:
              initrd: str | os.PathLike[str] | None = None, smp: int = 1, accel: str = "tcg",
              memory: str = C.DEFAULT_MEMORY, append: str | None = None,
              qemu: QemuBinary | str | None = None, name: str | None = None,
-             timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = ()) -> "Machine":
+             timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = (),
+             vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
 
         :raise SetupError: a kernel, initrd or image that does not exist.
@@ -154,7 +159,7 @@ class Machine:
         """
         m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                         memory=memory, append=append, qemu=qemu, name=name,
-                        extra_args=extra_args)
+                        extra_args=extra_args, vmlinux=vmlinux)
         try:
             m.start(timeout=timeout)
         except BaseException as exc:
@@ -169,7 +174,8 @@ class Machine:
                 initrd: str | os.PathLike[str] | None = None, smp: int = 1,
                 accel: str = "tcg", memory: str = C.DEFAULT_MEMORY, append: str | None = None,
                 qemu: QemuBinary | str | None = None, name: str | None = None,
-                extra_args: Sequence[str] = ()) -> "Machine":
+                extra_args: Sequence[str] = (),
+                vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
         """Resolve and check every input without starting anything (``--dry-run`` uses it)."""
         from .images import Image, default_image
 
@@ -191,8 +197,11 @@ class Machine:
                 if not cand.exists():
                     raise SetupError(f"no arch/x86/boot/bzImage in {kpath}",
                                      "build the kernel first or pass the bzImage itself")
+                if vmlinux is None and (kpath / "vmlinux").is_file():
+                    vmlinux = kpath / "vmlinux"
                 kpath = cand
-        for what, p in (("kernel", kpath), ("initrd", ipath)):
+        vpath = Path(vmlinux) if vmlinux is not None else None
+        for what, p in (("kernel", kpath), ("initrd", ipath), ("vmlinux", vpath)):
             if p is not None and not p.is_file():
                 raise SetupError(f"{what} not found: {p}",
                                  f"pass an existing file with --{what}" +
@@ -201,7 +210,7 @@ class Machine:
         q = qemu if isinstance(qemu, QemuBinary) else find_qemu(qemu)
         return cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
                    accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
-                   image=img)
+                   image=img, vmlinux=vpath)
 
     def command_line(self, fds: dict[str, int] | None = None) -> list[str]:
         """The exact QEMU argv (``fds`` maps qmp/qga/gdb to the descriptors QEMU inherits)."""
@@ -492,6 +501,73 @@ class Machine:
             self._require_running()
             self._stub = attach(self, resume=resume)
         return self._stub
+
+    @property
+    def symbols(self) -> Any:
+        """The kernel's ``SymbolTable``: from ``vmlinux`` if given, else the image's kallsyms,
+        else ``/proc/kallsyms`` of this guest (cached per kernel build when ``nokaslr``
+        keeps addresses stable across boots)."""
+        if self._symbols is None:
+            from .symbols import SymbolTable, load_kallsyms_cached
+
+            if self.vmlinux is not None:
+                self._symbols = SymbolTable.from_vmlinux(self.vmlinux)
+            elif self.image is not None:
+                self._symbols = load_kallsyms_cached(self.image.kallsyms)
+            else:
+                self._symbols = load_kallsyms_cached(self._harvest("kallsyms", "/proc/kallsyms"))
+        return self._symbols
+
+    @property
+    def blacklist(self) -> Any:
+        """The guest's kprobe blacklist (``/sys/kernel/debug/kprobes/blacklist``)."""
+        if self._blacklist is None:
+            from .symbols import Blacklist
+
+            path = self.image.blacklist if self.image is not None else \
+                self._harvest("kprobes_blacklist", "/sys/kernel/debug/kprobes/blacklist")
+            self._blacklist = Blacklist.from_file(path)
+        return self._blacklist
+
+    def _harvest(self, what: str, guest_path: str) -> Path:
+        """Copy a guest file to the cache, keyed by the kernel build (and the boot, with KASLR)."""
+        import gzip
+        import hashlib
+
+        key = hashlib.sha256(self.kernel.read_bytes()).hexdigest()[:16]
+        stable = "nokaslr" in self.append.split()
+        d = C.cache_dir() / "kernels" / key
+        dest = d / what if stable else (self.rundir or d) / what
+        if not dest.exists():
+            out = self.run(f"gzip -c {guest_path}", check=True, timeout=120).out
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_suffix(".tmp")
+            tmp.write_bytes(gzip.decompress(out))
+            tmp.rename(dest)
+        return dest
+
+    def refresh_module_symbols(self) -> list[str]:
+        """Merge the symbols and section bases of the guest's loaded modules; return their names."""
+        table = self.symbols
+        text = self.run("grep '\\[' /proc/kallsyms || true", check=True, timeout=60).stdout
+        per: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            if line.endswith("]") and "[" in line:
+                per.setdefault(line.rsplit("[", 1)[1].rstrip("]"), []).append(line)
+        sect = self.run("cd /sys/module && for f in */sections/.*; do "
+                        "[ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null || true",
+                        timeout=60).stdout
+        sections: dict[str, dict[str, int]] = {}
+        for line in sect.splitlines():
+            path, _, addr = line.partition(" ")
+            mod, _, name = path.partition("/sections/")
+            if addr.startswith("0x"):
+                sections.setdefault(mod, {})[name] = int(addr, 16)
+        for mod, lines in per.items():
+            table.add_module(mod, "\n".join(lines))
+        for mod, secs in sections.items():
+            table.add_module_sections(mod, secs)
+        return sorted(per)
 
     @property
     def pid(self) -> int | None:

@@ -184,3 +184,23 @@ def test_gdb_is_reaped_when_a_test_fails_mid_stop(default_image):
             raise RuntimeError("a test failing while the guest is halted")
     time.sleep(0.1)
     assert pid and not os.path.exists(f"/proc/{pid}")
+
+
+def test_symbols_of_a_bare_kernel_are_harvested_from_the_guest(default_image, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path))
+    from harness.qemu import find_qemu
+
+    with Machine.boot(kernel=default_image.kernel, initrd=default_image.initrd,
+                      qemu=find_qemu()) as vm:
+        assert vm.image is None
+        syms = vm.symbols
+        assert syms.lookup("do_sys_openat2").addr == \
+            load_kallsyms_cached(default_image.kallsyms).lookup("do_sys_openat2").addr
+        assert vm.blacklist.find(syms.lookup("kprobe_int3_handler").addr)
+        mods = vm.refresh_module_symbols()
+        assert "virtio_console" in mods
+        sym = syms.lookup("virtio_console:init_port_console") if False else None
+        text = syms.format(syms.lookup("virtio_console:virtcons_probe").addr)
+        assert text.endswith("[virtio_console]")
+    assert list((tmp_path / "kernels").glob("*/kallsyms"))

@@ -1,0 +1,647 @@
+"""What kprobe fetch args are and yield: the tree, host-side evaluation, the printed text.
+
+The grammar is :mod:`harness.probespec`, which builds the :class:`FetchArg` trees defined
+here; this leaf module imports nothing from the package. :func:`evaluate` runs the
+``fetch_insn`` program :mod:`harness.probespec` compiles for each argument, the way
+``process_fetch_insn()`` (kernel/trace/trace_kprobe.c) and ``process_fetch_insn_bottom()``
+(kernel/trace/trace_probe_tmpl.h) of Linux 6.1 run it, with x86_64's memory rules
+(``copy_from_kernel_nofault_allowed()`` in arch/x86/mm/maccess.c, ``__access_ok()``).
+Strings are laid out in one simulated dynamic area per event, as ``store_trace_args()``
+does, so the kernel's quirks come out too: ``maxlen`` is pooled over the event's strings,
+an empty ``ustring`` prints ``(fault)``, and a ``symstr`` runs on into a following string
+(``fetch_store_symstring()`` consumes no byte for its NUL). These follow from the 6.1.192
+source; a guest run has not confirmed them yet.
+
+:func:`format_value` prints a value as the trace file does (``print_type_*()``), and
+:func:`parse_trace_line` reads a line of ``/sys/kernel/tracing/trace`` back.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, Tuple, Union
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
+           "ImmString", "MemAddr", "MemSymbol", "Deref", "Bitfield", "render_fetch",
+           "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "FAULT", "UNKNOWN",
+           "evaluate", "format_value", "format_fields", "format_ip", "TraceRecord",
+           "parse_trace_line"]
+
+MAX_STRING_SIZE = 4096                       # PATH_MAX (trace_probe.h)
+THREAD_SIZE = 16384                          # x86_64 without KASAN
+TASK_SIZE_MAX = (1 << 47) - 4096             # 4-level paging
+VSYSCALL_ADDR = 0xFFFFFFFFFF600000
+FAULT_STRING = "(fault)"                     # kernel/trace/trace.h
+_M = (1 << 64) - 1
+_ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")   # regs_get_kernel_argument(), x86_64
+_EFAULT, _ENOMEM, _EILSEQ = -14, -12, -84
+
+#: One ``struct fetch_insn`` as :mod:`harness.probespec` compiles it: ``(op, *params)``.
+Insn = Tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class FetchType:
+    """One row of ``probe_fetch_types[]``: bytes in the record, and the print format."""
+
+    name: str
+    size: int
+    is_signed: bool
+    is_string: bool
+    fmt: str
+
+
+FETCH_TYPES: dict[str, FetchType] = {t.name: t for t in (
+    FetchType("string", 4, True, True, '"%s"'), FetchType("ustring", 4, True, True, '"%s"'),
+    FetchType("symstr", 4, True, True, '"%s"'),
+    FetchType("u8", 1, False, False, "%u"), FetchType("u16", 2, False, False, "%u"),
+    FetchType("u32", 4, False, False, "%u"), FetchType("u64", 8, False, False, "%Lu"),
+    FetchType("s8", 1, True, False, "%d"), FetchType("s16", 2, True, False, "%d"),
+    FetchType("s32", 4, True, False, "%d"), FetchType("s64", 8, True, False, "%Ld"),
+    FetchType("x8", 1, False, False, "0x%x"), FetchType("x16", 2, False, False, "0x%x"),
+    FetchType("x32", 4, False, False, "0x%x"), FetchType("x64", 8, False, False, "0x%Lx"),
+    FetchType("symbol", 8, False, False, "%pS"))}
+
+
+@dataclass(frozen=True)
+class FetchArg:
+    """Root of the fetch-argument tree (the part of ``NAME=FETCHARG:TYPE`` before ``:``)."""
+
+
+@dataclass(frozen=True)
+class Reg(FetchArg):
+    """``%REG``: a ``struct pt_regs`` field (``harness.probespec.REGISTERS``)."""
+    name: str
+
+
+@dataclass(frozen=True)
+class StackEntry(FetchArg):
+    """``$stackN``: ``regs_get_kernel_stack_nth(regs, N)``."""
+    n: int
+
+
+@dataclass(frozen=True)
+class StackPointer(FetchArg):
+    """``$stack``: ``kernel_stack_pointer(regs)``."""
+
+
+@dataclass(frozen=True)
+class RetVal(FetchArg):
+    """``$retval``: ``regs_return_value(regs)``; return probes only."""
+
+
+@dataclass(frozen=True)
+class Comm(FetchArg):
+    """``$comm`` (or ``$COMM``): ``current->comm``, always of type string."""
+
+
+@dataclass(frozen=True)
+class FuncArg(FetchArg):
+    """``$argN`` (1-based): ``regs_get_kernel_argument(regs, N-1)``; entry probes only."""
+    n: int
+
+
+@dataclass(frozen=True)
+class Imm(FetchArg):
+    """``\\IMM``: an immediate ``unsigned long`` (negative values wrap, as in the kernel)."""
+    value: int
+
+
+@dataclass(frozen=True)
+class ImmString(FetchArg):
+    """``\\"text"``: an immediate string (FETCH_OP_DATA)."""
+    text: str
+
+
+@dataclass(frozen=True)
+class MemAddr(FetchArg):
+    """``@ADDR``: the memory at a kernel address."""
+    addr: int
+
+
+@dataclass(frozen=True)
+class MemSymbol(FetchArg):
+    """``@SYM[+|-OFFS]``: the memory at a symbol, resolved at register time."""
+    symbol: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Deref(FetchArg):
+    """``+|-[u]OFFS(FETCHARG)``: memory at ``base + offset``; ``user`` for the ``u`` form."""
+    offset: int
+    base: FetchArg
+    user: bool = False
+
+
+@dataclass(frozen=True)
+class Bitfield:
+    """``b<width>@<offset>/<container>``: bits of a ``u<container>`` value."""
+
+    width: int
+    offset: int
+    container: int
+
+    def __str__(self) -> str:
+        return f"b{self.width}@{self.offset}/{self.container}"
+
+
+def render_fetch(node: FetchArg) -> str:
+    """The canonical ``FETCHARG`` text of a tree (``@ADDR`` in hex, offsets in decimal)."""
+    if isinstance(node, Reg):
+        return f"%{node.name}"
+    if isinstance(node, StackEntry):
+        return f"$stack{node.n}"
+    if isinstance(node, FuncArg):
+        return f"$arg{node.n}"
+    if isinstance(node, Imm):
+        return f"\\{node.value}"
+    if isinstance(node, ImmString):
+        return f'\\"{node.text}"'
+    if isinstance(node, MemAddr):
+        return f"@0x{node.addr:x}"
+    if isinstance(node, MemSymbol):
+        return f"@{node.symbol}" + (f"{node.offset:+d}" if node.offset else "")
+    if isinstance(node, Deref):
+        sign = "-" if node.offset < 0 else "+"
+        return f"{sign}{'u' if node.user else ''}{abs(node.offset)}({render_fetch(node.base)})"
+    fixed = {StackPointer: "$stack", RetVal: "$retval", Comm: "$comm"}
+    return fixed[type(node)]
+
+
+class FaultError(Exception):
+    """Memory a :class:`FetchContext` cannot read (``copy_from_kernel_nofault()`` failing).
+
+    :ivar address: ``unsigned long`` start of the read.
+    """
+
+    def __init__(self, address: int, size: int = 1) -> None:
+        super().__init__(f"cannot read {size} byte(s) at {address:#x}")
+        self.address = address
+        self.size = size
+
+
+class _Marker:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: A string fetch that failed: the kernel prints ``(fault)``.
+FAULT = _Marker("FAULT")
+#: A value the kernel leaves undefined (a failed deref or memory store keeps whatever the
+#: ring buffer held): no prediction is possible, compare it as a wildcard.
+UNKNOWN = _Marker("UNKNOWN")
+
+#: What :func:`evaluate` gives per argument (a list of the others for arrays).
+Value = Union[int, bytes, _Marker, "list[Any]"]
+
+
+class FetchContext(Protocol):
+    """The stopped CPU and memory a probe hit sees; the host engine implements it.
+
+    ``read`` and ``read_user`` return exactly ``size`` bytes or raise :class:`FaultError`.
+    :func:`evaluate` makes the x86_64 range checks itself (``read`` is never asked for a
+    user-half, non-canonical or vsyscall address; ``read_user`` never above TASK_SIZE_MAX).
+    """
+
+    def reg(self, name: str) -> int:
+        """A ``struct pt_regs`` field by its kernel name (``di``, ``sp``, ``flags`` ...)."""
+
+    def read(self, addr: int, size: int) -> bytes:
+        """Kernel virtual memory (``copy_from_kernel_nofault()``)."""
+
+    def read_user(self, addr: int, size: int) -> bytes:
+        """The current task's user memory (``copy_from_user_nofault()``)."""
+
+    def comm(self) -> str:
+        """``current->comm``."""
+
+    def retval(self) -> int:
+        """``regs_return_value(regs)``: ``ax`` at the return."""
+
+    def symbol_addr(self, name: str) -> int:
+        """``kallsyms_lookup_name()``; raises KeyError for an unknown symbol."""
+
+    def symbolize(self, addr: int) -> str | None:
+        """``sprint_symbol()`` text, ``sym+0x5/0x140`` (`` [mod]`` for modules), or None."""
+
+
+class _Cached:
+    """One hit's view of ``ctx``: the kernel reads strings twice (size, then store), and
+    every read here may be a gdbstub round trip, while memory cannot change under a stop."""
+
+    def __init__(self, ctx: FetchContext) -> None:
+        self._ctx = ctx
+        self._memo: dict[tuple[bool, int, int], bytes | FaultError] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def _get(self, user: bool, addr: int, size: int) -> bytes:
+        key = (user, addr, size)
+        if key not in self._memo:
+            try:
+                self._memo[key] = (self._ctx.read_user if user else self._ctx.read)(addr, size)
+            except FaultError as exc:
+                self._memo[key] = exc
+        got = self._memo[key]
+        if isinstance(got, FaultError):
+            raise got
+        return got
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._get(False, addr, size)
+
+    def read_user(self, addr: int, size: int) -> bytes:
+        return self._get(True, addr, size)
+
+
+@dataclass(frozen=True)
+class _Blob:
+    """Kernel memory that always reads: ``current->comm`` or an immediate string."""
+    data: bytes
+
+
+def _read(ctx: FetchContext, addr: Any, size: int, user: bool) -> bytes | None:
+    """``probe_mem_read()`` / ``probe_mem_read_user()`` on x86_64; None on failure."""
+    if isinstance(addr, _Blob):
+        return (addr.data + b"\0" * size)[:size]
+    addr &= _M
+    if user:
+        if addr + size > TASK_SIZE_MAX:
+            return None
+    elif addr < 0xFFFF800000000000 or addr & ~0xFFF == VSYSCALL_ADDR:
+        return None             # user half, non-canonical or vsyscall: refused, -ERANGE
+    try:
+        data = (ctx.read_user if user else ctx.read)(addr, size)
+    except FaultError:
+        return None
+    return data if len(data) == size else None
+
+
+def _cstr(ctx: FetchContext, addr: Any, limit: int, user: bool) -> tuple[bytes, bool] | None:
+    """At most ``limit`` bytes at ``addr`` up to a NUL: (bytes before it, NUL seen), or None
+    when a byte before the NUL cannot be read. Reads whole rest-of-pages (a page reads
+    entirely or not at all), never past the NUL's page, so both passes share cached reads."""
+    if isinstance(addr, _Blob):
+        z = addr.data.find(b"\0")
+        s = addr.data if z < 0 else addr.data[:z]
+        return (s, True) if len(s) < limit else (s[:limit], False)
+    out = b""
+    while len(out) < limit:
+        a = (addr + len(out)) & _M
+        chunk = _read(ctx, a, 4096 - (a & 0xFFF), user)
+        if chunk is None:
+            return None
+        chunk = chunk[:limit - len(out)]
+        z = chunk.find(b"\0")
+        if z >= 0:
+            return out + chunk[:z], True
+        out += chunk
+    return out, False
+
+
+def _stack_nth(ctx: FetchContext, n: int) -> int:
+    """``regs_get_kernel_stack_nth()``: 0 outside the current THREAD_SIZE stack or on a fault."""
+    sp = ctx.reg("sp") & _M
+    addr = (sp + 8 * n) & _M
+    if addr & ~(THREAD_SIZE - 1) != sp & ~(THREAD_SIZE - 1):
+        return 0
+    data = _read(ctx, addr, 8, False)
+    return 0 if data is None else int.from_bytes(data, "little")
+
+
+def _symtext(ctx: FetchContext, addr: int) -> str:
+    return ctx.symbolize(addr & _M) or f"0x{addr & _M:x}"
+
+
+@dataclass
+class _Store:
+    """The record being written: per-element values or data_locs, and the dynamic area."""
+    dyn: bytearray
+    known: bytearray
+    loc: tuple[int, int] = (0, 0)
+    elems: list[Any] = field(default_factory=list)
+
+
+def _store_string(op: str, ctx: FetchContext, addr: Any, st: _Store) -> int:
+    """``fetch_store_string*()`` / ``fetch_store_symstring()`` at ``st.loc``; appends the
+    element's data_loc to ``st.elems`` and returns the bytes consumed (or -errno)."""
+    maxlen, offs = st.loc
+    if maxlen == 0:
+        st.elems.append(st.loc)
+        return _ENOMEM
+    if op == "st_symstr":     # sprint_symbol(): keeps the data_loc, consumes no NUL
+        text = _symtext(ctx, addr).encode()
+        data, ret, loc = text + b"\0", len(text), st.loc
+    else:
+        user = op == "st_ustring"
+        got = _cstr(ctx, addr, maxlen, user)
+        if got is None:
+            ret = _EFAULT
+        elif user:            # strncpy_from_user_nofault(): "" gives 0, printed (fault)
+            ret = maxlen if not got[1] else (len(got[0]) + 1 if got[0] else 0)
+        else:                 # strncpy_from_kernel_nofault()
+            ret = len(got[0]) + 1 if got[1] else maxlen
+        data = got[0][:ret - 1] + b"\0" if got is not None and ret > 0 else b""
+        loc = (max(ret, 0), offs)
+    end = offs + len(data)
+    if end > len(st.dyn):
+        st.dyn.extend(bytes(end - len(st.dyn)))
+        st.known.extend(bytes(end - len(st.known)))
+    st.dyn[offs:end], st.known[offs:end] = data, b"\1" * len(data)
+    st.elems.append(loc)
+    return ret
+
+
+def _strlen(op: str, ctx: FetchContext, addr: Any) -> int:
+    """The sizing pass: ``fetch_store_strlen()``, ``_user()`` or ``fetch_store_symstrlen()``."""
+    if op == "st_symstr":
+        return len(_symtext(ctx, addr)) + 1
+    got = _cstr(ctx, addr, MAX_STRING_SIZE, op == "st_ustring")
+    if op == "st_string":
+        return _EFAULT if got is None else min(len(got[0]) + 1, MAX_STRING_SIZE)
+    return 0 if got is None else (len(got[0]) + 1 if got[1] else MAX_STRING_SIZE + 1)
+
+
+def _fetch(op: Insn, ctx: FetchContext) -> Any:
+    """Stage 1 of ``process_fetch_insn()``: the value the program starts from."""
+    kind = op[0]
+    if kind == "reg":
+        return ctx.reg(op[1]) & _M
+    if kind == "stack":
+        return _stack_nth(ctx, op[1])
+    if kind == "stackp":
+        return ctx.reg("sp") & _M
+    if kind == "retval":
+        return ctx.retval() & _M
+    if kind == "imm":
+        return op[1]
+    if kind == "comm":
+        return _Blob(ctx.comm().encode("utf-8", "surrogateescape"))
+    if kind == "data":
+        return _Blob(op[1].encode("utf-8", "surrogateescape"))
+    if kind == "arg":       # regs_get_kernel_argument(): past the sixth, the stack
+        return ctx.reg(_ARG_REGS[op[1]]) & _M if op[1] < 6 else _stack_nth(ctx, op[1] - 5)
+    raise ValueError(f"not a fetch instruction: {op!r}")
+
+
+_STRINGS = ("st_string", "st_ustring", "st_symstr")
+
+
+def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
+    """``process_fetch_insn()``: the sizing pass when ``st`` is None, else the store pass.
+
+    Returns what the kernel's returns: bytes of dynamic data (or -errno).
+    """
+    if code[0][0] == "nop_symbol":          # resolved like traceprobe_update_arg()
+        val: Any = (ctx.symbol_addr(code[0][1]) + code[0][2]) & _M
+        pc = 2
+    else:
+        val, pc = _fetch(code[0], ctx), 1
+    total = ret = i = 0
+    lval, loc = val, (0, 0)
+    while True:
+        while code[pc][0] in ("deref", "uderef"):          # stage 2
+            lval = val
+            data = _read(ctx, (val + code[pc][1]) & _M, 8, code[pc][0] == "uderef")
+            if data is None:
+                return _EFAULT
+            val, pc = int.from_bytes(data, "little"), pc + 1
+        s3 = pc
+        while True:
+            op = code[pc]                                   # stage 3
+            if op[0] not in _STRINGS + ("st_raw", "st_mem", "st_umem"):
+                return _EILSEQ
+            addr = val if isinstance(val, _Blob) else (val + op[1]) & _M
+            if st is None:
+                if op[0] not in _STRINGS:
+                    return _EILSEQ
+                ret = _strlen(op[0], ctx, addr)
+            elif op[0] in _STRINGS:
+                loc = st.loc
+                ret = _store_string(op[0], ctx, addr, st)
+            else:
+                if op[0] == "st_raw":
+                    v: Any = val & ((1 << 8 * op[2]) - 1)
+                else:
+                    data = _read(ctx, addr, op[2], op[0] == "st_umem")
+                    v = UNKNOWN if data is None else int.from_bytes(data, "little")
+                if code[pc + 1][0] == "mod_bf":             # stage 4
+                    _, basesize, lsh, rsh = code[pc + 1]
+                    if v is not UNKNOWN:
+                        v = ((v << lsh) & ((1 << 8 * basesize) - 1)) >> rsh
+                    pc += 1
+                st.elems.append(v)
+            pc += 1
+            if code[pc][0] != "lp_array":                   # stage 5
+                return ret if code[pc][0] == "end" else _EILSEQ
+            ret = max(ret, 0)
+            total, i = total + ret, i + 1
+            if i >= code[pc][1]:
+                return total if code[pc + 1][0] == "end" else _EILSEQ
+            pc = s3
+            if code[s3][0] not in ("st_string", "st_ustring"):
+                val = (val + code[s3][2]) & _M
+                continue
+            pc, val = s3 - 1, (lval + 8) & _M              # the next char * in the array
+            if st is not None:                              # update_data_loc()
+                st.loc = (loc[0] - ret, loc[1] + ret)
+            break
+
+
+def evaluate(target: Any, ctx: FetchContext) -> Any:
+    """Fetch what the kernel would record for a probe hit with ``ctx`` as its registers.
+
+    :param target: a ``ProbeSpec`` (all its args, one tuple of values back, strings sharing
+        one dynamic area as in one event) or a single ``ProbeArg``.
+    :return: per argument an ``int`` (signed for ``s*`` types), ``bytes`` for strings
+        (without the NUL), :data:`FAULT`, :data:`UNKNOWN`, or a list of those for arrays.
+    :raise KeyError: from ``ctx.symbol_addr`` for an ``@SYM`` the kernel could not resolve.
+    """
+    args = tuple(target.args) if hasattr(target, "args") else (target,)
+    ctx = _Cached(ctx)                              # the same Protocol, reads memoized
+    dsize = 0
+    for a in args:                                  # __get_data_size()
+        if FETCH_TYPES[a.type].is_string:
+            n = _run(a.code, ctx, None)
+            dsize += n if n > 0 else 0
+    st = _Store(bytearray(dsize), bytearray(dsize))
+    pos, out = 0, []
+    for a in args:                                  # store_trace_args()
+        t = FETCH_TYPES[a.type]
+        st.elems, st.loc = [], (dsize - pos, pos)
+        ret = _run(a.code, ctx, st)
+        if t.is_string and ret > 0:
+            pos += ret
+        out.append((a, t, list(st.elems)))
+    values = []
+    for a, t, elems in out:
+        n = a.count or 1
+        elems += [UNKNOWN] * (n - len(elems))
+        if t.is_string:
+            elems = [_loc_string(st, e) if isinstance(e, tuple) else UNKNOWN for e in elems]
+        else:
+            elems = [_typed(t, e) for e in elems]
+        values.append(elems if a.count else elems[0])
+    return tuple(values) if hasattr(target, "args") else values[0]
+
+
+def _loc_string(st: _Store, loc: tuple[int, int]) -> Any:
+    """What ``print_type_string()`` shows for a data_loc: (fault), or text up to a NUL."""
+    if loc[0] == 0:
+        return FAULT
+    end = st.dyn.find(b"\0", loc[1])
+    if end < 0 or b"\0" in st.known[loc[1]:end + 1]:
+        return UNKNOWN
+    return bytes(st.dyn[loc[1]:end])
+
+
+def _typed(t: FetchType, v: Any) -> Any:
+    if not isinstance(v, int):
+        return v
+    v &= (1 << 8 * t.size) - 1
+    return v - (1 << 8 * t.size) if t.is_signed and v >> (8 * t.size - 1) else v
+
+
+def format_value(arg: Any, value: Value,
+                 symbolize: Callable[[int], str | None] | None = None) -> str:
+    """The text the trace file shows for ``value`` of ``arg`` (``print_type_*()``).
+
+    ``%u``/``%d`` for ``u*``/``s*`` (bitfields print as their ``u`` container), ``0x%x`` for
+    ``x*``, ``"%s"`` or ``(fault)`` for strings, ``%pS`` for ``symbol`` (needs
+    ``symbolize``; ``0x%lx`` when it finds nothing), ``{a,b}`` for arrays. Bytes decode as
+    UTF-8 with ``surrogateescape``; read the guest's trace file the same way. An
+    :data:`UNKNOWN` value prints ``(unknown)``: the kernel prints stale bytes there.
+
+    :raise ValueError: for a ``symbol`` value when ``symbolize`` is None.
+    """
+    t = FETCH_TYPES[arg.type]
+    if arg.count:
+        items = value if isinstance(value, list) else [value] * arg.count
+        return "{" + ",".join(_format1(t, v, symbolize) for v in items) + "}"
+    return _format1(t, value, symbolize)
+
+
+def _format1(t: FetchType, v: Any, symbolize: Callable[[int], str | None] | None) -> str:
+    if v is UNKNOWN:
+        return "(unknown)"
+    if t.is_string:
+        return FAULT_STRING if v is FAULT else '"' + v.decode("utf-8", "surrogateescape") + '"'
+    v &= (1 << 8 * t.size) - 1
+    if t.name == "symbol":
+        if symbolize is None:
+            raise ValueError("formatting a symbol-type value needs symbolize")
+        return symbolize(v) or f"0x{v:x}"
+    if t.name[0] == "x":
+        return f"0x{v:x}"
+    return str(_typed(t, v))
+
+
+def format_fields(spec: Any, values: Sequence[Any],
+                  symbolize: Callable[[int], str | None] | None = None) -> str:
+    """The `` name=value`` run ``print_probe_args()`` appends after the ``(ip)``."""
+    return "".join(f" {a.name}={format_value(a, v, symbolize)}"
+                   for a, v in zip(spec.args, values))
+
+
+def format_ip(ip: int, symbolize: Callable[[int], str | None], func: int | None = None) -> str:
+    """What ``print_kprobe_event()`` puts between the parentheses (``seq_print_ip_sym()``).
+
+    :param func: for a return probe, the probed function (``ip`` is then the return address);
+        it prints by name only (``kallsyms_lookup()``), after `` <- ``.
+    """
+    text = "0" if ip == 0 else (symbolize(ip) or f"0x{ip:08x}")
+    if func is not None:
+        name = symbolize(func) if func else None
+        name = name.split("+", 1)[0].split(" ", 1)[0] if name else None
+        text += " <- " + ("0" if func == 0 else name or f"0x{func:08x}")
+    return text
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One kprobe event line of the trace file.
+
+    ``ip_text`` is the probed address (a return probe's return address) as printed,
+    ``ret_from`` the function a return probe left. ``fields`` has strings unquoted (escapes
+    are never added by the kernel, so none are removed); ``raw_fields`` keeps the printed
+    text, which is what :func:`format_value` produces.
+    """
+
+    comm: str
+    pid: int
+    cpu: int
+    flags: str | None
+    timestamp: float
+    event: str
+    ip_text: str
+    ret_from: str | None
+    fields: dict[str, str]
+    raw_fields: dict[str, str]
+    tgid: int | None = None
+
+
+_LINE = re.compile(
+    r"\s*(?P<comm>.*?)-(?P<pid>\d+)\s+(?:\(\s*(?P<tgid>\d+|-+)\)\s+)?\[(?P<cpu>\d+)\]\s+"
+    r"(?:(?P<flags>[^\s\d]\S*)\s+)?(?P<ts>\d+(?:\.\d+)?):\s+(?P<event>[^\s:]+):\s+"
+    r"\((?P<ip>[^)]*)\)(?P<rest>.*)")
+_FIELD = re.compile(r" ([A-Za-z_][A-Za-z0-9_]*)=")
+
+
+def parse_trace_line(line: str, names: Sequence[str] | None = None) -> TraceRecord | None:
+    """Read a line ``print_kprobe_event()`` / ``print_kretprobe_event()`` wrote.
+
+    :param names: the event's argument names in order, if known; they settle where a string
+        containing `` x=`` ends. Without them a quoted value ends at the first quote that is
+        followed by `` name=`` or the end of the line.
+    :return: None for comments, blank lines and lines of other event kinds.
+    """
+    line = line.rstrip("\r\n")
+    if not line.strip() or line.lstrip().startswith("#"):
+        return None
+    m = _LINE.fullmatch(line)
+    if m is None:
+        return None
+    rest, raw = m["rest"], {}
+    i, k = 0, 0
+    while i < len(rest):
+        f = _FIELD.match(rest, i)
+        if f is None or (names is not None and (k >= len(names) or f[1] != names[k])):
+            return None
+        j = f.end()
+        nxt = names[k + 1] if names is not None and k + 1 < len(names) else None
+        end = _value_end(rest, j, nxt, names is not None)
+        raw[f[1]] = rest[j:end]
+        i, k = end, k + 1
+    ip, _, ret_from = m["ip"].partition(" <- ")
+    tgid = m["tgid"]
+    return TraceRecord(
+        m["comm"].strip(), int(m["pid"]), int(m["cpu"]), m["flags"], float(m["ts"]),
+        m["event"], ip, ret_from or None,
+        {n: v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v for n, v in raw.items()},
+        raw, int(tgid) if tgid and tgid[0] != "-" else None)
+
+
+def _value_end(rest: str, j: int, nxt: str | None, named: bool) -> int:
+    """Where the value starting at ``rest[j]`` ends (see :func:`parse_trace_line`)."""
+    if named:
+        if nxt is None:
+            return len(rest)
+        heads = [h.start() for h in re.finditer(" " + re.escape(nxt) + "=", rest[j:])]
+    else:
+        heads = [h.start() for h in _FIELD.finditer(rest, j)]
+        heads = [h - j for h in heads]
+    close = {'"': '"', "{": "}"}.get(rest[j:j + 1])
+    for h in heads:
+        if close is None or (h > 0 and rest[j + h - 1] == close):
+            return j + h
+    return len(rest)

@@ -1,0 +1,725 @@
+"""The ``kprobe_events`` grammar of Linux 6.1 on x86_64: parse, format, error log.
+
+Pure text in, frozen records out, no I/O (like pygdbmi's ``gdbmiparser.py``); evaluating
+fetch args against a stopped vCPU lives in :mod:`harness.fetchargs`. The rules are read from
+Debian's ``linux-source-6.1`` (6.1.192), the kernel family the default image boots:
+``__trace_kprobe_create()`` in kernel/trace/trace_kprobe.c, and ``traceprobe_parse_probe_arg()``,
+``traceprobe_parse_probe_arg_body()``, ``parse_probe_arg()``, ``parse_probe_vars()`` and
+``traceprobe_parse_event_name()`` in kernel/trace/trace_probe.c. That 6.1 stable tree has the
+``symstr`` type (backported from 6.2) and immediates (``\\IMM``, ``\\"str"``, from 5.14)::
+
+    p[:[GRP/][EVENT]] [MOD:]SYM[+OFFS]|ADDR [FETCHARGS]
+    r[MAXACTIVE][:[GRP/][EVENT]] [MOD:]SYM[+0] [FETCHARGS]
+    p[:[GRP/][EVENT]] [MOD:]SYM[+0]%return [FETCHARGS]
+    -:[GRP/][EVENT] [SYM [NAME=FETCHARG]...]
+
+Checks that need the symbol table (``kprobe_on_func_entry()``, ``number_of_same_symbols()``,
+``register_kprobe()``) are not made here, except through the optional ``on_func_entry``
+callback of :func:`parse`: a refused probe is a result, not a parse error.
+
+``format(parse(s)) == s`` for canonical ``s``: one space between tokens, no comment, symbol
+offsets as ``+0x..``, raw addresses as ``0x..``. Fetch args keep their spelling, because the
+kernel keeps it too (``probe_arg.comm``, printed back by ``trace_kprobe_show()``).
+
+Why this module runs past 600 lines: it follows those kernel functions check by check, so
+that every refusal comes with the kernel's wording and a column; the fetch-arg tree, the
+evaluation and the trace-file side already live in :mod:`harness.fetchargs`.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import ProbeSpecError
+from .fetchargs import (FETCH_TYPES, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
+                        FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
+                        StackEntry, StackPointer, render_fetch)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ProbeSpec", "ProbeArg", "parse", "parse_arg", "format", "kernel_format", "format_error",
+    "default_event_name", "kstrtoul", "kstrtol", "REGISTERS",
+    # the fetch-arg tree, defined in harness.fetchargs and re-exported here
+    "FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
+    "ImmString", "MemAddr", "MemSymbol", "Deref", "Bitfield",
+]
+
+# kernel/trace/trace_probe.h, trace.h and trace_kprobe.c (6.1); x86_64 without KASAN.
+MAX_TRACE_ARGS = 128
+MAX_ARGSTR_LEN = 63
+MAX_ARRAY_LEN = 64
+MAX_ARG_NAME_LEN = 32
+MAX_PROBE_EVENT_SIZE = 3072
+MAX_EVENT_NAME_LEN = 64
+FETCH_INSN_MAX = 16                     # fetch + deref*N + store + mod + end
+KRETPROBE_MAXACTIVE_MAX = 4096
+PARAM_MAX_STACK = THREAD_SIZE // 8
+KPROBE_EVENT_SYSTEM = "kprobes"
+DEFAULT_FETCH_TYPE = "x64"              # DEFAULT_FETCH_TYPE: x##BITS_PER_LONG
+_UINT_MAX = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+
+#: ``regoffset_table`` in arch/x86/kernel/ptrace.c: the names ``%REG`` accepts on x86_64.
+REGISTERS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "bx", "cx", "dx", "si",
+             "di", "bp", "ax", "orig_ax", "ip", "cs", "flags", "sp", "ss")
+#: Reserved field names (``reserved_field_names[]``) an argument may not take.
+_RESERVED = ("common_type", "common_flags", "common_preempt_count", "common_pid",
+             "common_tgid", "__probe_ip", "__probe_ret_ip", "__probe_func")
+
+
+def _default_type(fetch: FetchArg) -> str:
+    """The type of an argument written without ``:TYPE``."""
+    return "string" if isinstance(fetch, (Comm, ImmString)) else DEFAULT_FETCH_TYPE
+
+
+@dataclass(frozen=True)
+class ProbeArg:
+    """One fetch argument, the kernel's ``struct probe_arg``.
+
+    ``type`` is the fetch type the kernel resolves (``x64`` when none is written; ``u32`` for
+    ``b4@3/32``). ``comm`` is the argument text after ``NAME=`` as written, which the kernel
+    keeps and shows in ``kprobe_events``. ``code`` is the compiled ``fetch_insn`` program
+    :mod:`harness.fetchargs` runs; both are left out of equality. An argument built in
+    Python is compiled from its canonical text (any non-default type counts as written).
+
+    :raise ValueError: when built in Python with a combination the kernel refuses.
+    """
+
+    name: str
+    fetch: FetchArg
+    type: str = DEFAULT_FETCH_TYPE
+    count: int = 0
+    bitfield: Bitfield | None = None
+    explicit_name: bool = True
+    explicit_type: bool = False
+    comm: str = field(default="", compare=False)
+    code: tuple[Insn, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.count or self.bitfield or self.type != _default_type(self.fetch):
+            object.__setattr__(self, "explicit_type", True)     # such a type is written
+        if not self.code:       # built in Python: compile its canonical text
+            try:
+                code = _parse_body(_render_body(self), _FL_ANY, [0])[5]
+            except _Fail as exc:
+                raise ValueError(f"{_render_body(self)!r}: {exc}") from None
+            object.__setattr__(self, "code", code)
+
+    @property
+    def fetch_type(self) -> FetchType:
+        return FETCH_TYPES[self.type]
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """One ``kprobe_events`` line.
+
+    ``kind`` is ``"p"``, ``"r"`` or ``"-"``; a ``p`` line ending in ``%return`` has
+    ``return_suffix`` and is a return probe too (:attr:`is_return`). ``symbol`` excludes the
+    module (``module``); :attr:`symbol_name` is the kernel's ``kprobe.symbol_name``. ``addr``
+    is set instead of ``symbol`` for raw-address probes. ``event`` is the name the kernel
+    uses, generated when not written (``explicit_event``). For ``-`` lines ``group`` is ""
+    when not written (any group) and ``match`` holds the optional tokens compared literally.
+    ``fentry`` records whether the probe was taken to be on a function entry
+    (``TPARG_FL_FENTRY``), which decides whether ``$argN`` is accepted.
+    """
+
+    kind: str
+    group: str = KPROBE_EVENT_SYSTEM
+    event: str = ""
+    module: str | None = None
+    symbol: str | None = None
+    offset: int = 0
+    addr: int | None = None
+    maxactive: int = 0
+    args: tuple[ProbeArg, ...] = ()
+    return_suffix: bool = False
+    explicit_group: bool = False
+    explicit_event: bool = False
+    match: tuple[str, ...] = ()
+    fentry: bool = field(default=False, compare=False)
+    text: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.event and self.kind != "-":
+            object.__setattr__(self, "event", default_event_name(
+                self.is_return, self.symbol_name, self.offset, self.addr))
+
+    @property
+    def is_return(self) -> bool:
+        return self.kind == "r" or self.return_suffix
+
+    @property
+    def symbol_name(self) -> str | None:
+        if self.symbol is None:
+            return None
+        return f"{self.module}:{self.symbol}" if self.module is not None else self.symbol
+
+
+# ---------------------------------------------------------------- numbers (lib/kstrtox.c)
+
+def _parse_digits(s: str, base: int) -> tuple[int, int]:
+    """``_parse_integer_fixup_radix()`` + ``_parse_integer()``: (value, chars used)."""
+    start = 0
+    if base == 0:
+        base = 16 if s[:1] == "0" and s[1:2] in ("x", "X") and _isxdigit(s[2:3]) else (
+            8 if s[:1] == "0" else 10)
+    if base == 16 and s[:1] == "0" and s[1:2] in ("x", "X"):
+        start = 2
+    i, val = start, 0
+    while i < len(s):
+        c = s[i].lower()
+        d = ord(c) - 48 if "0" <= c <= "9" else (ord(c) - 87 if "a" <= c <= "f" else 99)
+        if d >= base:
+            break
+        val, i = val * base + d, i + 1
+    return val, (i if i > start else 0)
+
+
+def _isxdigit(c: str) -> bool:
+    return c != "" and c in "0123456789abcdefABCDEF"
+
+
+def _kstrtoull_nosign(s: str, base: int) -> int | None:
+    val, used = _parse_digits(s, base)
+    if used == 0 or val > _MASK64 or s[used:] not in ("", "\n"):
+        return None
+    return val
+
+
+def kstrtoul(s: str, base: int = 0) -> int | None:
+    """The kernel's ``kstrtoul()``: one leading ``+``, ``0x``/``0`` prefixes with base 0.
+
+    :return: the value, or None where the kernel returns -EINVAL or -ERANGE.
+    """
+    return _kstrtoull_nosign(s[1:] if s[:1] == "+" else s, base)
+
+
+def kstrtol(s: str, base: int = 0) -> int | None:
+    """The kernel's ``kstrtol()`` (``kstrtoll()`` on 64-bit); None on -EINVAL/-ERANGE."""
+    if s[:1] == "-":
+        v = _kstrtoull_nosign(s[1:], base)
+        return None if v is None or v > 1 << 63 else -v
+    v = kstrtoul(s, base)
+    return None if v is None or v >= 1 << 63 else v
+
+
+def _simple_strtoul(s: str, start: int) -> tuple[int, int]:
+    """``simple_strtoul(s + start, &end, 0)``: (value mod 2**64, index of ``end``)."""
+    val, used = _parse_digits(s[start:], 0)
+    return val & _MASK64, start + used
+
+
+def _is_good_name(name: str, hash_ok: bool = False) -> bool:
+    """``__is_good_name()`` in kernel/trace/trace.h: a C identifier (``-`` too for groups)."""
+    extra = "_-" if hash_ok else "_"
+    return (name != "" and (name[0].isascii() and name[0].isalpha() or name[0] in extra)
+            and all(c.isascii() and c.isalnum() or c in extra for c in name[1:]))
+
+
+# ---------------------------------------------------------------- parsing
+
+class _Fail(Exception):
+    """A parse error at ``pos`` in the token being parsed, worded as the kernel's ``ERRORS``
+    list in trace_probe.h words it (or, where the kernel logs nothing, as ours)."""
+
+    def __init__(self, msg: str, pos: int) -> None:
+        super().__init__(msg)
+        self.pos = pos
+
+
+_FL_RETURN, _FL_FENTRY = 1, 4          # TPARG_FL_RETURN, TPARG_FL_FENTRY (KERNEL always set)
+_FL_ANY = 8                             # ours: accept $retval and $argN (compiling only)
+
+
+def _push(ops: list[Insn], insn: Insn, pos: int,
+          msg: str = "Dereference is too much nested") -> None:
+    # Slot FETCH_INSN_MAX - 1 holds FETCH_OP_END, so a 16th instruction cannot be added.
+    if len(ops) >= FETCH_INSN_MAX - 1:
+        raise _Fail(msg, pos)
+    ops.append(insn)
+
+
+def _parse_var(s: str, pos: int, flags: int) -> tuple[FetchArg, Insn]:
+    """``parse_probe_vars()``: ``s`` is the text after ``$``, ``pos`` where ``$`` is."""
+    if s == "retval":
+        if not flags & (_FL_RETURN | _FL_ANY):
+            raise _Fail("$retval is not available on probe", pos)
+        return RetVal(), ("retval",)
+    if s.startswith("stack"):
+        rest = s[5:]
+        if rest == "":
+            return StackPointer(), ("stackp",)
+        n = kstrtoul(rest, 10) if rest[0].isascii() and rest[0].isdigit() else None
+        if n is None:
+            raise _Fail("Invalid $-variable specified", pos)
+        if n > PARAM_MAX_STACK:
+            raise _Fail("Invalid stack number", pos)
+        return StackEntry(n), ("stack", n)
+    if s in ("comm", "COMM"):
+        return Comm(), ("comm",)
+    if flags in (_FL_FENTRY, _FL_ANY) and s.startswith("arg"):  # flags == KERNEL|FENTRY
+        n = kstrtoul(s[3:], 10)
+        if n is None:
+            raise _Fail("Invalid $-variable specified", pos)
+        if n == 0 or n > PARAM_MAX_STACK:
+            raise _Fail("Invalid argument number", pos)
+        return FuncArg(n), ("arg", n - 1)
+    raise _Fail("Invalid $-variable specified", pos)
+
+
+def _parse_fetch(s: str, pos: int, flags: int, ops: list[Insn]) -> FetchArg:
+    """``parse_probe_arg()``: build the tree and the kernel's instruction list together."""
+    c = s[:1]
+    if c == "$":
+        var, insn = _parse_var(s[1:], pos, flags)
+        ops.append(insn)
+        return var
+    if c == "%":
+        if s[1:] not in REGISTERS:
+            raise _Fail("Invalid register name", pos)
+        ops.append(("reg", s[1:]))
+        return Reg(s[1:])
+    if c == "@":
+        if s[1:2].isascii() and s[1:2].isdigit():
+            addr = kstrtoul(s[1:])
+            if addr is None:
+                raise _Fail("Invalid memory address", pos)
+            node: FetchArg = MemAddr(addr)
+            ops.append(("imm", addr))
+        elif s[1:2] == "+":
+            raise _Fail("File offset is not available with kprobe", pos)
+        else:
+            # Resolved by traceprobe_update_arg() at register time: a bad offset fails
+            # register_trace_kprobe() (FAIL_REG_PROBE), an empty name kallsyms (ENOENT).
+            sym, cut = s[1:], len(s[1:])
+            for i, ch in enumerate(sym):
+                if ch in "+-":
+                    cut = i
+                    break
+            off = kstrtol(sym[cut:]) if cut < len(sym) else 0
+            if off is None:
+                raise _Fail("Failed to register probe event", pos)
+            if cut == 0:
+                raise _Fail("Invalid probed address or symbol", pos)
+            node = MemSymbol(sym[:cut], off)
+            ops.append(("nop_symbol", sym[:cut], off))
+            _push(ops, ("imm", None), pos)
+        _push(ops, ("deref", 0), pos)
+        return node
+    if c in ("+", "-"):
+        user = s[1:2] == "u"
+        rest = s[2:] if user else s[1:]
+        lp = rest.find("(")
+        if lp < 0:
+            raise _Fail("Dereference needs a brace", pos)
+        off = kstrtol(rest[:lp] if c == "+" else "-" + rest[:lp])
+        if off is None:
+            raise _Fail("Invalid dereference offset", pos)
+        ipos = pos + (2 if user else 1) + lp + 1
+        inner = rest[lp + 1:]
+        rp = inner.rfind(")")
+        if rp < 0:
+            raise _Fail("Dereference brace is not closed", ipos + len(inner))
+        if inner[rp + 1:]:
+            log.debug("ignoring %r after ')' in %r, as the kernel does", inner[rp + 1:], s)
+        base = _parse_fetch(inner[:rp], ipos, flags, ops)
+        if ops[-1][0] in ("comm", "data"):
+            raise _Fail("$comm can not be dereferenced", ipos)
+        _push(ops, ("uderef" if user else "deref", off), ipos)
+        return Deref(off, base, user)
+    if c == "\\":
+        if s[1:2] == '"':
+            body = s[2:]
+            if not body.endswith('"'):
+                raise _Fail("String is not closed with '\"'", pos + 2 + len(body))
+            ops.append(("data", body[:-1]))
+            return ImmString(body[:-1])
+        t = s[1:]
+        v = (kstrtoul(t) if t[:1].isascii() and t[:1].isdigit() else
+             kstrtol(t) if t[:1] == "-" else kstrtol(t[1:]) if t[:1] == "+" else None)
+        if v is None:
+            raise _Fail("Invalid immediate value", pos + 1)
+        ops.append(("imm", v & _MASK64))
+        return Imm(v)
+    raise _Fail("Invalid fetch argument", pos)
+
+
+def _parse_body(body: str, flags: int, size: list[int]) -> tuple[Any, ...]:
+    """``traceprobe_parse_probe_arg_body()``: (fetch, type, count, bitfield, explicit, code).
+
+    ``size`` is the running record size of the earlier arguments (``trace_probe.size``).
+    ``code`` is the kernel's ``fetch_insn`` list as tuples, ending in ``("end",)``.
+    """
+    if len(body) > MAX_ARGSTR_LEN:
+        raise _Fail("Argument expression is too long", 0)
+    if body == "":
+        raise _Fail("No argument expression", 0)
+    arg, tstr, tpos, count = body, None, 0, 0
+    colon = body.find(":")
+    if colon >= 0:
+        arg, tstr, tpos = body[:colon], body[colon + 1:], colon + 1
+        lb = tstr.find("[")
+        if lb >= 0:
+            inside, npos = tstr[lb + 1:], tpos + lb + 1
+            tstr = tstr[:lb]
+            rb = inside.find("]")
+            if rb < 0:
+                raise _Fail("Array is not closed", len(body))
+            if inside[rb + 1:]:
+                raise _Fail("Array has wrong suffix", npos + rb + 1)
+            n = kstrtoul(inside[:rb])
+            if n is None or n == 0 or n > _UINT_MAX:
+                raise _Fail("Invalid array size", npos)
+            if n > MAX_ARRAY_LEN:
+                raise _Fail("Array number is too big", npos)
+            count = n
+    if arg in ("$comm", "$COMM") or arg.startswith('\\"'):
+        if count or (tstr is not None and tstr != "string"):
+            # The kernel fails with -EINVAL here without an error_log entry.
+            raise _Fail("$comm and immediate strings are of type string, never arrays", tpos)
+        tname: str | None = "string"
+    else:
+        tname = _find_fetch_type(tstr)
+    if tname is None:
+        raise _Fail("Unknown type is specified", tpos)
+    ftype = FETCH_TYPES[tname]
+    size[0] += ftype.size * (count or 1)
+    if size[0] > MAX_PROBE_EVENT_SIZE:
+        raise _Fail("Event too big (too many fields?)", 0)
+
+    ops: list[Insn] = []
+    fetch = _parse_fetch(arg, 0, flags, ops)
+    last = ops[-1]
+    if ftype.is_string:
+        symstr = tname == "symstr"
+        allowed = (("reg", "stack", "retval", "arg", "deref") if symstr else
+                   ("deref", "uderef", "imm", "comm", "data"))
+        if last[0] not in allowed:
+            raise _Fail("Symbol String doesn't accept data/userdata" if symstr else
+                        "String accepts only memory argument", tpos)
+        if symstr or last[0] in ("imm", "comm", "data") or count:
+            _push(ops, ("nop",), 0)
+        cur = ops[-1]
+        off = cur[1] if cur[0] in ("deref", "uderef") else 0
+        op = ("st_ustring" if tname == "ustring" or cur[0] == "uderef" else
+              "st_symstr" if symstr else "st_string")
+        ops[-1] = (op, off)
+    elif last[0] in ("deref", "uderef"):
+        ops[-1] = ("st_mem" if last[0] == "deref" else "st_umem", last[1], ftype.size)
+    else:
+        _push(ops, ("st_raw", 0, ftype.size), 0)
+    store = ops[-1][0]
+    bitfield = None
+    if tstr is not None and tstr.startswith("b"):
+        bitfield = _parse_bitfield(tstr, ftype.size, tpos)
+        bits = ftype.size * 8
+        _push(ops, ("mod_bf", ftype.size, bits - (bitfield.width + bitfield.offset),
+                    bits - bitfield.width), tpos, "Invalid bitfield")
+        if bits < bitfield.width + bitfield.offset:
+            raise _Fail("Invalid bitfield", tpos)
+    if count:
+        if store not in ("st_mem", "st_string", "st_ustring"):
+            raise _Fail("String accepts only memory argument", tpos)
+        _push(ops, ("lp_array", count), 0)
+    return fetch, tname, count, bitfield, tstr is not None, tuple(ops) + (("end",),)
+
+
+def _find_fetch_type(t: str | None) -> str | None:
+    """``find_fetch_type()``: the bitfield ``b.../N`` form maps to ``uN``."""
+    if t is None:
+        return DEFAULT_FETCH_TYPE
+    if t.startswith("b"):
+        slash = t.find("/")
+        bs = kstrtoul(t[slash + 1:]) if slash >= 0 else None
+        return f"u{bs}" if bs in (8, 16, 32, 64) else None
+    return t if t in FETCH_TYPES else None
+
+
+def _parse_bitfield(t: str, size: int, pos: int) -> Bitfield:
+    """``__parse_bitfield_probe_arg()`` for ``b<width>@<offset>/<container>``."""
+    bw, i = _simple_strtoul(t, 1)
+    if bw == 0 or t[i:i + 1] != "@":
+        raise _Fail("Invalid bitfield", pos)
+    bo, j = _simple_strtoul(t, i + 1)
+    if j == i + 1 or t[j:j + 1] != "/":
+        raise _Fail("Invalid bitfield", pos)
+    return Bitfield(bw, bo, size * 8)
+
+
+def _flags(is_return: bool, fentry: bool) -> int:
+    return (_FL_RETURN if is_return else 0) | (_FL_FENTRY if fentry else 0)
+
+
+def parse_arg(text: str, *, index: int = 0, is_return: bool = False, fentry: bool = True,
+              used: tuple[str, ...] = ()) -> ProbeArg:
+    """Parse one ``[NAME=]FETCHARG[:TYPE]`` token, as ``traceprobe_parse_probe_arg()`` does.
+
+    :param index: 0-based position in the line; an unnamed argument is called ``arg<index+1>``.
+    :param used: names of the earlier arguments (a repeat is USED_ARG_NAME).
+    :raise ProbeSpecError: with ``column`` relative to ``text``.
+    """
+    try:
+        return _parse_arg(text, index, _flags(is_return, fentry), used, [0])
+    except _Fail as exc:
+        raise ProbeSpecError(str(exc), text, exc.pos) from None
+
+
+def _parse_arg(tok: str, index: int, flags: int, used: tuple[str, ...],
+               size: list[int]) -> ProbeArg:
+    eq = tok.find("=")
+    if eq >= 0:
+        if eq > MAX_ARG_NAME_LEN:
+            raise _Fail("Argument name is too long", 0)
+        if eq == 0:
+            raise _Fail("Argument name is not specified", 0)
+        name, body, boff = tok[:eq], tok[eq + 1:], eq + 1
+    else:
+        name, body, boff = f"arg{index + 1}", tok, 0
+    if not _is_good_name(name):
+        raise _Fail("Argument name must follow the same rules as C identifiers", 0)
+    if name in _RESERVED or name in used:
+        raise _Fail("This argument name is already used", 0)
+    try:
+        fetch, tname, count, bf, explicit, code = _parse_body(body, flags, size)
+    except _Fail as exc:
+        exc.pos += boff
+        raise
+    return ProbeArg(name, fetch, tname, count, bf, eq >= 0, explicit, body, code)
+
+
+_SPACE = re.compile(r"[^ \t\n\v\f\r]+")          # argv_split() splits on isspace()
+
+
+def parse(text: str, *,
+          on_func_entry: Callable[[str, int], bool | None] | None = None) -> ProbeSpec:
+    """Parse one ``kprobe_events`` line the way a 6.1 kernel does.
+
+    Errors come in the kernel's order (maxactive, target, event name, then each argument),
+    with its ``error_log`` texts. Like ``trace_parse_run_command()``, everything from ``#`` on
+    is a comment. Like ``__trace_kprobe_create()``, arguments past :data:`MAX_TRACE_ARGS`
+    are ignored (a warning is logged).
+
+    :param on_func_entry: ``kprobe_on_func_entry()`` for ``(symbol_name, offset)``: True on a
+        function entry, False when not (a return probe there is BAD_RETPROBE), None when the
+        symbol is unknown (the kernel defers that to ENOENT at register time). By default
+        ``offset == 0``, which holds for the default image (no IBT ``endbr64`` at entries).
+    :raise ProbeSpecError: when the kernel would refuse the line before looking anything up;
+        ``column`` is the 0-based offset in ``text`` of the offending character.
+    """
+    line = text.split("#", 1)[0]
+    if "\n" in line.rstrip("\n"):
+        raise ProbeSpecError("One probe per line", text, line.index("\n"))
+    toks = [(m.start(), m.group()) for m in _SPACE.finditer(line)]
+    if not toks:
+        raise ProbeSpecError("No probe definition", text, 0)
+    try:
+        if line[0] == "-":
+            return _parse_delete(toks, text)
+        return _parse_probe(toks, text, on_func_entry)
+    except _Fail as exc:
+        raise ProbeSpecError(str(exc), text, exc.pos) from None
+
+
+def _parse_delete(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
+    """``dyn_event_release()``: ``-:[GRP/]EVENT`` plus optional literal match tokens."""
+    start, head = toks[0]
+    if head[1:2] != ":":
+        raise _Fail("A probe is deleted with -:[GRP/]EVENT", start + 1)
+    name = head[2:]
+    group, slash = "", name.find("/")
+    if slash >= 0:
+        group, name = name[:slash], name[slash + 1:]
+    if slash < 0 and name == "":
+        raise _Fail("Event name is not specified", start + 2)
+    return ProbeSpec("-", group, name, explicit_group=slash >= 0, explicit_event=name != "",
+                     match=tuple(t for _, t in toks[1:]), text=text)
+
+
+def _parse_probe(toks: list[tuple[int, str]], text: str,
+                 on_func_entry: Callable[[str, int], bool | None] | None) -> ProbeSpec:
+    h0, head = toks[0]
+    kind = head[0]
+    if kind not in ("p", "r"):
+        raise _Fail("Unknown probe type; use p, r or -", h0)
+    if len(toks) < 2:
+        raise _Fail("No probe point (SYM[+OFFS] or ADDR) is given",
+                    len(text.split("#", 1)[0].rstrip()) + 1)
+    is_return = kind == "r"
+    colon = head.find(":", 1)
+    maxactive = 0
+    if head[1:2].isascii() and head[1:2].isdigit():
+        if not is_return:
+            raise _Fail("Maxactive is not for kprobe", h0 + 1)
+        digits = head[1:colon] if colon >= 0 else head[1:]
+        n = kstrtoul(digits) if len(digits) <= MAX_EVENT_NAME_LEN - 1 else None
+        if n is None or n == 0 or n > _UINT_MAX:
+            raise _Fail("Invalid maxactive number", h0 + 1)
+        if n > KRETPROBE_MAXACTIVE_MAX:
+            raise _Fail("Maxactive is too big", h0 + 1)
+        maxactive = n
+
+    t0, target = toks[1]
+    module = symbol = None
+    offset, suffix, fentry = 0, False, False
+    addr = kstrtoul(target)
+    if addr is None:
+        if "/" in target and ":" in target:
+            raise _Fail("This is an uprobe target (PATH:OFFSET); kprobe_events refuses it", t0)
+        sym = target
+        pct = sym.find("%")
+        if pct >= 0:
+            if sym[pct:] != "%return":
+                raise _Fail("Invalid probed address suffix", t0 + pct)
+            sym, suffix, is_return = sym[:pct], True, True
+        cut = next((i for i, ch in enumerate(sym) if ch in "+-"), len(sym))
+        off = kstrtol(sym[cut:]) if cut < len(sym) else 0
+        if off is None or off < 0 or off > _UINT_MAX:
+            raise _Fail("Invalid probed address or symbol", t0)
+        sym, offset = sym[:cut], off
+        if ":" in sym:
+            module, sym = sym.split(":", 1)
+        if sym == "" or module == "":
+            raise _Fail("Invalid probed address or symbol", t0)
+        symbol = sym
+        name = f"{module}:{sym}" if module is not None else sym
+        entry = on_func_entry(name, offset) if on_func_entry else offset == 0
+        fentry = entry is True
+        if entry is False and is_return:
+            raise _Fail("Retprobe address must be an function entry", t0)
+
+    group, event, exp_group, exp_event = KPROBE_EVENT_SYSTEM, "", False, False
+    if colon >= 0:
+        group, event, exp_group, exp_event = _parse_event_name(head[colon + 1:], h0 + colon + 1)
+    if not exp_event:
+        event = default_event_name(is_return, None if symbol is None else name, offset, addr)
+
+    flags = _flags(is_return, fentry)
+    args: list[ProbeArg] = []
+    size = [0]
+    if len(toks) - 2 > MAX_TRACE_ARGS:
+        log.warning("%s: only the first %d of %d fetch args count (MAX_TRACE_ARGS)",
+                    event, MAX_TRACE_ARGS, len(toks) - 2)
+    for i, (start, tok) in enumerate(toks[2:2 + MAX_TRACE_ARGS]):
+        try:
+            args.append(_parse_arg(tok, i, flags, tuple(a.name for a in args), size))
+        except _Fail as exc:
+            exc.pos += start
+            raise
+    return ProbeSpec(kind, group, event, module, symbol, offset, addr, maxactive, tuple(args),
+                     suffix, exp_group, exp_event, fentry=fentry, text=text)
+
+
+def _parse_event_name(s: str, pos: int) -> tuple[str, str, bool, bool]:
+    """``traceprobe_parse_event_name()``: ``[GRP/]EVENT`` (``.`` also separates)."""
+    group = KPROBE_EVENT_SYSTEM
+    slash = s.find("/")
+    if slash < 0:
+        slash = s.find(".")
+    if slash >= 0:
+        if slash == 0:
+            raise _Fail("Group name is not specified", pos)
+        if slash + 1 > MAX_EVENT_NAME_LEN:
+            raise _Fail("Group name is too long", pos)
+        if not _is_good_name(s[:slash], hash_ok=True):
+            raise _Fail("Group name must follow the same rules as C identifiers", pos)
+        group, s, pos = s[:slash], s[slash + 1:], pos + slash + 1
+    if s == "":
+        if slash >= 0:
+            return group, "", True, False
+        raise _Fail("Event name is not specified", pos)
+    if len(s) >= MAX_EVENT_NAME_LEN:
+        raise _Fail("Event name is too long", pos)
+    if not _is_good_name(s):
+        raise _Fail("Event name must follow the same rules as C identifiers", pos)
+    return group, s, slash >= 0, True
+
+
+def default_event_name(is_return: bool, symbol_name: str | None, offset: int = 0,
+                       addr: int | None = None) -> str:
+    """The name ``__trace_kprobe_create()`` makes when none is given.
+
+    ``"%c_%s_%ld"`` then ``sanitize_event_name()`` (``:`` and ``.`` become ``_``), cut to
+    ``MAX_EVENT_NAME_LEN - 1``. For a raw address the kernel writes ``"%c_0x%p"``; ``%p`` is
+    *hashed* unless the guest boots with ``no_hash_pointers``, so this returns the unhashed
+    form and a harness comparing events by name must name address probes itself.
+    """
+    c = "r" if is_return else "p"
+    if symbol_name is not None:
+        name = f"{c}_{symbol_name}_{offset}"
+    else:
+        name = f"{c}_0x{(addr or 0):016x}"
+    name = name[0] + name[1:].replace(":", "_").replace(".", "_")
+    return name[:MAX_EVENT_NAME_LEN - 1]
+
+
+# ---------------------------------------------------------------- formatting
+
+def _render_body(arg: ProbeArg) -> str:
+    """The canonical ``FETCHARG[:TYPE]`` text of an argument built in Python."""
+    body = render_fetch(arg.fetch)
+    if arg.explicit_type:
+        body += ":" + (str(arg.bitfield) if arg.bitfield else arg.type)
+        body += f"[{arg.count}]" if arg.count else ""
+    return body
+
+
+def _arg_text(arg: ProbeArg, is_return: bool) -> str:
+    """``arg.comm`` while it still says what the fields say, else the canonical rendering."""
+    if arg.comm:
+        try:
+            again = _parse_body(arg.comm, _flags(is_return, True), [0])[:5]
+        except _Fail:
+            again = None
+        if again == (arg.fetch, arg.type, arg.count, arg.bitfield, arg.explicit_type):
+            return arg.comm
+    return _render_body(arg)
+
+
+def format(spec: ProbeSpec) -> str:  # noqa: A001 - the module's verb, as in the guide
+    """Write ``spec`` back as a ``kprobe_events`` line (``format(parse(s)) == s``)."""
+    if spec.kind == "-":
+        name = (f"{spec.group}/" if spec.explicit_group else "") + spec.event
+        return " ".join((f"-:{name}",) + spec.match)
+    head = spec.kind + (str(spec.maxactive) if spec.maxactive else "")
+    if spec.explicit_group or spec.explicit_event:
+        head += ":" + (f"{spec.group}/" if spec.explicit_group else "")
+        head += spec.event if spec.explicit_event else ""
+    if spec.symbol is None:
+        target = f"0x{(spec.addr or 0):x}"
+    else:
+        target = f"{spec.symbol_name}" + (f"+0x{spec.offset:x}" if spec.offset else "")
+        target += "%return" if spec.return_suffix else ""
+    args = [(f"{a.name}=" if a.explicit_name else "") + _arg_text(a, spec.is_return)
+            for a in spec.args]
+    return " ".join([head, target] + args)
+
+
+def kernel_format(spec: ProbeSpec) -> str:
+    """The line ``cat kprobe_events`` shows for ``spec`` (``trace_kprobe_show()``).
+
+    Always ``r`` for return probes, the group and event spelled out, ``SYM+%u`` in decimal
+    and every argument as ``NAME=COMM``. Raw addresses print through ``%p``, which the guest
+    hashes unless booted with ``no_hash_pointers``; this shows the unhashed value.
+    """
+    if spec.kind == "-":
+        return format(spec)
+    head = "r" if spec.is_return else "p"
+    head += str(spec.maxactive) if spec.is_return and spec.maxactive else ""
+    if spec.symbol is None:
+        target = f"0x{(spec.addr or 0):016x}"
+    else:
+        target = f"{spec.symbol_name}" + (f"+{spec.offset}" if spec.offset else "")
+    args = "".join(f" {a.name}={_arg_text(a, spec.is_return)}" for a in spec.args)
+    return f"{head}:{spec.group}/{spec.event} {target}{args}"
+
+
+def format_error(err: ProbeSpecError, subsystem: str = "trace_kprobe") -> str:
+    """Render ``err`` as ``tracing/error_log`` does (``tracing_err_log_seq_show()``), caret
+    under ``err.column``, without the timestamp."""
+    cmd = err.text.rstrip("\n")
+    return (f"{subsystem}: error: {err}\n  Command: {cmd}\n"
+            f"{' ' * (len('  Command: ') + err.column)}^")
