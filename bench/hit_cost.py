@@ -15,6 +15,7 @@ what QEMU >= 10.2 buys (no translation-cache flush per debug stop).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -82,8 +83,17 @@ def raw_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float]]:
     return out["wall"], hits, handling
 
 
+GDB_CPU: list[float] = []
+
+
+def _cpu_seconds(pid: int) -> float:
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def gdbstub_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float]]:
     g = attach(vm, resume=False)
+    cpu0 = _cpu_seconds(g.proc.pid)
     g.insert_breakpoint(addr)
     g.cont()
     out: dict = {}
@@ -101,6 +111,7 @@ def gdbstub_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float
         hits += 1
         assert s.addr == addr
     th.join()
+    GDB_CPU.append((_cpu_seconds(g.proc.pid) - cpu0) / max(1, hits))
     g.close()
     return out["wall"], hits, handling
 
@@ -135,13 +146,17 @@ def report(qemu, rows, n: int) -> dict:
         print(f"  {name:8s} {wall:8.2f} {hits:6d} {added:13.2f} {hand:16.3f}")
     ratio = per["gdbstub"][0] / per["raw"][0] if per["raw"][0] > 0 else float("nan")
     print(f"  ratio gdbstub/raw (added per hit): {ratio:.2f}")
+    if GDB_CPU:
+        print(f"  gdb's own CPU per hit (stop processing the harness cannot remove): "
+              f"{statistics.median(GDB_CPU) * 1e3:.2f} ms")
+        GDB_CPU.clear()
     return per
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=200, help="processes in the workload (default 200)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--no-system", action="store_true", help="skip the system QEMU comparison")
     args = ap.parse_args()
     img = default_image()

@@ -49,8 +49,14 @@ class RawStub:
                 self.buf += chunk
 
     def cmd(self, body: str) -> str:
+        """Send a packet and return its reply, skipping stop replies it cannot have caused
+        (QEMU 7.2 sends one unasked when a client connects)."""
         self._send(body)
-        return self._recv()
+        while True:
+            reply = self._recv()
+            if body == "?" or not (reply[:1] in ("T", "S") and len(reply) >= 3
+                                   and all(c in "0123456789abcdef" for c in reply[1:3])):
+                return reply
 
     def read_reg(self, n: int) -> int:
         return struct.unpack("<Q", bytes.fromhex(self.cmd(f"p{n:x}")[:16]))[0]
