@@ -9,14 +9,18 @@ import logging
 
 from .errors import (GdbMIError, GuestAgentError, GuestExecError, GuestPanicError,
                      GuestShutdownError, HarnessError, ProbeSpecError, SetupError, StateError,
-                     SymbolNotFoundError, VMError, VMLostError)
+                     SymbolNotFoundError, VMError, VMLostError, ProbeRejectedError)
+from .engine import HostEngine
+from .kprobes import (KPROBE_FLAG_DISABLED, Jprobe, Kprobe, Kretprobe, KretprobeInstance,
+                      ProbeFlags, PtRegs)
 from .vmctl import Machine, RunResult, VmState
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "Machine", "RunResult", "VmState",
+    "Machine", "Kprobe", "Kretprobe", "KretprobeInstance", "Jprobe", "PtRegs", "ProbeFlags",
+    "KPROBE_FLAG_DISABLED", "HostEngine", "RunResult", "VmState",
     "HarnessError", "SetupError", "VMError", "GuestPanicError", "GuestShutdownError",
     "VMLostError", "StateError", "GuestAgentError", "GuestExecError", "GdbMIError",
-    "SymbolNotFoundError", "ProbeSpecError",
+    "SymbolNotFoundError", "ProbeRejectedError", "ProbeSpecError",
 ]

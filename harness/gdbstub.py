@@ -151,6 +151,8 @@ class GdbStub:
             self.command(f"-gdb-set {opt}")
         self.command(f"-target-select remote {self.target}", timeout=30)
         self._stops.clear()  # the reason-less *stopped GDB reports on connect
+        # A single-step runs only the stepping vCPU, so no other hit can interleave.
+        self.command("-gdb-set scheduler-locking step")
         names = self.command("-data-list-register-names")["register-names"]
         self._regnum = {n: i for i, n in enumerate(names) if n}
         self.available_regs = tuple(r for r in GENERAL_REGS + SYSTEM_REGS if r in self._regnum)
@@ -190,15 +192,22 @@ class GdbStub:
                 f.close()
 
     # -- MI core --------------------------------------------------------------------------
-    def _read_records(self, deadline: float) -> list[dict[str, Any]]:
-        """Block until at least one complete line is available; parse all complete lines."""
+    def _read_records(self, deadline: float,
+                      wake_fd: int | None = None) -> list[dict[str, Any]] | None:
+        """Block until at least one complete line is available; parse all complete lines.
+
+        Returns None at once if ``wake_fd`` becomes readable first.
+        """
+        fds = [self._fd] if wake_fd is None else [self._fd, wake_fd]
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            r, _, _ = select.select([self._fd], [], [], left)
+            r, _, _ = select.select(fds, [], [], left)
             if not r:
                 continue
+            if self._fd not in r:
+                return None
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
                 raise VMLostError(f"gdb exited (status {self.proc.poll()})")
@@ -277,7 +286,7 @@ class GdbStub:
         self.stats["commands"] += 1
         while True:
             try:
-                recs = self._read_records(deadline)
+                recs = self._read_records(deadline) or []
             except TimeoutError:
                 raise VMLostError(f"gdb did not answer {cmd!r} within {timeout or self.timeout} s") from None
             result = None
@@ -328,12 +337,18 @@ class GdbStub:
         finally:
             self._expect_reasonless = False
 
-    def wait_stop(self, *, timeout: float) -> Stop:
-        """The next stop; raise TimeoutError if the guest keeps running past ``timeout``."""
+    def wait_stop(self, *, timeout: float, wake_fd: int | None = None) -> Stop | None:
+        """The next stop; raise TimeoutError if the guest keeps running past ``timeout``.
+
+        With ``wake_fd``, return None as soon as that descriptor is readable (another
+        thread wants the guest halted; see ``harness.engine``).
+        """
         deadline = time.monotonic() + timeout
         while not self._stops:
             self._raise_pending()
-            recs = self._read_records(deadline)
+            recs = self._read_records(deadline, wake_fd)
+            if recs is None:
+                return None
             for rec in recs:
                 self._dispatch(rec)
         self._raise_pending()
@@ -343,7 +358,7 @@ class GdbStub:
         """A stop that already arrived, without blocking."""
         if not self._stops:
             try:
-                for rec in self._read_records(time.monotonic()):
+                for rec in self._read_records(time.monotonic()) or []:
                     self._dispatch(rec)
             except TimeoutError:
                 pass
@@ -376,6 +391,14 @@ class GdbStub:
     def write_register(self, name: str, value: int, *, thread: int | None = None) -> None:
         th = f" --thread {thread}" if thread else ""
         self.command(f"-data-write-register-values{th} x {self._num(name)} {value & 0xFFFFFFFFFFFFFFFF:#x}")
+
+    def write_registers(self, values: dict[str, int], *, thread: int | None = None) -> None:
+        """Write several registers in one MI command."""
+        if not values:
+            return
+        th = f" --thread {thread}" if thread else ""
+        pairs = " ".join(f"{self._num(n)} {v & 0xFFFFFFFFFFFFFFFF:#x}" for n, v in values.items())
+        self.command(f"-data-write-register-values{th} x {pairs}")
 
     def _num(self, name: str) -> int:
         try:

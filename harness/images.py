@@ -25,8 +25,10 @@ from .constants import KERNEL_META_PACKAGE, cache_dir
 from .errors import SetupError
 
 #: Bump when the build steps change in a way the recipe files do not show.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
+#: Small static test programs shipped in the image as /usr/bin/kph-<name>.
+PROGS_DIR = RECIPE_DIR.parent / "probes" / "progs"
 HOST_BUSYBOX = "/bin/busybox"
 HOST_QEMU_GA = "/usr/sbin/qemu-ga"
 ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "config")
@@ -76,9 +78,10 @@ def _sha256(path: Path) -> str:
 
 def recipe_hash() -> str:
     h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
-    for f in sorted(RECIPE_DIR.rglob("*")):
-        if f.is_file() and f.suffix != ".md":
-            h.update(f.relative_to(RECIPE_DIR).as_posix().encode() + b"\0" + f.read_bytes())
+    for d in (RECIPE_DIR, PROGS_DIR):
+        for f in sorted(d.rglob("*")):
+            if f.is_file() and f.suffix != ".md":
+                h.update(f.relative_to(d.parent).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -235,6 +238,7 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
         if not (root / "bin" / a).exists():
             os.symlink("busybox", root / "bin" / a)
     _copy_with_libs(HOST_QEMU_GA, root, "usr/sbin/qemu-ga")
+    _build_progs(root / "usr/bin")
     shutil.copy(RECIPE_DIR / "init", root / "init")
     os.chmod(root / "init", 0o755)
     # Module index: name (with - and _ equal) -> path; then a dependency-ordered list.
@@ -259,6 +263,21 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
         add(w)
     (root / "etc/kph/modules.load").write_text("".join(f"{k}.ko\n" for k in order))
     return order
+
+
+def _build_progs(dest: Path) -> None:
+    """Compile ``probes/progs/*.c`` statically (the initramfs has no libc) as kph-<name>."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise SetupError("no C compiler for the image's test programs", "apt-get install gcc libc6-dev")
+    for src in sorted(PROGS_DIR.glob("*.c")):
+        out = dest / f"kph-{src.stem}"
+        proc = subprocess.run([cc, "-static", "-O2", "-g0", "-Wall", "-o", str(out), str(src),
+                               "-lpthread"], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SetupError(f"building {src.name} failed: {proc.stderr.strip()[-300:]}",
+                             "apt-get install gcc libc6-dev (./setup.sh does)")
 
 
 def _plain_ko(src: Path, root: Path) -> Path:

@@ -137,7 +137,7 @@ class Machine:
         self._console_fd: int | None = None
         self._console = bytearray()
         self._lock = threading.RLock()
-        self.host: Any = None  # set by harness.engine when host-side probes are used
+        self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
         self._blacklist: Any = None
@@ -321,14 +321,14 @@ class Machine:
                 return
             self._quitting = True
             failed = self.state in (VmState.PANICKED, VmState.LOST, VmState.BOOTING)
-            for part in (self.host, self._stub):
+            for part in (self._host, self._stub):
                 if part is None:
                     continue
                 try:
                     part.close()
                 except Exception:  # noqa: BLE001 - teardown goes on
                     self.log.exception("closing %r failed", part)
-            self.host = self._stub = None
+            self._host = self._stub = None
             if self.agent is not None:
                 self.agent.close()
             proc = self.proc
@@ -501,6 +501,16 @@ class Machine:
             self._require_running()
             self._stub = attach(self, resume=resume)
         return self._stub
+
+    @property
+    def host(self) -> Any:
+        """Host-side kprobes on this machine (``harness.engine.HostEngine``), started on first use."""
+        if self._host is None or self._host.closed:
+            from .engine import HostEngine
+
+            self._require_running()
+            self._host = HostEngine(self)
+        return self._host
 
     @property
     def symbols(self) -> Any:

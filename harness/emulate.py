@@ -1,0 +1,132 @@
+"""Execute simple probed instructions on the host instead of single-stepping them.
+
+Why: a single-step through the gdbstub costs a step-over (remove breakpoint, step,
+reinsert) and a second stop; for the instructions that sit where probes usually go (the
+5-byte ftrace nop at every function entry, the pushes and register moves of a prologue)
+the effect is computable from the registers alone. The kernel does the same
+(``arch/x86/kernel/kprobes/core.c``: ``prepare_emulation()`` emulates nop, push, pop,
+jmp, call, ret...; "boostable" instructions run out of line without a trap).
+
+Classes emulated here, each checked against a real single-step (tests/vm/test_emulate.py):
+  nop      0f 1f /0 (any length, 66 prefixes), 90, endbr64 (f3 0f 1e fa)
+  push     push r64 (50+r, REX.B)
+  pop      pop r64 (58+r, REX.B; not pop rsp)
+  mov      mov r/m64,r64 / mov r64,r/m64 with a register operand (89 /r, 8b /r, mod=11),
+           32-bit forms zero-extend as the CPU does
+Anything else (memory operands, flags, branches, faults) is single-stepped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+REGS64 = ("ax", "cx", "dx", "bx", "sp", "bp", "si", "di",
+          "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
+MASK64 = (1 << 64) - 1
+ENDBR64 = bytes.fromhex("f30f1efa")
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What executing the instruction does: register writes, memory writes, next ip."""
+
+    regs: dict[str, int]
+    mem: tuple[tuple[int, bytes], ...]
+    next_ip: int
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """A decoded, emulable instruction at ``addr``."""
+
+    kind: str          # nop, push, pop, mov
+    addr: int
+    length: int
+    dst: str = ""
+    src: str = ""
+    width: int = 64
+
+    def apply(self, get: Callable[[str], int], read: Callable[[int, int], bytes]) -> Effect:
+        """The effect, given register values (``get``) and guest memory (``read``)."""
+        nxt = self.addr + self.length
+        if self.kind == "nop":
+            return Effect({}, (), nxt)
+        if self.kind == "push":
+            sp = (get("sp") - 8) & MASK64
+            return Effect({"sp": sp}, ((sp, get(self.src).to_bytes(8, "little")),), nxt)
+        if self.kind == "pop":
+            sp = get("sp")
+            val = int.from_bytes(read(sp, 8), "little")
+            return Effect({self.dst: val, "sp": (sp + 8) & MASK64}, (), nxt)
+        if self.kind == "mov":
+            val = get(self.src)
+            if self.width == 32:
+                val &= 0xFFFFFFFF  # a 32-bit destination zero-extends to 64 bits
+            return Effect({self.dst: val}, (), nxt)
+        raise ValueError(f"unknown emulation {self.kind}")
+
+
+def decode(code: bytes, addr: int) -> Emulation | None:
+    """An ``Emulation`` for the instruction at the start of ``code``, or None to single-step."""
+    if code.startswith(ENDBR64):
+        return Emulation("nop", addr, 4)
+    i = 0
+    while i < len(code) and code[i] == 0x66:  # operand-size prefixes (only for nops)
+        i += 1
+    opsize = i > 0
+    rex = 0
+    if i < len(code) and 0x40 <= code[i] <= 0x4F:
+        rex = code[i]
+        i += 1
+    if i >= len(code):
+        return None
+    op = code[i]
+    w, r, b = bool(rex & 8), (rex >> 2) & 1, rex & 1
+    if op == 0x0F and i + 2 < len(code) and code[i + 1] == 0x1F:
+        n = _modrm_len(code, i + 2)
+        if n is None or (code[i + 2] >> 3) & 7 != 0:
+            return None
+        return Emulation("nop", addr, i + 2 + n)
+    if opsize:
+        return None
+    if op == 0x90 and not rex:
+        return Emulation("nop", addr, i + 1)
+    if 0x50 <= op <= 0x57 and not w:
+        return Emulation("push", addr, i + 1, src=REGS64[(op & 7) | b << 3])
+    if 0x58 <= op <= 0x5F and not w:
+        dst = REGS64[(op & 7) | b << 3]
+        if dst == "sp":
+            return None
+        return Emulation("pop", addr, i + 1, dst=dst)
+    if op in (0x89, 0x8B) and i + 1 < len(code):
+        modrm = code[i + 1]
+        if modrm >> 6 != 3:
+            return None
+        reg = REGS64[((modrm >> 3) & 7) | r << 3]
+        rm = REGS64[(modrm & 7) | b << 3]
+        dst, src = (rm, reg) if op == 0x89 else (reg, rm)
+        return Emulation("mov", addr, i + 2, dst=dst, src=src, width=64 if w else 32)
+    return None
+
+
+def _modrm_len(code: bytes, j: int) -> int | None:
+    """Bytes taken by a ModRM operand (ModRM, SIB, displacement) starting at ``code[j]``."""
+    if j >= len(code):
+        return None
+    modrm = code[j]
+    mod, rm = modrm >> 6, modrm & 7
+    n = 1
+    if mod != 3 and rm == 4:
+        if j + 1 >= len(code):
+            return None
+        sib = code[j + 1]
+        n += 1
+        if mod == 0 and sib & 7 == 5:
+            n += 4
+    if mod == 0 and rm == 5:
+        n += 4  # rip-relative disp32
+    elif mod == 1:
+        n += 1
+    elif mod == 2:
+        n += 4
+    return n

@@ -1,0 +1,628 @@
+"""Host-side kprobes: the kernel's kprobe semantics, run by the host at gdbstub stops.
+
+One ``HostEngine`` per Machine (``vm.host``). It owns the machine's GdbStub from a single
+dispatcher thread (GDB/MI is not thread-safe): every stop is handled there, and calls
+from other threads (register, read memory, ...) are queued, the guest is halted with
+``-exec-interrupt``, the call runs, the guest resumes. ``vm.run()`` keeps working while
+probes fire, because the guest runs between hits.
+
+The flow of one hit at ``addr`` mirrors ``kprobe_int3_handler`` and the aggregate
+handlers of ``kernel/kprobes.c``:
+
+1. every enabled probe at ``addr`` gets ``pre_handler(p, regs)`` in registration order;
+   the first non-zero return ends the chain and the guest resumes at ``regs.ip``
+   (``aggr_pre_handler``), with no single-step and no post_handler;
+2. otherwise the probed instruction runs: emulated on the host when it is simple
+   (``harness.emulate``), else single-stepped on that vCPU alone;
+3. if the step lands on an exception entry the instruction faulted: ``fault_handler(p,
+   regs, trapnr)`` with the faulting registers; 1 = handled (the exception frame is
+   undone, resume at ``regs.ip``), else the guest handles the exception itself;
+4. ``post_handler(p, regs, 0)`` with the registers after the instruction;
+5. if the next address is itself probed (or the trampoline), that hit is handled now,
+   since resuming there would step over its breakpoint.
+
+Return probes put the trampoline address (default ``_etext``: the first byte past the
+kernel's last instruction, inside the executable mapping, never reached by the guest's
+own control flow; change it with ``HostEngine(trampoline=...)`` or ``$KPH_TRAMPOLINE``) in
+the return-address slot. QEMU's gdbstub breakpoints do not modify guest memory under
+TCG, so the guest sees no int3 anywhere; only the hijacked return address is visible
+(as with the kernel's own kretprobes, a stack walk shows the trampoline).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import queue
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+from .emulate import Emulation, decode
+from .errors import HarnessError, ProbeRejectedError, VMLostError
+from .gdbstub import GdbStub, Stop
+from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
+                      KretprobeInstance, ProbeFlags, PtRegs)
+from .symbols import check_probe_address
+
+log = logging.getLogger(__name__)
+
+EINVAL, ENOENT = 22, 2
+DEFAULT_TRAMPOLINE = "_etext"
+#: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
+EXCEPTION_ENTRIES = {
+    "asm_exc_divide_error": 0, "asm_exc_debug": 1, "asm_exc_nmi": 2, "asm_exc_int3": 3,
+    "asm_exc_overflow": 4, "asm_exc_bounds": 5, "asm_exc_invalid_op": 6,
+    "asm_exc_device_not_available": 7, "asm_exc_double_fault": 8,
+    "asm_exc_invalid_tss": 10, "asm_exc_segment_not_present": 11,
+    "asm_exc_stack_segment": 12, "asm_exc_general_protection": 13,
+    "asm_exc_page_fault": 14, "asm_exc_spurious_interrupt_bug": 15,
+    "asm_exc_coprocessor_error": 16, "asm_exc_alignment_check": 17,
+    "asm_exc_machine_check": 18, "asm_exc_simd_coprocessor_error": 19,
+    "asm_exc_control_protection": 21,
+}
+#: Vectors whose exception frame starts with an error code.
+ERROR_CODE_VECTORS = {8, 10, 11, 12, 13, 14, 17, 21}
+_GENERAL = tuple(PT_REGS_FIELDS.values())
+_MAX_CHAIN = 64          # probes handled back to back before resuming regardless
+_REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
+
+
+class HandlerError(HarnessError):
+    """A probe handler raised; the guest continued as if it had returned 0."""
+
+
+class HostEngine:
+    """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
+
+    def __init__(self, vm: Any, *, trampoline: str | int | None = None,
+                 emulate: bool = True) -> None:
+        self.vm = vm
+        self.stub: GdbStub = vm.gdbstub(resume=False)
+        if self.stub.running:
+            self.stub.interrupt()
+        self.symbols = vm.symbols
+        self.blacklist = vm.blacklist
+        self.emulate = emulate
+        self.stats: Counter[str] = Counter()
+        self.handler_errors: list[BaseException] = []
+        self._aggr: dict[int, list[Kprobe]] = {}
+        self._bp: dict[int, int] = {}
+        self._free: dict[int, list[KretprobeInstance]] = {}
+        self._live: dict[int, KretprobeInstance] = {}
+        self._emul: dict[int, Emulation | None] = {}
+        tramp = trampoline if trampoline is not None else os.environ.get("KPH_TRAMPOLINE",
+                                                                         DEFAULT_TRAMPOLINE)
+        self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
+        self._exc = {}
+        for name, vec in EXCEPTION_ENTRIES.items():
+            try:
+                self._exc[self.symbols.lookup(name).addr] = vec
+            except KeyError:
+                pass
+        try:
+            self._current_task_off: int | None = self.symbols.lookup("current_task").addr
+        except KeyError:
+            self._current_task_off = None
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._closing = False
+        self._fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
+        self._thread.start()
+
+    # -- the dispatcher -------------------------------------------------------------------
+    def _loop(self) -> None:
+        resume_at: int | None = None
+        try:
+            while True:
+                self._serve_requests()
+                if self._closing:
+                    return
+                self.stub.resume(resume_at)
+                stop: Stop | None = None
+                while stop is None:
+                    stop = self.stub.wait_stop(timeout=3600, wake_fd=self._wake_r)
+                    if stop is None:
+                        stop = self.stub.interrupt()
+                resume_at = self._on_stop(stop)
+        except BaseException as exc:  # noqa: BLE001 - reported to every later caller
+            self._fatal = exc
+            log.debug("dispatcher stopped: %r", exc)
+            self._fail_requests(exc)
+
+    def _serve_requests(self) -> None:
+        while _readable(self._wake_r):
+            os.read(self._wake_r, 4096)
+        while True:
+            try:
+                fn, fut = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def _fail_requests(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(VMLostError(f"host-side probes stopped: {exc}"))
+
+    def _call(self, fn: Callable[[], Any], *, timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the dispatcher with the guest halted; return its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._fatal is not None:
+            raise VMLostError(f"host-side probes stopped: {self._fatal}") from self._fatal
+        fut: Future[Any] = Future()
+        self._requests.put((fn, fut))
+        os.write(self._wake_w, b"!")
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise VMLostError(f"the probe dispatcher did not answer within {timeout} s "
+                              "(a handler still running?)") from None
+
+    # -- stops ----------------------------------------------------------------------------
+    def _on_stop(self, stop: Stop) -> int | None:
+        """Handle one stop; return where to resume (None: where the vCPU is)."""
+        pc, th = stop.addr, stop.thread
+        for _ in range(_MAX_CHAIN):
+            if pc == self.trampoline and self._live:
+                nxt = self._on_trampoline(th)
+            elif pc in self._aggr and any(not p.disabled for p in self._aggr[pc]):
+                nxt = self._on_probe(pc, th)
+            else:
+                return None if pc == stop.addr else pc
+            if nxt == pc or (nxt not in self._aggr and nxt != self.trampoline):
+                return nxt
+            pc = nxt
+        log.warning("probe chain longer than %d at %#x; resuming", _MAX_CHAIN, pc)
+        return pc
+
+    def _regs(self, th: int, values: dict[str, int]) -> PtRegs:
+        return PtRegs(values, loader=lambda: self._read_regs(th),
+                      sys_reader=lambda n: self.stub.read_registers((n,), thread=th)[n],
+                      cpu=th - 1)
+
+    def _read_regs(self, th: int) -> dict[str, int]:
+        raw = self.stub.read_registers(_GENERAL, thread=th)
+        return {GDB_TO_FIELD[k]: v for k, v in raw.items()}
+
+    def _flush(self, regs: PtRegs, th: int, *, keep_ip: bool = True) -> None:
+        dirty = regs.dirty
+        if not keep_ip:
+            dirty.pop("ip", None)
+        self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in dirty.items()}, thread=th)
+        regs.clear_dirty()
+
+    def _handler(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the guest must go on
+            self.handler_errors.append(exc)
+            self.stats["handler_errors"] += 1
+            log.error("probe handler %s raised %r", getattr(fn, "__name__", fn), exc)
+            return 0
+
+    def _on_probe(self, addr: int, th: int) -> int:
+        probes = [p for p in self._aggr[addr] if not p.disabled]
+        self.stats["hits"] += 1
+        regs = self._regs(th, {"ip": addr})
+        for p in probes:
+            p.nhit += 1
+        for p in probes:
+            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
+                # aggr_pre_handler: the path was changed; no single-step, no post_handler
+                self._flush(regs, th, keep_ip=False)
+                return regs.ip
+        # An ip changed by a pre_handler that returned 0 is overwritten by the kernel's
+        # setup_singlestep(); only the other registers carry over.
+        self._flush(regs, th, keep_ip=False)
+        emu = self._emulation(addr) if self.emulate else None
+        if emu is not None:
+            eff = emu.apply(regs.get, self.stub.read_memory)
+            for a, data in eff.mem:
+                self.stub.write_memory(a, data)
+            if eff.regs:
+                self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in eff.regs.items()},
+                                          thread=th)
+            self.stats["emulated"] += 1
+            after = self._regs(th, {**regs.snapshot(), **eff.regs, "ip": eff.next_ip}) \
+                if any(p.post_handler for p in probes) else None
+            nxt = eff.next_ip
+        else:
+            stop = self.stub.step(thread=th)
+            steps = 1
+            while stop.addr == addr and steps < _REP_STEPS:  # a REP instruction, one round at a time
+                stop = self.stub.step(thread=th)
+                steps += 1
+            self.stats["stepped"] += 1
+            if stop.addr in self._exc and stop.addr != addr:
+                return self._on_fault(addr, th, probes, self._exc[stop.addr], stop.addr)
+            nxt = stop.addr
+            after = self._regs(th, {"ip": nxt})
+        if after is not None:
+            for p in probes:
+                if p.post_handler is not None:
+                    self._handler(p.post_handler, p, after, 0)
+            self._flush(after, th)
+            nxt = after.ip
+        return nxt
+
+    def _emulation(self, addr: int) -> Emulation | None:
+        if addr not in self._emul:
+            self._emul[addr] = decode(self.stub.read_memory(addr, 16), addr)
+        return self._emul[addr]
+
+    def _on_fault(self, addr: int, th: int, probes: list[Kprobe], vector: int, entry: int) -> int:
+        """The probed instruction raised ``vector``; the vCPU is at the exception entry."""
+        self.stats["faults"] += 1
+        cur = self._read_regs(th)
+        frame = cur["sp"] + (8 if vector in ERROR_CODE_VECTORS else 0)
+        rip, cs, rflags, rsp, ss = (int.from_bytes(self.stub.read_memory(frame + 8 * i, 8), "little")
+                                    for i in range(5))
+        regs = self._regs(th, {**cur, "ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
+        for p in probes:
+            if p.fault_handler is not None and self._handler(p.fault_handler, p, regs, vector):
+                self.stats["faults_handled"] += 1
+                undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
+                self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in undo.items()}, thread=th)
+                return regs.ip
+        return entry
+
+    # -- return probes --------------------------------------------------------------------
+    def _kretprobe_entry(self, rp: Kretprobe) -> Callable[[Kprobe, PtRegs], int]:
+        def pre_handler_kretprobe(p: Kprobe, regs: PtRegs) -> int:
+            free = self._free[id(rp)]
+            if not free:
+                rp.nmissed += 1
+                return 0
+            ri = free.pop()
+            ri.data = bytearray(rp.data_size)
+            ri.cpu = regs.cpu
+            ri.task = self._current_task(regs)
+            ri.orphan = False
+            if rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs):
+                free.append(ri)
+                return 0
+            slot = regs.sp
+            ri.stack_slot = slot
+            ri.ret_addr = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+            self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
+            self._live[slot] = ri
+            rp.nhit += 1
+            return 0
+        return pre_handler_kretprobe
+
+    def _current_task(self, regs: PtRegs) -> int | None:
+        if self._current_task_off is None:
+            return None
+        try:
+            base = regs.read_sys("gs_base")
+            return int.from_bytes(self.stub.read_memory(base + self._current_task_off, 8), "little")
+        except HarnessError:
+            return None
+
+    def _on_trampoline(self, th: int) -> int:
+        regs = self._regs(th, {"ip": self.trampoline})
+        ri = self._live.pop((regs.sp - 8) & ((1 << 64) - 1), None)
+        if ri is None:
+            raise VMLostError(f"the guest reached the kretprobe trampoline {self.trampoline:#x} "
+                              f"with sp={regs.sp:#x}, which matches no pending return")
+        self.stats["returns"] += 1
+        rp = ri.rp
+        if not ri.orphan and rp.handler is not None:
+            self._handler(rp.handler, ri, regs)
+        self._flush(regs, th, keep_ip=False)
+        if not ri.orphan:
+            self._free[id(rp)].append(ri)
+        if not self._live and not any(r.registered for r in self._kretprobes()):
+            self._drop_trampoline()
+        return ri.ret_addr
+
+    def _kretprobes(self) -> Iterable[Kretprobe]:
+        seen = {}
+        for ri in list(self._live.values()):
+            seen[id(ri.rp)] = ri.rp
+        for probes in self._aggr.values():
+            for p in probes:
+                rp = getattr(p, "_kph_rp", None)
+                if rp is not None:
+                    seen[id(rp)] = rp
+        return seen.values()
+
+    def _ensure_trampoline(self) -> None:
+        if self.trampoline not in self._bp:
+            self._bp[self.trampoline] = self.stub.insert_breakpoint(self.trampoline)
+
+    def _drop_trampoline(self) -> None:
+        num = self._bp.pop(self.trampoline, None)
+        if num is not None:
+            self.stub.delete_breakpoint(num)
+
+    # -- registration (all run on the dispatcher, guest halted) ---------------------------
+    def _resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
+        if symbol_name and addr is not None:
+            raise ProbeRejectedError("give either symbol_name or addr, not both (-EINVAL)", EINVAL)
+        if symbol_name:
+            try:
+                base = self.symbols.lookup(symbol_name).addr
+            except KeyError as exc:
+                raise ProbeRejectedError(f"{exc} (-ENOENT)", ENOENT) from None
+            return base + offset
+        if addr is None:
+            raise ProbeRejectedError("a probe needs symbol_name or addr (-EINVAL)", EINVAL)
+        return addr + offset
+
+    def _register(self, p: Kprobe, *, kretprobe: bool = False) -> None:
+        if p.registered:
+            raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
+        addr = self._resolve(p.symbol_name, p.offset, p.addr)
+        check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
+                            read=self.stub.read_memory, kretprobe=kretprobe)
+        if addr == self.trampoline:
+            raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
+                                     EINVAL, addr)
+        p.addr = addr
+        self._aggr.setdefault(addr, []).append(p)
+        p.registered = True
+        self._arm(addr)
+
+    def _arm(self, addr: int) -> None:
+        active = any(not q.disabled for q in self._aggr.get(addr, ()))
+        if active and addr not in self._bp:
+            self._bp[addr] = self.stub.insert_breakpoint(addr)
+        elif not active and addr in self._bp:
+            self.stub.delete_breakpoint(self._bp.pop(addr))
+
+    def _unregister(self, p: Kprobe) -> None:
+        if not p.registered or p.addr is None:
+            return
+        lst = self._aggr.get(p.addr, [])
+        if p in lst:
+            lst.remove(p)
+        if not lst:
+            self._aggr.pop(p.addr, None)
+        p.registered = False
+        self._arm(p.addr)
+
+    # -- public API (kernel names) --------------------------------------------------------
+    def register_kprobe(self, p: Kprobe) -> Kprobe:
+        """Arm ``p``; raise ProbeRejectedError with the kernel's errno if it cannot go there."""
+        self._call(lambda: self._register(p))
+        return p
+
+    def unregister_kprobe(self, p: Kprobe) -> None:
+        self._call(lambda: self._unregister(p))
+
+    def register_kprobes(self, ps: Iterable[Kprobe]) -> None:
+        """Register all or none: a failure unregisters those already done, then raises."""
+        done: list[Kprobe] = []
+
+        def batch() -> None:
+            try:
+                for p in ps:
+                    self._register(p)
+                    done.append(p)
+            except BaseException:
+                for p in done:
+                    self._unregister(p)
+                raise
+        self._call(batch)
+
+    def unregister_kprobes(self, ps: Iterable[Kprobe]) -> None:
+        self._call(lambda: [self._unregister(p) for p in list(ps)])
+
+    def enable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        def go() -> None:
+            target = p.kp if isinstance(p, Kretprobe) else p
+            p.flags &= ~ProbeFlags.DISABLED
+            if target is not None and target is not p:
+                target.flags &= ~ProbeFlags.DISABLED
+            if target is not None and target.addr is not None:
+                self._arm(target.addr)
+        self._call(go)
+
+    def disable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        def go() -> None:
+            target = p.kp if isinstance(p, Kretprobe) else p
+            p.flags |= ProbeFlags.DISABLED
+            if target is not None and target is not p:
+                target.flags |= ProbeFlags.DISABLED
+            if target is not None and target.addr is not None:
+                self._arm(target.addr)
+        self._call(go)
+
+    def register_kretprobe(self, rp: Kretprobe) -> Kretprobe:
+        """Arm a return probe at a function entry (offset 0, as the kernel requires)."""
+        def go() -> None:
+            if rp.maxactive <= 0:
+                rp.maxactive = max(10, 2 * self.vm.smp)
+            kp = Kprobe(symbol_name=rp.symbol_name, offset=rp.offset,
+                        addr=rp.addr if rp.symbol_name is None else None,
+                        pre_handler=self._kretprobe_entry(rp), flags=rp.flags)
+            kp._kph_rp = rp  # type: ignore[attr-defined]
+            self._free[id(rp)] = [KretprobeInstance(rp) for _ in range(rp.maxactive)]
+            self._register(kp, kretprobe=True)
+            rp.kp, rp.addr, rp.registered = kp, kp.addr, True
+            self._ensure_trampoline()
+        self._call(go)
+        return rp
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        """Disarm ``rp``; calls in flight still return through the trampoline, without the handler."""
+        def go() -> None:
+            if rp.kp is not None:
+                self._unregister(rp.kp)
+            rp.registered = False
+            for ri in self._live.values():
+                if ri.rp is rp:
+                    ri.orphan = True
+            if not self._live and not any(r.registered for r in self._kretprobes()):
+                self._drop_trampoline()
+        self._call(go)
+
+    def register_jprobe(self, jp: Jprobe) -> Jprobe:
+        """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
+        if jp.entry is None:
+            raise ProbeRejectedError("a jprobe needs an entry function (-EINVAL)", EINVAL)
+        entry = jp.entry
+        n = jp.nargs if jp.nargs is not None else _arity(entry)
+
+        def pre(p: Kprobe, regs: PtRegs) -> int:
+            entry(*self.function_args(regs, n))
+            return 0
+        jp.kp = self.register_kprobe(Kprobe(symbol_name=jp.symbol_name, offset=jp.offset,
+                                            addr=jp.addr, pre_handler=pre))
+        return jp
+
+    def unregister_jprobe(self, jp: Jprobe) -> None:
+        if jp.kp is not None:
+            self.unregister_kprobe(jp.kp)
+
+    def function_args(self, regs: PtRegs, n: int) -> list[int]:
+        """The first ``n`` integer arguments at a function entry (x86_64 SysV ABI)."""
+        order = ("di", "si", "dx", "cx", "r8", "r9")
+        args = [regs.get(r) for r in order[:n]]
+        for i in range(6, n):  # [sp] is the return address; the 7th argument follows it
+            args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
+        return args
+
+    def read(self, addr: int, n: int) -> bytes:
+        """Guest virtual memory (from a handler, or from any thread: the guest is halted)."""
+        return self._call(lambda: self.stub.read_memory(addr, n))
+
+    def read_string(self, addr: int, maxlen: int = 4096) -> bytes | None:
+        """A NUL-terminated string, read a page at a time as ``strncpy_from_user`` does;
+        None when its first byte cannot be read."""
+        def go() -> bytes | None:
+            out, a = b"", addr
+            while len(out) < maxlen:
+                n = min(maxlen - len(out), 4096 - (a & 4095))
+                try:
+                    chunk = self.stub.read_memory(a, n)
+                except HarnessError:
+                    return out if out else None
+                end = chunk.find(b"\0")
+                if end >= 0:
+                    return out + chunk[:end]
+                out, a = out + chunk, a + n
+            return out
+        return self._call(go)
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._call(lambda: self.stub.write_memory(addr, data))
+
+    def list(self) -> str:
+        """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""
+        lines = []
+        for addr in sorted(self._aggr):
+            for p in self._aggr[addr]:
+                kind = "r" if hasattr(p, "_kph_rp") else "k"
+                hit = self.symbols.symbolize(addr)
+                where = f"{hit[0].name}+{hit[1]:#x}" if hit else f"{addr:#x}"
+                mod = hit[0].module if hit and hit[0].module else " "
+                flags = "[DISABLED]" if p.disabled else ""
+                lines.append(f"{addr:016x}  {kind}  {where}  {mod} {flags}")
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    def check_emulation(self, p: Kprobe, code: bytes | None = None) -> list[Any]:
+        """Arm ``p`` so that at each hit emulation is compared with a real single-step
+        (``harness.emucheck``); returns the list the ``EmulationCheck`` results go to.
+        With ``code``, those bytes are checked at a scratch address instead of the probed
+        instruction, which then runs as usual."""
+        from . import emucheck
+
+        results: list[Any] = []
+        user_pre = p.pre_handler
+
+        def pre(kp: Kprobe, regs: PtRegs) -> int:
+            results.append(emucheck.check(self, regs.cpu + 1, kp.addr or 0, code))
+            return user_pre(kp, regs) if user_pre else 0
+        p.pre_handler = pre
+        self.register_kprobe(p)
+        return results
+
+    def exception_table(self) -> list[tuple[int, int]]:
+        """``(insn, fixup)`` of every ``__ex_table`` entry: the kernel's user-access sites."""
+        a = self.symbols.lookup("__start___ex_table").addr
+        b = self.symbols.lookup("__stop___ex_table").addr
+        data = self.read(a, b - a)
+        out = []
+        for i in range(0, len(data) - 11, 12):  # struct exception_table_entry {int insn, fixup, data}
+            insn = a + i + int.from_bytes(data[i:i + 4], "little", signed=True)
+            fixup = a + i + 4 + int.from_bytes(data[i + 4:i + 8], "little", signed=True)
+            out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
+        return out
+
+    def raise_handler_errors(self) -> None:
+        """Raise the first exception a handler raised (they are otherwise only logged)."""
+        if self.handler_errors:
+            first = self.handler_errors[0]
+            raise HandlerError(f"{len(self.handler_errors)} handler error(s); first: {first!r}") from first
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        """Put back every hijacked return address, remove every breakpoint, resume the guest."""
+        if self._closing:
+            return
+
+        def shutdown() -> None:
+            restored = 0
+            for slot, ri in list(self._live.items()):
+                cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+                if cur == self.trampoline:
+                    self.stub.write_memory(slot, ri.ret_addr.to_bytes(8, "little"))
+                    restored += 1
+            self._live.clear()
+            for num in self._bp.values():
+                self.stub.delete_breakpoint(num)
+            self._bp.clear()
+            for probes in self._aggr.values():
+                for p in probes:
+                    p.registered = False
+            self._aggr.clear()
+            self._closing = True
+            log.debug("host-side probes closed; %d return addresses restored", restored)
+
+        if self._thread.is_alive() and self._fatal is None:
+            try:
+                self._call(shutdown, timeout=15)
+            except HarnessError as exc:
+                log.warning("host-side probes could not shut down cleanly: %s", exc)
+        self._closing = True
+        os.write(self._wake_w, b"!")
+        self._thread.join(5)
+        if self._fatal is None and self.stub.proc.poll() is None and not self.stub.running:
+            try:
+                self.stub.cont()
+            except HarnessError:
+                pass
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 6
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 6
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _readable(fd: int) -> bool:
+    import select
+    return bool(select.select([fd], [], [], 0)[0])

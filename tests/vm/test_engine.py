@@ -1,0 +1,265 @@
+"""Host-side kprobes on a booted kernel: the acceptance of issue 4, one test each."""
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+
+from harness.errors import ProbeRejectedError
+from harness.kprobes import Jprobe, Kprobe, Kretprobe
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture
+def host(vm):
+    h = vm.host
+    yield h
+    errors = list(h.handler_errors)
+    h.close()
+    assert vm.run("echo alive").stdout == "alive\n"
+    assert not errors, f"handler raised: {errors[0]!r}"
+
+
+def user_string(host, addr):
+    return (host.read_string(addr) or b"").decode()
+
+
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "stepped"])
+def test_pre_and_post_around_the_entry_nop(vm, host, emulate):
+    host.emulate = emulate
+    seen = []
+    kp = host.register_kprobe(Kprobe(
+        symbol_name="do_sys_openat2",
+        pre_handler=lambda p, r: seen.append(("pre", r.ip, r.signed("di", 32))),
+        post_handler=lambda p, r, f: seen.append(("post", r.ip, f))))
+    vm.run("cat /proc/version", check=True)
+    assert seen and kp.nhit == len(seen) // 2
+    assert seen[0] == ("pre", kp.addr, -100)
+    assert seen[1] == ("post", kp.addr + 5, 0)
+    assert host.stats["emulated" if emulate else "stepped"] >= 1
+
+
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "stepped"])
+def test_mid_function_push_and_mov_effects(vm, host, emulate):
+    """do_sys_openat2+5 is push %r12, +7 is mov %rsi,%r12 (checked, not assumed)."""
+    host.emulate = emulate
+    sym = vm.symbols.lookup("do_sys_openat2")
+    code = host.read(sym.addr, 16)
+    assert code[5:7] == bytes.fromhex("4154") and code[7:10] == bytes.fromhex("4989f4")
+    push, mov = [], []
+    host.register_kprobes([
+        Kprobe(symbol_name="do_sys_openat2", offset=5,
+               pre_handler=lambda p, r: push.append({"sp": r.sp, "r12": r.r12}),
+               post_handler=lambda p, r, f: push.append(
+                   {"sp": r.sp, "top": int.from_bytes(host.read(r.sp, 8), "little"), "ip": r.ip})),
+        Kprobe(symbol_name="do_sys_openat2", offset=7,
+               pre_handler=lambda p, r: mov.append({"si": r.si}),
+               post_handler=lambda p, r, f: mov.append({"r12": r.r12, "ip": r.ip})),
+    ])
+    vm.run("cat /proc/version", check=True)
+    before, after = push[0], push[1]
+    assert after["sp"] == before["sp"] - 8 and after["top"] == before["r12"]
+    assert after["ip"] == sym.addr + 7
+    assert mov[1]["r12"] == mov[0]["si"] and mov[1]["ip"] == sym.addr + 10
+
+
+def test_pre_handler_changing_the_path_is_visible(vm, host):
+    """Return -EACCES from do_sys_openat2 for one path: set ax, ip and sp, return 1."""
+    def deny(p, r):
+        if user_string(host, r.si) != "/proc/version":
+            return 0
+        r.ax = -errno.EACCES
+        r.ip = int.from_bytes(host.read(r.sp, 8), "little")  # the caller
+        r.sp = r.sp + 8
+        return 1
+    posts = []
+    host.register_kprobe(Kprobe(symbol_name="do_sys_openat2", pre_handler=deny,
+                                post_handler=lambda p, r, f: posts.append(r.ip)))
+    r = vm.run("cat /proc/version; echo status=$?; head -c 5 /proc/cmdline")
+    assert "Permission denied" in r.stderr
+    assert "status=1" in r.stdout and r.stdout.endswith("conso")
+    assert posts  # other opens still ran the post_handler
+
+
+def test_fault_handler_sees_page_fault_and_cr2(vm, host):
+    f = vm.symbols.lookup("strncpy_from_user")
+    sites = [insn for insn, _ in host.exception_table() if f.addr <= insn < f.addr + f.size]
+    assert sites, "strncpy_from_user has no user-access instruction in __ex_table"
+    faults = []
+
+    def on_fault(p, r, trapnr):
+        faults.append((p.addr, trapnr, r.read_sys("cr2"), r.ip))
+        return 0  # not handled: the kernel's exception table turns it into -EFAULT
+    host.register_kprobes([Kprobe(addr=a, fault_handler=on_fault) for a in sites])
+    r = vm.run("kph-efault 0x1000")
+    assert r.stdout.strip() == "open(0x1000) = -1 errno 14", r.stdout
+    # Other opens may fault too (first touch of a real string's page): find ours.
+    ours = [f for f in faults if f[2] == 0x1000]
+    assert ours, f"no fault on 0x1000 among {[hex(f[2]) for f in faults]}"
+    addr, trapnr, cr2, ip = ours[0]
+    assert trapnr == 14 and ip == addr
+    assert host.stats["faults"] >= 1
+
+
+def test_fault_handler_that_handles_redirects(vm, host):
+    f = vm.symbols.lookup("strncpy_from_user")
+    table = [(i, x) for i, x in host.exception_table() if f.addr <= i < f.addr + f.size]
+    fixups = dict(table)
+
+    def handle(p, r, trapnr):
+        if r.read_sys("cr2") != 0x1000:
+            return 0  # a real first-touch fault: the guest must handle it
+        r.ip = fixups[p.addr]  # do what the kernel's fixup would, before it sees the fault
+        return 1
+    host.register_kprobes([Kprobe(addr=i, fault_handler=handle) for i, _ in table])
+    r = vm.run("kph-efault 0x1000")
+    assert "errno 14" in r.stdout
+    assert host.stats["faults_handled"] >= 1
+
+
+def test_kretprobe_sees_the_return_values_the_guest_gets(vm, host):
+    got = []
+
+    def entry(ri, regs):
+        ri.data[:8] = regs.si.to_bytes(8, "little")  # filename (user pointer)
+        return 0
+
+    def ret(ri, regs):
+        path = user_string(host, int.from_bytes(ri.data[:8], "little"))
+        if path.startswith(("/proc/version", "/nope", "/etc/kph")):
+            got.append((path, regs.signed("ax"), regs.ip))
+    rp = host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2", handler=ret,
+                                           entry_handler=entry, maxactive=4, data_size=8))
+    out = vm.run("kph-open /proc/version /nope /etc/kph/modules.load /proc/version", check=True)
+    truth = [(ln.split()[0], int(ln.split()[1])) for ln in out.stdout.splitlines()]
+    assert [(p, v) for p, v, _ in got] == truth
+    assert all(ip == host.trampoline for _, _, ip in got)
+    assert rp.nmissed == 0 and rp.nhit >= 4
+
+
+def test_maxactive_1_with_two_sleepers_misses_one(vm, host):
+    calls = []
+    rp = host.register_kretprobe(Kretprobe(symbol_name="do_nanosleep", maxactive=1,
+                                           handler=lambda ri, r: calls.append(r.signed("ax"))))
+    vm.run("sleep 1 & sleep 1 & wait", timeout=30)
+    assert rp.nmissed == 1
+    assert len(calls) == 1
+
+
+def test_entry_handler_nonzero_suppresses_the_return_handler(vm, host):
+    calls = []
+    rp = host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2",
+                                           entry_handler=lambda ri, r: 1,
+                                           handler=lambda ri, r: calls.append(1)))
+    vm.run("cat /proc/version", check=True)
+    assert calls == [] and rp.nmissed == 0
+
+
+def test_three_probes_at_one_address_in_order_and_disable(vm, host):
+    order = []
+    a, b, c = (Kprobe(symbol_name="do_sys_openat2", pre_handler=lambda p, r, n=n: order.append(n))
+               for n in "abc")
+    host.register_kprobes([a, b, c])
+    vm.run("cat /proc/version", check=True)
+    assert order[:3] == ["a", "b", "c"]
+    order.clear()
+    host.disable_kprobe(b)
+    assert "[DISABLED]" in host.list()
+    vm.run("cat /proc/version", check=True)
+    assert order[:2] == ["a", "c"] and "b" not in order
+    order.clear()
+    host.unregister_kprobe(a)
+    host.enable_kprobe(b)
+    vm.run("cat /proc/version", check=True)
+    assert order[:2] == ["b", "c"] and "a" not in order
+
+
+def test_pre_handler_nonzero_stops_the_chain(vm, host):
+    order = []
+
+    def first(p, r):
+        order.append(1)
+        r.ip = r.ip + 5  # skip the entry nop ourselves
+        return 1
+    host.register_kprobes([Kprobe(symbol_name="do_sys_openat2", pre_handler=first),
+                           Kprobe(symbol_name="do_sys_openat2",
+                                  pre_handler=lambda p, r: order.append(2))])
+    vm.run("cat /proc/version", check=True)
+    assert order and set(order) == {1}
+
+
+def test_list_prints_like_debugfs(vm, host):
+    host.register_kprobe(Kprobe(symbol_name="do_sys_openat2"))
+    host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2", handler=lambda ri, r: 0))
+    addr = vm.symbols.lookup("do_sys_openat2").addr
+    assert host.list().splitlines() == [f"{addr:016x}  k  do_sys_openat2+0x0    ",
+                                        f"{addr:016x}  r  do_sys_openat2+0x0    "]
+
+
+def test_jprobe_gets_the_arguments(vm, host):
+    seen = []
+    host.register_jprobe(Jprobe(symbol_name="do_sys_openat2",
+                                entry=lambda dfd, filename, how: seen.append((dfd, filename))))
+    vm.run("cat /proc/version", check=True)
+    dfd, filename = seen[0]
+    assert dfd & 0xFFFFFFFF == 0xFFFFFF9C  # AT_FDCWD
+    assert user_string(host, filename).startswith("/")
+
+
+def test_registration_errors_use_the_kernels_errnos(vm, host):
+    cases = [
+        (Kprobe(symbol_name="do_sys_openat2", addr=0xffffffff81000000), errno.EINVAL),
+        (Kprobe(symbol_name="no_such_function_kph"), errno.ENOENT),
+        (Kprobe(symbol_name="kprobe_int3_handler"), errno.EINVAL),
+        (Kprobe(symbol_name="do_sys_openat2", offset=1), errno.EILSEQ),
+    ]
+    for kp, want in cases:
+        with pytest.raises(ProbeRejectedError) as ei:
+            host.register_kprobe(kp)
+        assert ei.value.errno == want, (kp, ei.value)
+        assert not kp.registered
+    with pytest.raises(ProbeRejectedError) as ei:
+        host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2", offset=5,
+                                          handler=lambda ri, r: 0))
+    assert ei.value.errno == errno.EINVAL
+
+
+def test_batch_that_fails_part_way_unregisters_what_it_did(vm, host):
+    good = Kprobe(symbol_name="do_sys_openat2")
+    bad = Kprobe(symbol_name="no_such_function_kph")
+    with pytest.raises(ProbeRejectedError):
+        host.register_kprobes([good, bad])
+    assert not good.registered and host.list() == ""
+    vm.run("cat /proc/version", check=True)
+    assert good.nhit == 0
+
+
+def test_close_restores_hijacked_return_addresses(vm, host):
+    entered = threading.Event()
+    host.register_kretprobe(Kretprobe(symbol_name="do_nanosleep",
+                                      entry_handler=lambda ri, r: entered.set() or 0,
+                                      handler=lambda ri, r: 0))
+    t = threading.Thread(target=lambda: vm.run("sleep 2", timeout=30))
+    t.start()
+    assert entered.wait(20)
+    host.close()  # the sleeper is inside do_nanosleep with the trampoline as its return
+    t.join(30)
+    assert not t.is_alive()
+    assert vm.run("echo ok").stdout == "ok\n"
+
+
+def test_unregister_with_live_instances_keeps_the_trampoline(vm, host):
+    entered = threading.Event()
+    calls = []
+    rp = host.register_kretprobe(Kretprobe(symbol_name="do_nanosleep",
+                                           entry_handler=lambda ri, r: entered.set() or 0,
+                                           handler=lambda ri, r: calls.append(1)))
+    t = threading.Thread(target=lambda: vm.run("sleep 1", timeout=30))
+    t.start()
+    assert entered.wait(20)
+    host.unregister_kretprobe(rp)
+    t.join(30)
+    assert not t.is_alive() and calls == []  # returned through the trampoline, no handler
+    assert host.stats["returns"] == 1
