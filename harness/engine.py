@@ -188,12 +188,13 @@ class HostEngine:
         return pc
 
     def _regs(self, th: int, values: dict[str, int]) -> PtRegs:
-        return PtRegs(values, loader=lambda: self._read_regs(th),
+        return PtRegs(values, loader=lambda names: self._read_regs(th, names),
                       sys_reader=lambda n: self.stub.read_registers((n,), thread=th)[n],
                       cpu=th - 1)
 
-    def _read_regs(self, th: int) -> dict[str, int]:
-        raw = self.stub.read_registers(_GENERAL, thread=th)
+    def _read_regs(self, th: int, names: Iterable[str] | None = None) -> dict[str, int]:
+        gdb_names = _GENERAL if names is None else tuple(PT_REGS_FIELDS[n] for n in names)
+        raw = self.stub.read_registers(gdb_names, thread=th)
         return {GDB_TO_FIELD[k]: v for k, v in raw.items()}
 
     def _flush(self, regs: PtRegs, th: int, *, keep_ip: bool = True) -> None:
@@ -235,7 +236,9 @@ class HostEngine:
                 self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in eff.regs.items()},
                                           thread=th)
             self.stats["emulated"] += 1
-            after = self._regs(th, {**regs.snapshot(), **eff.regs, "ip": eff.next_ip}) \
+            # The effect is in the guest now; the rest is read lazily. ip is not written
+            # (the guest resumes there by jump), so it is given.
+            after = self._regs(th, {**eff.regs, "ip": eff.next_ip}) \
                 if any(p.post_handler for p in probes) else None
             nxt = eff.next_ip
         else:

@@ -120,6 +120,7 @@ class GdbStub:
         self._buf = b""
         self._stops: collections.deque[Stop] = collections.deque()
         self.running = False
+        self.current_thread: int | None = None  # GDB's selected thread (a vCPU)
         self.stats = collections.Counter()
         stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
@@ -153,6 +154,8 @@ class GdbStub:
         self._stops.clear()  # the reason-less *stopped GDB reports on connect
         # A single-step runs only the stepping vCPU, so no other hit can interleave.
         self.command("-gdb-set scheduler-locking step")
+        cur = self.command("-thread-info").get("current-thread-id")
+        self.current_thread = int(cur) if cur else None
         names = self.command("-data-list-register-names")["register-names"]
         self._regnum = {n: i for i, n in enumerate(names) if n}
         self.available_regs = tuple(r for r in GENERAL_REGS + SYSTEM_REGS if r in self._regnum)
@@ -240,6 +243,8 @@ class GdbStub:
                 if "reason" not in p and "frame" in p and not self._expect_reasonless:
                     return
                 frame = p.get("frame") or {}
+                if "thread-id" in p:
+                    self.current_thread = int(p["thread-id"])
                 self._stops.append(Stop(
                     reason=p.get("reason", "unknown"), addr=int(frame.get("addr", "0"), 16),
                     thread=int(p.get("thread-id", 1)),
@@ -320,7 +325,7 @@ class GdbStub:
 
     def step(self, *, thread: int | None = None, timeout: float | None = None) -> Stop:
         """Execute one instruction on ``thread`` (default: the current one) and return the stop."""
-        self.command("-exec-step-instruction" + (f" --thread {thread}" if thread else ""))
+        self.command("-exec-step-instruction" + self._th(thread))
         return self.wait_stop(timeout=timeout or self.timeout)
 
     def interrupt(self, *, timeout: float | None = None) -> Stop:
@@ -379,7 +384,7 @@ class GdbStub:
         """Register values as unsigned ints (general + system registers by default)."""
         names = tuple(names) if names is not None else self.available_regs
         nums = " ".join(str(self._num(n)) for n in names)
-        th = f" --thread {thread}" if thread else ""
+        th = self._th(thread)
         # Hot path: a regex over the raw result avoids the generic MI parser's cost.
         r = self.command(f"-data-list-register-values{th} --skip-unavailable x {nums}")
         byname = {i: n for n, i in ((n, self._num(n)) for n in names)}
@@ -389,16 +394,20 @@ class GdbStub:
         return out
 
     def write_register(self, name: str, value: int, *, thread: int | None = None) -> None:
-        th = f" --thread {thread}" if thread else ""
+        th = self._th(thread)
         self.command(f"-data-write-register-values{th} x {self._num(name)} {value & 0xFFFFFFFFFFFFFFFF:#x}")
 
     def write_registers(self, values: dict[str, int], *, thread: int | None = None) -> None:
         """Write several registers in one MI command."""
         if not values:
             return
-        th = f" --thread {thread}" if thread else ""
+        th = self._th(thread)
         pairs = " ".join(f"{self._num(n)} {v & 0xFFFFFFFFFFFFFFFF:#x}" for n, v in values.items())
         self.command(f"-data-write-register-values{th} x {pairs}")
+
+    def _th(self, thread: int | None) -> str:
+        """``--thread N`` only when N is not GDB's current thread (switching costs a frame rebuild)."""
+        return f" --thread {thread}" if thread and thread != self.current_thread else ""
 
     def _num(self, name: str) -> int:
         try:
@@ -427,6 +436,7 @@ class GdbStub:
 
     def select_thread(self, thread: int) -> None:
         self.command(f"-thread-select {thread}")
+        self.current_thread = thread
 
     def raw(self, packet: str) -> str:
         """Send a raw remote packet (``maint packet``) and return GDB's reply text."""

@@ -46,16 +46,17 @@ KPROBE_FLAG_FTRACE = ProbeFlags.FTRACE
 class PtRegs:
     """The registers of the stopped vCPU with ``struct pt_regs`` field names.
 
-    Values are unsigned 64-bit ints. Fields are fetched from the stub on first access
-    (a probe whose handlers never look costs no register read) and any field a handler
-    assigns is written back before the guest resumes. ``orig_ax`` is -1 as in an int3
+    Values are unsigned 64-bit ints. A field is fetched from the stub when a handler first
+    reads it (a probe whose handlers never look costs no register read; ``snapshot()``
+    fetches all the rest in one command) and any field a handler assigns is written back
+    before the guest resumes. All reads happen with the vCPU still stopped at the probe. ``orig_ax`` is -1 as in an int3
     exception frame. ``cpu`` is the vCPU index; ``read_sys("cr2")`` reads a system register.
     """
 
     __slots__ = ("_vals", "_dirty", "_loader", "_sys", "cpu", "orig_ax")
 
     def __init__(self, values: dict[str, int] | None = None, *,
-                 loader: Callable[[], dict[str, int]] | None = None,
+                 loader: Callable[[tuple[str, ...]], dict[str, int]] | None = None,
                  sys_reader: Callable[[str], int] | None = None, cpu: int = 0) -> None:
         self._vals: dict[str, int] = dict(values or {})
         self._dirty: set[str] = set()
@@ -64,21 +65,22 @@ class PtRegs:
         self.cpu = cpu
         self.orig_ax = MASK64
 
-    def _load(self) -> None:
-        if self._loader is not None:
-            loaded = self._loader()
-            self._loader = None
-            for k, v in loaded.items():
-                if k not in self._dirty:
-                    self._vals[k] = v
+    def _load(self, names: tuple[str, ...] | None = None) -> None:
+        if self._loader is None:
+            return
+        want = tuple(n for n in (names or PT_REGS_FIELDS) if n not in self._vals)
+        if want:
+            self._vals.update(self._loader(want))
 
     def get(self, name: str) -> int:
         if name not in self._vals:
-            self._load()
+            if name not in PT_REGS_FIELDS:
+                raise AttributeError(f"pt_regs has no field {name!r}")
+            self._load((name,))
         try:
             return self._vals[name]
         except KeyError:
-            raise AttributeError(f"pt_regs has no field {name!r}") from None
+            raise AttributeError(f"pt_regs field {name!r} is not available here") from None
 
     def set(self, name: str, value: int) -> None:
         if name not in PT_REGS_FIELDS:
