@@ -1,0 +1,58 @@
+"""Probe backends: the same specs placed host-side or inside the guest.
+
+Every backend implements ``ProbeBackend``; adding one (eBPF, say) is adding a file here.
+
+- ``host``   host-side kprobes through the gdbstub (``harness.engine``), fetch args
+             evaluated on the host exactly as the kernel does (``harness.fetchargs``);
+- ``events`` the guest's own tracefs ``kprobe_events``;
+- ``module`` the harness's kernel module ``kph_kprobes.ko`` (``probes/kmod/``), real
+             kprobes/kretprobes registered by a module with pre, post, entry and return
+             handlers.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from ..probespec import ProbeSpec
+from ..records import Counters, Hit, Outcome
+
+
+class ProbeBackend(Protocol):
+    """One side of a differential run, bound to one booted Machine."""
+
+    side: str
+
+    def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        """Place every spec (refusals are Outcomes, not exceptions)."""
+
+    def enable(self) -> None:
+        """Start recording."""
+
+    def disable(self) -> None:
+        """Stop recording."""
+
+    def collect(self) -> list[Hit]:
+        """The hits recorded since ``enable``, in order."""
+
+    def counters(self) -> dict[str, Counters]:
+        """nhit/nmissed per probe."""
+
+    def close(self) -> None:
+        """Unregister everything; the guest is left as it was."""
+
+
+def make_backend(name: str, vm: Any) -> ProbeBackend:
+    """The backend called ``name`` (host, events, module) on ``vm``."""
+    if name == "host":
+        from .host import HostBackend
+        return HostBackend(vm)
+    if name == "events":
+        from .events import EventsBackend
+        return EventsBackend(vm)
+    if name == "module":
+        from .module import ModuleBackend
+        return ModuleBackend(vm)
+    raise ValueError(f"unknown backend {name!r}: use host, events or module")
+
+
+BACKENDS = ("host", "events", "module")

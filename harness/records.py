@@ -1,0 +1,76 @@
+"""The records every probe backend produces and ``harness.diff`` compares (no I/O).
+
+A ``Hit`` is one probe firing as the kernel's trace file would show it: values are the
+*text* the kernel prints for each fetch arg (``format_value`` of ``harness.fetchargs``),
+so host-side, tracefs and module records compare field by field. An ``Outcome`` is what
+registering one spec gave: accepted, or refused with the kernel's errno (a result, not an
+error: the diff compares refusals too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One probe hit. ``probe`` is ``GROUP/EVENT``; ``kind`` ``p`` or ``r``."""
+
+    side: str                    # "host", "events", "module"
+    probe: str
+    kind: str
+    seq: int                     # order of this hit on its side
+    cpu: int
+    pid: int | None
+    comm: str
+    ip: str                      # what the trace prints in the parentheses (before " <- ")
+    ret_from: str | None = None  # return probes: the function returned from
+    args: tuple[tuple[str, str], ...] = ()
+    mode: str = ""               # in-guest probe mode: ftrace, int3, optimized ("" host-side)
+
+    def arg(self, name: str) -> str:
+        for k, v in self.args:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    def line(self) -> str:
+        """The hit as a trace-file-like line (for reports)."""
+        ip = self.ip + (f" <- {self.ret_from}" if self.ret_from else "")
+        args = "".join(f" {k}={v}" for k, v in self.args)
+        return f"{self.comm}-{self.pid} [{self.cpu:03d}] {self.probe}: ({ip}){args}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What registering one spec gave on one side."""
+
+    probe: str
+    accepted: bool
+    errno: int = 0
+    message: str = ""
+    mode: str = ""               # ftrace, int3, optimized (in-guest), host
+
+    @classmethod
+    def rejected(cls, probe: str, errno: int, message: str = "") -> "Outcome":
+        return cls(probe, False, errno, message)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """``nhit``/``nmissed`` of one probe on one side (the kprobe_profile columns)."""
+
+    probe: str
+    nhit: int
+    nmissed: int = 0
+
+
+@dataclass
+class RunResult:
+    """Everything one backend produced for one workload."""
+
+    side: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    hits: list[Hit] = field(default_factory=list)
+    counters: dict[str, Counters] = field(default_factory=dict)
+    workload_status: int = 0
+    workload_output: str = ""
