@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import HarnessError, SetupError, VMError
+from .errors import HarnessError, ProbeSpecError, SetupError, VMError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 
@@ -25,6 +25,8 @@ first steps:
   kph doctor                              what QEMU, gdb and image will be used
   kph image build                         provision the default image (idempotent)
   kph boot --run 'uname -r'               boot it, run a command, power off
+  kph probe 'p:open do_sys_openat2 dfd=%di:s32' --run 'cat /proc/version'
+  kph diff  'p:open do_sys_openat2 path=+0(%si):ustring' --run 'cat /proc/version'
 exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
 3 the VM was lost (panic, QEMU died, timeout)."""
 
@@ -82,8 +84,42 @@ def make_parser() -> argparse.ArgumentParser:
     _kernel_group(bt)
     _qemu_group(bt)
 
+    pr = sub.add_parser("probe", help="Place SPEC on one side (--backend), run a workload, "
+                        "print events", description="Place kprobe_events specs host-side "
+                        "(through the gdbstub) or in the guest (tracefs or the kph module), "
+                        "run --run, print the events as the trace file would.",
+                        epilog="SPEC example: 'p:open do_sys_openat2 dfd=%%di:s32 "
+                        "path=+0(%%si):ustring' or 'r:openret do_sys_openat2 ret=$retval:s64'")
+    _spec_args(pr)
+    pr.add_argument("--backend", choices=("host", "events", "module"), default="host",
+                    help="where the probes go (default host)")
+    pr.add_argument("--json", action="store_true", help="print the hits as JSON")
+    _kernel_group(pr)
+    _qemu_group(pr)
+
+    df = sub.add_parser("diff", help="Run a probe set on both sides and report the first divergence",
+                        description="Place the specs in the guest (--guest) and host-side on "
+                        "top, observing one execution of --run; compare every hit field by "
+                        "field. Exit 0 equivalent, 1 divergent, 2 usage or setup error.")
+    _spec_args(df)
+    df.add_argument("--guest", choices=("events", "module"), default="events",
+                    help="the in-guest side (default: tracefs kprobe_events)")
+    df.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    _kernel_group(df)
+    _qemu_group(df)
+
     sub.add_parser("doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix")
     return p
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Probes")
+    g.add_argument("specs", nargs="*", metavar="SPEC", help="a kprobe_events line (repeatable)")
+    g.add_argument("-f", dest="spec_file", metavar="FILE", help="read specs, one per line (# comments)")
+    g.add_argument("--run", required=True, metavar="CMD", help="the guest workload (a shell command)")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="limit for the workload (default 120)")
 
 
 def _boot(args: argparse.Namespace) -> int:
@@ -167,8 +203,103 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _load_specs(args: argparse.Namespace) -> list[Any]:
+    """Parse every spec; check targets against the image's symbols before booting."""
+    from .errors import ProbeSpecError
+    from .probespec import parse
+
+    lines = list(args.specs)
+    if args.spec_file:
+        try:
+            text = open(args.spec_file).read()
+        except OSError as exc:
+            raise SetupError(f"cannot read {args.spec_file}: {exc.strerror}", "check the path") from exc
+        lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
+    specs = [parse(ln) for ln in lines]
+    if args.kernel is None:
+        from .images import default_image
+        from .symbols import load_kallsyms_cached
+
+        syms = load_kallsyms_cached(default_image(args.image).kallsyms)
+        for spec in specs:
+            if spec.symbol and not spec.module:
+                try:
+                    syms.lookup(spec.symbol)
+                except KeyError:
+                    col = spec.text.find(spec.symbol, spec.text.find(" "))
+                    raise ProbeSpecError("Invalid probed address or symbol", spec.text, col) from None
+            elif spec.addr is not None and syms.symbolize(spec.addr) is None:
+                col = spec.text.split(" ")[0].__len__() + 1
+                raise ProbeSpecError("Invalid probed address or symbol", spec.text, col)
+    return specs
+
+
+def _machine(args: argparse.Namespace) -> Any:
+    from .vmctl import Machine
+
+    return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
+                        smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
+                        qemu=args.qemu)
+
+
+def _refusals(outcomes: list[Any]) -> int:
+    import errno as _e
+
+    bad = 0
+    for o in outcomes:
+        if not o.accepted:
+            bad += 1
+            print(f"error: probe {o.probe} refused: {_e.errorcode.get(o.errno, o.errno)} "
+                  f"({o.message})", file=sys.stderr)
+    return bad
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from . import report
+    from .runner import run_single
+
+    specs = _load_specs(args)
+    with _machine(args) as vm:
+        res = run_single(vm, args.backend, specs, args.run, timeout=args.timeout)
+    if _refusals(res.outcomes):
+        return EXIT_USAGE
+    if args.json:
+        sys.stdout.write(report.hits_json(res.hits))
+    else:
+        for h in res.hits:
+            print(h.line())
+    counts = ", ".join(f"{p} {c.nhit} hits/{c.nmissed} missed" for p, c in res.counters.items())
+    if not args.quiet:
+        print(f"{args.backend}: {len(res.hits)} events; {counts}; workload exit "
+              f"{res.workload_status}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from . import report
+    from .diff import compare
+    from .runner import run_differential, trampoline_text
+
+    specs = _load_specs(args)
+    with _machine(args) as vm:
+        runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
+        tramp = trampoline_text(vm)
+    res = compare(*runs, trampoline=tramp)
+    sys.stdout.write(report.text(res, workload=args.run, status=runs[0].workload_status))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.to_json(res, runs))
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(report.to_html(res, runs, workload=args.run))
+    return EXIT_OK if res.equivalent else EXIT_DIVERGED
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
+    "probe": _probe, "diff": _diff,
 }
 
 
@@ -189,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.cmd](args)
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ProbeSpecError as exc:
+        from .probespec import format_error
+        print(format_error(exc).rstrip("\n"), file=sys.stderr)
         return EXIT_USAGE
     except VMError as exc:
         first = str(exc.args[0]) if exc.args else str(exc)

@@ -105,6 +105,8 @@ class HostEngine:
             self._current_task_off: int | None = self.symbols.lookup("current_task").addr
         except KeyError:
             self._current_task_off = None
+        self._comm_off: int | None = None
+        self._task_off: dict[str, int | None] = {}
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -249,6 +251,11 @@ class HostEngine:
                 steps += 1
             self.stats["stepped"] += 1
             if stop.addr in self._exc and stop.addr != addr:
+                if self._exc[stop.addr] == 3 and self.stub.read_memory(addr, 1) == b"\xcc":
+                    # The guest's own int3-based kprobe sits here: it takes over from its
+                    # #BP entry (in-guest and host-side probes observing one execution).
+                    self.stats["guest_int3"] += 1
+                    return stop.addr
                 return self._on_fault(addr, th, probes, self._exc[stop.addr], stop.addr)
             nxt = stop.addr
             after = self._regs(th, {"ip": nxt})
@@ -304,6 +311,49 @@ class HostEngine:
             rp.nhit += 1
             return 0
         return pre_handler_kretprobe
+
+    def current_task(self, regs: PtRegs) -> int | None:
+        """``current`` (a ``struct task_struct *``) on the vCPU of ``regs``."""
+        return self._current_task(regs)
+
+    def _task_offset(self, member: str) -> int | None:
+        """Offset of a ``struct task_struct`` member, from the kernel's BTF (``comm`` also
+        by locating init_task's "swapper/0" when there is no BTF)."""
+        if member not in self._task_off:
+            off: int | None = None
+            try:
+                off = self.vm.btf.offset("task_struct", member)
+            except Exception:  # noqa: BLE001 - no BTF: fall back below
+                if member == "comm":
+                    base = self.symbols.lookup("init_task").addr
+                    i = self.stub.read_memory(base, 0x2000).find(b"swapper/0\0")
+                    off = i if i >= 0 else None
+            self._task_off[member] = off
+        return self._task_off[member]
+
+    def task_pid(self, task: int | None) -> int | None:
+        """``task->pid`` (the thread id the trace file prints)."""
+        off = self._task_offset("pid")
+        if task is None or off is None:
+            return None
+        try:
+            return int.from_bytes(self.stub.read_memory(task + off, 4), "little", signed=True)
+        except HarnessError:
+            return None
+
+    def task_comm(self, task: int | None) -> str | None:
+        """``task->comm``."""
+        if task is None:
+            return None
+        if self._comm_off is None:
+            self._comm_off = self._task_offset("comm")
+            if self._comm_off is None:
+                return None
+        try:
+            raw = self.stub.read_memory(task + self._comm_off, 16)
+        except HarnessError:
+            return None
+        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def _current_task(self, regs: PtRegs) -> int | None:
         if self._current_task_off is None:
@@ -375,6 +425,9 @@ class HostEngine:
             raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)
         p.addr = addr
+        # Code may have changed since an instruction was decoded (the guest's own kprobes
+        # patch the ftrace nop into a call, or an int3 over the first byte): decode afresh.
+        self._emul.clear()
         self._aggr.setdefault(addr, []).append(p)
         p.registered = True
         self._arm(addr)

@@ -473,6 +473,11 @@ class Machine:
         if mode is not None:
             self.run(f"chmod {mode:o} {shlex.quote(guest_path)}", timeout=timeout, check=True)
 
+    def write_file(self, guest_path: str, data: bytes, *, timeout: float = C.RUN_TIMEOUT) -> None:
+        """Write ``data`` to a guest file through the agent itself (no shell is spawned,
+        so the only process touching the file is qemu-ga)."""
+        self._require_running().write_file(guest_path, data, timeout=timeout)
+
     def pull(self, guest_path: str, *, timeout: float = C.RUN_TIMEOUT) -> bytes:
         """Read a whole guest file (regular files; use ``run('cat ...')`` for procfs)."""
         return self._require_running().read_file(guest_path, timeout=timeout)
@@ -555,6 +560,18 @@ class Machine:
             tmp.write_bytes(gzip.decompress(out))
             tmp.rename(dest)
         return dest
+
+    @property
+    def btf(self) -> Any:
+        """The kernel's BTF (``/sys/kernel/btf/vmlinux``), cached per kernel build."""
+        if getattr(self, "_btf", None) is None:
+            from .btf import BTF
+
+            key = "btf"
+            path = (self.image.dir / key) if self.image is not None and (self.image.dir / key).exists() \
+                else self._harvest(key, "/sys/kernel/btf/vmlinux")
+            self._btf = BTF(path.read_bytes())
+        return self._btf
 
     def refresh_module_symbols(self) -> list[str]:
         """Merge the symbols and section bases of the guest's loaded modules; return their names."""

@@ -1,0 +1,188 @@
+"""kprobe_events specs placed host-side: HostEngine probes that fetch like the kernel.
+
+Each ``p`` spec becomes a ``Kprobe`` whose pre_handler evaluates the spec's fetch args on
+the stopped vCPU (``harness.fetchargs.evaluate``) and records a ``Hit`` with the text the
+guest's trace file would print; each ``r`` spec a ``Kretprobe`` doing the same at the
+return. What the context gives the evaluator mirrors the kernel's view in a kprobe
+handler: ``%ip`` is the probe address + 1 (the int3 convention that ftrace-based and
+optimized probes emulate too), ``$comm`` is ``current->comm``, user memory is read in
+the current address space.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+from ..errors import HarnessError, ProbeRejectedError
+from ..fetchargs import FaultError, evaluate, format_value
+from ..kprobes import Kprobe, Kretprobe, PtRegs
+from ..probespec import ProbeSpec
+from ..records import Counters, Hit, Outcome
+
+log = logging.getLogger(__name__)
+
+INT3_INSN_SIZE = 1
+#: hook(probe_name, nth_hit, overrides): may set registers in ``overrides`` (kernel field
+#: names) that the host's *evaluation* sees for that hit; the guest is not changed. A way
+#: to make the two worlds disagree on purpose (tests, teaching).
+FetchHook = Callable[[str, int, dict[str, int]], None]
+
+
+class _Ctx:
+    """``harness.fetchargs.FetchContext`` over one host-side hit."""
+
+    def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int]) -> None:
+        self.engine, self.regs, self.ip, self.overrides = engine, regs, ip, overrides
+
+    def reg(self, name: str) -> int:
+        if name in self.overrides:
+            return self.overrides[name] & ((1 << 64) - 1)
+        if name == "ip":
+            return self.ip
+        if name == "orig_ax":
+            return self.regs.orig_ax
+        return self.regs.get(name)
+
+    def read(self, addr: int, size: int) -> bytes:
+        try:
+            return self.engine.stub.read_memory(addr, size)
+        except HarnessError:
+            raise FaultError(addr, size) from None
+
+    read_user = read  # the current task's address space is the one the vCPU is in
+
+    def task(self) -> int | None:
+        if not hasattr(self, "_task"):
+            self._task = self.engine.current_task(self.regs)
+        return self._task
+
+    def comm(self) -> str:
+        return self.engine.task_comm(self.task()) or ""
+
+    def pid(self) -> int | None:
+        return self.engine.task_pid(self.task())
+
+    def retval(self) -> int:
+        return self.reg("ax")
+
+    def symbol_addr(self, name: str) -> int:
+        return self.engine.symbols.lookup(name).addr
+
+    def symbolize(self, addr: int) -> str | None:
+        return self.engine.symbols.format(addr) if self.engine.symbols.symbolize(addr) else None
+
+
+class HostBackend:
+    """kprobe_events specs as host-side kprobes on ``vm.host``."""
+
+    side = "host"
+
+    def __init__(self, vm: Any, *, hook: FetchHook | None = None) -> None:
+        self.vm = vm
+        self.engine = vm.host
+        self.hook = hook
+        self.recording = False
+        self._hits: list[Hit] = []
+        self._probes: dict[str, Kprobe | Kretprobe] = {}
+        self._returns: dict[str, int] = {}
+
+    def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        out = []
+        for spec in specs:
+            name = f"{spec.group}/{spec.event}"
+            try:
+                p = self._make(spec, name)
+                if isinstance(p, Kretprobe):
+                    self.engine.register_kretprobe(p)
+                else:
+                    self.engine.register_kprobe(p)
+            except ProbeRejectedError as exc:
+                out.append(Outcome.rejected(name, exc.errno, str(exc)))
+                continue
+            self._probes[name] = p
+            out.append(Outcome(name, True, mode="host"))
+        return out
+
+    def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe:
+        where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
+                                 if spec.symbol_name else {"addr": spec.addr})
+        if spec.module:
+            self.vm.refresh_module_symbols()
+        if spec.is_return:
+            self._returns[name] = 0
+            return Kretprobe(**where, maxactive=spec.maxactive,
+                             handler=lambda ri, regs: self._record(spec, name, regs, ri))
+        return Kprobe(**where, pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
+
+    def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any) -> int:
+        if not self.recording:
+            return 0
+        eng = self.engine
+        nth = sum(1 for h in self._hits if h.probe == name) + 1
+        overrides: dict[str, int] = {}
+        if self.hook is not None:
+            self.hook(name, nth, overrides)
+        if spec.is_return:
+            func = what.rp.addr
+            ip_val = regs.ip
+            hit = self._symname(func)
+            ip_text = eng.symbols.format(what.ret_addr) if eng.symbols.symbolize(what.ret_addr) \
+                else f"0x{what.ret_addr:08x}"
+            ret_from: str | None = hit
+            self._returns[name] = self._returns.get(name, 0) + 1
+        else:
+            ip_val = what.addr + INT3_INSN_SIZE
+            ip_text = eng.symbols.format(what.addr)
+            ret_from = None
+        ctx = _Ctx(eng, regs, ip_val, overrides)
+        values = evaluate(spec, ctx)
+        symbolize = ctx.symbolize
+        args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
+        self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
+                              seq=len(self._hits), cpu=regs.cpu, pid=ctx.pid(),
+                              comm=ctx.comm(), ip=ip_text, ret_from=ret_from, args=args,
+                              mode="host"))
+        return 0
+
+    def _symname(self, addr: int) -> str:
+        hit = self.engine.symbols.symbolize(addr)
+        return hit[0].name if hit else f"0x{addr:x}"
+
+    def enable(self) -> None:
+        self._hits.clear()
+        self.recording = True
+
+    def disable(self) -> None:
+        self.recording = False
+
+    def collect(self) -> list[Hit]:
+        """The hits, each under the comm its pid had at its *last* hit: the trace file
+        stores only pids and prints comms from ``saved_cmdlines``, recorded after the
+        events, so a child that execs after its first events prints with the new name."""
+        last: dict[int, str] = {}
+        for h in self._hits:
+            if h.pid is not None:
+                last[h.pid] = h.comm
+        return [dataclasses.replace(h, comm=last.get(h.pid, h.comm)) if h.pid is not None else h
+                for h in self._hits]
+
+    def counters(self) -> dict[str, Counters]:
+        out = {}
+        for name, p in self._probes.items():
+            if isinstance(p, Kretprobe):
+                out[name] = Counters(name, self._returns.get(name, 0), p.nmissed)
+            else:
+                out[name] = Counters(name, p.nhit, p.nmissed)
+        return out
+
+    def close(self) -> None:
+        for p in self._probes.values():
+            try:
+                if isinstance(p, Kretprobe):
+                    self.engine.unregister_kretprobe(p)
+                else:
+                    self.engine.unregister_kprobe(p)
+            except HarnessError as exc:
+                log.warning("unregistering %r failed: %s", p, exc)
+        self._probes.clear()

@@ -1,0 +1,155 @@
+"""Compare what two sides recorded for one workload and name the first divergence.
+
+Pure: ``RunResult`` records in, a ``DiffResult`` out, no I/O. Both sides observe the
+*same* execution (``harness.runner`` arms the in-guest probes first and the host-side ones
+on top), so every field of every hit is comparable: pointers, comms, return values.
+
+Normalizations, all listed here and named in every report (nothing else is normalized):
+
+- ``agent``: hits whose comm is ``qemu-ga`` are left out on both sides. They are the
+  harness's own guest agent switching tracing on and off, at moments the two sides see
+  differently by construction.
+- ``trampoline``: when a host-side return probe and an in-guest one sit on the same
+  function, the host hijacks the return address first, so the guest's record shows the
+  host trampoline (``_etext+0x0``) as the return address. Such an ip compares equal to
+  the host's record of the real return address.
+- ``nhit``: raw hit counters are not compared (each side counts from its own
+  registration, which happens at different moments); hits recorded during the workload
+  are compared one by one instead. ``nmissed`` is compared exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .records import Hit, Outcome, RunResult
+
+AGENT_COMMS = ("qemu-ga",)
+NORMALIZATIONS = {
+    "agent": "hits of the harness's guest agent (comm qemu-ga) left out on both sides",
+    "trampoline": "a guest return probe's ip showing the host trampoline compares equal "
+                  "to the host's real return address",
+    "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
+}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first place where the two sides disagree for one probe."""
+
+    probe: str
+    field: str                  # registration, count, kind, comm, ip, ret_from, arg:NAME, nmissed
+    index: int                  # hit number (0-based), -1 for registration and counters
+    a_value: str
+    b_value: str
+    a_context: tuple[Hit, ...] = ()
+    b_context: tuple[Hit, ...] = ()
+
+    def describe(self, a_side: str, b_side: str) -> str:
+        where = f"hit #{self.index + 1}" if self.index >= 0 else "probe"
+        return (f"{self.probe}: {where}, field {self.field}: "
+                f"{a_side} {self.a_value!r} vs {b_side} {self.b_value!r}")
+
+
+@dataclass
+class DiffResult:
+    a_side: str
+    b_side: str
+    matched: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    modes: dict[str, str] = field(default_factory=dict)
+    divergences: list[Divergence] = field(default_factory=list)
+    applied: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, tuple[Outcome | None, Outcome | None]] = field(default_factory=dict)
+
+    @property
+    def equivalent(self) -> bool:
+        return not self.divergences
+
+    @property
+    def first(self) -> Divergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    @property
+    def total_matched(self) -> int:
+        return sum(self.matched.values())
+
+
+def _relevant(hits: list[Hit]) -> list[Hit]:
+    return [h for h in hits if h.comm not in AGENT_COMMS]
+
+
+def _fields(h: Hit) -> dict[str, str]:
+    out = {"kind": h.kind, "comm": h.comm, "ip": h.ip, "ret_from": h.ret_from or ""}
+    out.update({f"arg:{k}": v for k, v in h.args})
+    return out
+
+
+def compare(a: RunResult, b: RunResult, *, trampoline: str | None = None,
+            context: int = 3) -> DiffResult:
+    """Compare side ``a`` (usually host) with side ``b`` (events or module).
+
+    :param trampoline: how the host trampoline prints in the guest (``_etext+0x0/...``
+        prefix), for the ``trampoline`` normalization.
+    """
+    res = DiffResult(a.side, b.side)
+    oa = {o.probe: o for o in a.outcomes}
+    ob = {o.probe: o for o in b.outcomes}
+    for probe in list(dict.fromkeys([*oa, *ob])):
+        x, y = oa.get(probe), ob.get(probe)
+        res.outcomes[probe] = (x, y)
+        if y is not None and y.mode:
+            res.modes[probe] = y.mode
+        acc_x = x is not None and x.accepted
+        acc_y = y is not None and y.accepted
+        if acc_x != acc_y or (not acc_x and x is not None and y is not None and x.errno != y.errno):
+            res.divergences.append(Divergence(
+                probe, "registration", -1, _outcome_text(x), _outcome_text(y)))
+    ha, hb = _relevant(a.hits), _relevant(b.hits)
+    res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb))
+    per_a: dict[str, list[Hit]] = {}
+    per_b: dict[str, list[Hit]] = {}
+    for h in ha:
+        per_a.setdefault(h.probe, []).append(h)
+    for h in hb:
+        per_b.setdefault(h.probe, []).append(h)
+    for probe in dict.fromkeys([*per_a, *per_b, *(p for p, (x, y) in res.outcomes.items()
+                                                   if x and y and x.accepted and y.accepted)]):
+        la, lb = per_a.get(probe, []), per_b.get(probe, [])
+        res.counts[probe] = (len(la), len(lb))
+        matched = 0
+        div = None
+        for i in range(min(len(la), len(lb))):
+            fa, fb = _fields(la[i]), _fields(lb[i])
+            if trampoline and fb.get("ip", "").startswith(trampoline) and la[i].kind == "r":
+                fb["ip"] = fa["ip"]
+                res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
+            bad = next((k for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)), None)
+            if bad is not None:
+                div = Divergence(probe, bad, i, fa.get(bad, "<none>"), fb.get(bad, "<none>"),
+                                 tuple(la[max(0, i - context):i + context + 1]),
+                                 tuple(lb[max(0, i - context):i + context + 1]))
+                break
+            matched += 1
+        if div is None and len(la) != len(lb):
+            i = min(len(la), len(lb))
+            div = Divergence(probe, "count", i, str(len(la)), str(len(lb)),
+                             tuple(la[max(0, i - context):i + context]),
+                             tuple(lb[max(0, i - context):i + context]))
+        res.matched[probe] = matched
+        if div is not None:
+            res.divergences.append(div)
+    for probe, ca in a.counters.items():
+        cb = b.counters.get(probe)
+        if cb is not None and ca.nmissed != cb.nmissed:
+            res.divergences.append(Divergence(probe, "nmissed", -1, str(ca.nmissed), str(cb.nmissed)))
+    res.applied["nhit"] = len(set(a.counters) & set(b.counters))
+    return res
+
+
+def _outcome_text(o: Outcome | None) -> str:
+    if o is None:
+        return "not registered"
+    if o.accepted:
+        return "accepted"
+    import errno as _e
+    return f"refused {_e.errorcode.get(o.errno, o.errno)}: {o.message}"

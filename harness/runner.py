@@ -1,0 +1,66 @@
+"""Run probe specs on one side, or on two sides observing one execution, for a workload.
+
+Why one execution and not two runs: fetch args such as ``%dx`` at ``do_sys_openat2`` are
+kernel stack pointers, different in every process; only the very same hits can be
+compared field by field. So the in-guest backend registers first and the host-side one
+on top (a host breakpoint fires before the guest's own ftrace call or int3 at the same
+address, records, then executes the instruction, which runs the guest's probe), one
+workload runs, and both record the same calls.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from .backends import make_backend
+from .backends.host import FetchHook, HostBackend
+from .probespec import ProbeSpec
+from .records import RunResult
+
+log = logging.getLogger(__name__)
+
+
+def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
+               timeout: float = 120.0) -> RunResult:
+    """Place ``specs`` with one backend, run ``workload``, collect, unregister."""
+    be = make_backend(backend, vm)
+    try:
+        outcomes = be.register(specs)
+        be.enable()
+        r = vm.run(workload, timeout=timeout)
+        be.disable()
+        return RunResult(be.side, outcomes, be.collect(), be.counters(), r.status,
+                         r.stdout + r.stderr)
+    finally:
+        be.close()
+
+
+def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
+                     guest: str = "events", hook: FetchHook | None = None,
+                     timeout: float = 120.0) -> tuple[RunResult, RunResult]:
+    """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``."""
+    g = make_backend(guest, vm)
+    h: HostBackend | None = None
+    try:
+        g_out = g.register(specs)
+        h = HostBackend(vm, hook=hook)
+        h_out = h.register(specs)
+        g.enable()
+        h.enable()
+        r = vm.run(workload, timeout=timeout)
+        h.disable()
+        g.disable()
+        host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr)
+        guest_res = RunResult(g.side, g_out, g.collect(), g.counters(), r.status,
+                              r.stdout + r.stderr)
+        return host, guest_res
+    finally:
+        if h is not None:
+            h.close()
+        g.close()
+
+
+def trampoline_text(vm: Any) -> str:
+    """How the host trampoline prints in a guest trace (``_etext+0x0``)."""
+    hit = vm.symbols.symbolize(vm.host.trampoline)
+    return f"{hit[0].name}+{hit[1]:#x}" if hit else f"0x{vm.host.trampoline:x}"
