@@ -13,6 +13,10 @@ Normalizations, all listed here and named in every report (nothing else is norma
   function, the host hijacks the return address first, so the guest's record shows the
   host trampoline (``_etext+0x0``) as the return address. Such an ip compares equal to
   the host's record of the real return address.
+- ``unknown``: where a numeric fetch fails (e.g. a user page not present yet), the kernel
+  records whatever bytes the ring buffer slot held before; nothing can predict them. The
+  host side reports ``(unknown)`` there, which compares equal to any value (per array
+  element).
 - ``nhit``: raw hit counters are not compared (each side counts from its own
   registration, which happens at different moments); hits recorded during the workload
   are compared one by one instead. ``nmissed`` is compared exactly.
@@ -29,7 +33,21 @@ NORMALIZATIONS = {
     "trampoline": "a guest return probe's ip showing the host trampoline compares equal "
                   "to the host's real return address",
     "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
+    "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
 }
+UNKNOWN_TEXT = "(unknown)"
+
+
+def _unknown_match(a: str, b: str) -> bool:
+    """``a`` (host) has (unknown) where ``b`` has anything, element by element for arrays."""
+    if UNKNOWN_TEXT not in a:
+        return False
+    if a == UNKNOWN_TEXT:
+        return True
+    if a.startswith("{") and b.startswith("{"):
+        ea, eb = a[1:-1].split(","), b[1:-1].split(",")
+        return len(ea) == len(eb) and all(x == y or x == UNKNOWN_TEXT for x, y in zip(ea, eb))
+    return False
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,8 @@ def _relevant(hits: list[Hit]) -> list[Hit]:
 
 def _fields(h: Hit) -> dict[str, str]:
     out = {"kind": h.kind, "comm": h.comm, "ip": h.ip, "ret_from": h.ret_from or ""}
+    if h.pid is not None:
+        out["pid"] = str(h.pid)
     out.update({f"arg:{k}": v for k, v in h.args})
     return out
 
@@ -123,6 +143,13 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | None = None,
             if trampoline and fb.get("ip", "").startswith(trampoline) and la[i].kind == "r":
                 fb["ip"] = fa["ip"]
                 res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
+            for k in fa:
+                if k.startswith("arg:") and k in fb and fa[k] != fb[k] and _unknown_match(fa[k], fb[k]):
+                    fb[k] = fa[k]
+                    res.applied["unknown"] = res.applied.get("unknown", 0) + 1
+            if "pid" not in fa or "pid" not in fb:  # a side that cannot know pids
+                fa.pop("pid", None)
+                fb.pop("pid", None)
             bad = next((k for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)), None)
             if bad is not None:
                 div = Divergence(probe, bad, i, fa.get(bad, "<none>"), fb.get(bad, "<none>"),

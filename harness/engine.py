@@ -552,6 +552,11 @@ class HostEngine:
             args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
         return args
 
+    def invalidate_code(self) -> None:
+        """Forget decoded instructions: the guest changed its text (its own kprobes were
+        armed after ours: an ftrace nop became a call, an int3 or a jmp was planted)."""
+        self._call(self._emul.clear)
+
     def read(self, addr: int, n: int) -> bytes:
         """Guest virtual memory (from a handler, or from any thread: the guest is halted)."""
         return self._call(lambda: self.stub.read_memory(addr, n))

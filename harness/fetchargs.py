@@ -275,11 +275,15 @@ def _read(ctx: FetchContext, addr: Any, size: int, user: bool) -> bytes | None:
     if isinstance(addr, _Blob):
         return (addr.data + b"\0" * size)[:size]
     addr &= _M
+    if not user and addr < TASK_SIZE_MAX:
+        # probe_mem_read(): with CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE (x86_64)
+        # a kernel-typed read below TASK_SIZE goes to probe_mem_read_user().
+        user = True
     if user:
         if addr + size > TASK_SIZE_MAX:
             return None
     elif addr < 0xFFFF800000000000 or addr & ~0xFFF == VSYSCALL_ADDR:
-        return None             # user half, non-canonical or vsyscall: refused, -ERANGE
+        return None             # non-canonical or vsyscall: refused, -ERANGE
     try:
         data = (ctx.read_user if user else ctx.read)(addr, size)
     except FaultError:
@@ -343,7 +347,9 @@ def _store_string(op: str, ctx: FetchContext, addr: Any, st: _Store) -> int:
         text = _symtext(ctx, addr).encode()
         data, ret, loc = text + b"\0", len(text), st.loc
     else:
-        user = op == "st_ustring"
+        # kern_fetch_store_string(): below TASK_SIZE the kernel string fetch is the user one
+        # (CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE, trace_probe_kernel.h).
+        user = op == "st_ustring" or _user_half(addr)
         got = _cstr(ctx, addr, maxlen, user)
         if got is None:
             ret = _EFAULT
@@ -362,12 +368,17 @@ def _store_string(op: str, ctx: FetchContext, addr: Any, st: _Store) -> int:
     return ret
 
 
+def _user_half(addr: Any) -> bool:
+    return not isinstance(addr, _Blob) and (addr & _M) < TASK_SIZE_MAX
+
+
 def _strlen(op: str, ctx: FetchContext, addr: Any) -> int:
     """The sizing pass: ``fetch_store_strlen()``, ``_user()`` or ``fetch_store_symstrlen()``."""
     if op == "st_symstr":
         return len(_symtext(ctx, addr)) + 1
-    got = _cstr(ctx, addr, MAX_STRING_SIZE, op == "st_ustring")
-    if op == "st_string":
+    user = op == "st_ustring" or _user_half(addr)
+    got = _cstr(ctx, addr, MAX_STRING_SIZE, user)
+    if not user:
         return _EFAULT if got is None else min(len(got[0]) + 1, MAX_STRING_SIZE)
     return 0 if got is None else (len(got[0]) + 1 if got[1] else MAX_STRING_SIZE + 1)
 

@@ -2,10 +2,11 @@
 
 Why one execution and not two runs: fetch args such as ``%dx`` at ``do_sys_openat2`` are
 kernel stack pointers, different in every process; only the very same hits can be
-compared field by field. So the in-guest backend registers first and the host-side one
-on top (a host breakpoint fires before the guest's own ftrace call or int3 at the same
-address, records, then executes the instruction, which runs the guest's probe), one
-workload runs, and both record the same calls.
+compared field by field. So both sides are armed at once: host-side first (its address
+checks see the original instructions, not the guest's int3), then in-guest, then the host
+forgets what it decoded (the guest's probes changed the text). At a shared address the
+host breakpoint fires before the guest's own ftrace call, int3 or jump, records, then
+executes the instruction, which runs the guest's probe. One workload, the same calls.
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
     g = make_backend(guest, vm)
     h: HostBackend | None = None
     try:
-        g_out = g.register(specs)
         h = HostBackend(vm, hook=hook)
         h_out = h.register(specs)
+        g_out = g.register(specs)
+        vm.host.invalidate_code()
         g.enable()
         h.enable()
         r = vm.run(workload, timeout=timeout)

@@ -1,0 +1,106 @@
+"""pytest plugin: fixtures for differential kprobe tests (entry point ``kprobe_harness``).
+
+Thin, like xdist's plugin: options, markers and fixtures here; the work is in
+``harness.runner`` and ``harness.diff``, which plain code can call too
+(``boot_machine``, ``probe_diff``). QEMU-related imports happen inside the fixtures, so
+``pytest --help`` works on hosts without QEMU. Under ``pytest -n N`` every worker boots its
+own machine (named after the worker) and nothing is shared between workers.
+
+Fixtures:
+  kph_image     the image to boot (session)
+  kph_machine   one booted Machine per worker (session); tests must leave it clean
+  probe_diff    call with (specs, workload) -> DiffResult; ``.assert_equivalent()``
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kprobe-harness", "kprobe-harness differential tests")
+    group.addoption("--kph-image", metavar="VERSION|DIR", default=None,
+                    help="Image to boot (default: the one `kph image build` made)")
+    group.addoption("--kph-qemu", metavar="PATH", default=None,
+                    help="QEMU binary (default: the one the harness chooses)")
+    group.addoption("--kph-guest", choices=("events", "module"), default="events",
+                    help="In-guest side of probe_diff (default: events)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vm: boots a real kernel under QEMU")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "kvm: needs a working /dev/kvm")
+
+
+def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:
+    """A booted Machine (the plain function behind ``kph_machine``)."""
+    from harness.vmctl import Machine
+
+    return Machine.boot(image, qemu=qemu, **kw)
+
+
+class DiffHelper:
+    """``probe_diff(specs, workload)``: run both sides on one execution and compare."""
+
+    def __init__(self, vm: Any, guest: str) -> None:
+        self.vm, self.guest = vm, guest
+        self.last: Any = None
+
+    def __call__(self, specs: Sequence[str], workload: str, *, guest: str | None = None,
+                 hook: Callable[..., None] | None = None, timeout: float = 120.0) -> Any:
+        from harness.diff import compare
+        from harness.probespec import parse
+        from harness.runner import run_differential, trampoline_text
+
+        parsed = [parse(s) for s in specs]
+        runs = run_differential(self.vm, parsed, workload, guest=guest or self.guest,
+                                hook=hook, timeout=timeout)
+        res = compare(*runs, trampoline=trampoline_text(self.vm))
+        res.runs = runs  # type: ignore[attr-defined]
+        self.last = res
+        return _Checked(res)
+
+
+class _Checked:
+    def __init__(self, res: Any) -> None:
+        self.result = res
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.result, name)
+
+    def assert_equivalent(self, *, min_events: int = 1) -> Any:
+        from harness import report
+
+        text = report.text(self.result)
+        assert self.result.equivalent, text
+        assert self.result.total_matched >= min_events, f"too few events matched\n{text}"
+        return self.result
+
+
+@pytest.fixture(scope="session")
+def kph_image(request: pytest.FixtureRequest) -> Any:
+    from harness.errors import HarnessError
+    from harness.images import default_image
+
+    try:
+        return default_image(request.config.getoption("--kph-image"))
+    except HarnessError as exc:
+        pytest.fail(f"no kprobe-harness image: {exc}")
+
+
+@pytest.fixture(scope="session")
+def kph_machine(request: pytest.FixtureRequest, kph_image: Any) -> Any:
+    vm = boot_machine(kph_image, request.config.getoption("--kph-qemu"))
+    with vm:
+        yield vm
+
+
+@pytest.fixture
+def probe_diff(request: pytest.FixtureRequest, kph_machine: Any) -> DiffHelper:
+    helper = DiffHelper(kph_machine, request.config.getoption("--kph-guest"))
+    yield helper
+    # No state may leak into the next test: no probes left on either side.
+    left = kph_machine.run("cat /sys/kernel/tracing/kprobe_events").stdout
+    assert left == "", f"in-guest probes left behind: {left}"

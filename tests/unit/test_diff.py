@@ -1,0 +1,70 @@
+from harness.diff import compare
+from harness.records import Counters, Hit, Outcome, RunResult
+
+
+def hit(side, seq, probe="kprobes/open", comm="cat", **args):
+    return Hit(side=side, probe=probe, kind="p", seq=seq, cpu=0, pid=7, comm=comm,
+               ip="do_sys_openat2+0x0/0x170", args=tuple((k, str(v)) for k, v in args.items()))
+
+
+def run(side, hits, outcomes=None, counters=None):
+    return RunResult(side, outcomes or [Outcome("kprobes/open", True)], hits, counters or {})
+
+
+def test_equal_streams_are_equivalent_and_agent_hits_are_left_out():
+    a = run("host", [hit("host", 0, dfd=-100), hit("host", 1, comm="qemu-ga", dfd=1)])
+    b = run("events", [hit("events", 0, dfd=-100)])
+    res = compare(a, b)
+    assert res.equivalent and res.matched == {"kprobes/open": 1}
+    assert res.applied["agent"] == 1
+
+
+def test_first_differing_field_is_named_with_context():
+    a = run("host", [hit("host", i, dfd=-100, path='"/x"') for i in range(5)])
+    bh = [hit("events", i, dfd=-100, path='"/x"') for i in range(5)]
+    bh[2] = hit("events", 2, dfd=3, path='"/x"')
+    res = compare(a, run("events", bh))
+    d = res.first
+    assert not res.equivalent and (d.probe, d.field, d.index) == ("kprobes/open", "arg:dfd", 2)
+    assert (d.a_value, d.b_value) == ("-100", "3")
+    assert len(d.a_context) >= 3
+
+
+def test_extra_hits_are_a_count_divergence():
+    a = run("host", [hit("host", 0, dfd=1)])
+    b = run("events", [hit("events", 0, dfd=1), hit("events", 1, dfd=1)])
+    d = compare(a, b).first
+    assert d.field == "count" and (d.a_value, d.b_value) == ("1", "2")
+
+
+def test_refusals_compare_by_errno():
+    a = run("host", [], [Outcome.rejected("kprobes/bl", 22)])
+    b = run("events", [], [Outcome.rejected("kprobes/bl", 22)])
+    assert compare(a, b).equivalent
+    b = run("events", [], [Outcome("kprobes/bl", True)])
+    assert compare(a, b).first.field == "registration"
+
+
+def test_nmissed_must_match():
+    a = run("host", [], counters={"kprobes/r": Counters("kprobes/r", 5, 1)})
+    b = run("events", [], counters={"kprobes/r": Counters("kprobes/r", 9, 0)})
+    d = compare(a, b).first
+    assert d.field == "nmissed"
+
+
+def test_trampoline_return_address_normalization():
+    ra = Hit("host", "kprobes/r", "r", 0, 0, 7, "cat", "__x64_sys_openat+0x6a/0xa0", "do_sys_openat2")
+    rb = Hit("events", "kprobes/r", "r", 0, 0, 7, "cat", "_etext+0x0/0x0", "do_sys_openat2")
+    o = [Outcome("kprobes/r", True)]
+    assert not compare(run("host", [ra], o), run("events", [rb], o)).equivalent
+    res = compare(run("host", [ra], o), run("events", [rb], o), trampoline="_etext+0x0")
+    assert res.equivalent and res.applied["trampoline"] == 1
+
+
+def test_host_unknown_matches_any_value_per_element():
+    a = run("host", [hit("host", 0, head="{(unknown),(unknown)}", n="(unknown)")])
+    b = run("events", [hit("events", 0, head="{20,0}", n="5")])
+    res = compare(a, b)
+    assert res.equivalent and res.applied["unknown"] == 2
+    b = run("events", [hit("events", 0, head="{20,0,1}", n="5")])
+    assert not compare(a, b).equivalent

@@ -1,0 +1,78 @@
+"""The differential runner on a booted kernel: agreement, disagreement on purpose, bad specs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.diff import compare
+from harness.probespec import parse
+from harness.runner import run_differential, trampoline_text
+
+pytestmark = pytest.mark.vm
+
+OPEN = "p:open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32"
+OPENRET = "r:openret do_sys_openat2 ret=$retval:s64"
+
+
+def kph(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_acceptance_command_is_equivalent(tmp_path):
+    out = tmp_path / "d.json"
+    r = kph("diff", OPEN, OPENRET, "--run", "cat /proc/version", "--json", str(out),
+            "--html", str(tmp_path / "d.html"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["equivalent"]
+    for probe in ("kprobes/open", "kprobes/openret"):
+        host, guest = doc["counts"][probe]
+        assert host == guest and host > 0
+    assert "events matched on each side" in r.stdout
+    assert "<table>" in (tmp_path / "d.html").read_text()
+
+
+def test_a_host_handler_altering_a_register_on_the_third_hit_diverges(vm):
+    def hook(probe, nth, overrides):
+        if probe == "kprobes/open" and nth == 3:
+            overrides["di"] = 7
+    specs = [parse(OPEN)]
+    host, guest = run_differential(vm, specs, "cat /proc/version /proc/cmdline /proc/uptime",
+                                   hook=hook)
+    res = compare(host, guest, trampoline=trampoline_text(vm))
+    d = res.first
+    assert not res.equivalent
+    assert (d.probe, d.field, d.index) == ("kprobes/open", "arg:dfd", 2)
+    assert (d.a_value, d.b_value) == ("7", "-100")
+    assert vm.run("cat /sys/kernel/tracing/kprobe_events").stdout == ""
+
+
+
+
+@pytest.mark.parametrize("spec,column,message", [
+    ("p:bad do_sys_openat2 x=%zz", 23, "Invalid register name"),
+    ("p:bad no_such_symbol_kph", 6, "Invalid probed address or symbol"),
+    ("r:bad +5", 6, "Invalid probed address or symbol"),
+])
+def test_malformed_specs_exit_2_with_the_position(spec, column, message):
+    r = kph("diff", spec, "--run", "true")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert message in r.stderr
+    caret_line = r.stderr.rstrip("\n").splitlines()[-1]
+    command_line = r.stderr.rstrip("\n").splitlines()[-2]
+    assert command_line.endswith(spec)
+    assert caret_line.index("^") - (len(command_line) - len(spec)) == column
+
+
+def test_refused_probe_is_refused_on_both_sides(vm):
+    specs = [parse("p:bl kprobe_int3_handler"), parse("p:mid do_sys_openat2+1")]
+    host, guest = run_differential(vm, specs, "true")
+    res = compare(host, guest)
+    assert res.equivalent
+    assert {o.probe: o.errno for o in guest.outcomes} == {"kprobes/bl": 22, "kprobes/mid": 84}
+    assert vm.run("cat /sys/kernel/tracing/kprobe_events").stdout == ""

@@ -1,0 +1,65 @@
+"""The differential suite: one spec set per case, host-side and in-guest on one execution.
+
+Runs on the ``kph_machine`` of the kprobe-harness pytest plugin: one VM per xdist worker,
+each case leaves no probe behind (the ``probe_diff`` fixture checks).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.vm
+
+OPEN = "cat /proc/version"
+CASES = {
+    "entry args": (["p:e1 do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32"], OPEN),
+    "entry $argN": (["p:e2 do_sys_openat2 a1=$arg1:s32 a2=$arg2:x64 a3=$arg3:x64"], OPEN),
+    "return value": (["r:r1 do_sys_openat2 ret=$retval:s64"], "cat /proc/version /nope; true"),
+    "return maxactive": (["r4:r2 do_sys_openat2 ret=$retval:s32"], OPEN),
+    "entry and return": (["p:o do_sys_openat2 path=+0(%si):ustring",
+                          "r:or do_sys_openat2 ret=$retval:s64"], "cat /proc/version /nope; true"),
+    "mid-function push": (["p:m1 do_sys_openat2+5 r12=%r12:x64 si=%si:x64"], OPEN),
+    "mid-function mov": (["p:m2 do_sys_openat2+7 si=%si:x64 r12=%r12:x64"], OPEN),
+    "ip convention": (["p:ip do_sys_openat2 ip=%ip:x64"], OPEN),
+    "comm": (["p:c do_sys_openat2 comm=$comm"], OPEN),
+    "stack entries": (["p:s do_sys_openat2 s0=$stack0:x64 s1=$stack1:x64"], OPEN),
+    "symbol type": (["p:sym do_sys_openat2 caller=$stack0:symbol"], OPEN),
+    "kernel deref": (["p:k do_sys_openat2 how_flags=+0(%dx):x64 how_mode=+8(%dx):x64"], OPEN),
+    "kernel string of a user pointer faults": (["p:ks do_sys_openat2 s=+0(%si):string"], OPEN),
+    # (6.1 refuses arrays of a user deref, "+u0(%si):u8[4]": the parser does too)
+    "array of a user pointer": (["p:ua do_sys_openat2 head=+0(%si):u8[4]"], OPEN),
+    "bitfields": (["p:bf do_sys_openat2 lo=%dx:b4@0/32 mid=%dx:b8@4/32"], OPEN),
+    "global string": (["p:g do_sys_openat2 node=@init_uts_ns+65:string"], OPEN),
+    "immediates": (["p:imm do_sys_openat2 n=\\42 s=\\\"kph\\\""], OPEN),
+    "two events at one address": (["p:pa1 do_sys_openat2 dfd=%di:s32",
+                                   "p:pa2 do_sys_openat2 path=+0(%si):ustring"], OPEN),
+    "one event on two functions": (["p:multi do_sys_openat2 dfd=%di:s32",
+                                    "p:multi do_faccessat dfd=%di:s32"],
+                                   "test -r /proc/version; cat /proc/version"),
+    # busybox cat copies with sendfile(); head reads with read()
+    "read path": (["p:rd vfs_read count=%dx:u64", "r:rdr vfs_read ret=$retval:s64"],
+                  "head -c 20 /proc/version"),
+    "sleeping return": (["r:ns do_nanosleep ret=$retval:s32"], "sleep 0.2"),
+    "maxactive 1 under concurrency": (["r1:ns1 do_nanosleep ret=$retval:s32"],
+                                      "sleep 1 & sleep 1 & wait"),
+    "refused: blacklisted": (["p:bl kprobe_int3_handler"], "true"),
+    "refused: not an instruction boundary": (["p:mid do_sys_openat2+1"], "true"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_differential(probe_diff, name):
+    specs, workload = CASES[name]
+    res = probe_diff(specs, workload)
+    refused = name.startswith("refused")
+    res.assert_equivalent(min_events=0 if refused else 1)
+    if refused:
+        guest = res.runs[1].outcomes
+        assert guest and all(not o.accepted for o in guest)
+    if "maxactive 1" in name:
+        assert res.runs[0].counters["kprobes/ns1"].nmissed == 1
+        assert res.runs[1].counters["kprobes/ns1"].nmissed == 1
+
+
+def test_raw_address_probe(probe_diff, kph_machine):
+    addr = kph_machine.symbols.lookup("do_sys_openat2").addr
+    probe_diff([f"p:raw {addr:#x} dfd=%di:s32"], OPEN).assert_equivalent()
