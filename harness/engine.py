@@ -95,16 +95,10 @@ class HostEngine:
         tramp = trampoline if trampoline is not None else os.environ.get("KPH_TRAMPOLINE",
                                                                          DEFAULT_TRAMPOLINE)
         self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
-        self._exc = {}
-        for name, vec in EXCEPTION_ENTRIES.items():
-            try:
-                self._exc[self.symbols.lookup(name).addr] = vec
-            except KeyError:
-                pass
-        try:
-            self._current_task_off: int | None = self.symbols.lookup("current_task").addr
-        except KeyError:
-            self._current_task_off = None
+        self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
+                     if (sym := self.symbols.get(name)) is not None}
+        cur = self.symbols.get("current_task")
+        self._current_task_off: int | None = cur.addr if cur is not None else None
         self._comm_off: int | None = None
         self._task_off: dict[str, int | None] = {}
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()

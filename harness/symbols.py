@@ -232,6 +232,13 @@ class SymbolTable:
             raise SymbolNotFoundError(name, hint=self._suggest(sym, mod if sep else None))
         return self._sym(i)
 
+    def get(self, name: str) -> Symbol | None:
+        """Like ``lookup`` but None when absent, without computing suggestions (which
+        scans every name): for symbols a kernel may or may not have."""
+        mod, sep, sym = name.rpartition(":")
+        i = self._by_mod.get((mod, sym)) if sep else self._by_name.get(name)
+        return None if i is None else self._sym(i)
+
     def resolve(self, spec: str) -> int:
         """The address of ``sym``, ``sym+0x10``, ``sym+16``, ``MOD:sym+off`` or ``0xADDR``.
         Offsets parse like ``kstrtoul(s, 0)``: ``0x`` is hex, a leading 0 octal.

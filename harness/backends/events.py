@@ -56,23 +56,34 @@ class EventsBackend:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
-        self._sh(f"echo 0 > {TRACING}/tracing_on; echo > {TRACING}/trace; "
-                 f"echo 16384 > {TRACING}/buffer_size_kb")
-        out = []
+        """All specs in one guest script (one agent round trip), each line's fate reported."""
+        script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
+                  "grep -q '^16384' buffer_size_kb || echo 16384 > buffer_size_kb"]
+        for spec in specs:
+            line = shlex.quote(kernel_format(spec))
+            script.append(f"if echo {line} >> kprobe_events 2>/tmp/kph.err; then "
+                          f"echo 1 > events/{spec.group}/{spec.event}/enable && echo '@ok'; "
+                          "else echo \"@err $(cat /tmp/kph.err)\"; "
+                          "tail -n 3 error_log | grep 'error:' | tail -n 1; fi")
+        script.append(f"echo '@list'; cat {KPROBES_LIST}")
+        text = self._sh("\n".join(script), timeout=120)
+        results, _, listing = text.partition("@list\n")
+        out, lines, i = [], results.splitlines(), 0
         for spec in specs:
             name = f"{spec.group}/{spec.event}"
-            line = kernel_format(spec)
-            r = self.vm.run(f"echo {shlex.quote(line)} >> {TRACING}/kprobe_events", timeout=60)
-            if r.status != 0:
-                msg = r.stderr.strip().rsplit("write error: ", 1)[-1]
-                err = _STRERROR.get(msg, _errno.EINVAL)
-                detail = self._last_error()
-                out.append(Outcome.rejected(name, err, detail or msg))
-                continue
-            self.specs[name] = spec
-            self._sh(f"echo 1 > {TRACING}/events/{spec.group}/{spec.event}/enable")
-            out.append(Outcome(name, True))
-        modes = probe_modes(self._sh(f"cat {KPROBES_LIST}"))
+            while i < len(lines) and not lines[i].startswith("@"):
+                i += 1
+            status = lines[i] if i < len(lines) else "@err unknown"
+            detail = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("@") else ""
+            i += 1
+            if status == "@ok":
+                self.specs[name] = spec
+                out.append(Outcome(name, True))
+            else:
+                msg = status[5:].strip().rsplit("write error: ", 1)[-1]
+                text_err = detail.split("error:", 1)[1].strip() if "error:" in detail else msg
+                out.append(Outcome.rejected(name, _STRERROR.get(msg, _errno.EINVAL), text_err))
+        modes = probe_modes(listing)
         self.outcomes = [self._with_mode(o, modes) for o in out]
         return self.outcomes
 
@@ -86,13 +97,6 @@ class EventsBackend:
         except KeyError:
             return o
         return Outcome(o.probe, True, mode=modes.get(addr, "int3"))
-
-    def _last_error(self) -> str:
-        text = self._sh(f"cat {TRACING}/error_log", check=False).strip().splitlines()
-        for line in reversed(text):
-            if "error:" in line:
-                return line.split("error:", 1)[1].strip()
-        return ""
 
     def enable(self) -> None:
         # Through the agent's file API, not a shell: the only process that opens
