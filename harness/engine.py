@@ -9,7 +9,7 @@ probes fire, because the guest runs between hits.
 The flow of one hit at ``addr`` mirrors ``kprobe_int3_handler`` and the aggregate
 handlers of ``kernel/kprobes.c``:
 
-1. every enabled probe at ``addr`` gets ``pre_handler(p, regs)`` in registration order;
+1. every enabled probe at ``addr`` gets ``pre_handler(p, regs)``, newest first;
    the first non-zero return ends the chain and the guest resumes at ``regs.ip``
    (``aggr_pre_handler``), with no single-step and no post_handler;
 2. otherwise the probed instruction runs: emulated on the host when it is simple
@@ -20,6 +20,9 @@ handlers of ``kernel/kprobes.c``:
 4. ``post_handler(p, regs, 0)`` with the registers after the instruction;
 5. if the next address is itself probed (or the trampoline), that hit is handled now,
    since resuming there would step over its breakpoint.
+
+Several probes at one address run newest first, as ``add_new_kprobe()`` links a new probe
+at the head of the aggregate's list.
 
 Return probes put the trampoline address (default ``_etext``: the first byte past the
 kernel's last instruction, inside the executable mapping, never reached by the guest's
@@ -359,13 +362,17 @@ class HostEngine:
             return None
 
     def _on_trampoline(self, th: int) -> int:
-        regs = self._regs(th, {"ip": self.trampoline})
+        regs = self._regs(th, {})
         ri = self._live.pop((regs.sp - 8) & ((1 << 64) - 1), None)
         if ri is None:
             raise VMLostError(f"the guest reached the kretprobe trampoline {self.trampoline:#x} "
                               f"with sp={regs.sp:#x}, which matches no pending return")
         self.stats["returns"] += 1
         rp = ri.rp
+        # rethook_trampoline_handler() sets ip to the real return address before calling
+        # handlers ("if the user handler calls stack_trace_save_regs() with this regs").
+        regs.set("ip", ri.ret_addr)
+        regs.clear_dirty()
         if not ri.orphan and rp.handler is not None:
             self._handler(rp.handler, ri, regs)
         self._flush(regs, th, keep_ip=False)
@@ -419,10 +426,12 @@ class HostEngine:
             raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)
         p.addr = addr
+        # add_new_kprobe() puts a new probe at the head of the aggregate's list, so the
+        # kernel runs probes at one address newest first; so does the host.
         # Code may have changed since an instruction was decoded (the guest's own kprobes
         # patch the ftrace nop into a call, or an int3 over the first byte): decode afresh.
         self._emul.clear()
-        self._aggr.setdefault(addr, []).append(p)
+        self._aggr.setdefault(addr, []).insert(0, p)
         p.registered = True
         self._arm(addr)
 

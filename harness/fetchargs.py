@@ -497,6 +497,10 @@ def evaluate(target: Any, ctx: FetchContext) -> Any:
     values = []
     for a, t, elems in out:
         n = a.count or 1
+        if t.is_string and not elems:
+            # store_trace_args(): a dynamic arg whose fetch failed (e.g. a deref before
+            # the string) gets an empty data_loc, which prints (fault).
+            elems = [(0, 0)]
         elems += [UNKNOWN] * (n - len(elems))
         if t.is_string:
             elems = [_loc_string(st, e) if isinstance(e, tuple) else UNKNOWN for e in elems]

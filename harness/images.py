@@ -29,6 +29,9 @@ BUILD_FORMAT = 2
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
 #: Small static test programs shipped in the image as /usr/bin/kph-<name>.
 PROGS_DIR = RECIPE_DIR.parent / "probes" / "progs"
+#: The kprobes module shipped (not loaded) in the image as /lib/modules/kph_kprobes.ko.
+KMOD_DIR = RECIPE_DIR.parent / "probes" / "kmod"
+KMOD_NAME = "kph_kprobes"
 HOST_BUSYBOX = "/bin/busybox"
 HOST_QEMU_GA = "/usr/sbin/qemu-ga"
 ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "config")
@@ -76,12 +79,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _kmod_sources() -> list[Path]:
+    """The module's sources; a local ``make`` leaves .o/.ko/.cmd files next to them,
+    which must not change the hash."""
+    return sorted(f for f in KMOD_DIR.glob("*")
+                  if f.is_file() and (f.suffix in (".c", ".h") or f.name in ("Makefile", "Kbuild")))
+
+
 def recipe_hash() -> str:
     h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
     for d in (RECIPE_DIR, PROGS_DIR):
         for f in sorted(d.rglob("*")):
             if f.is_file() and f.suffix != ".md":
                 h.update(f.relative_to(d.parent).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in _kmod_sources():
+        h.update(f.relative_to(KMOD_DIR.parent).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -239,6 +251,7 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
             os.symlink("busybox", root / "bin" / a)
     _copy_with_libs(HOST_QEMU_GA, root, "usr/sbin/qemu-ga")
     _build_progs(root / "usr/bin")
+    _build_kmod(root / "lib/modules", moddir.name)
     shutil.copy(RECIPE_DIR / "init", root / "init")
     os.chmod(root / "init", 0o755)
     # Module index: name (with - and _ equal) -> path; then a dependency-ordered list.
@@ -278,6 +291,29 @@ def _build_progs(dest: Path) -> None:
         if proc.returncode != 0:
             raise SetupError(f"building {src.name} failed: {proc.stderr.strip()[-300:]}",
                              "apt-get install gcc libc6-dev (./setup.sh does)")
+
+
+def _build_kmod(dest: Path, abi: str) -> None:
+    """Build ``probes/kmod`` (kbuild, in a scratch copy) against the image's kernel headers
+    as ``dest/kph_kprobes.ko``. Not listed in modules.load: ``ModuleBackend`` loads it."""
+    headers = Path(f"/usr/src/linux-headers-{abi}")
+    if not (headers / "Makefile").exists():
+        raise SetupError(f"kernel headers for {abi} are missing ({headers})",
+                         f"apt-get install linux-headers-{abi} (./setup.sh does)")
+    if not shutil.which("make"):
+        raise SetupError("make is missing", "apt-get install make (./setup.sh does)")
+    with tempfile.TemporaryDirectory(prefix="kph-kmod-") as tmp:
+        for f in _kmod_sources():
+            shutil.copy(f, tmp)
+        proc = subprocess.run(["make", "-C", str(headers), f"M={tmp}", "modules"],
+                              capture_output=True, text=True, timeout=600, check=False)
+        ko = Path(tmp) / f"{KMOD_NAME}.ko"
+        if proc.returncode != 0 or not ko.exists():
+            raise SetupError(f"building {KMOD_NAME}.ko failed: "
+                             f"{(proc.stderr or proc.stdout).strip()[-400:]}",
+                             f"check {KMOD_DIR} and that linux-headers-{abi} is complete")
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ko, dest / f"{KMOD_NAME}.ko")
 
 
 def _plain_ko(src: Path, root: Path) -> Path:

@@ -192,7 +192,8 @@ class Kretprobe:
     kernel's: max(10, 2 * ncpus)); an empty pool counts ``nmissed`` and skips
     ``entry_handler``. ``entry_handler(ri, regs)`` returning non-zero means "no return
     probe for this call". ``handler(ri, regs)`` runs when the function returns, with
-    ``regs.ax`` the return value and ``regs.ip`` the trampoline address (as 6.1's rethook).
+    ``regs.ax`` the return value and ``regs.ip`` the real return address (6.1's
+    ``rethook_trampoline_handler()`` sets it before calling handlers).
     """
 
     symbol_name: str | None = None

@@ -43,7 +43,8 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
     g = make_backend(guest, vm)
     h: HostBackend | None = None
     try:
-        h = HostBackend(vm, hook=hook)
+        h = HostBackend(vm, hook=hook,
+                        comm_rule="saved_cmdlines" if guest == "events" else "at_hit")
         h_out = h.register(specs)
         g_out = g.register(specs)
         vm.host.invalidate_code()

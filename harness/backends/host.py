@@ -78,8 +78,13 @@ class HostBackend:
 
     side = "host"
 
-    def __init__(self, vm: Any, *, hook: FetchHook | None = None) -> None:
+    def __init__(self, vm: Any, *, hook: FetchHook | None = None,
+                 comm_rule: str = "saved_cmdlines") -> None:
+        """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
+        its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
+        (what a kernel module reading ``current->comm`` records)."""
         self.vm = vm
+        self.comm_rule = comm_rule
         self.engine = vm.host
         self.hook = hook
         self.recording = False
@@ -160,6 +165,8 @@ class HostBackend:
         """The hits, each under the comm its pid had at its *last* hit: the trace file
         stores only pids and prints comms from ``saved_cmdlines``, recorded after the
         events, so a child that execs after its first events prints with the new name."""
+        if self.comm_rule == "at_hit":
+            return list(self._hits)
         last: dict[int, str] = {}
         for h in self._hits:
             if h.pid is not None:

@@ -129,13 +129,14 @@ def test_kretprobe_sees_the_return_values_the_guest_gets(vm, host):
     def ret(ri, regs):
         path = user_string(host, int.from_bytes(ri.data[:8], "little"))
         if path.startswith(("/proc/version", "/nope", "/etc/kph")):
-            got.append((path, regs.signed("ax"), regs.ip))
+            got.append((path, regs.signed("ax"), regs.ip, ri.ret_addr))
     rp = host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2", handler=ret,
                                            entry_handler=entry, maxactive=4, data_size=8))
     out = vm.run("kph-open /proc/version /nope /etc/kph/modules.load /proc/version", check=True)
     truth = [(ln.split()[0], int(ln.split()[1])) for ln in out.stdout.splitlines()]
-    assert [(p, v) for p, v, _ in got] == truth
-    assert all(ip == host.trampoline for _, _, ip in got)
+    assert [(p, v) for p, v, _, _ in got] == truth
+    assert all(ip == ret for _, _, ip, ret in got)  # rethook: ip is the real return address
+    assert all(vm.symbols.format(ret).startswith("__x64_sys_openat") for *_, ret in got)
     assert rp.nmissed == 0 and rp.nhit >= 4
 
 
@@ -158,22 +159,24 @@ def test_entry_handler_nonzero_suppresses_the_return_handler(vm, host):
 
 
 def test_three_probes_at_one_address_in_order_and_disable(vm, host):
+    """The kernel runs an aggregate's probes newest first (add_new_kprobe() links at the
+    head); so does the host."""
     order = []
     a, b, c = (Kprobe(symbol_name="do_sys_openat2", pre_handler=lambda p, r, n=n: order.append(n))
                for n in "abc")
     host.register_kprobes([a, b, c])
     vm.run("cat /proc/version", check=True)
-    assert order[:3] == ["a", "b", "c"]
+    assert order[:3] == ["c", "b", "a"]
     order.clear()
     host.disable_kprobe(b)
     assert "[DISABLED]" in host.list()
     vm.run("cat /proc/version", check=True)
-    assert order[:2] == ["a", "c"] and "b" not in order
+    assert order[:2] == ["c", "a"] and "b" not in order
     order.clear()
-    host.unregister_kprobe(a)
+    host.unregister_kprobe(c)
     host.enable_kprobe(b)
     vm.run("cat /proc/version", check=True)
-    assert order[:2] == ["b", "c"] and "a" not in order
+    assert order[:2] == ["b", "a"] and "c" not in order
 
 
 def test_pre_handler_nonzero_stops_the_chain(vm, host):
@@ -183,19 +186,20 @@ def test_pre_handler_nonzero_stops_the_chain(vm, host):
         order.append(1)
         r.ip = r.ip + 5  # skip the entry nop ourselves
         return 1
-    host.register_kprobes([Kprobe(symbol_name="do_sys_openat2", pre_handler=first),
-                           Kprobe(symbol_name="do_sys_openat2",
-                                  pre_handler=lambda p, r: order.append(2))])
+    host.register_kprobes([Kprobe(symbol_name="do_sys_openat2",
+                                  pre_handler=lambda p, r: order.append(2)),
+                           Kprobe(symbol_name="do_sys_openat2", pre_handler=first)])
     vm.run("cat /proc/version", check=True)
-    assert order and set(order) == {1}
+    assert order and set(order) == {1}  # the newest probe ran first and stopped the chain
 
 
 def test_list_prints_like_debugfs(vm, host):
     host.register_kprobe(Kprobe(symbol_name="do_sys_openat2"))
     host.register_kretprobe(Kretprobe(symbol_name="do_sys_openat2", handler=lambda ri, r: 0))
     addr = vm.symbols.lookup("do_sys_openat2").addr
-    assert host.list().splitlines() == [f"{addr:016x}  k  do_sys_openat2+0x0    ",
-                                        f"{addr:016x}  r  do_sys_openat2+0x0    "]
+    # newest first, as the kernel's list (the aggregate's list order)
+    assert host.list().splitlines() == [f"{addr:016x}  r  do_sys_openat2+0x0    ",
+                                        f"{addr:016x}  k  do_sys_openat2+0x0    "]
 
 
 def test_jprobe_gets_the_arguments(vm, host):

@@ -1,0 +1,542 @@
+"""In-guest probes through the harness's own kernel module, ``kph_kprobes.ko``.
+
+The module (``probes/kmod/kph_kprobes.c``, built into the default image as
+``/lib/modules/kph_kprobes.ko`` and loaded on first use) calls ``register_kprobe()`` and
+``register_kretprobe()`` for lines written to ``/sys/kernel/debug/kph/control`` and records
+every hit in a buffer that ``events`` drains. Each fetch arg travels as a small postfix
+program (the C file's header documents the ops): this module compiles a ``ProbeArg``'s
+fetch tree and type into one, and turns the raw items the module recorded back into the
+text the trace file would print (:func:`harness.fetchargs.format_value`), so module hits
+compare with tracefs and host-side hits field by field.
+
+What the compiled programs keep from ``process_fetch_insn()`` (Linux 6.1): a failed
+dereference ends the argument (a string then prints ``(fault)``, a number is
+``(unknown)``, the kernel leaving stale ring-buffer bytes there); a failed final memory
+read of a number is ``(unknown)``; strings are read with the semantics of
+``strncpy_from_kernel_nofault()``/``strncpy_from_user_nofault()`` (an empty ``ustring``
+prints ``(fault)``); array elements are read one by one; as x86_64 selects
+``CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE``, a kernel-typed read below ``TASK_SIZE``
+is a user read (``probe_mem_read()``), so ``+0(%si):string`` reads a user path. What differs: each string may
+be up to ``maxlen`` bytes on its own, where the kernel pools the sizes measured in a first
+pass over the event; ``symstr`` and ``symbol`` values are symbolized host-side with
+``vm.symbols``, as ``%pS`` would print them.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..errors import HarnessError, ProbeSpecError, SymbolNotFoundError
+from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, Comm, Deref, FetchArg,
+                         FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
+                         StackEntry, StackPointer, format_ip, format_value)
+from ..probespec import ProbeArg, ProbeSpec
+from ..records import Counters, Hit, Outcome
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModuleBackend", "ModuleError", "UnsupportedFetchArgError", "compile_arg",
+           "add_line", "parse_events_line", "decode_arg", "ModuleRecord", "Item",
+           "REG_OFFSET", "GUEST_KO", "KPH_DIR"]
+
+MODULE_NAME = "kph_kprobes"
+GUEST_KO = f"/lib/modules/{MODULE_NAME}.ko"
+KPH_DIR = "/sys/kernel/debug/kph"
+KPROBES_LIST = "/sys/kernel/debug/kprobes/list"
+#: ``add ... FLAGS`` bit 0: install a post_handler (the kprobe is then never optimized).
+FLAG_POST = 1
+_M = (1 << 64) - 1
+_MODES = {"ftrace", "optimized", "int3"}
+
+#: ``offsetof(struct pt_regs, X)`` on x86_64 (arch/x86/include/asm/ptrace.h).
+REG_OFFSET = {name: 8 * i for i, name in enumerate((
+    "r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8", "ax", "cx", "dx",
+    "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss"))}
+
+
+class ModuleError(HarnessError):
+    """``kph_kprobes.ko`` could not be loaded, refused a control line, left probes behind
+    after unloading, or printed something this module cannot read."""
+
+
+class UnsupportedFetchArgError(ProbeSpecError):
+    """A fetch arg the module's programs cannot express; ``arg`` names it."""
+
+    def __init__(self, arg: str, why: str, text: str = "") -> None:
+        super().__init__(f"fetch arg {arg!r}: {why}", text)
+        self.arg = arg
+
+
+# ---------------------------------------------------------------- compiling fetch args
+
+class _Unsupported(Exception):
+    pass
+
+
+def _value(node: FetchArg, resolve: Callable[[str], int] | None) -> list[str]:
+    """Ops that leave the ``unsigned long`` value of ``node`` on the stack."""
+    if isinstance(node, Reg):
+        if node.name not in REG_OFFSET:
+            raise _Unsupported(f"no pt_regs field {node.name!r}")
+        return [f"reg:{REG_OFFSET[node.name]}"]
+    if isinstance(node, StackEntry):
+        return [f"stack:{node.n}"]
+    if isinstance(node, StackPointer):
+        return ["sp"]
+    if isinstance(node, RetVal):
+        return ["retval"]
+    if isinstance(node, FuncArg):
+        return [f"arg:{node.n - 1}"]
+    if isinstance(node, Imm):
+        return [f"imm:0x{node.value & _M:x}"]
+    loc = _location(node, resolve)
+    if loc is not None:
+        base, off, user = loc
+        return base + [f"{'uld' if user else 'ld'}:{off}"]
+    raise _Unsupported(f"{type(node).__name__} has no value to dereference")
+
+
+def _location(node: FetchArg, resolve: Callable[[str], int] | None
+              ) -> tuple[list[str], int, bool] | None:
+    """For a memory fetch (``+OFF(..)``, ``@ADDR``, ``@SYM``): (ops leaving the base
+    address, offset, user); None for other nodes."""
+    if isinstance(node, Deref):
+        return _value(node.base, resolve), node.offset, node.user
+    if isinstance(node, MemAddr):
+        return [f"imm:0x{node.addr & _M:x}"], 0, False
+    if isinstance(node, MemSymbol):
+        if resolve is None:
+            raise _Unsupported(f"@{node.symbol} needs a symbol table")
+        return [f"imm:0x{(resolve(node.symbol) + node.offset) & _M:x}"], 0, False
+    return None
+
+
+def _elements(base: list[str], count: int, one: Callable[[int], list[str]]) -> list[str]:
+    """``base`` once, then ``one(i)`` per element, each on its own copy of the base."""
+    ops = list(base)
+    for i in range(count):
+        ops += (["dup"] if i < count - 1 else []) + one(i)
+    return ops
+
+
+def compile_arg(arg: ProbeArg, *, resolve: Callable[[str], int] | None = None,
+                maxlen: int = MAX_STRING_SIZE) -> str:
+    """The module program (``op:a:b,op,...``) that fetches ``arg`` as the kernel would.
+
+    Strings and memory stores follow the kernel's plan (``traceprobe_parse_probe_arg_body``):
+    the last dereference becomes the store, at the dereference's offset; for arrays of
+    strings the last dereference is repeated 8 bytes apart (an array of ``char *``).
+
+    :param resolve: ``kallsyms_lookup_name()`` for ``@SYM``; raises KeyError when unknown.
+    :raise UnsupportedFetchArgError: for a construct the module cannot express.
+    :raise SymbolNotFoundError: from ``resolve``.
+    """
+    try:
+        return ",".join(_compile(arg, resolve, maxlen))
+    except _Unsupported as exc:
+        raise UnsupportedFetchArgError(arg.name, str(exc), arg.comm) from None
+
+
+def _compile(arg: ProbeArg, resolve: Callable[[str], int] | None, maxlen: int) -> list[str]:
+    t = FETCH_TYPES[arg.type]
+    fetch = arg.fetch
+    if t.name == "symstr":                  # sprint_symbol() of the value, host-side
+        if arg.count:
+            raise _Unsupported("symstr arrays")
+        return _value(fetch, resolve) + ["val"]
+    if t.is_string:
+        user_type = t.name == "ustring"
+        loc = _location(fetch, resolve)
+        if arg.count:
+            if loc is None:
+                raise _Unsupported(f"a {t.name} array needs a memory fetch (+OFF(...), @ADDR)")
+            base, off, user = loc
+            op = "ustr" if user_type else "str"
+            ld = "uld" if user else "ld"
+            return _elements(base, arg.count, lambda i: [f"{ld}:{off + 8 * i}", f"{op}:0:{maxlen}"])
+        if isinstance(fetch, Comm):
+            return ["comm"]
+        if isinstance(fetch, ImmString):
+            return [f"data:{fetch.text.encode('utf-8', 'surrogateescape').hex()}"]
+        if loc is not None:
+            base, off, user = loc
+            return base + [f"{'ustr' if user_type or user else 'str'}:{off}:{maxlen}"]
+        if isinstance(fetch, Imm):          # a string at an immediate address
+            return _value(fetch, resolve) + [f"{'ustr' if user_type else 'str'}:0:{maxlen}"]
+        raise _Unsupported(f"type {t.name} needs a memory fetch")
+    loc = _location(fetch, resolve)
+    if loc is not None:
+        base, off, user = loc
+        op = "umem" if user else "mem"
+        return _elements(base, arg.count or 1, lambda i: [f"{op}:{off + i * t.size}:{t.size}"])
+    if arg.count:
+        raise _Unsupported("an array needs a memory fetch (+OFF(...), @ADDR, @SYM)")
+    if isinstance(fetch, (Comm, ImmString)):
+        raise _Unsupported(f"{type(fetch).__name__} is a string, not {t.name}")
+    return _value(fetch, resolve) + ["val"]
+
+
+def add_line(probe_id: int, kind: str, addr: int, programs: Sequence[str], *,
+             maxactive: int = 0, flags: int = 0) -> str:
+    """One ``add`` control line."""
+    return " ".join([f"add {probe_id} {kind} {addr:x} {maxactive} {flags}", *programs])
+
+
+# ---------------------------------------------------------------- reading records back
+
+@dataclass(frozen=True)
+class Item:
+    """One result item: ``i`` a value, ``f`` a failed memory read (``ret`` the errno),
+    ``s`` a string (``ret`` what strncpy_*_nofault() returned), ``e`` an aborted fetch."""
+
+    type: str
+    ret: int = 0
+    value: int = 0
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """One line of ``events``. ``kind`` is ``pre``, ``post`` or ``ret``; ``addr`` the probed
+    address, ``ip`` the raw ``regs->ip`` the handler saw, ``ret_addr`` a return's address."""
+
+    seq: int
+    id: int
+    kind: str
+    mode: str
+    cpu: int
+    pid: int
+    comm: str
+    addr: int
+    ip: int
+    ret_addr: int
+    args: tuple[tuple[Item, ...], ...]
+
+
+def _item(text: str) -> Item:
+    kind, body = text[:1], text[1:]
+    if kind == "i":
+        return Item("i", value=int(body, 16))
+    if kind == "s":
+        ret, _, data = body.partition(":")
+        return Item("s", ret=int(ret), data=bytes.fromhex(data))
+    if kind in ("f", "e"):
+        return Item(kind, ret=int(body))
+    raise ValueError(f"unknown item {text!r}")
+
+
+def parse_events_line(line: str) -> ModuleRecord:
+    """Parse ``SEQ ID KIND MODE CPU PID COMM ADDR IP RETADDR NARGS ARG...``.
+
+    :raise ModuleError: when the line does not have that shape.
+    """
+    parts = line.split()
+    try:
+        nargs = int(parts[10])
+        if len(parts) != 11 + nargs or parts[3] not in _MODES or \
+                parts[2] not in ("pre", "post", "ret"):
+            raise ValueError("wrong field count, kind or mode")
+        args = tuple(() if a == "-" else tuple(_item(x) for x in a.split(","))
+                     for a in parts[11:])
+        comm = "" if parts[6] == "-" else bytes.fromhex(parts[6]).decode("utf-8",
+                                                                       "surrogateescape")
+        return ModuleRecord(int(parts[0]), int(parts[1]), parts[2], parts[3], int(parts[4]),
+                            int(parts[5]), comm, int(parts[7], 16), int(parts[8], 16),
+                            int(parts[9], 16), args)
+    except (ValueError, IndexError) as exc:
+        raise ModuleError(f"unreadable {KPH_DIR}/events line {line!r}: {exc}") from None
+
+
+def _string(it: Item) -> Any:
+    if it.type != "s":
+        return UNKNOWN if it.type == "i" else FAULT
+    return FAULT if it.ret <= 0 else it.data
+
+
+def _number(it: Item, arg: ProbeArg) -> Any:
+    if it.type != "i":
+        return UNKNOWN
+    v = it.value
+    if arg.bitfield is not None:             # FETCH_OP_MOD_BF
+        bits = FETCH_TYPES[arg.type].size * 8
+        lsh, rsh = bits - (arg.bitfield.width + arg.bitfield.offset), bits - arg.bitfield.width
+        v = ((v << lsh) & ((1 << bits) - 1)) >> rsh
+    return v
+
+
+def decode_arg(arg: ProbeArg, items: Sequence[Item],
+               symbolize: Callable[[int], str | None] | None = None) -> Any:
+    """The value :func:`harness.fetchargs.evaluate` would give, from the module's items:
+    an int, bytes, ``FAULT``, ``UNKNOWN``, or a list of those for an array."""
+    t = FETCH_TYPES[arg.type]
+    aborted = any(it.type == "e" for it in items)
+    got = [it for it in items if it.type != "e"]
+    if t.name == "symstr":
+        if not got or got[0].type != "i":
+            return FAULT
+        v = got[0].value
+        return ((symbolize(v) if symbolize else None) or f"0x{v:x}").encode()
+    if t.is_string:
+        elems = [_string(it) for it in got]
+        if aborted:                          # store_trace_args(): the first data_loc faults
+            elems = [FAULT] + elems[1:] if elems else [FAULT]
+    else:
+        elems = [_number(it, arg) for it in got]
+    n = arg.count or 1
+    elems = (elems + [UNKNOWN] * n)[:n]
+    return elems if arg.count else elems[0]
+
+
+def _symbolizer(table: Any) -> Callable[[int], str | None]:
+    def symbolize(addr: int) -> str | None:
+        return table.format(addr) if table.symbolize(addr) is not None else None
+    return symbolize
+
+
+def _kprobes_list(text: str) -> Counter[tuple[int, str]]:
+    """(address, k|r) -> how many probes ``/sys/kernel/debug/kprobes/list`` shows there."""
+    out: Counter[tuple[int, str]] = Counter()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            try:
+                out[(int(parts[0], 16), parts[1])] += 1
+            except ValueError:
+                continue
+    return out
+
+
+# ---------------------------------------------------------------- the backend
+
+@dataclass(frozen=True)
+class _Placed:
+    id: int
+    name: str
+    spec: ProbeSpec
+    addr: int
+    kind: str                                # p or r
+    accepted: bool = False
+
+
+class ModuleBackend:
+    """Real kprobes/kretprobes registered by ``kph_kprobes.ko`` in the guest.
+
+    ``post_handler=True`` installs a post_handler on every ``p`` probe (never optimized
+    then); its records are kept in :attr:`post_records`, not returned as hits.
+    """
+
+    side = "module"
+
+    def __init__(self, vm: Any, *, post_handler: bool = False,
+                 maxlen: int = MAX_STRING_SIZE, timeout: float = 60.0) -> None:
+        self.vm = vm
+        self.post_handler = post_handler
+        self.maxlen = maxlen
+        self.timeout = timeout
+        self.outcomes: list[Outcome] = []
+        self.hits: list[Hit] = []
+        self.post_records: list[ModuleRecord] = []
+        self._placed: dict[int, _Placed] = {}
+        self._next_id = 1
+        self._loaded = False
+
+    def __enter__(self) -> "ModuleBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _sh(self, cmd: str, *, stdin: bytes | None = None) -> str:
+        return self.vm.run(cmd, check=True, timeout=self.timeout, stdin=stdin).stdout
+
+    def is_loaded(self) -> bool:
+        out = self.vm.run("cat /proc/modules", check=True, timeout=self.timeout).stdout
+        return any(line.split(" ", 1)[0] == MODULE_NAME for line in out.splitlines())
+
+    def load(self) -> None:
+        """``insmod`` the module unless it is loaded.
+
+        :raise ModuleError: when insmod fails (an image built before the module existed).
+        """
+        if self._loaded or self.is_loaded():
+            self._loaded = True
+            return
+        r = self.vm.run(f"insmod {GUEST_KO}", timeout=self.timeout)
+        if r.status != 0:
+            raise ModuleError(f"insmod {GUEST_KO} failed: {(r.stderr or r.stdout).strip()}; "
+                              "rebuild the image with `kph image build`")
+        self._loaded = True
+
+    def control(self, text: str) -> None:
+        """Write control lines; :raise ModuleError: with the module's reason on refusal."""
+        r = self.vm.run(f"cat > {KPH_DIR}/control", stdin=text.encode(), timeout=self.timeout)
+        if r.status != 0:
+            raise ModuleError(f"{MODULE_NAME} refused {text.strip()!r}: {self._error()}")
+
+    def _error(self) -> str:
+        for line in self._sh(f"cat {KPH_DIR}/stats").splitlines():
+            if line.startswith("error "):
+                return line[6:]
+        return "no reason given"
+
+    def _address(self, spec: ProbeSpec) -> int:
+        if spec.addr is not None:
+            return spec.addr
+        name = spec.symbol_name or ""
+        try:
+            return self.vm.symbols.lookup(name).addr + spec.offset
+        except SymbolNotFoundError:
+            if spec.module is None:
+                raise
+            self.vm.refresh_module_symbols()
+            return self.vm.symbols.lookup(name).addr + spec.offset
+
+    def _resolve(self, name: str) -> int:
+        return self.vm.symbols.lookup(name).addr
+
+    def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        """Compile and add every spec; the kernel's refusals come back as Outcomes.
+
+        An unknown symbol (``SYM`` or ``@SYM``) is ENOENT, as ``register_kprobe()`` and
+        ``traceprobe_update_arg()`` say it.
+
+        :raise UnsupportedFetchArgError: for a fetch arg the module cannot express.
+        :raise ModuleError: when the module cannot be loaded or refuses a line.
+        """
+        self.load()
+        results: list[Outcome | int] = []
+        lines = []
+        for spec in specs:
+            name = f"{spec.group}/{spec.event}"
+            if spec.kind == "-":
+                raise ValueError(f"{spec.text or name!r} deletes a probe; register adds them")
+            try:
+                addr = self._address(spec)
+                programs = [compile_arg(a, resolve=self._resolve, maxlen=self.maxlen)
+                            for a in spec.args]
+            except SymbolNotFoundError as exc:
+                results.append(Outcome.rejected(name, _errno.ENOENT, str(exc)))
+                continue
+            kind = "r" if spec.is_return else "p"
+            pid, self._next_id = self._next_id, self._next_id + 1
+            flags = FLAG_POST if self.post_handler and kind == "p" else 0
+            lines.append(add_line(pid, kind, addr, programs, maxactive=spec.maxactive,
+                                  flags=flags))
+            self._placed[pid] = _Placed(pid, name, spec, addr, kind)
+            results.append(pid)
+        if lines:
+            self.control("\n".join(lines) + "\n")
+        listing = self.list()
+        out = []
+        for res in results:
+            if isinstance(res, Outcome):
+                out.append(res)
+                continue
+            placed = self._placed[res]
+            state, err, mode = listing.get(res, ("missing", -_errno.EIO, "-"))
+            if state == "registered":
+                self._placed[res] = _Placed(placed.id, placed.name, placed.spec, placed.addr,
+                                            placed.kind, True)
+                out.append(Outcome(placed.name, True, mode=mode))
+            else:
+                fn = "register_kretprobe" if placed.kind == "r" else "register_kprobe"
+                code = _errno.errorcode.get(-err, str(err))
+                out.append(Outcome.rejected(placed.name, -err, f"{fn}() returned -{code}"))
+        self.outcomes += out
+        return out
+
+    def list(self) -> dict[int, tuple[str, int, str]]:
+        """id -> (registered|rejected, errno as the kernel returned it, mode)."""
+        out = {}
+        for line in self._sh(f"cat {KPH_DIR}/list").splitlines():
+            p = line.split()
+            out[int(p[0])] = (p[3], int(p[4]), p[5])
+        return out
+
+    def enable(self) -> None:
+        """Drop what was recorded so far and start recording. The control write goes
+        through the agent's file API: no shell is spawned to do it."""
+        self._sh(f"cat {KPH_DIR}/events > /dev/null")
+        self.hits.clear()
+        self.post_records.clear()
+        self.vm.write_file(f"{KPH_DIR}/control", b"record on\n")
+
+    def disable(self) -> None:
+        self.vm.write_file(f"{KPH_DIR}/control", b"record off\n")
+
+    def records(self) -> list[ModuleRecord]:
+        """Drain ``events``: the raw records since the last drain."""
+        return [parse_events_line(ln) for ln in self._sh(f"cat {KPH_DIR}/events").splitlines()
+                if ln.strip()]
+
+    def collect(self) -> list[Hit]:
+        symbolize = _symbolizer(self.vm.symbols)
+        for rec in self.records():
+            placed = self._placed.get(rec.id)
+            if placed is None:
+                log.debug("record of unknown probe %d dropped", rec.id)
+            elif rec.kind == "post":
+                self.post_records.append(rec)
+            else:
+                self.hits.append(self._hit(rec, placed, symbolize))
+        return list(self.hits)
+
+    def _hit(self, rec: ModuleRecord, placed: _Placed,
+             symbolize: Callable[[int], str | None]) -> Hit:
+        spec = placed.spec
+        if rec.kind == "ret":
+            ip, _, ret_from = format_ip(rec.ret_addr, symbolize, rec.addr).partition(" <- ")
+        else:
+            ip, ret_from = format_ip(rec.addr, symbolize), ""
+        args = tuple((a.name, format_value(a, decode_arg(a, items, symbolize), symbolize))
+                     for a, items in zip(spec.args, rec.args))
+        return Hit(side=self.side, probe=placed.name, kind=placed.kind, seq=rec.seq,
+                   cpu=rec.cpu, pid=rec.pid, comm=rec.comm, ip=ip, ret_from=ret_from or None,
+                   args=args, mode=rec.mode)
+
+    def stats(self) -> dict[int, dict[str, str]]:
+        """id -> the ``stats`` fields of one probe (nhit, nmissed, nentry, npost, mode)."""
+        out = {}
+        for line in self._sh(f"cat {KPH_DIR}/stats").splitlines():
+            p = line.split()
+            if p and p[0] == "probe":
+                out[int(p[1])] = dict(zip(p[3::2], p[4::2]))
+        return out
+
+    def counters(self) -> dict[str, Counters]:
+        totals: dict[str, tuple[int, int]] = {}
+        for pid, st in self.stats().items():
+            placed = self._placed.get(pid)
+            if placed is None:
+                continue
+            nhit, nmissed = totals.get(placed.name, (0, 0))
+            totals[placed.name] = (nhit + int(st["nhit"]), nmissed + int(st["nmissed"]))
+        return {name: Counters(name, h, m) for name, (h, m) in totals.items()}
+
+    def close(self) -> None:
+        """``reset`` and ``rmmod``; then no probe of ours may be left in the kernel's list.
+
+        :raise ModuleError: when rmmod fails or the kprobes list still shows our probes.
+        """
+        if not self._loaded:                 # never loaded by this backend, or closed
+            return
+        before = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
+        self.control("record off\nreset\n")
+        r = self.vm.run(f"rmmod {MODULE_NAME}", timeout=self.timeout)
+        self._loaded = False
+        if r.status != 0:
+            raise ModuleError(f"rmmod {MODULE_NAME} failed: {(r.stderr or r.stdout).strip()}")
+        after = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
+        ours = Counter((p.addr, "r" if p.kind == "r" else "k")
+                       for p in self._placed.values() if p.accepted)
+        left = {k: n for k, n in ours.items() if after[k] > before[k] - n}
+        self._placed.clear()
+        if left:
+            raise ModuleError("probes left in %s after rmmod: %s" % (KPROBES_LIST, ", ".join(
+                f"{self.vm.symbols.format(a)} ({t})" for a, t in left)))
+        if self.is_loaded():
+            raise ModuleError(f"{MODULE_NAME} is still loaded after rmmod")
+
