@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import HarnessError, ProbeSpecError, SetupError, VMError
+from .errors import HarnessError, ProbeSpecError, ScenarioError, SetupError, VMError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 
@@ -108,6 +108,19 @@ def make_parser() -> argparse.ArgumentParser:
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     _kernel_group(df)
     _qemu_group(df)
+
+    rp = sub.add_parser("repro", help="Reproduce a probe bug and keep the evidence",
+                        description="Run a scenario file (probes/scenarios/*.toml), decide "
+                        "whether its expectation is met and write an evidence bundle. Exit 0 "
+                        "met, 1 not met, 2 for a bad scenario (the key at fault is named).")
+    rp.add_argument("scenario", metavar="SCENARIO.toml")
+    rp.add_argument("--out", metavar="DIR", help="bundle directory (default repro-NAME-TIME)")
+    rp.add_argument("--record", action="store_true",
+                    help="run under QEMU record/replay; the bundle then holds the replay log")
+    rp.add_argument("--replay", metavar="DIR", help="replay a recorded bundle")
+    rp.add_argument("--gdb", action="store_true",
+                    help="with --replay: stay stopped with the gdbstub open for reverse debugging")
+    rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
     sub.add_parser("doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix")
     return p
@@ -297,9 +310,28 @@ def _diff(args: argparse.Namespace) -> int:
     return EXIT_OK if res.equivalent else EXIT_DIVERGED
 
 
+def _repro(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import repro, scenario
+
+    scn = scenario.load(args.scenario)
+    if args.record or args.replay:
+        from . import repro_rr
+        return repro_rr.main(scn, args, progress=(lambda s: None) if args.quiet else _progress)
+    res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
+                    progress=(lambda s: None) if args.quiet else _progress)
+    print(f"{'MET' if res.met else 'NOT MET'}: {scn.name}")
+    print(f"  cause: {res.cause}")
+    for r in res.reasons:
+        print(f"  - {r}")
+    print(f"  evidence: {res.bundle}/summary.md")
+    return EXIT_OK if res.met else EXIT_DIVERGED
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
-    "probe": _probe, "diff": _diff,
+    "probe": _probe, "diff": _diff, "repro": _repro,
 }
 
 
@@ -319,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.cmd](args)
     except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ProbeSpecError as exc:

@@ -17,7 +17,8 @@ refuses a probe is a *result* (see ``harness.engine``), not an error here.
      ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
      ├─ SymbolNotFoundError(.name)        also a KeyError
      ├─ ProbeRejectedError(.errno, .addr) the kernel's rules refuse this probe address
-     └─ ProbeSpecError(.text, .column)    a malformed probe spec
+     ├─ ProbeSpecError(.text, .column)    a malformed probe spec
+     └─ ScenarioError(.path, .key)        a repro scenario file that does not validate
 """
 from __future__ import annotations
 
@@ -130,3 +131,12 @@ class ProbeSpecError(HarnessError):
         super().__init__(msg)
         self.text = text
         self.column = column
+
+
+class ScenarioError(HarnessError):
+    """A scenario file is malformed; ``key`` is the TOML key at fault (dotted)."""
+
+    def __init__(self, path: str, key: str, msg: str) -> None:
+        super().__init__(f"{path}: {key}: {msg}" if key else f"{path}: {msg}")
+        self.path = path
+        self.key = key

@@ -400,8 +400,9 @@ class Machine:
         return new
 
     def console_text(self) -> str:
+        """The serial console so far, with the UART's CRLF line ends made plain newlines."""
         self._read_console()
-        return self._console.decode("utf-8", "replace")
+        return self._console.decode("utf-8", "replace").replace("\r\n", "\n")
 
     def console_tail(self, lines: int = C.CONSOLE_TAIL_LINES) -> str:
         return "\n".join(self.console_text().rstrip("\n").splitlines()[-lines:])
@@ -493,6 +494,12 @@ class Machine:
             self._check()
             raise VMLostError(f"QMP {cmd} did not answer in {timeout} s",
                               self.console_tail()) from exc
+        except Exception as exc:  # qemu.qmp's own errors stop at this boundary
+            from qemu.qmp import ExecuteError
+
+            if isinstance(exc, ExecuteError):
+                raise VMError(f"QMP {cmd}: {exc}", self.console_tail()) from exc
+            raise VMLostError(f"QMP {cmd} failed: {exc}", self.console_tail()) from exc
 
     def gdbstub(self, *, resume: bool = True) -> Any:
         """The machine's one GDB/MI session (``harness.gdbstub.GdbStub``), attached on first use.
@@ -503,8 +510,11 @@ class Machine:
         if self._stub is None or self._stub.proc.poll() is not None:
             from .gdbstub import attach
 
-            self._require_running()
-            self._stub = attach(self, resume=resume)
+            # A panicked guest is paused by QEMU (-action panic=pause): exactly when its
+            # registers matter. Only a dead QEMU has no stub.
+            if self.proc is None or self.proc.poll() is not None or self.rundir is None:
+                raise StateError(f"{self.name} has no QEMU process", self.state, VmState.RUNNING)
+            self._stub = attach(self, resume=resume and self.state is VmState.RUNNING)
         return self._stub
 
     @property

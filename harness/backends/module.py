@@ -47,7 +47,9 @@ GUEST_KO = f"/lib/modules/{MODULE_NAME}.ko"
 KPH_DIR = "/sys/kernel/debug/kph"
 KPROBES_LIST = "/sys/kernel/debug/kprobes/list"
 #: ``add ... FLAGS`` bit 0: install a post_handler (the kprobe is then never optimized).
+#: bit 1: the pre_handler dereferences NULL (reproducing a crashing handler).
 FLAG_POST = 1
+FLAG_BUG_NULL = 2
 _M = (1 << 64) - 1
 _MODES = {"ftrace", "optimized", "int3"}
 
@@ -331,9 +333,13 @@ class ModuleBackend:
     side = "module"
 
     def __init__(self, vm: Any, *, post_handler: bool = False,
-                 maxlen: int = MAX_STRING_SIZE, timeout: float = 60.0) -> None:
+                 maxlen: int = MAX_STRING_SIZE, timeout: float = 60.0,
+                 buggy: frozenset[str] = frozenset()) -> None:
+        """``buggy``: probe names (GROUP/EVENT) whose module pre_handler dereferences NULL
+        once recording starts (``kph repro`` uses it to reproduce a crashing handler)."""
         self.vm = vm
         self.post_handler = post_handler
+        self.buggy = buggy
         self.maxlen = maxlen
         self.timeout = timeout
         self.outcomes: list[Outcome] = []
@@ -423,6 +429,8 @@ class ModuleBackend:
             kind = "r" if spec.is_return else "p"
             pid, self._next_id = self._next_id, self._next_id + 1
             flags = FLAG_POST if self.post_handler and kind == "p" else 0
+            if name in self.buggy:
+                flags |= FLAG_BUG_NULL
             lines.append(add_line(pid, kind, addr, programs, maxactive=spec.maxactive,
                                   flags=flags))
             self._placed[pid] = _Placed(pid, name, spec, addr, kind)

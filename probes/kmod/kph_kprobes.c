@@ -8,7 +8,9 @@
  *              add ID KIND ADDR MAXACTIVE FLAGS [PROG]...
  *                  KIND p (register_kprobe) or r (register_kretprobe); ADDR hex;
  *                  MAXACTIVE for r (0: the kernel's default); FLAGS bit0: install a
- *                  post_handler (such a kprobe is never jump-optimized). One PROG per
+ *                  post_handler (such a kprobe is never jump-optimized); bit1: the
+ *                  pre_handler dereferences NULL on purpose (kph_null_deref_handler),
+ *                  to reproduce a crashing probe handler. One PROG per
  *                  fetch arg (below). A refusal by the kernel is a result, shown in
  *                  `list` as "ID ... rejected -ERRNO"; a malformed line fails the write
  *                  with EINVAL and its reason is the `error` line of `stats`.
@@ -70,6 +72,7 @@
 #define KPH_MAX_DATA	256
 #define KPH_MAX_LINE	(256 * 1024)
 #define KPH_FLAG_POST	1
+#define KPH_FLAG_BUG_NULL	2
 
 static unsigned long bufsize = 4 << 20;
 module_param(bufsize, ulong, 0444);
@@ -417,10 +420,26 @@ full:
 	raw_spin_unlock_irqrestore(&buf_lock, flags);
 }
 
+/*
+ * A probe handler with a bug, on request (FLAGS bit1): it reads through a NULL pointer
+ * in kprobe context, the classic way a handler takes the kernel down. Kept out of line
+ * so the Oops names it.
+ */
+static noinline unsigned long kph_null_deref_handler(struct kph_probe *pr)
+{
+	unsigned long *volatile p = NULL;
+
+	pr_info("kph: probe %u: dereferencing NULL in a kprobe handler, as asked\n", pr->id);
+	return *p;
+}
+NOKPROBE_SYMBOL(kph_null_deref_handler);
+
 static int kph_pre(struct kprobe *p, struct pt_regs *regs)
 {
 	struct kph_probe *pr = container_of(p, struct kph_probe, kp);
 
+	if (unlikely(pr->flags & KPH_FLAG_BUG_NULL) && READ_ONCE(recording))
+		kph_null_deref_handler(pr);
 	if (READ_ONCE(recording)) {
 		atomic64_inc(&pr->nhit);
 		kph_record(pr, 'p', p, regs, 0, true);

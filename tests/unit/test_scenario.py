@@ -1,0 +1,57 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.errors import ScenarioError
+from harness.scenario import load
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
+
+
+def write(tmp_path, text):
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_scenarios_validate(path):
+    scn = load(path)
+    assert scn.name and scn.trigger and scn.probes
+
+
+@pytest.mark.parametrize("text,key", [
+    ('trigger = "true"\n[expect]\noutcome="ok"\n', "name"),
+    ('name="x"\n[expect]\noutcome="ok"\n', "trigger"),
+    ('name="x"\ntrigger="true"\n', "expect"),
+    ('name="x"\ntrigger="true"\n[expect]\noutcome="boom"\n', "expect.outcome"),
+    ('name="x"\ntrigger="true"\n[[probe]]\nside="qemu"\nspec="p:a do_exit"\n[expect]\n', "probe[0].side"),
+    ('name="x"\ntrigger="true"\n[[probe]]\nside="host"\nspec="p:a do_exit x=%zz"\n[expect]\n', "probe[0].spec"),
+    ('name="x"\ntrigger="true"\n[[probe]]\nside="events"\nsymbol="do_exit"\npre_handler="h.py:f"\n[expect]\n',
+     "probe[0].pre_handler"),
+    ('name="x"\ntrigger="true"\n[expect]\ncounters=["host:kprobes/a.nhits > 1"]\n', "expect.counters[0]"),
+    ('name="x"\ntrigger="true"\n[expect]\nconsole="("\n', "expect.console"),
+    ('name="x"\ntrigger="true"\n[timeouts]\ntrigger=-1\n[expect]\n', "timeouts.trigger"),
+    ('name="x"\ntrigger="true"\ncolour="red"\n[expect]\n', "colour"),
+    ('name="x"\ntrigger="true"\n[machine]\nsmp="two"\n[expect]\n', "machine.smp"),
+])
+def test_bad_scenarios_name_the_key(tmp_path, text, key):
+    with pytest.raises(ScenarioError) as ei:
+        load(write(tmp_path, text))
+    assert ei.value.key == key, str(ei.value)
+
+
+def test_not_toml(tmp_path):
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load(write(tmp_path, "name = \n"))
+
+
+def test_cli_bad_scenario_is_one_line_exit_2(tmp_path):
+    p = write(tmp_path, 'name="x"\ntrigger="true"\n[expect]\noutcome="boom"\n')
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "repro", str(p)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "expect.outcome" in lines[0], r.stderr
