@@ -11,7 +11,7 @@ export DEBIAN_FRONTEND=noninteractive
 say() { printf '==> %s\n' "$*" >&2; }
 
 PKGS="qemu-system-x86 qemu-utils gdb busybox-static cpio qemu-guest-agent python3-venv
-      python3-pip make gcc libc6-dev"
+      python3-pip make gcc libc6-dev chromium"
 say "apt: updating package lists"
 $SUDO apt-get update -q >/dev/null
 missing=$(for p in $PKGS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' || echo "$p"; done)

@@ -122,6 +122,25 @@ def make_parser() -> argparse.ArgumentParser:
                     help="with --replay: stay stopped with the gdbstub open for reverse debugging")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
+    dm = sub.add_parser("demo", help="Walk through a real kprobe trap, step by step")
+    dsub = dm.add_subparsers(dest="demo_cmd", metavar="DEMO")
+    tf = dsub.add_parser("trap-flow", help="A real in-guest kprobe fires; the host watches every step",
+                         description="Load an int3-based kprobe with pre and post handlers in the "
+                         "guest (the harness's module) and watch, with silent host breakpoints, "
+                         "the int3, the exception entry, kprobes core, the handlers, the "
+                         "out-of-line slot and the return; then the same probe ftrace-based, "
+                         "jump-optimized, and a kretprobe. The guest is left as it was.")
+    tf.add_argument("--symbol", default="do_sys_openat2+5", metavar="SYM[+OFF]",
+                    help="where the int3 probe goes, not a function entry (default "
+                         "do_sys_openat2+5); the ftrace and kretprobe variants use SYM")
+    tf.add_argument("--run", default="cat /proc/version", metavar="CMD",
+                    help="the guest command that makes it fire (default: cat /proc/version)")
+    tf.add_argument("--variants", default="int3,ftrace,optimized,kretprobe",
+                    help="comma-separated subset of int3,ftrace,optimized,kretprobe")
+    tf.add_argument("--html", metavar="FILE", help="write a self-contained page with a "
+                    "sequence diagram and the step table")
+    tf.add_argument("--step", action="store_true", help="wait for Enter between steps")
+
     sub.add_parser("doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix")
     return p
 
@@ -329,7 +348,48 @@ def _repro(args: argparse.Namespace) -> int:
     return EXIT_OK if res.met else EXIT_DIVERGED
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from . import report, trapflow
+    from .vmctl import Machine
+
+    if args.demo_cmd != "trap-flow":
+        raise SetupError("kph demo needs a demo name", "try `kph demo trap-flow`")
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    for v in variants:
+        if v not in ("int3", "ftrace", "optimized", "kretprobe"):
+            raise SetupError(f"unknown variant {v!r}", "use int3, ftrace, optimized, kretprobe")
+    if "+" not in args.symbol or args.symbol.endswith("+0"):
+        raise SetupError(f"--symbol {args.symbol} is a function entry (ftrace-based there)",
+                         "give an offset into the function, e.g. do_sys_openat2+5")
+    if not args.quiet:
+        _progress("demo: booting the default image")
+    with Machine.boot() as vm:
+        flows = []
+        for v in variants:
+            if not args.quiet:
+                _progress(f"demo: {v}: placing the in-guest probe and the host observers")
+            flows += trapflow.demo(vm, target=args.symbol, workload=args.run, variants=(v,))
+        left = vm.run("cat /sys/kernel/debug/kprobes/list; lsmod | grep -c kph_kprobes || true").stdout
+    for f in flows:
+        text = report.trapflow_text([f])
+        if args.step:
+            for block in text.split("\n  "):
+                print(block)
+                input("  [Enter] ")
+        else:
+            print(text)
+    if left.strip() not in ("", "0"):
+        print(f"warning: the guest still lists probes: {left.strip()}", file=sys.stderr)
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(report.trapflow_html(flows))
+        if not args.quiet:
+            _progress(f"demo: wrote {args.html}")
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _demo,
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
     "probe": _probe, "diff": _diff, "repro": _repro,
 }

@@ -241,7 +241,9 @@ class HostEngine:
                 if any(p.post_handler for p in probes) else None
             nxt = eff.next_ip
         else:
-            stop = self.stub.step(thread=th)
+            stop, num = self.stub.step_over(addr, self._bp.get(addr), thread=th)
+            if addr in self._bp and num is None:
+                self._bp[addr] = self.stub._last_reinserted
             steps = 1
             while stop.addr == addr and steps < _REP_STEPS:  # a REP instruction, one round at a time
                 stop = self.stub.step(thread=th)

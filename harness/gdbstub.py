@@ -328,6 +328,23 @@ class GdbStub:
         self.command("-exec-step-instruction" + self._th(thread))
         return self.wait_stop(timeout=timeout or self.timeout)
 
+    def step_over(self, addr: int, bpnum: int | None, *, thread: int | None = None) -> tuple[Stop, int | None]:
+        """Single-step the instruction at ``addr`` where our breakpoint ``bpnum`` sits.
+
+        Why not just ``step``: when the guest's own memory holds 0xcc there (an in-guest
+        int3 kprobe), GDB takes the location for a permanent breakpoint and its step does
+        not execute anything. Removing ours for the step lets the int3 run (into
+        ``asm_exc_int3``). Returns the stop and the breakpoint's new number.
+        """
+        if bpnum is None or self.read_memory(addr, 1) != b"\xcc":
+            return self.step(thread=thread), bpnum
+        self.delete_breakpoint(bpnum)
+        try:
+            return self.step(thread=thread), None
+        finally:
+            bpnum = self.insert_breakpoint(addr)
+            self._last_reinserted = bpnum
+
     def interrupt(self, *, timeout: float | None = None) -> Stop:
         """Stop a running guest (a halted one is left as it is and its position returned)."""
         if not self.running:

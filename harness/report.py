@@ -91,3 +91,80 @@ code{{font-size:12px}}</style></head><body>
 <table><tr><th>probe</th><th>#</th><th>{html.escape(res.a_side)}</th><th>{html.escape(res.b_side)}</th></tr>
 {''.join(rows)}</table></body></html>
 """
+
+
+# ---------------------------------------------------------------- trap-flow demo
+
+def trapflow_text(flows: list) -> str:
+    out = []
+    for f in flows:
+        out.append(f"== {f.kind}: {f.probe}")
+        for s in f.steps:
+            changed = f"  changed: {', '.join(s.changed)}" if s.changed else ""
+            out.append(f"{s.n:3d}. [{s.lane}] {s.title}")
+            out.append(f"     {s.where}  {s.addr:#x}  {s.insn}")
+            out.append(f"     ip={s.regs.get('rip', 0):#x} sp={s.regs.get('rsp', 0):#x} "
+                       f"{s.flags_text()} cs={s.regs.get('cs', 0):#x}{changed}")
+            if s.note:
+                out.append(f"     note: {s.note}")
+        out += [f"   * {x}" for x in f.facts]
+        out.append("")
+    return "\n".join(out)
+
+
+def _svg(flow) -> str:
+    from .trapflow import LANES
+
+    lane_w, top, row_h = 150, 40, 34
+    width = lane_w * len(LANES) + 220  # room for the labels right of the last lane
+    height = top + row_h * (len(flow.steps) + 1)
+    x = {ln: 20 + lane_w * i + lane_w // 2 for i, ln in enumerate(LANES)}
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             '<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="4" '
+             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#333"/></marker></defs>']
+    for ln in LANES:
+        parts.append(f'<text x="{x[ln]}" y="20" text-anchor="middle" font-weight="bold">{html.escape(ln)}</text>')
+        parts.append(f'<line x1="{x[ln]}" y1="28" x2="{x[ln]}" y2="{height - 5}" stroke="#bbb" stroke-dasharray="4 3"/>')
+    prev = None
+    for s in flow.steps:
+        y = top + row_h * s.n
+        cx = x.get(s.lane, x["CPU"])
+        if prev is not None and prev[0] != cx:
+            parts.append(f'<line x1="{prev[0]}" y1="{prev[1]}" x2="{cx}" y2="{y}" stroke="#333" '
+                         f'marker-end="url(#arr)"/>')
+        parts.append(f'<circle cx="{cx}" cy="{y}" r="9" fill="#4a7ab5"/>'
+                     f'<text x="{cx}" y="{y + 4}" text-anchor="middle" fill="white">{s.n}</text>')
+        parts.append(f'<text x="{cx + 13}" y="{y + 4}">{html.escape(s.where.split("/")[0])}</text>')
+        prev = (cx, y)
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def trapflow_html(flows: list, *, title: str = "kprobe trap flow") -> str:
+    body = []
+    for f in flows:
+        rows = "".join(
+            f"<tr><td>{s.n}</td><td>{html.escape(s.lane)}</td><td>{html.escape(s.title)}</td>"
+            f"<td><code>{html.escape(s.where)}</code><br><code>{s.addr:#x}</code></td>"
+            f"<td><code>{html.escape(s.insn)}</code></td>"
+            f"<td><code>ip={s.regs.get('rip', 0):#x}<br>sp={s.regs.get('rsp', 0):#x}<br>"
+            f"{s.flags_text()} cs={s.regs.get('cs', 0):#x}</code></td>"
+            f"<td>{html.escape(', '.join(s.changed))}</td><td>{html.escape(s.note)}</td></tr>"
+            for s in f.steps)
+        facts = "".join(f"<li>{html.escape(x)}</li>" for x in f.facts)
+        body.append(f'<section class="flow" id="{html.escape(f.kind)}"><h2>{html.escape(f.kind)}: '
+                    f'{html.escape(f.probe)}</h2>{_svg(f)}<ul>{facts}</ul>'
+                    f'<table class="steps"><tr><th>#</th><th>lane</th><th>step</th><th>where</th>'
+                    f'<th>instruction</th><th>registers</th><th>changed</th><th>note</th></tr>'
+                    f'{rows}</table></section>')
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font:14px sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;font-size:12px}}
+code{{font-size:11px}}section{{margin-bottom:3em}}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>A real in-guest kprobe, observed from the host through QEMU's gdbstub: silent breakpoints
+along the kernel's path, each passed by a single-step. Lanes: user task, CPU, exception
+entry, kprobes core, probe handler, instruction slot.</p>
+{''.join(body)}</body></html>
+"""

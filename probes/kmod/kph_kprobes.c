@@ -18,7 +18,8 @@
  *   events   (read) drains: one line per record since the last open (format below)
  *   stats    (read) recording, buffer use, drops, then "probe ID KIND nhit N nmissed N
  *            nentry N npost N mode MODE" per registered probe
- *   list     (read) "ID KIND ADDR registered|rejected ERR MODE maxactive N flags N nargs N"
+ *   list     (read) "ID KIND ADDR registered|rejected ERR MODE maxactive N flags N nargs N
+ *                    slot ADDR opcode XX" (the instruction slot and the byte int3 replaced)
  *
  * A PROG is a postfix program over a stack of u64, ops separated by ',', operands by ':':
  *   reg:OFF   push the pt_regs field at byte OFF      imm:V     push V
@@ -1056,13 +1057,20 @@ static int kph_list_show(struct seq_file *m, void *v)
 	struct kph_probe *pr;
 
 	mutex_lock(&ctl_mutex);
-	list_for_each_entry(pr, &probes, node)
-		seq_printf(m, "%u %c %lx %s %d %s maxactive %d flags %u nargs %d\n",
+	list_for_each_entry(pr, &probes, node) {
+		/* slot/opcode: the out-of-line copy of the probed instruction and the byte the
+		 * int3 replaced (kph demo trap-flow shows them; an ftrace probe has no slot). */
+		struct kprobe *k = pr->kind == 'r' ? &pr->rp.kp : &pr->kp;
+
+		seq_printf(m, "%u %c %lx %s %d %s maxactive %d flags %u nargs %d slot %px opcode %02x\n",
 			   pr->id, pr->kind, pr->addr,
 			   pr->registered ? "registered" : "rejected", pr->err,
 			   kph_mode_name(pr),
 			   pr->kind == 'r' && pr->registered ? pr->rp.maxactive : pr->maxactive,
-			   pr->flags, pr->nargs);
+			   pr->flags, pr->nargs,
+			   pr->registered ? (void *)k->ainsn.insn : NULL,
+			   pr->registered ? k->opcode : 0);
+	}
 	mutex_unlock(&ctl_mutex);
 	return 0;
 }

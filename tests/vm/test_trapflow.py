@@ -1,0 +1,93 @@
+"""The trap-flow demo against the kernel's real path, and its page in headless Chromium."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import report, trapflow
+
+pytestmark = pytest.mark.vm
+
+INT3_PATH = [
+    ("CPU", "do_sys_openat2+0x5"), ("exception entry", "asm_exc_int3"),
+    ("exception entry", "exc_int3"), ("kprobes core", "kprobe_int3_handler"),
+    ("probe handler", "kph_pre"), ("instruction slot", None), ("instruction slot", None),
+    ("exception entry", "asm_exc_int3"), ("exception entry", "exc_int3"),
+    ("kprobes core", "kprobe_int3_handler"), ("probe handler", "kph_post"),
+    ("CPU", "do_sys_openat2+0x7"),
+]
+
+
+@pytest.fixture(scope="module")
+def flows(vm):
+    fl = trapflow.demo(vm, target="do_sys_openat2+5", workload="cat /proc/version")
+    yield {f.kind: f for f in fl}
+
+
+def test_int3_flow_follows_the_kernels_path(flows, vm):
+    steps = flows["int3"].steps
+
+    def name(s, want):  # "asm_exc_int3" matches asm_exc_int3+0x0/0x40; "f+0x5" matches exactly
+        if want is None:
+            return None
+        got = s.where.split("/")[0]
+        return want if got == want or got.split("+")[0] == want else got
+    assert [(s.lane, name(s, want)) for s, (_, want) in zip(steps, INT3_PATH)] == INT3_PATH
+    assert len(steps) == len(INT3_PATH)
+    first, slot, slot_int3 = steps[0], steps[5], steps[6]
+    assert first.insn.startswith("cc") and "push r12" in first.note      # int3 over the push
+    assert "push r12" in slot.insn and slot_int3.insn.startswith("cc")   # copy, then int3
+    assert slot_int3.addr == slot.addr + 2
+    assert not steps[1].regs["eflags"] & trapflow.IF                     # interrupts off in the trap
+    assert steps[-1].regs["eflags"] & trapflow.IF                        # and back on after
+
+
+def test_variants(flows):
+    ft = [s.where.split("+")[0] for s in flows["ftrace"].steps]
+    assert ft == ["do_sys_openat2", "kprobe_ftrace_handler", "kph_pre", "do_sys_openat2"]
+    assert flows["ftrace"].steps[0].insn.split("  ")[1].startswith("call")
+    opt = flows["optimized"].steps
+    assert opt[0].insn.split("  ")[1].startswith("jmp") and "optimized" in flows["optimized"].probe
+    assert [s.where.split("+")[0] for s in opt][2:4] == ["optimized_callback", "kph_pre"]
+    ret = [s.where.split("+")[0] for s in flows["kretprobe"].steps]
+    assert ret[0] == "arch_rethook_trampoline" and "kph_ret" in ret
+    assert flows["kretprobe"].steps[-1].where.startswith("__x64_sys_openat")
+
+
+def test_guest_is_left_as_it_was(flows, vm):
+    assert vm.run("cat /sys/kernel/debug/kprobes/list").stdout == ""
+    assert "kph_kprobes" not in vm.run("lsmod").stdout
+    assert vm.run("cat /proc/version").ok
+
+
+def test_page_renders_offline_in_chromium(flows, tmp_path):
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed (./setup.sh installs it)"
+    page = tmp_path / "flow.html"
+    page.write_text(report.trapflow_html(list(flows.values())))
+    shot = tmp_path / "flow.png"
+    common = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+              "--no-first-run", "--disable-background-networking", "--disable-component-update",
+              "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    subprocess.run(common + [f"--screenshot={shot}", "--window-size=1300,2400", page.as_uri()],
+                   capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dom = subprocess.run(common + ["--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "<svg" in dom
+    pos = dom.index('id="int3"')
+    for s in flows["int3"].steps:  # every step's row, in order (titles repeat: search on)
+        pos = dom.index(f"<td>{s.n}</td>", pos) + 1
+        assert dom.index(f">{s.title}<", pos) > pos
+
+
+def test_cli_prints_the_ordered_steps():
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "-q", "demo", "trap-flow",
+                        "--variants", "int3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln[:4].strip().rstrip(".").isdigit()]
+    assert len(lines) == 12 and "asm_exc_int3" in r.stdout and "kph_post" in r.stdout
