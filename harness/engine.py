@@ -241,16 +241,21 @@ class HostEngine:
                 if any(p.post_handler for p in probes) else None
             nxt = eff.next_ip
         else:
-            stop, num = self.stub.step_over(addr, self._bp.get(addr), thread=th)
-            if addr in self._bp and num is None:
-                self._bp[addr] = self.stub._last_reinserted
-            steps = 1
-            while stop.addr == addr and steps < _REP_STEPS:  # a REP instruction, one round at a time
-                stop = self.stub.step(thread=th)
+            stop = self._step_here(addr, th)
+            steps, rcx = 1, None
+            while stop.addr == addr and steps < _REP_STEPS:
+                # A REP instruction runs one round per step, counting rcx down; a step that
+                # moved nothing at all is not progress (never loop on it).
+                now = self.stub.read_registers(("rcx",), thread=th)["rcx"]
+                if now == rcx:
+                    log.warning("single-step at %#x makes no progress; resuming", addr)
+                    break
+                rcx = now
+                stop = self._step_here(addr, th)
                 steps += 1
             self.stats["stepped"] += 1
             if stop.addr in self._exc and stop.addr != addr:
-                if self._exc[stop.addr] == 3 and self.stub.read_memory(addr, 1) == b"\xcc":
+                if self._exc[stop.addr] == 3:
                     # The guest's own int3-based kprobe sits here: it takes over from its
                     # #BP entry (in-guest and host-side probes observing one execution).
                     self.stats["guest_int3"] += 1
@@ -265,6 +270,15 @@ class HostEngine:
             self._flush(after, th)
             nxt = after.ip
         return nxt
+
+    def _step_here(self, addr: int, th: int) -> Stop:
+        """Single-step the instruction at ``addr`` with our breakpoint lifted for the step:
+        a guest int3 planted there after our breakpoint is invisible to GDB's reads (they
+        return the saved byte), and with the breakpoint in place such a step runs nothing."""
+        stop, num = self.stub.step_over(addr, self._bp.get(addr), thread=th, always=True)
+        if addr in self._bp and num is None:
+            self._bp[addr] = self.stub._last_reinserted
+        return stop
 
     def _emulation(self, addr: int) -> Emulation | None:
         if addr not in self._emul:

@@ -328,7 +328,8 @@ class GdbStub:
         self.command("-exec-step-instruction" + self._th(thread))
         return self.wait_stop(timeout=timeout or self.timeout)
 
-    def step_over(self, addr: int, bpnum: int | None, *, thread: int | None = None) -> tuple[Stop, int | None]:
+    def step_over(self, addr: int, bpnum: int | None, *, thread: int | None = None,
+                  always: bool = False) -> tuple[Stop, int | None]:
         """Single-step the instruction at ``addr`` where our breakpoint ``bpnum`` sits.
 
         Why not just ``step``: when the guest's own memory holds 0xcc there (an in-guest
