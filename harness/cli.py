@@ -336,7 +336,11 @@ def _repro(args: argparse.Namespace) -> int:
 
     scn = scenario.load(args.scenario)
     if args.record or args.replay:
-        from . import repro_rr
+        try:
+            from . import repro_rr  # type: ignore[attr-defined]
+        except ImportError:
+            raise SetupError("--record/--replay are not available in this version",
+                             "run the scenario without them") from None
         return repro_rr.main(scn, args, progress=(lambda s: None) if args.quiet else _progress)
     res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
                     progress=(lambda s: None) if args.quiet else _progress)

@@ -95,6 +95,7 @@ class HostEngine:
         self._free: dict[int, list[KretprobeInstance]] = {}
         self._live: dict[int, KretprobeInstance] = {}
         self._emul: dict[int, Emulation | None] = {}
+        self._emul_bytes: dict[int, bytes] = {}
         tramp = trampoline if trampoline is not None else os.environ.get("KPH_TRAMPOLINE",
                                                                          DEFAULT_TRAMPOLINE)
         self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
@@ -107,6 +108,7 @@ class HostEngine:
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
+        self._final_resume: int | None = None
         self._fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
         self._thread.start()
@@ -118,6 +120,11 @@ class HostEngine:
             while True:
                 self._serve_requests()
                 if self._closing:
+                    # The last hit's resume address must not be lost: after an emulated
+                    # instruction the vCPU still sits on it (a plain continue would run it
+                    # twice), and GDB skips a byte at a location it takes for a permanent
+                    # breakpoint (a guest int3).
+                    self._final_resume = resume_at
                     return
                 self.stub.resume(resume_at)
                 stop: Stop | None = None
@@ -275,15 +282,47 @@ class HostEngine:
         """Single-step the instruction at ``addr`` with our breakpoint lifted for the step:
         a guest int3 planted there after our breakpoint is invisible to GDB's reads (they
         return the saved byte), and with the breakpoint in place such a step runs nothing."""
-        stop, num = self.stub.step_over(addr, self._bp.get(addr), thread=th, always=True)
-        if addr in self._bp and num is None:
-            self._bp[addr] = self.stub._last_reinserted
-        return stop
+        num = self._bp.get(addr)
+        if num is None:
+            return self.stub.step(thread=th)
+        self._remove_bp(addr, num)
+        try:
+            return self.stub.step(thread=th)
+        finally:
+            self._bp[addr] = self._insert_bp(addr)
+
+    def _insert_bp(self, addr: int) -> int:
+        """A breakpoint at ``addr``: GDB's, or a raw Z0 (returned as -1) where the guest's
+        own int3 sits. GDB would take that one for a permanent breakpoint: send no Z0 to
+        QEMU (so we would never stop there again) and skip a byte when resuming on it."""
+        if self.stub.read_memory_raw(addr, 1) == b"\xcc":
+            if self.stub.raw(f"Z0,{addr:x},1") != "OK":
+                raise HarnessError(f"QEMU refused a breakpoint at {addr:#x}")
+            return -1
+        return self.stub.insert_breakpoint(addr)
+
+    def _remove_bp(self, addr: int, num: int) -> None:
+        if num == -1:
+            self.stub.raw(f"z0,{addr:x},1")
+        else:
+            self.stub.delete_breakpoint(num)
 
     def _emulation(self, addr: int) -> Emulation | None:
-        if addr not in self._emul:
-            self._emul[addr] = decode(self.stub.read_memory(addr, 16), addr)
-        return self._emul[addr]
+        """The emulation for the instruction *really* at ``addr`` now, or None to step.
+
+        The decode is cached, but the guest's bytes are checked on every hit (one raw read,
+        past GDB's breakpoint shadow): the guest's own kprobes patch code under our
+        breakpoints, sometimes later (the optimizer's deferred jmp), and emulating a stale
+        instruction would resume in the middle of the new one."""
+        real = self.stub.read_memory_raw(addr, 16)
+        cached = self._emul.get(addr)
+        if cached is not None and self._emul_bytes.get(addr) == real[:cached.length]:
+            return cached
+        emu = decode(real, addr)
+        self._emul[addr] = emu
+        if emu is not None:
+            self._emul_bytes[addr] = real[:emu.length]
+        return emu
 
     def _on_fault(self, addr: int, th: int, probes: list[Kprobe], vector: int, entry: int) -> int:
         """The probed instruction raised ``vector``; the vCPU is at the exception entry."""
@@ -454,9 +493,9 @@ class HostEngine:
     def _arm(self, addr: int) -> None:
         active = any(not q.disabled for q in self._aggr.get(addr, ()))
         if active and addr not in self._bp:
-            self._bp[addr] = self.stub.insert_breakpoint(addr)
+            self._bp[addr] = self._insert_bp(addr)
         elif not active and addr in self._bp:
-            self.stub.delete_breakpoint(self._bp.pop(addr))
+            self._remove_bp(addr, self._bp.pop(addr))
 
     def _unregister(self, p: Kprobe) -> None:
         if not p.registered or p.addr is None:
@@ -666,8 +705,8 @@ class HostEngine:
                     self.stub.write_memory(slot, ri.ret_addr.to_bytes(8, "little"))
                     restored += 1
             self._live.clear()
-            for num in self._bp.values():
-                self.stub.delete_breakpoint(num)
+            for a, num in list(self._bp.items()):
+                self._remove_bp(a, num)
             self._bp.clear()
             for probes in self._aggr.values():
                 for p in probes:
@@ -686,7 +725,8 @@ class HostEngine:
         self._thread.join(5)
         if self._fatal is None and self.stub.proc.poll() is None and not self.stub.running:
             try:
-                self.stub.cont()
+                self.stub.resume(self._final_resume)
+                self.stub.poll_stop()
             except HarnessError:
                 pass
         os.close(self._wake_r)
