@@ -252,10 +252,13 @@ class GdbStub:
                     signal=p.get("signal-name"), when=time.monotonic()))
             elif msg == "running":
                 self.running = True
+        elif kind == "console" and self._console_capture is not None:
+            self._console_capture.append(str(rec.get("payload") or ""))
         elif kind in ("console", "log", "target", "output") and rec.get("payload"):
             log.debug("gdb %s: %s", kind, str(rec["payload"]).rstrip())
 
     _expect_reasonless = False
+    _console_capture: list[str] | None = None
 
     def _raise_pending(self) -> None:
         if self._pending_error is not None:
@@ -457,9 +460,32 @@ class GdbStub:
         self.current_thread = thread
 
     def raw(self, packet: str) -> str:
-        """Send a raw remote packet (``maint packet``) and return GDB's reply text."""
-        r = self.command(f'-interpreter-exec console "maint packet {packet}"')
-        return str(r)
+        """Send a raw remote packet (``maint packet``) and return the stub's reply."""
+        self._console_capture = []
+        try:
+            self.command(f'-interpreter-exec console "maint packet {packet}"')
+            text = "".join(self._console_capture)
+        finally:
+            self._console_capture = None
+        m = re.search(r'received: "(.*)"', text)
+        return m.group(1) if m else ""
+
+    def read_memory_raw(self, addr: int, size: int) -> bytes:
+        """Guest memory as it really is, past GDB's breakpoint shadows.
+
+        Why: GDB answers reads at its own breakpoint addresses with the bytes it saw when it
+        inserted them. QEMU's breakpoints do not modify guest memory, so a raw ``m`` packet
+        returns the truth, including code the guest patched later (its own kprobes' int3
+        or the optimizer's jmp).
+        """
+        reply = self.raw(f"m{addr:x},{size:x}")
+        try:
+            data = bytes.fromhex(reply)
+        except ValueError:
+            data = b""
+        if len(data) != size:
+            raise GdbMIError(f"raw read at {addr:#x} failed: {reply[:40]!r}")
+        return data
 
 
 def attach(vm: Any, *, resume: bool = True) -> GdbStub:
