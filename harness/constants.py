@@ -10,6 +10,9 @@ DEFAULT_MEMORY = "512M"
 BOOT_TIMEOUT = 60.0
 #: Default limit for one guest command.
 RUN_TIMEOUT = 60.0
+#: A recorded or replayed run (harness.replay), QEMU start to the end; a replay runs ~1.3x
+#: longer than its recording.
+RR_TIMEOUT = 120.0
 #: One QMP command.
 QMP_TIMEOUT = 10.0
 #: Grace time for QEMU to exit after ``quit`` before it is killed.
