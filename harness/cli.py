@@ -113,13 +113,17 @@ def make_parser() -> argparse.ArgumentParser:
                         description="Run a scenario file (probes/scenarios/*.toml), decide "
                         "whether its expectation is met and write an evidence bundle. Exit 0 "
                         "met, 1 not met, 2 for a bad scenario (the key at fault is named).")
-    rp.add_argument("scenario", metavar="SCENARIO.toml")
+    rp.add_argument("scenario", metavar="SCENARIO.toml", nargs="?",
+                    help="the scenario (optional with --replay: the bundle holds its own)")
     rp.add_argument("--out", metavar="DIR", help="bundle directory (default repro-NAME-TIME)")
     rp.add_argument("--record", action="store_true",
-                    help="run under QEMU record/replay; the bundle then holds the replay log")
-    rp.add_argument("--replay", metavar="DIR", help="replay a recorded bundle")
+                    help="run under QEMU record/replay (-icount rr=record, one vCPU, in-guest "
+                    "probes only); the bundle then holds the replay log")
+    rp.add_argument("--replay", metavar="DIR", help="replay a --record bundle to its end and "
+                    "check the console and the final registers are identical")
     rp.add_argument("--gdb", action="store_true",
-                    help="with --replay: stay stopped with the gdbstub open for reverse debugging")
+                    help="with --replay: stay stopped at the end with the gdbstub open for "
+                    "reverse-stepi / reverse-continue; Ctrl-C ends QEMU")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
     dm = sub.add_parser("demo", help="Walk through a real kprobe trap, step by step")
@@ -334,14 +338,18 @@ def _repro(args: argparse.Namespace) -> int:
 
     from . import repro, scenario
 
-    scn = scenario.load(args.scenario)
+    if args.record and args.replay:
+        raise SetupError("--record and --replay together", "record first, then replay the bundle")
+    if args.gdb and not args.replay:
+        raise SetupError("--gdb goes with --replay DIR", "kph repro --replay DIR --gdb")
+    if args.scenario is None and not args.replay:
+        raise SetupError("kph repro needs a scenario file", "kph repro probes/scenarios/NAME.toml")
+    scn = scenario.load(args.scenario) if args.scenario else None
     if args.record or args.replay:
-        try:
-            from . import repro_rr  # type: ignore[attr-defined]
-        except ImportError:
-            raise SetupError("--record/--replay are not available in this version",
-                             "run the scenario without them") from None
+        from . import repro_rr
+
         return repro_rr.main(scn, args, progress=(lambda s: None) if args.quiet else _progress)
+    assert scn is not None
     res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
                     progress=(lambda s: None) if args.quiet else _progress)
     print(f"{'MET' if res.met else 'NOT MET'}: {scn.name}")

@@ -75,7 +75,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import constants as C
 from .aio import LoopThread
@@ -277,7 +277,6 @@ class _Run:
 
     async def _pump(self) -> None:
         async for ev in self._qmp.events:
-            self._qmp.events.clear()
             self.log.debug("<-- event %s %s", ev["event"], ev.get("data", {}))
             self.events.put((ev["event"], dict(ev.get("data", {}))))
 
@@ -409,16 +408,15 @@ class _Seen:
         return None
 
 
-def _watch(run: _Run, seen: _Seen, deadline: float, *, stop_on_pause: bool,
-           grace: float | None = _GRACE) -> bool:
+def _watch(run: _Run, seen: _Seen, deadline: float, *, until_stop: bool) -> bool:
     """Follow QMP events and the console until the run ends; False at the deadline.
 
-    The run has ended when QEMU paused for the guest (panic or poweroff; both actions
-    are ``pause``), when it stopped for any reason and ``stop_on_pause`` (a replay's
-    break at the recorded end), when QEMU exited, or when the end marker or a panic line
-    has been on the console for ``grace`` seconds without an event (a script that keeps
-    the guest running, a panic without pvpanic; a replay that knows where the recording
-    stopped waits for its break there instead).
+    ``until_stop`` (a replay that knows where its recording stopped): the end is the
+    first STOP, the break at the recorded instruction count or a guest poweroff; only
+    that point is exact. Otherwise (recording): QEMU paused for the guest (panic or
+    poweroff; both actions are ``pause``), or the end marker or a panic line has been on
+    the console for ``_GRACE`` seconds without an event (a script that keeps the guest
+    running, a panic without pvpanic). Either way a QEMU that exited ends the watch.
     """
     while True:
         try:
@@ -441,9 +439,9 @@ def _watch(run: _Run, seen: _Seen, deadline: float, *, stop_on_pause: bool,
             seen.panic_line = run.console[at:].split(b"\n", 1)[0].decode("utf-8", "replace").strip()
         if (seen.exit_code is not None or seen.panic_line) and seen.first is None:
             seen.first = time.monotonic()
-        if seen.panicked or seen.shutdown or (stop_on_pause and seen.stopped) or run.exited():
+        if run.exited() or (seen.stopped if until_stop else seen.panicked or seen.shutdown):
             return True
-        if grace is not None and seen.first is not None and time.monotonic() - seen.first > grace:
+        if not until_stop and seen.first is not None and time.monotonic() - seen.first > _GRACE:
             return True
         if time.monotonic() > deadline:
             return False
@@ -473,12 +471,19 @@ def _resolve(image: Any, kernel: Any, initrd: Any) -> tuple[Path, Path, str | No
 
 
 def _guest_args(append: str, mode: str, snapshot: bool, qcow2: str, console: str) -> list[str]:
-    """The machine of a recording. Only ``mode``, the snapshot drive's file and the
-    console file differ between record and replay: none of them is visible to the guest."""
+    """The machine of a recording. Only ``mode``, the snapshot drive's file, the console
+    file and the panic action differ between record and replay, and none of them is
+    visible to the guest.
+
+    Why a replay does not pause at a panic (``panic=none``): it stops at the recorded
+    instruction count instead, exactly there, and in a gdb session executing the panic
+    again (a ``stepi`` onto the end) would otherwise move QEMU into the guest-panicked
+    run state, from which a later ``reverse-continue`` hung (seen under CPU load)."""
     icount = f"shift=auto,sleep=off,rr={mode},rrfile={LOG}" + (",rrsnapshot=init" if snapshot else "")
+    panic = "pause" if mode == "record" else "none"
     args = ["-nodefaults", "-no-user-config", "-display", "none", "-machine", "pc",
             "-m", C.DEFAULT_MEMORY, "-smp", "1", "-accel", "tcg", "-no-reboot",
-            "-action", "panic=pause,shutdown=pause", "-device", "pvpanic-pci",
+            "-action", f"panic={panic},shutdown=pause", "-device", "pvpanic-pci",
             "-kernel", KERNEL, "-initrd", INITRD, "-append", append,
             "-icount", icount, "-serial", f"file:{console}"]
     if snapshot:
@@ -501,7 +506,7 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
            kernel: str | os.PathLike[str] | None = None,
            initrd: str | os.PathLike[str] | None = None, append_extra: str = "",
            qemu: QemuBinary | str | None = None, timeout: float = C.RR_TIMEOUT,
-           snapshot: bool = True) -> RecordResult:
+           snapshot: bool = True, at_end: Callable[[Any], None] | None = None) -> RecordResult:
     """Boot under ``rr=record``, run ``script`` in the guest and keep the recording in ``out_dir``.
 
     The run ends at the script's end marker (the guest then powers off), a guest panic,
@@ -515,6 +520,8 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
     :param kernel: a bzImage (or build directory) instead of the image's; needs ``initrd``.
     :param append_extra: added to the default kernel command line.
     :param snapshot: keep a snapshot at instruction 0 in a qcow2 (reverse debugging).
+    :param at_end: called with the paused run at the recorded end, before anything else
+        runs (``hmp(run, ...)`` reads registers and memory there without changing them).
     :raise SetupError: a missing input, qemu-img, or ``out_dir`` already used.
     :raise VMError: QEMU refused to start, died, or left an unfinished log.
     """
@@ -539,7 +546,7 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
         run.start(argv, out / CONSOLE, out / QEMU_LOG)
         run.qmp("cont")
         seen = _Seen()
-        finished = _watch(run, seen, run.t0 + timeout, stop_on_pause=False)
+        finished = _watch(run, seen, run.t0 + timeout, until_stop=False)
         seconds = time.monotonic() - run.t0
         if run.exited():
             raise VMError(f"QEMU exited while recording (status {run.proc.returncode}"  # type: ignore[union-attr]
@@ -548,6 +555,8 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
         run.read_console()
         console = bytes(run.console)  # the console at the end; the tail below is not part of it
         end = seen.end() if finished else End.TIMEOUT
+        if at_end is not None:
+            at_end(run)
         _run_on(run)
         status = run.close()
     finally:
@@ -568,6 +577,13 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     log.info("recorded %s: %s after %.1f s, %s instructions", out, end.value, seconds, icount)
     return res
+
+
+def hmp(run: Any, command: str) -> str:
+    """A human-monitor command on a run (``ReplayResult._run`` or ``at_end``'s argument).
+    ``info registers`` and ``x`` read the stopped guest without changing it, so they are
+    safe at a recorded end: the replay still reaches the same state."""
+    return str(run.qmp("human-monitor-command", {"command-line": command}))
 
 
 def _text(console: bytes | bytearray) -> str:
@@ -678,8 +694,7 @@ def replay(out_dir: str | os.PathLike[str], *, qemu: QemuBinary | str | None = N
             run.qmp("replay-break", {"icount": rec.icount})
         run.qmp("cont")
         seen = _Seen()
-        finished = _watch(run, seen, run.t0 + timeout, stop_on_pause=True,
-                          grace=None if rec.icount is not None else _GRACE)
+        finished = _watch(run, seen, run.t0 + timeout, until_stop=rec.icount is not None)
         seconds = time.monotonic() - run.t0
         if run.exited() and not (seen.shutdown or seen.panicked):
             raise VMError(f"QEMU exited while replaying (status {run.proc.returncode}): "  # type: ignore[union-attr]

@@ -418,6 +418,16 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
     return ReproResult(scn, r.obs, met, reasons, cause, bundle)
 
 
+def probe_sections(obs: Observed) -> list[str]:
+    """summary.md's "Probes on SIDE" sections: each probe accepted (and how) or refused."""
+    lines: list[str] = []
+    for side, outs in obs.outcomes.items():
+        lines += ["", f"## Probes on {side}", ""]
+        lines += [f"- {o.probe}: " + ("accepted" + (f" [{o.mode}]" if o.mode else "") if o.accepted else
+                  f"refused {_errno.errorcode.get(o.errno, o.errno)} ({o.message})") for o in outs]
+    return lines
+
+
 def _write_bundle(d: Path, scn: Scenario, r: _Run, met: bool, reasons: list[str], cause: str,
                   host_list: str, manifest: dict[str, Any]) -> None:
     obs = r.obs
@@ -440,10 +450,7 @@ def _write_bundle(d: Path, scn: Scenario, r: _Run, met: bool, reasons: list[str]
         lines += ["", "## Console (Oops/BUG/WARNING/panic lines)", "", "```"] + obs.oops[:20] + ["```"]
     if obs.stack:
         lines += ["", "## Stack (first vCPU lines)", "", "```"] + obs.stack.splitlines()[:30] + ["```"]
-    for side, outs in obs.outcomes.items():
-        lines += ["", f"## Probes on {side}", ""]
-        lines += [f"- {o.probe}: " + ("accepted" + (f" [{o.mode}]" if o.mode else "") if o.accepted else
-                  f"refused {_errno.errorcode.get(o.errno, o.errno)} ({o.message})") for o in outs]
+    lines += probe_sections(obs)
     lines += ["", "Files: console.log, registers.txt, stack.txt, kprobes_list.txt, host_probes.txt, "
               "hits.json, scenario.toml, manifest.json", ""]
     (d / "summary.md").write_text("\n".join(lines))

@@ -301,7 +301,6 @@ class Machine:
             data = dict(ev.get("data", {}))
             self.events.append((time.time(), name, data))
             del self.events[:-200]
-            self._qmp.events.clear()
             self.log.debug("<-- event %s %s", name, data)
             if name == "GUEST_PANICKED":
                 self._panicked.set()
