@@ -116,6 +116,53 @@ def gdbstub_loop(vm: Machine, addr: int, n: int) -> tuple[float, int, list[float
     return out["wall"], hits, handling
 
 
+def packets_per_hit(qemu, addr: int) -> None:
+    """Print the RSP exchanges GDB makes for one hit (``set debug remote 1``), against
+    the raw loop's: the part of the ratio no harness code can remove."""
+    import logging
+    import re
+
+    lines: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            m = re.search(r"\[remote\] Sending packet: \$([^#]*)#", record.getMessage())
+            if m:
+                lines.append(m[1])
+
+    lg = logging.getLogger("harness.gdbstub")
+    h, old = Grab(), lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.DEBUG)
+    try:
+        with Machine.boot(qemu=qemu) as vm:
+            g = attach(vm, resume=False)
+            g.insert_breakpoint(addr)
+            g.command("-gdb-set debug remote 1")
+            g.cont()
+            out: dict = {}
+            th = in_thread(vm, 2, out)
+            while th.is_alive():
+                try:
+                    s = g.wait_stop(timeout=0.2)
+                except TimeoutError:
+                    continue
+                g.read_registers(("rdi",))
+                g.resume(s.addr + 5)
+            th.join()
+            g.command("-gdb-set debug remote 0")
+            g.close()
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+    # One hit: from one vCont;c to the next.
+    conts = [i for i, x in enumerate(lines) if x.startswith("vCont;c")]
+    one = lines[conts[-3] + 1:conts[-2] + 1] if len(conts) >= 3 else lines
+    short = [x if len(x) < 24 else x[:21] + "..." for x in one]
+    print(f"GDB, one hit ({len(one)} packets after the stop reply): " + ", ".join(short))
+    print("raw, one hit (4 packets after the stop reply): p10 (rip), p5 (rdi), P10=..., vCont;c")
+
+
 def measure(qemu, addr: int, n: int, rounds: int) -> list[tuple[str, float, int, list[float]]]:
     """Interleave the three methods ``rounds`` times on one guest; medians of each."""
     walls: dict[str, list[float]] = {"none": [], "raw": [], "gdbstub": []}
@@ -158,10 +205,15 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=200, help="processes in the workload (default 200)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--no-system", action="store_true", help="skip the system QEMU comparison")
+    ap.add_argument("--packets", action="store_true",
+                    help="only show the packets GDB exchanges per hit, against the raw loop's")
     args = ap.parse_args()
     img = default_image()
     addr = load_kallsyms_cached(img.kallsyms).lookup("do_sys_openat2").addr
     chosen = find_qemu()
+    if args.packets:
+        packets_per_hit(chosen, addr)
+        return 0
     results = {}
     results["chosen"] = report(chosen, measure(chosen, addr, args.n, args.rounds), args.n)
     sysq = None if args.no_system else system_qemu()
