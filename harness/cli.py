@@ -256,7 +256,7 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
 
         syms = load_kallsyms_cached(default_image(args.image).kallsyms)
         for spec in specs:
-            if spec.symbol and not spec.module:
+            if spec.symbol and not spec.module and not spec.is_uprobe:
                 try:
                     syms.lookup(spec.symbol)
                 except KeyError:

@@ -12,16 +12,6 @@ from harness.kprobes import Jprobe, Kprobe, Kretprobe
 pytestmark = pytest.mark.vm
 
 
-@pytest.fixture
-def host(vm):
-    h = vm.host
-    yield h
-    errors = list(h.handler_errors)
-    h.close()
-    assert vm.run("echo alive").stdout == "alive\n"
-    assert not errors, f"handler raised: {errors[0]!r}"
-
-
 def user_string(host, addr):
     return (host.read_string(addr) or b"").decode()
 
