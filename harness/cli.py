@@ -422,7 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ProbeSpecError as exc:
         from .probespec import format_error
-        print(format_error(exc).rstrip("\n"), file=sys.stderr)
+        toks = exc.text.split()
+        uprobe = len(toks) > 1 and "/" in toks[1]      # the file the kernel would log to
+        print(format_error(exc, "trace_uprobe" if uprobe else "trace_kprobe").rstrip("\n"),
+              file=sys.stderr)
         return EXIT_USAGE
     except VMError as exc:
         first = str(exc.args[0]) if exc.args else str(exc)

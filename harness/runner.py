@@ -14,6 +14,7 @@ import logging
 from typing import Any, Sequence
 
 from .backends import make_backend
+from .errors import HarnessError, SetupError
 from .backends.host import FetchHook, HostBackend
 from .probespec import ProbeSpec
 from .records import RunResult
@@ -29,7 +30,13 @@ def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
     out = []
     for spec in specs:
         if spec.is_uprobe and spec.symbol is not None:
-            new = resolve_symbol(spec, vm.pull(spec.path))
+            try:
+                elf = vm.pull(spec.path)
+            except HarnessError as exc:
+                raise SetupError(f"cannot read {spec.path} in the guest to resolve "
+                                 f"{spec.symbol} ({exc})",
+                                 "give a program that exists in the image, or PATH:OFFSET") from None
+            new = resolve_symbol(spec, elf)
             log.info("%s:%s resolved to file offset %#x", spec.path, spec.symbol, new.offset)
             spec = new
         out.append(spec)

@@ -129,3 +129,5 @@ def test_cli_diff_on_a_uprobe_and_a_malformed_spec_exits_2():
     assert bad.returncode == 2
     assert "Invalid uprobe offset" in bad.stderr and "^" in bad.stderr
     assert "Traceback" not in bad.stderr
+    nosym = kph("diff", "p:u /usr/bin/kph-loop:no_such_fn %di", "--run", "true")
+    assert nosym.returncode == 2 and "trace_uprobe: error: no symbol no_such_fn" in nosym.stderr
