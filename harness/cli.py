@@ -136,7 +136,9 @@ def make_parser() -> argparse.ArgumentParser:
     tf.add_argument("--run", default="cat /proc/version", metavar="CMD",
                     help="the guest command that makes it fire (default: cat /proc/version)")
     tf.add_argument("--variants", default="int3,ftrace,optimized,kretprobe",
-                    help="comma-separated subset of int3,ftrace,optimized,kretprobe")
+                    help="comma-separated subset of int3,ftrace,optimized,kretprobe,uprobe,"
+                         "uretprobe (the last two: a uprobe_events probe on kph_add in "
+                         "/usr/bin/kph-loop, the XOL slot, the uretprobe trampoline)")
     tf.add_argument("--html", metavar="FILE", help="write a self-contained page with a "
                     "sequence diagram and the step table")
     tf.add_argument("--step", action="store_true", help="wait for Enter between steps")
@@ -360,8 +362,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise SetupError("kph demo needs a demo name", "try `kph demo trap-flow`")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     for v in variants:
-        if v not in ("int3", "ftrace", "optimized", "kretprobe"):
-            raise SetupError(f"unknown variant {v!r}", "use int3, ftrace, optimized, kretprobe")
+        if v not in ("int3", "ftrace", "optimized", "kretprobe", "uprobe", "uretprobe"):
+            raise SetupError(f"unknown variant {v!r}",
+                             "use int3, ftrace, optimized, kretprobe, uprobe, uretprobe")
     if "+" not in args.symbol or args.symbol.endswith("+0"):
         raise SetupError(f"--symbol {args.symbol} is a function entry (ftrace-based there)",
                          "give an offset into the function, e.g. do_sys_openat2+5")
