@@ -136,7 +136,13 @@ def test_maxactive_1_with_two_sleepers_misses_one(vm, host):
                                            handler=lambda ri, r: calls.append(r.signed("ax"))))
     vm.run("sleep 1 & sleep 1 & wait", timeout=30)
     assert rp.nmissed == 1
-    assert len(calls) == 1
+    # Sometimes (also before uprobes; cause not found) a sleep returns -ERESTART_RESTARTBLOCK
+    # (-516) and restart_syscall() calls do_nanosleep again: one more call, one more
+    # return through the single instance. Each completed sleep still returns 0 once.
+    ERESTART_RESTARTBLOCK = 516
+    assert calls.count(0) == 1
+    assert all(c in (0, (-ERESTART_RESTARTBLOCK) & 0xFFFFFFFF, -ERESTART_RESTARTBLOCK)
+               for c in calls)
 
 
 def test_entry_handler_nonzero_suppresses_the_return_handler(vm, host):
