@@ -32,7 +32,8 @@ that returns through an inherited hijacked slot resumes at the parent's return a
 without a handler call.
 
 User pages may be absent: memory is only read at a hit, while that process is current
-and its stack and text are mapped.
+and its stack and text are mapped. At close, return addresses still hijacked are put back
+through the kernel's direct map, walking that mm's page tables, whatever process runs.
 """
 from __future__ import annotations
 
@@ -447,10 +448,42 @@ class UprobeManager:
         self._sync_clear_hook()
         return ri.ret_addr
 
+    def user_address_kernel_view(self, mm: int, vaddr: int) -> int | None:
+        """The kernel's direct-map address of user address ``vaddr`` in ``mm``, walking
+        ``mm->pgd`` (4-level paging) from any context; None when not mapped.
+
+        Why: a process that is not current cannot be reached through its virtual
+        addresses, but its page tables and pages are all in the kernel's direct map
+        (``page_offset_base`` + physical address)."""
+        base = self._u64(self.engine.symbols.lookup("page_offset_base").addr)
+        table = self._u64(mm + self._offset("mm_struct", "pgd"))
+        for level, shift in enumerate((39, 30, 21, 12)):
+            entry = self._u64(table + 8 * ((vaddr >> shift) & 511))
+            if not entry & 1:                              # _PAGE_PRESENT
+                return None
+            phys = entry & 0x000FFFFFFFFFF000
+            if level in (1, 2) and entry & 0x80:           # _PAGE_PSE: 1 GiB or 2 MiB page
+                size = 1 << shift
+                return base + (phys & ~(size - 1)) + (vaddr & (size - 1))
+            if level == 3:
+                return base + phys + (vaddr & 0xFFF)
+            table = base + phys
+        return None
+
     def close(self) -> None:
-        """Put back hijacked return addresses of processes still current-able, drop all."""
+        """Put every hijacked return address back (through the direct map, whichever
+        process is current), remove the breakpoints, drop all state."""
         for ri in list(self._live.values()):
-            log.debug("uretprobe instance at %#x in mm %#x dropped at close", ri.stack_slot, ri.mm)
+            try:
+                where = self.user_address_kernel_view(ri.mm, ri.stack_slot)
+                if where is not None and self._u64(where) == _tramp_of(ri):
+                    self.stub.write_memory(where, ri.ret_addr.to_bytes(8, "little"))
+                    self.stats["uretprobe_restored"] += 1
+                    continue
+            except HarnessError as exc:
+                log.debug("restoring the return address at %#x failed: %s", ri.stack_slot, exc)
+            log.warning("uretprobe return address at %#x in mm %#x not restored",
+                        ri.stack_slot, ri.mm)
         self._live.clear()
         self._exe_ino.clear()
         for addr in list(self._bps):

@@ -131,3 +131,19 @@ def test_cli_diff_on_a_uprobe_and_a_malformed_spec_exits_2():
     assert "Traceback" not in bad.stderr
     nosym = kph("diff", "p:u /usr/bin/kph-loop:no_such_fn %di", "--run", "true")
     assert nosym.returncode == 2 and "trace_uprobe: error: no symbol no_such_fn" in nosym.stderr
+
+
+def test_close_puts_back_a_hijacked_return_address(vm):
+    """kph-loop waits inside main for its go-file; a uretprobe on main hijacked the return
+    address. Closing the engine must restore it, or main returns into the padding."""
+    host = vm.host
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
+                                     ret_handler=lambda ri, regs: None))
+    vm.run("rm -f /tmp/goM; (/usr/bin/kph-loop 2 x /tmp/goM > /tmp/m.out 2>&1 < /dev/null; "
+           "echo $? > /tmp/m.rc) > /dev/null 2>&1 < /dev/null &", check=True)
+    vm.run("sleep 0.3", check=True)
+    assert up.nhit == 1
+    host.close()
+    assert host.stats["uretprobe_restored"] == 1
+    out = vm.run("touch /tmp/goM; sleep 0.5; cat /tmp/m.rc /tmp/m.out", check=True).stdout
+    assert out.split()[0] == "0" and out.split()[2] == "6"   # exit 0; (0+0+1) + (1+3+1)
