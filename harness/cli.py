@@ -317,6 +317,9 @@ def _diff(args: argparse.Namespace) -> int:
     from .runner import run_differential, trampoline_text
 
     specs = _load_specs(args)
+    if args.guest == "module" and any(s.is_uprobe for s in specs):
+        raise SetupError("the module backend has kprobes only; these specs include uprobes",
+                         "use --guest events (uprobe_events) for uprobe lines")
     with _machine(args) as vm:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
         tramp = trampoline_text(vm)
