@@ -312,11 +312,11 @@ class UprobeManager:
         self._sync_clear_hook()
 
     def unregister(self, up: Uprobe) -> None:
-        if not up.registered:
-            return
         lst = self.addrs.get(up.vaddr or 0, [])
-        if up in lst:
-            lst.remove(up)
+        if not up.registered or up not in lst:
+            up.registered = False           # never armed, or GONE and already detached
+            return
+        lst.remove(up)
         if not lst:
             self.addrs.pop(up.vaddr or 0, None)
             self._disarm(up.vaddr or 0)

@@ -102,6 +102,9 @@ def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
     assert seen == [1, 2]                              # not the child's 100, not 200 after exec
     assert rets == [2, 3]
     assert up.gone and rp.gone and up.flags & ProbeFlags.GONE
+    host.unregister_uprobe(up)                         # a GONE probe unregisters quietly
+    host.unregister_uprobe(rp)
+    assert not up.registered and not host.uprobes.tramps
     # with pid=None (what uprobe_events does) the child fires too
     everyone = []
     host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick",
