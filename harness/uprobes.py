@@ -325,11 +325,16 @@ class UprobeManager:
         if tramp is not None:
             self.tramps[tramp] -= 1
             # Calls in flight still return through the trampoline: keep it while they do.
-            if self.tramps[tramp] <= 0 and not any(ri.ret_addr for ri in self._live.values()
-                                                    if _tramp_of(ri) == tramp):
-                self.tramps.pop(tramp)
-                self._disarm(tramp)
+            self._drop_idle_trampoline(tramp)
         self._sync_clear_hook()
+
+    def _drop_idle_trampoline(self, tramp: int) -> None:
+        """Disarm ``tramp`` once no uretprobe uses it and no call in flight returns to it
+        (unregistering keeps it for those, as the 2007 text says uprobes does)."""
+        if self.tramps.get(tramp, 1) <= 0 and not any(_tramp_of(ri) == tramp
+                                                       for ri in self._live.values()):
+            self.tramps.pop(tramp)
+            self._disarm(tramp)
 
     def _arm(self, addr: int) -> None:
         # Always a raw Z0: GDB would read the user page for its shadow copy, in whatever
@@ -445,6 +450,7 @@ class UprobeManager:
             if up.registered and not up.disabled and up.ret_handler is not None:
                 self.engine._handler(up.ret_handler, ri, regs)
         self.engine._flush(regs, th, keep_ip=False)
+        self._drop_idle_trampoline(pc)
         self._sync_clear_hook()
         return ri.ret_addr
 

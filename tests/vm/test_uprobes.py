@@ -150,3 +150,18 @@ def test_close_puts_back_a_hijacked_return_address(vm):
     assert host.stats["uretprobe_restored"] == 1
     out = vm.run("touch /tmp/goM; sleep 0.5; cat /tmp/m.rc /tmp/m.out", check=True).stdout
     assert out.split()[0] == "0" and out.split()[2] == "6"   # exit 0; (0+0+1) + (1+3+1)
+
+
+def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, host):
+    calls = []
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
+                                     ret_handler=lambda ri, regs: calls.append(regs.ax)))
+    vm.run("rm -f /tmp/goF; (/usr/bin/kph-loop 1 x /tmp/goF > /dev/null 2>&1 < /dev/null; "
+           "echo $? > /tmp/f.rc) > /dev/null 2>&1 < /dev/null &", check=True)
+    vm.run("sleep 0.3", check=True)
+    assert up.nhit == 1
+    host.unregister_uprobe(up)
+    assert host.uprobes.tramps                          # main is still running
+    assert vm.run("touch /tmp/goF; sleep 0.5; cat /tmp/f.rc", check=True).stdout == "0\n"
+    assert calls == [] and not host.uprobes.tramps      # no handler; trampoline gone after
+    assert host.stats["uretprobe_returns"] == 1
