@@ -24,6 +24,9 @@ class BTF:
         self._types = data[hdr_len + type_off:hdr_len + type_off + type_len]
         self._strs = data[hdr_len + str_off:hdr_len + str_off + str_len]
         self._structs: dict[str, list[tuple[str, int]]] | None = None
+        # type id -> (kind, members as (name, byte offset, type id)) for structs and unions
+        self._by_name: dict[str, int] = {}
+        self._members: dict[int, tuple[int, list[tuple[str, int, int]]]] = {}
 
     def _name(self, off: int) -> str:
         end = self._strs.index(b"\0", off)
@@ -32,25 +35,45 @@ class BTF:
     def _index(self) -> dict[str, list[tuple[str, int]]]:
         if self._structs is None:
             out: dict[str, list[tuple[str, int]]] = {}
-            t, pos = self._types, 0
+            t, pos, tid = self._types, 0, 0
             while pos < len(t):
                 name_off, info, _size = struct.unpack_from("<III", t, pos)
                 pos += 12
+                tid += 1
                 kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
-                if kind in (KIND_STRUCT, KIND_UNION) and name_off:
+                if kind in (KIND_STRUCT, KIND_UNION):
                     members = []
                     for i in range(vlen):
-                        m_name, _m_type, m_off = struct.unpack_from("<III", t, pos + 12 * i)
+                        m_name, m_type, m_off = struct.unpack_from("<III", t, pos + 12 * i)
                         bits = m_off & 0xFFFFFF if kflag else m_off
-                        members.append((self._name(m_name) if m_name else "", bits // 8))
-                    out.setdefault(self._name(name_off), members)
+                        members.append((self._name(m_name) if m_name else "", bits // 8, m_type))
+                    self._members[tid] = (kind, members)
+                    if name_off:
+                        out.setdefault(self._name(name_off), [(n, o) for n, o, _ in members])
+                        self._by_name.setdefault(self._name(name_off), tid)
                 pos += _FIXED.get(kind, 0) + _PER_MEMBER.get(kind, 0) * vlen
             self._structs = out
         return self._structs
 
     def offset(self, struct_name: str, member: str) -> int:
-        """Byte offset of ``member`` in ``struct struct_name`` (top-level members only)."""
+        """Byte offset of ``member`` in ``struct struct_name``, also inside anonymous
+        structs and unions (6.1's ``mm_struct`` keeps nearly everything, ``exe_file``
+        included, in one anonymous ``__randomize_layout`` struct)."""
         for name, off in self._index().get(struct_name, []):
             if name == member:
                 return off
-        raise KeyError(f"struct {struct_name} has no member {member}")
+        tid = self._by_name.get(struct_name)
+        found = self._find(tid, member, 0) if tid is not None else None
+        if found is None:
+            raise KeyError(f"struct {struct_name} has no member {member}")
+        return found
+
+    def _find(self, tid: int, member: str, base: int) -> int | None:
+        for name, off, mtype in self._members.get(tid, (0, []))[1]:
+            if name == member:
+                return base + off
+            if not name and mtype in self._members:
+                got = self._find(mtype, member, base + off)
+                if got is not None:
+                    return got
+        return None

@@ -140,7 +140,9 @@ def make_parser() -> argparse.ArgumentParser:
     tf.add_argument("--run", default="cat /proc/version", metavar="CMD",
                     help="the guest command that makes it fire (default: cat /proc/version)")
     tf.add_argument("--variants", default="int3,ftrace,optimized,kretprobe",
-                    help="comma-separated subset of int3,ftrace,optimized,kretprobe")
+                    help="comma-separated subset of int3,ftrace,optimized,kretprobe,uprobe,"
+                         "uretprobe (the last two: a uprobe_events probe on kph_add in "
+                         "/usr/bin/kph-loop, the XOL slot, the uretprobe trampoline)")
     tf.add_argument("--html", metavar="FILE", help="write a self-contained page with a "
                     "sequence diagram and the step table")
     tf.add_argument("--step", action="store_true", help="wait for Enter between steps")
@@ -260,7 +262,7 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
 
         syms = load_kallsyms_cached(default_image(args.image).kallsyms)
         for spec in specs:
-            if spec.symbol and not spec.module:
+            if spec.symbol and not spec.module and not spec.is_uprobe:
                 try:
                     syms.lookup(spec.symbol)
                 except KeyError:
@@ -319,6 +321,9 @@ def _diff(args: argparse.Namespace) -> int:
     from .runner import run_differential, trampoline_text
 
     specs = _load_specs(args)
+    if args.guest == "module" and any(s.is_uprobe for s in specs):
+        raise SetupError("the module backend has kprobes only; these specs include uprobes",
+                         "use --guest events (uprobe_events) for uprobe lines")
     with _machine(args) as vm:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
         tramp = trampoline_text(vm)
@@ -368,8 +373,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise SetupError("kph demo needs a demo name", "try `kph demo trap-flow`")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     for v in variants:
-        if v not in ("int3", "ftrace", "optimized", "kretprobe"):
-            raise SetupError(f"unknown variant {v!r}", "use int3, ftrace, optimized, kretprobe")
+        if v not in ("int3", "ftrace", "optimized", "kretprobe", "uprobe", "uretprobe"):
+            raise SetupError(f"unknown variant {v!r}",
+                             "use int3, ftrace, optimized, kretprobe, uprobe, uretprobe")
     if "+" not in args.symbol or args.symbol.endswith("+0"):
         raise SetupError(f"--symbol {args.symbol} is a function entry (ftrace-based there)",
                          "give an offset into the function, e.g. do_sys_openat2+5")
@@ -430,7 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ProbeSpecError as exc:
         from .probespec import format_error
-        print(format_error(exc).rstrip("\n"), file=sys.stderr)
+        toks = exc.text.split()
+        uprobe = len(toks) > 1 and "/" in toks[1]      # the file the kernel would log to
+        print(format_error(exc, "trace_uprobe" if uprobe else "trace_kprobe").rstrip("\n"),
+              file=sys.stderr)
         return EXIT_USAGE
     except VMError as exc:
         first = str(exc.args[0]) if exc.args else str(exc)

@@ -11,8 +11,17 @@ Normalizations, all listed here and named in every report (nothing else is norma
   differently by construction.
 - ``trampoline``: when a host-side return probe and an in-guest one sit on the same
   function, the host hijacks the return address first, so the guest's record shows the
-  host trampoline (``_etext+0x0``) as the return address. Such an ip compares equal to
+  host trampoline (``_etext+0x0``; for uretprobes the padding address past the program's
+  text, ``0x478c71``) as the return address. Such an ip compares equal to
   the host's record of the real return address.
+- ``thread-order``: uprobe hits (guest mode ``uprobe``) are compared thread by thread
+  (a stable sort by pid on both sides). The host records at the breakpoint; the guest
+  records in ``uprobe_notify_resume()`` on the way back to user mode, after
+  ``exit_to_user_mode_loop()`` may have scheduled another thread, so across threads the
+  two orders differ by construction while each thread's order is the same.
+- ``trampoline`` also covers a guest *value* that is a uretprobe trampoline: a fetch of
+  the return-address slot at the entry (``$stack0``, ``+0($stack)``) reads what the host
+  put there first.
 - ``unknown``: where a numeric fetch fails (e.g. a user page not present yet), the kernel
   records whatever bytes the ring buffer slot held before; nothing can predict them. The
   host side reports ``(unknown)`` there, which compares equal to any value (per array
@@ -32,6 +41,7 @@ NORMALIZATIONS = {
     "agent": "hits of the harness's guest agent (comm qemu-ga) left out on both sides",
     "trampoline": "a guest return probe's ip showing the host trampoline compares equal "
                   "to the host's real return address",
+    "thread-order": "uprobe hits compared per thread (pid), in order within each thread",
     "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
     "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
 }
@@ -104,7 +114,16 @@ def _fields(h: Hit) -> dict[str, str]:
     return out
 
 
-def compare(a: RunResult, b: RunResult, *, trampoline: str | None = None,
+def _is_trampoline(ip: str, trampoline: str | tuple[str, ...]) -> bool:
+    """``ip`` is a host trampoline: a ``sym+0x0`` prefix (``/size`` follows in kernel
+    prints) or a whole ``0x...`` user address."""
+    for t in (trampoline,) if isinstance(trampoline, str) else trampoline:
+        if ip == t or (not t.startswith("0x") and ip.startswith(t)):
+            return True
+    return False
+
+
+def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | None = None,
             context: int = 3) -> DiffResult:
     """Compare side ``a`` (usually host) with side ``b`` (events or module).
 
@@ -135,15 +154,23 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | None = None,
     for probe in dict.fromkeys([*per_a, *per_b, *(p for p, (x, y) in res.outcomes.items()
                                                    if x and y and x.accepted and y.accepted)]):
         la, lb = per_a.get(probe, []), per_b.get(probe, [])
+        if res.modes.get(probe) == "uprobe" and len({h.pid for h in la}) > 1:
+            la = sorted(la, key=lambda h: h.pid or 0)
+            lb = sorted(lb, key=lambda h: h.pid or 0)
+            res.applied["thread-order"] = res.applied.get("thread-order", 0) + 1
         res.counts[probe] = (len(la), len(lb))
         matched = 0
         div = None
         for i in range(min(len(la), len(lb))):
             fa, fb = _fields(la[i]), _fields(lb[i])
-            if trampoline and fb.get("ip", "").startswith(trampoline) and la[i].kind == "r":
+            if trampoline and _is_trampoline(fb.get("ip", ""), trampoline) and la[i].kind == "r":
                 fb["ip"] = fa["ip"]
                 res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
             for k in fa:
+                if (k.startswith("arg:") and trampoline and k in fb and fa[k] != fb[k]
+                        and fb[k].startswith("0x") and _is_trampoline(fb[k], trampoline)):
+                    fb[k] = fa[k]
+                    res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
                 if k.startswith("arg:") and k in fb and fa[k] != fb[k] and _unknown_match(fa[k], fb[k]):
                     fb[k] = fa[k]
                     res.applied["unknown"] = res.applied.get("unknown", 0) + 1

@@ -110,6 +110,7 @@ class HostEngine:
         self._closing = False
         self._final_resume: int | None = None
         self._fatal: BaseException | None = None
+        self._uprobes: Any = None
         self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
         self._thread.start()
 
@@ -180,14 +181,18 @@ class HostEngine:
     def _on_stop(self, stop: Stop) -> int | None:
         """Handle one stop; return where to resume (None: where the vCPU is)."""
         pc, th = stop.addr, stop.thread
+        up = self._uprobes
         for _ in range(_MAX_CHAIN):
             if pc == self.trampoline and self._live:
                 nxt = self._on_trampoline(th)
             elif pc in self._aggr and any(not p.disabled for p in self._aggr[pc]):
                 nxt = self._on_probe(pc, th)
+            elif up is not None and up.claims(pc):
+                nxt = up.on_stop(pc, th)
             else:
                 return None if pc == stop.addr else pc
-            if nxt == pc or (nxt not in self._aggr and nxt != self.trampoline):
+            if nxt == pc or (nxt not in self._aggr and nxt != self.trampoline
+                             and not (up is not None and up.claims(nxt))):
                 return nxt
             pc = nxt
         log.warning("probe chain longer than %d at %#x; resuming", _MAX_CHAIN, pc)
@@ -233,43 +238,18 @@ class HostEngine:
         # An ip changed by a pre_handler that returned 0 is overwritten by the kernel's
         # setup_singlestep(); only the other registers carry over.
         self._flush(regs, th, keep_ip=False)
-        emu = self._emulation(addr) if self.emulate else None
-        if emu is not None:
-            eff = emu.apply(regs.get, self.stub.read_memory)
-            for a, data in eff.mem:
-                self.stub.write_memory(a, data)
-            if eff.regs:
-                self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in eff.regs.items()},
-                                          thread=th)
-            self.stats["emulated"] += 1
+        nxt, emulated, vector = self._execute_insn(addr, th, regs.get)
+        if vector == 3:
+            return nxt
+        if vector is not None:
+            return self._on_fault(addr, th, probes, vector, nxt)
+        after: PtRegs | None = None
+        if emulated is None:
+            after = self._regs(th, {"ip": nxt})
+        elif any(p.post_handler for p in probes):
             # The effect is in the guest now; the rest is read lazily. ip is not written
             # (the guest resumes there by jump), so it is given.
-            after = self._regs(th, {**eff.regs, "ip": eff.next_ip}) \
-                if any(p.post_handler for p in probes) else None
-            nxt = eff.next_ip
-        else:
-            stop = self._step_here(addr, th)
-            steps, rcx = 1, None
-            while stop.addr == addr and steps < _REP_STEPS:
-                # A REP instruction runs one round per step, counting rcx down; a step that
-                # moved nothing at all is not progress (never loop on it).
-                now = self.stub.read_registers(("rcx",), thread=th)["rcx"]
-                if now == rcx:
-                    log.warning("single-step at %#x makes no progress; resuming", addr)
-                    break
-                rcx = now
-                stop = self._step_here(addr, th)
-                steps += 1
-            self.stats["stepped"] += 1
-            if stop.addr in self._exc and stop.addr != addr:
-                if self._exc[stop.addr] == 3:
-                    # The guest's own int3-based kprobe sits here: it takes over from its
-                    # #BP entry (in-guest and host-side probes observing one execution).
-                    self.stats["guest_int3"] += 1
-                    return stop.addr
-                return self._on_fault(addr, th, probes, self._exc[stop.addr], stop.addr)
-            nxt = stop.addr
-            after = self._regs(th, {"ip": nxt})
+            after = self._regs(th, {**emulated, "ip": nxt})
         if after is not None:
             for p in probes:
                 if p.post_handler is not None:
@@ -277,6 +257,46 @@ class HostEngine:
             self._flush(after, th)
             nxt = after.ip
         return nxt
+
+    def _execute_insn(self, addr: int, th: int, reg: Callable[[str], int] | None = None
+                      ) -> tuple[int, dict[str, int] | None, int | None]:
+        """Run the instruction at ``addr`` on vCPU ``th``: emulated on the host when simple,
+        else single-stepped with our breakpoint lifted. Returns ``(next ip, registers the
+        emulation wrote or None when stepped, exception vector or None)``; with a vector,
+        next ip is the exception entry (3: the guest's own int3 sits there and takes over
+        from its #BP entry, as when in-guest and host-side probes observe one execution)."""
+        emu = self._emulation(addr) if self.emulate else None
+        if emu is not None:
+            eff = emu.apply(reg or (lambda n: self._read_regs(th, (n,))[n]), self.stub.read_memory)
+            for a, data in eff.mem:
+                self.stub.write_memory(a, data)
+            if eff.regs:
+                self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in eff.regs.items()},
+                                          thread=th)
+            self.stats["emulated"] += 1
+            return eff.next_ip, dict(eff.regs), None
+        stop = self._step_here(addr, th)
+        steps, rcx = 1, None
+        while stop.addr == addr and steps < _REP_STEPS:
+            # A REP instruction runs one round per step, counting rcx down; a step that
+            # moved nothing at all is not progress (never loop on it).
+            now = self.stub.read_registers(("rcx",), thread=th)["rcx"]
+            if now == rcx:
+                log.warning("single-step at %#x makes no progress; resuming", addr)
+                break
+            rcx = now
+            stop = self._step_here(addr, th)
+            steps += 1
+        self.stats["stepped"] += 1
+        if stop.addr in self._exc and stop.addr != addr:
+            if self._exc[stop.addr] == 3:
+                self.stats["guest_int3"] += 1
+            return stop.addr, None, self._exc[stop.addr]
+        return stop.addr, None, None
+
+    def _execute(self, addr: int, th: int, reg: Callable[[str], int] | None = None) -> int:
+        """Run the instruction at ``addr`` as if no breakpoint were there; the next ip."""
+        return self._execute_insn(addr, th, reg)[0]
 
     def _step_here(self, addr: int, th: int) -> Stop:
         """Single-step the instruction at ``addr`` with our breakpoint lifted for the step:
@@ -289,7 +309,13 @@ class HostEngine:
         try:
             return self.stub.step(thread=th)
         finally:
-            self._bp[addr] = self._insert_bp(addr)
+            if num == -1:
+                # A raw breakpoint stays raw: GDB knows nothing of it, and a GDB breakpoint
+                # put there now could collide with one GDB still believes inserted.
+                if self.stub.raw(f"Z0,{addr:x},1") != "OK":
+                    raise HarnessError(f"QEMU refused a breakpoint at {addr:#x}")
+            else:
+                self._bp[addr] = self._insert_bp(addr)
 
     def _insert_bp(self, addr: int) -> int:
         """A breakpoint at ``addr``: GDB's, or a raw Z0 (returned as -1) where the guest's
@@ -411,7 +437,9 @@ class HostEngine:
         if self._current_task_off is None:
             return None
         try:
-            base = regs.read_sys("gs_base")
+            # In user mode GS is the program's; the kernel's per-cpu base waits in
+            # MSR_KERNEL_GS_BASE until swapgs on the next kernel entry.
+            base = regs.read_sys("k_gs_base" if regs.get("cs") & 3 == 3 else "gs_base")
             return int.from_bytes(self.stub.read_memory(base + self._current_task_off, 8), "little")
         except HarnessError:
             return None
@@ -584,6 +612,30 @@ class HostEngine:
                 self._drop_trampoline()
         self._call(go)
 
+    @property
+    def uprobes(self) -> Any:
+        """The user-space probes (``harness.uprobes.UprobeManager``), made on first use."""
+        if self._uprobes is None:
+            from .uprobes import UprobeManager
+            self._uprobes = UprobeManager(self)
+        return self._uprobes
+
+    def register_uprobe(self, up: Any) -> Any:
+        """Arm a ``harness.uprobes.Uprobe`` (a uretprobe too when it has ``ret_handler``).
+
+        The ELF, inode and the process's mapping are looked up through the guest agent
+        first (guest running), then the breakpoints go in with the guest halted.
+        :raise ProbeRejectedError: no such file, symbol, process or mapping.
+        """
+        mgr = self.uprobes
+        mgr.prepare(up)
+        self._call(lambda: mgr.register(up))
+        return up
+
+    def unregister_uprobe(self, up: Any) -> None:
+        if self._uprobes is not None:
+            self._call(lambda: self._uprobes.unregister(up))
+
     def register_jprobe(self, jp: Jprobe) -> Jprobe:
         """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
         if jp.entry is None:
@@ -698,6 +750,8 @@ class HostEngine:
             return
 
         def shutdown() -> None:
+            if self._uprobes is not None:
+                self._uprobes.close()
             restored = 0
             for slot, ri in list(self._live.items()):
                 cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence, Tuple, Union
 log = logging.getLogger(__name__)
 
 __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
-           "ImmString", "MemAddr", "MemSymbol", "Deref", "Bitfield", "render_fetch",
+           "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
            "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "FAULT", "UNKNOWN",
            "evaluate", "format_value", "format_fields", "format_ip", "TraceRecord",
            "parse_trace_line"]
@@ -130,6 +130,13 @@ class MemSymbol(FetchArg):
 
 
 @dataclass(frozen=True)
+class FileOffset(FetchArg):
+    """``@+OFFS`` (uprobes only): memory at file offset OFFS of the probed file, in the
+    current mapping (``translate_user_vaddr()`` in kernel/trace/trace_uprobe.c)."""
+    offset: int
+
+
+@dataclass(frozen=True)
 class Deref(FetchArg):
     """``+|-[u]OFFS(FETCHARG)``: memory at ``base + offset``; ``user`` for the ``u`` form."""
     offset: int
@@ -165,6 +172,8 @@ def render_fetch(node: FetchArg) -> str:
         return f"@0x{node.addr:x}"
     if isinstance(node, MemSymbol):
         return f"@{node.symbol}" + (f"{node.offset:+d}" if node.offset else "")
+    if isinstance(node, FileOffset):
+        return f"@+{node.offset}"
     if isinstance(node, Deref):
         sign = "-" if node.offset < 0 else "+"
         return f"{sign}{'u' if node.user else ''}{abs(node.offset)}({render_fetch(node.base)})"
@@ -232,6 +241,9 @@ class FetchContext(Protocol):
 
     def symbolize(self, addr: int) -> str | None:
         """``sprint_symbol()`` text, ``sym+0x5/0x140`` (`` [mod]`` for modules), or None."""
+
+    def file_offset_vaddr(self, offset: int) -> int:
+        """Uprobes only: the user address of file offset ``offset`` of the probed file."""
 
 
 class _Cached:
@@ -346,6 +358,13 @@ def _store_string(op: str, ctx: FetchContext, addr: Any, st: _Store) -> int:
     if op == "st_symstr":     # sprint_symbol(): keeps the data_loc, consumes no NUL
         text = _symtext(ctx, addr).encode()
         data, ret, loc = text + b"\0", len(text), st.loc
+    elif op == "st_string_uprobe":
+        # trace_uprobe.c's fetch_store_string(): strncpy_from_user() (or current->comm);
+        # "" stores one NUL and prints "", a full buffer is cut with a NUL in its last byte.
+        got = _cstr(ctx, addr, maxlen, True)
+        ret = _EFAULT if got is None else (len(got[0]) + 1 if got[1] else maxlen)
+        data = got[0][:ret - 1] + b"\0" if got is not None else b""
+        loc = (max(ret, 0), offs)
     else:
         # kern_fetch_store_string(): below TASK_SIZE the kernel string fetch is the user one
         # (CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE, trace_probe_kernel.h).
@@ -376,6 +395,9 @@ def _strlen(op: str, ctx: FetchContext, addr: Any) -> int:
     """The sizing pass: ``fetch_store_strlen()``, ``_user()`` or ``fetch_store_symstrlen()``."""
     if op == "st_symstr":
         return len(_symtext(ctx, addr)) + 1
+    if op == "st_string_uprobe":    # strnlen_user(): 0 on a fault or past MAX_STRING_SIZE
+        got = _cstr(ctx, addr, MAX_STRING_SIZE, True)
+        return 0 if got is None or not got[1] else len(got[0]) + 1
     user = op == "st_ustring" or _user_half(addr)
     got = _cstr(ctx, addr, MAX_STRING_SIZE, user)
     if not user:
@@ -400,12 +422,17 @@ def _fetch(op: Insn, ctx: FetchContext) -> Any:
         return _Blob(ctx.comm().encode("utf-8", "surrogateescape"))
     if kind == "data":
         return _Blob(op[1].encode("utf-8", "surrogateescape"))
+    if kind == "ustack":    # get_user_stack_nth() (trace_uprobe.c): 0 when the read faults
+        data = _read(ctx, (ctx.reg("sp") + 8 * op[1]) & _M, 8, True)
+        return 0 if data is None else int.from_bytes(data, "little")
+    if kind == "foffs":     # translate_user_vaddr(): bp_addr - probe offset + file offset
+        return ctx.file_offset_vaddr(op[1]) & _M
     if kind == "arg":       # regs_get_kernel_argument(): past the sixth, the stack
         return ctx.reg(_ARG_REGS[op[1]]) & _M if op[1] < 6 else _stack_nth(ctx, op[1] - 5)
     raise ValueError(f"not a fetch instruction: {op!r}")
 
 
-_STRINGS = ("st_string", "st_ustring", "st_symstr")
+_STRINGS = ("st_string", "st_ustring", "st_symstr", "st_string_uprobe")
 
 
 def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
@@ -460,7 +487,7 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
             if i >= code[pc][1]:
                 return total if code[pc + 1][0] == "end" else _EILSEQ
             pc = s3
-            if code[s3][0] not in ("st_string", "st_ustring"):
+            if code[s3][0] not in ("st_string", "st_ustring", "st_string_uprobe"):
                 val = (val + code[s3][2]) & _M
                 continue
             pc, val = s3 - 1, (lval + 8) & _M              # the next char * in the array

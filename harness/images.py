@@ -278,16 +278,25 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
     return order
 
 
+#: Static (the initramfs has no libc) and not PIE: a static-pie program is loaded at a
+#: random base, so the same file offset would be a different address in every process;
+#: no-pie keeps ELF address == user address for all of them (uprobes, harness.uprobes).
+#: Symbols are kept (-g0 drops only DWARF) and nothing is inlined, so every probed
+#: function is a real call with its own return address.
+PROG_CFLAGS = ("-static", "-no-pie", "-O2", "-fno-inline", "-fno-omit-frame-pointer", "-g0",
+               "-Wall", "-pthread")
+
+
 def _build_progs(dest: Path) -> None:
-    """Compile ``probes/progs/*.c`` statically (the initramfs has no libc) as kph-<name>."""
+    """Compile ``probes/progs/*.c`` (``PROG_CFLAGS``) as ``kph-<name>``."""
     dest.mkdir(parents=True, exist_ok=True)
     cc = shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise SetupError("no C compiler for the image's test programs", "apt-get install gcc libc6-dev")
     for src in sorted(PROGS_DIR.glob("*.c")):
         out = dest / f"kph-{src.stem}"
-        proc = subprocess.run([cc, "-static", "-O2", "-g0", "-Wall", "-o", str(out), str(src),
-                               "-lpthread"], capture_output=True, text=True, check=False)
+        proc = subprocess.run([cc, *PROG_CFLAGS, "-o", str(out), str(src)],
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SetupError(f"building {src.name} failed: {proc.stderr.strip()[-300:]}",
                              "apt-get install gcc libc6-dev (./setup.sh does)")

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from .errors import ProbeSpecError
 from .fetchargs import (FETCH_TYPES, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
-                        FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
+                        FileOffset, FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
                         StackEntry, StackPointer, render_fetch)
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,24 @@ class ProbeSpec:
     match: tuple[str, ...] = ()
     fentry: bool = field(default=False, compare=False)
     text: str = field(default="", compare=False)
+    #: uprobes (``uprobe_events``): the probed file; ``offset`` is then its file offset,
+    #: or ``symbol`` names an ELF symbol the harness resolves (``harness.uprobespec``).
+    path: str | None = None
+    ref_ctr_offset: int | None = None
 
     def __post_init__(self) -> None:
         if not self.event and self.kind != "-":
-            object.__setattr__(self, "event", default_event_name(
-                self.is_return, self.symbol_name, self.offset, self.addr))
+            if self.path is not None:
+                from .uprobespec import default_uprobe_event_name
+                name = default_uprobe_event_name(self.is_return, self.path, self.offset)
+            else:
+                name = default_event_name(self.is_return, self.symbol_name, self.offset,
+                                          self.addr)
+            object.__setattr__(self, "event", name)
+
+    @property
+    def is_uprobe(self) -> bool:
+        return self.path is not None
 
     @property
     def is_return(self) -> bool:
@@ -233,6 +246,11 @@ class _Fail(Exception):
 
 _FL_RETURN, _FL_FENTRY = 1, 4          # TPARG_FL_RETURN, TPARG_FL_FENTRY (KERNEL always set)
 _FL_ANY = 8                             # ours: accept $retval and $argN (compiling only)
+_FL_UPROBE = 16                         # ours: a uprobe_events line (TPARG_FL_KERNEL clear)
+#: How trace_uprobe.c's process_fetch_insn() differs: every memory access is
+#: copy_from_user(), $stackN is get_user_stack_nth(), strings strncpy_from_user().
+_UPROBE_OPS = {"deref": "uderef", "st_mem": "st_umem", "stack": "ustack",
+               "st_string": "st_string_uprobe", "st_ustring": "st_string_uprobe"}
 
 
 def _push(ops: list[Insn], insn: Insn, pos: int,
@@ -291,7 +309,15 @@ def _parse_fetch(s: str, pos: int, flags: int, ops: list[Insn]) -> FetchArg:
             node: FetchArg = MemAddr(addr)
             ops.append(("imm", addr))
         elif s[1:2] == "+":
-            raise _Fail("File offset is not available with kprobe", pos)
+            if not flags & _FL_UPROBE:
+                raise _Fail("File offset is not available with kprobe", pos)
+            foff = kstrtol(s[2:])
+            if foff is None:
+                raise _Fail("Invalid file offset value", pos)
+            node = FileOffset(foff)
+            ops.append(("foffs", foff & _MASK64))
+        elif flags & _FL_UPROBE:
+            raise _Fail("Symbol is not available with uprobe", pos)
         else:
             # Resolved by traceprobe_update_arg() at register time: a bad offset fails
             # register_trace_kprobe() (FAIL_REG_PROBE), an empty name kallsyms (ENOENT).
@@ -488,6 +514,8 @@ def _parse_arg(tok: str, index: int, flags: int, used: tuple[str, ...],
     except _Fail as exc:
         exc.pos += boff
         raise
+    if flags & _FL_UPROBE:
+        code = tuple((_UPROBE_OPS.get(op[0], op[0]),) + op[1:] for op in code)
     return ProbeArg(name, fetch, tname, count, bf, eq >= 0, explicit, body, code)
 
 
@@ -548,6 +576,10 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     if len(toks) < 2:
         raise _Fail("No probe point (SYM[+OFFS] or ADDR) is given",
                     len(text.split("#", 1)[0].rstrip()) + 1)
+    if "/" in toks[1][1]:
+        # A target with a '/' is a file: a uprobe_events line (__trace_uprobe_create()).
+        from .uprobespec import parse_uprobe
+        return parse_uprobe(toks, text)
     is_return = kind == "r"
     colon = head.find(":", 1)
     maxactive = 0
@@ -567,14 +599,8 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     offset, suffix, fentry = 0, False, False
     addr = kstrtoul(target)
     if addr is None:
-        if "/" in target and ":" in target:
-            raise _Fail("This is an uprobe target (PATH:OFFSET); kprobe_events refuses it", t0)
-        sym = target
-        pct = sym.find("%")
-        if pct >= 0:
-            if sym[pct:] != "%return":
-                raise _Fail("Invalid probed address suffix", t0 + pct)
-            sym, suffix, is_return = sym[:pct], True, True
+        sym, suffix = _return_suffix(target, t0)
+        is_return = is_return or suffix
         cut = next((i for i, ch in enumerate(sym) if ch in "+-"), len(sym))
         off = kstrtol(sym[cut:]) if cut < len(sym) else 0
         if off is None or off < 0 or off > _UINT_MAX:
@@ -611,6 +637,16 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
             raise
     return ProbeSpec(kind, group, event, module, symbol, offset, addr, maxactive, tuple(args),
                      suffix, exp_group, exp_event, fentry=fentry, text=text)
+
+
+def _return_suffix(target: str, pos: int) -> tuple[str, bool]:
+    """Split a ``%return`` suffix off ``target`` (``pos`` its column): (rest, had it)."""
+    pct = target.find("%")
+    if pct < 0:
+        return target, False
+    if target[pct:] != "%return":
+        raise _Fail("Invalid probed address suffix", pos + pct)
+    return target[:pct], True
 
 
 def _parse_event_name(s: str, pos: int) -> tuple[str, str, bool, bool]:
@@ -667,11 +703,13 @@ def _render_body(arg: ProbeArg) -> str:
     return body
 
 
-def _arg_text(arg: ProbeArg, is_return: bool) -> str:
+def _arg_text(arg: ProbeArg, is_return: bool, uprobe: bool = False) -> str:
     """``arg.comm`` while it still says what the fields say, else the canonical rendering."""
     if arg.comm:
         try:
-            again = _parse_body(arg.comm, _flags(is_return, True), [0])[:5]
+            flags = _FL_UPROBE | (_FL_RETURN if is_return else 0) if uprobe else \
+                _flags(is_return, True)
+            again = _parse_body(arg.comm, flags, [0])[:5]
         except _Fail:
             again = None
         if again == (arg.fetch, arg.type, arg.count, arg.bitfield, arg.explicit_type):
@@ -681,6 +719,9 @@ def _arg_text(arg: ProbeArg, is_return: bool) -> str:
 
 def format(spec: ProbeSpec) -> str:  # noqa: A001 - the module's verb, as in the guide
     """Write ``spec`` back as a ``kprobe_events`` line (``format(parse(s)) == s``)."""
+    if spec.is_uprobe:
+        from .uprobespec import format_uprobe
+        return format_uprobe(spec)
     if spec.kind == "-":
         name = (f"{spec.group}/" if spec.explicit_group else "") + spec.event
         return " ".join((f"-:{name}",) + spec.match)
@@ -707,6 +748,9 @@ def kernel_format(spec: ProbeSpec) -> str:
     """
     if spec.kind == "-":
         return format(spec)
+    if spec.is_uprobe:
+        from .uprobespec import kernel_format_uprobe
+        return kernel_format_uprobe(spec)
     head = "r" if spec.is_return else "p"
     head += str(spec.maxactive) if spec.is_return and spec.maxactive else ""
     if spec.symbol is None:

@@ -14,6 +14,7 @@ import logging
 from typing import Any, Sequence
 
 from .backends import make_backend
+from .errors import HarnessError, SetupError
 from .backends.host import FetchHook, HostBackend
 from .probespec import ProbeSpec
 from .records import RunResult
@@ -21,9 +22,31 @@ from .records import RunResult
 log = logging.getLogger(__name__)
 
 
+def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
+    """Turn the harness's ``PATH:SYMBOL[+OFFS]`` uprobe form into the file offset the
+    kernel needs, from the program's ELF read out of the guest; other specs pass as is."""
+    from .uprobespec import resolve_symbol
+
+    out = []
+    for spec in specs:
+        if spec.is_uprobe and spec.symbol is not None:
+            try:
+                elf = vm.pull(spec.path)
+            except HarnessError as exc:
+                raise SetupError(f"cannot read {spec.path} in the guest to resolve "
+                                 f"{spec.symbol} ({exc})",
+                                 "give a program that exists in the image, or PATH:OFFSET") from None
+            new = resolve_symbol(spec, elf)
+            log.info("%s:%s resolved to file offset %#x", spec.path, spec.symbol, new.offset)
+            spec = new
+        out.append(spec)
+    return out
+
+
 def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
                timeout: float = 120.0) -> RunResult:
     """Place ``specs`` with one backend, run ``workload``, collect, unregister."""
+    specs = resolve_uprobes(vm, specs)
     be = make_backend(backend, vm)
     try:
         outcomes = be.register(specs)
@@ -40,6 +63,7 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
                      timeout: float = 120.0) -> tuple[RunResult, RunResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``."""
+    specs = resolve_uprobes(vm, specs)
     g = make_backend(guest, vm)
     h: HostBackend | None = None
     try:
@@ -63,7 +87,12 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         g.close()
 
 
-def trampoline_text(vm: Any) -> str:
-    """How the host trampoline prints in a guest trace (``_etext+0x0``)."""
+def trampoline_text(vm: Any) -> tuple[str, ...]:
+    """How the host trampolines print in a guest trace: the kretprobe one (``_etext+0x0``)
+    and each uretprobe one used (``0x478c71``: the print is ``0x%lx``, matched whole)."""
     hit = vm.symbols.symbolize(vm.host.trampoline)
-    return f"{hit[0].name}+{hit[1]:#x}" if hit else f"0x{vm.host.trampoline:x}"
+    texts = [f"{hit[0].name}+{hit[1]:#x}" if hit else f"0x{vm.host.trampoline:x}"]
+    up = vm.host._uprobes
+    if up is not None:
+        texts += [f"0x{t:x}" for t in up.used_trampolines]
+    return tuple(texts)

@@ -19,6 +19,19 @@ the guest runs exactly as it would unobserved. What each flow shows (Linux 6.1, 
   detour buffer that calls ``optimized_callback`` and jumps back.
 - ``kretprobe``: the return through ``arch_rethook_trampoline``, the return handler, and
   the ``ret`` to the real return address.
+- ``uprobe``: a ``uprobe_events`` probe in a test program (``kph-loop``, on the 3-byte
+  ``mov %rsp,%rbp`` after the entry, which x86 uprobes do not emulate): the int3 in the
+  process's own copy of the page, ``asm_exc_int3`` -> ``exc_int3`` -> the die notifier
+  (``arch_uprobe_exception_notify`` -> ``uprobe_pre_sstep_notifier``, which only sets
+  TIF_UPROBE), then on the way back to user mode ``uprobe_notify_resume`` -> handle_swbp
+  -> the trace event's ``uprobe_dispatcher``; ``arch_uprobe_pre_xol`` sets TF and the
+  task returns into the XOL slot (the ``[uprobes]`` page), runs the copy, traps with #DB
+  (``uprobe_post_sstep_notifier``), ``arch_uprobe_post_xol`` fixes ip, and the task goes
+  on after the probed instruction.
+- ``uretprobe``: at the entry ``arch_uretprobe_hijack_return_addr`` puts the trampoline
+  (the first slot of the ``[uprobes]`` page, an int3) on the user stack; the return lands
+  there, traps, and ``uprobe_notify_resume`` -> handle_trampoline -> ``uretprobe_dispatcher``
+  sends the task to the real return address.
 """
 from __future__ import annotations
 
@@ -30,8 +43,8 @@ from typing import Any, Callable
 from .errors import HarnessError
 from .symbols import instruction_at
 
-LANES = ("user task", "CPU", "exception entry", "kprobes core", "probe handler",
-         "instruction slot")
+LANES = ("user task", "CPU", "exception entry", "kprobes core", "uprobes core",
+         "probe handler", "instruction slot")
 SHOWN = ("rip", "rsp", "eflags", "cs")
 IF, TF = 1 << 9, 1 << 8
 
@@ -93,12 +106,19 @@ class _Observer:
             end: int | None = None, *, notes: dict[int, str] | None = None,
             after_lane: str | None = None, until: Callable[[int, int], bool] | None = None,
             final: str = "back in the caller", timeout: float = 60.0,
-            max_steps: int = 64) -> list[Step]:
+            max_steps: int = 64, after_addr: int | None = None, final_lane: str = "CPU",
+            continue_after: bool = False,
+            discover: Callable[[int, dict[str, int]], dict[int, tuple[str, str]]] | None = None
+            ) -> list[Step]:
         """Record the observed path from the first stop at ``start`` to the stop at ``end``.
 
         Or, with ``after_lane``/``until``: once a step in ``after_lane`` is recorded,
         single-step until ``until(previous_pc, pc)`` and record that last place (for
         paths without a fixed end address, such as a ``ret`` out of a trampoline).
+        ``after_addr`` starts that stepping after the step at that address instead;
+        ``continue_after`` records the place found, then goes on observing (until ``end``);
+        ``discover(pc, regs)`` may return observers learnt at a step (an address in a
+        process's own page, such as the uretprobe trampoline), armed at once.
         """
         stub, steps, prev = self.stub, [], {}
         self.arm(observers)
@@ -111,11 +131,18 @@ class _Observer:
 
         def record(pc: int, th: int, lane: str, title: str) -> None:
             nonlocal prev
+            if steps and steps[-1].addr == pc:
+                return    # the same place again after a page fault brought its page in
             regs = stub.read_registers(SHOWN + ("rdi", "rax"), thread=th)
             changed = tuple(k for k in SHOWN if k in prev and prev[k] != regs[k])
             steps.append(Step(len(steps) + 1, lane, title, self.sym.format(pc), pc,
                               self.insn(pc), regs, changed, (notes or {}).get(pc, "")))
             prev = regs
+            if discover is not None:
+                more = discover(pc, regs)
+                if more:
+                    observers.update(more)
+                    self.arm(more)
 
         try:
             while time.monotonic() < deadline and len(steps) < max_steps:
@@ -135,12 +162,16 @@ class _Observer:
                     if pc in self.bps and num is None:
                         self.bps[pc] = stub._last_reinserted
                     pc = st.addr
-                    if started and until is not None and any(x.lane == after_lane for x in steps):
+                    if started and until is not None and any(
+                            x.lane == after_lane if after_addr is None else x.addr == after_addr
+                            for x in steps):
                         n = 0
                         while not until(last, pc) and n < 20000:
                             last, pc, n = pc, stub.step(thread=th).addr, n + 1
-                        record(pc, th, "CPU", final)
-                        return steps
+                        record(pc, th, final_lane, final)
+                        if not continue_after:
+                            return steps
+                        until = None
                     if pc not in observers:
                         break
                 stub.cont()
@@ -308,6 +339,103 @@ def kretprobe_flow(vm: Any, func: str, workload: str) -> Flow:
         mb.close()
 
 
+USER_PROG, USER_FUNC = "/usr/bin/kph-loop", "kph_add"
+_USER_TOP = 1 << 47
+
+
+def _user_probe(vm: Any, line: str) -> tuple[Any, int, int]:
+    """Place one ``uprobe_events`` line; return (backend, its offset's user address, size
+    of the instruction there)."""
+    from .backends.events import EventsBackend
+    from .probespec import parse
+    from .runner import resolve_uprobes
+    from .uprobes import ElfImage
+
+    (spec,) = resolve_uprobes(vm, [parse(line)])
+    eb = EventsBackend(vm)
+    (o,) = eb.register([spec])
+    if not o.accepted:
+        eb.close()
+        raise HarnessError(f"the guest refused {line}: errno {o.errno} ({o.message})")
+    eb.enable()
+    elf = vm.pull(spec.path)
+    vaddr = ElfImage(elf).vaddr(spec.offset)
+    ins = instruction_at(elf[spec.offset:spec.offset + 16], vaddr)
+    return eb, vaddr, ins.size if ins else 1
+
+
+def _lanes(vm: Any, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[str, str]]:
+    out = {}
+    for name, lane, title in names:
+        a = _sym(vm, name)
+        if a is not None:
+            out[a] = (lane, title)
+    return out
+
+
+def uprobe_flow(vm: Any, workload: str) -> Flow:
+    eb, p, size = _user_probe(vm, f"p:kph/tf_u {USER_PROG}:{USER_FUNC}+1")
+    try:
+        obs = _Observer(vm)
+        lanes = {p: ("CPU", "the probed instruction: int3 in this process's copy of the page"),
+                 p + size: ("CPU", "resumed at the next instruction")}
+        lanes.update(_lanes(vm, (
+            ("asm_exc_int3", "exception entry", "#BP exception entry (IDT vector 3) from user mode"),
+            ("exc_int3", "exception entry", "exc_int3(): do_int3_user -> notify_die(DIE_INT3)"),
+            ("arch_uprobe_exception_notify", "uprobes core", "arch_uprobe_exception_notify()"),
+            ("uprobe_pre_sstep_notifier", "uprobes core", "uprobe_pre_sstep_notifier(): sets TIF_UPROBE, nothing more"),
+            ("uprobe_notify_resume", "uprobes core", "uprobe_notify_resume() on the way back to user mode: handle_swbp()"),
+            ("uprobe_dispatcher", "probe handler", "trace_uprobe's consumer records the event"),
+            ("arch_uprobe_pre_xol", "uprobes core", "arch_uprobe_pre_xol(): ip = the XOL slot, TF set"),
+            ("asm_exc_debug", "exception entry", "#DB after the copy ran (TF)"),
+            ("uprobe_post_sstep_notifier", "uprobes core", "uprobe_post_sstep_notifier(): TIF_UPROBE again"),
+            ("arch_uprobe_post_xol", "uprobes core", "arch_uprobe_post_xol(): ip back after the probed instruction"))))
+        pre_xol = _sym(vm, "arch_uprobe_pre_xol")
+        steps = obs.run(workload, lanes, p, p + size, after_addr=pre_xol,
+                        until=lambda last, pc: pc < _USER_TOP, final_lane="instruction slot",
+                        final="the XOL slot ([uprobes] page): the copied instruction runs there",
+                        continue_after=True, max_steps=96)
+        flow = Flow("uprobe", f"p {USER_PROG}:{USER_FUNC}+1 (uprobe_events, int3 in user text)",
+                    steps)
+        slot = next((s for s in steps if s.lane == "instruction slot"), None)
+        flow.facts = [f"probed address {p:#x} (int3 only in the probed process's copy of the "
+                      "page); XOL slot " + (f"{slot.addr:#x} in the [uprobes] page" if slot
+                                            else "not reached"),
+                      "the handlers run in uprobe_notify_resume() at the exit to user mode, "
+                      "not in the int3 handler (a uprobe handler may sleep)"]
+        return flow
+    finally:
+        eb.close()
+
+
+def uretprobe_flow(vm: Any, workload: str) -> Flow:
+    eb, p, _ = _user_probe(vm, f"r:kph/tf_ur {USER_PROG}:{USER_FUNC}")
+    try:
+        obs = _Observer(vm)
+        hijack = _sym(vm, "arch_uretprobe_hijack_return_addr")
+        if hijack is None:
+            raise HarnessError("this kernel has no arch_uretprobe_hijack_return_addr")
+        lanes = {hijack: ("uprobes core", "prepare_uretprobe(): the user return address "
+                          "becomes the trampoline (rdi)")}
+        lanes.update(_lanes(vm, (
+            ("asm_exc_int3", "exception entry", "#BP: the int3 of the trampoline"),
+            ("uprobe_notify_resume", "uprobes core", "uprobe_notify_resume(): handle_swbp -> handle_trampoline"),
+            ("uretprobe_dispatcher", "probe handler", "trace_uprobe's ret handler records the event"))))
+
+        def discover(pc: int, regs: dict[str, int]) -> dict[int, tuple[str, str]]:
+            if pc == hijack:   # arch_uretprobe_hijack_return_addr(trampoline_vaddr, regs)
+                return {regs["rdi"]: ("CPU", "the function returned into the trampoline "
+                                      "(first slot of the [uprobes] page)")}
+            return {}
+        steps = obs.run(workload, lanes, hijack, after_lane="probe handler",
+                        until=lambda last, pc: pc < _USER_TOP, discover=discover,
+                        final="back at the real return address in the caller")
+        return Flow("uretprobe", f"r {USER_PROG}:{USER_FUNC} (return through the uprobes "
+                    "trampoline)", steps)
+    finally:
+        eb.close()
+
+
 def demo(vm: Any, *, target: str = "do_sys_openat2+5", workload: str = "cat /proc/version",
          variants: tuple[str, ...] = ("int3", "ftrace", "optimized", "kretprobe")) -> list[Flow]:
     func = target.split("+")[0]
@@ -321,4 +449,8 @@ def demo(vm: Any, *, target: str = "do_sys_openat2+5", workload: str = "cat /pro
             flows.append(optimized_flow(vm, target, workload))
         elif v == "kretprobe":
             flows.append(kretprobe_flow(vm, func, workload))
+        elif v == "uprobe":
+            flows.append(uprobe_flow(vm, f"{USER_PROG} 1"))
+        elif v == "uretprobe":
+            flows.append(uretprobe_flow(vm, f"{USER_PROG} 1"))
     return flows

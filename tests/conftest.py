@@ -53,3 +53,15 @@ def vm(default_image):
 
     with Machine.boot(default_image) as m:
         yield m
+
+
+@pytest.fixture
+def host(vm):
+    """``vm.host`` for one test; closed after it, the guest still answering, no handler
+    having raised."""
+    h = vm.host
+    yield h
+    errors = list(h.handler_errors)
+    h.close()
+    assert vm.run("echo alive").stdout == "alive\n"
+    assert not errors, f"handler raised: {errors[0]!r}"

@@ -1,4 +1,5 @@
-"""In-guest probes through the guest kernel's own tracefs ``kprobe_events``.
+"""In-guest probes through the guest kernel's own tracefs ``kprobe_events`` (and
+``uprobe_events`` for uprobe lines, with ``uprobe_profile`` for their counts).
 
 Each spec line is appended to ``/sys/kernel/tracing/kprobe_events`` as written (the
 grammar is the kernel's, so the kernel is the judge: a refusal comes back as the write's
@@ -42,6 +43,11 @@ def probe_modes(listing: str) -> dict[int, str]:
     return modes
 
 
+def _events_file(spec: ProbeSpec) -> str:
+    """``uprobe_events`` for a uprobe line, else ``kprobe_events``."""
+    return "uprobe_events" if spec.is_uprobe else "kprobe_events"
+
+
 class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
@@ -61,7 +67,7 @@ class EventsBackend:
                   "grep -q '^16384' buffer_size_kb || echo 16384 > buffer_size_kb"]
         for spec in specs:
             line = shlex.quote(kernel_format(spec))
-            script.append(f"if echo {line} >> kprobe_events 2>/tmp/kph.err; then "
+            script.append(f"if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
                           f"echo 1 > events/{spec.group}/{spec.event}/enable && echo '@ok'; "
                           "else echo \"@err $(cat /tmp/kph.err)\"; "
                           "tail -n 3 error_log | grep 'error:' | tail -n 1; fi")
@@ -91,6 +97,8 @@ class EventsBackend:
         spec = self.specs.get(o.probe)
         if not o.accepted or spec is None:
             return o
+        if spec.is_uprobe:
+            return Outcome(o.probe, True, mode="uprobe")
         try:
             addr = spec.addr if spec.addr is not None else \
                 self.vm.symbols.lookup(spec.symbol_name).addr + spec.offset
@@ -129,11 +137,18 @@ class EventsBackend:
     def counters(self) -> dict[str, Counters]:
         out = {}
         by_event = {spec.event: name for name, spec in self.specs.items()}
-        for line in self._sh(f"cat {TRACING}/kprobe_profile").splitlines():
+        text = self._sh(f"cat {TRACING}/kprobe_profile; echo @u; cat {TRACING}/uprobe_profile")
+        kprobes, _, uprobes = text.partition("@u\n")
+        for line in kprobes.splitlines():
             parts = line.split()
             if len(parts) >= 3 and parts[0] in by_event:
                 name = by_event[parts[0]]
                 out[name] = Counters(name, int(parts[1]), int(parts[2]))
+        for line in uprobes.splitlines():       # "PATH EVENT NHIT": uprobes count no misses
+            parts = line.split()
+            if len(parts) >= 3 and parts[1] in by_event:
+                name = by_event[parts[1]]
+                out[name] = Counters(name, int(parts[2]), 0)
         return out
 
     def close(self) -> None:
@@ -141,7 +156,7 @@ class EventsBackend:
         cmds = []
         for spec in self.specs.values():
             cmds.append(f"echo 0 > {TRACING}/events/{spec.group}/{spec.event}/enable")
-            cmds.append(f"echo '-:{spec.group}/{spec.event}' >> {TRACING}/kprobe_events")
+            cmds.append(f"echo '-:{spec.group}/{spec.event}' >> {TRACING}/{_events_file(spec)}")
         cmds.append(f"echo > {TRACING}/trace; echo 1 > {TRACING}/tracing_on")
         self.vm.run("; ".join(cmds), timeout=60)
         self.specs.clear()

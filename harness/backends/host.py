@@ -19,6 +19,7 @@ from ..fetchargs import FaultError, evaluate, format_value
 from ..kprobes import Kprobe, Kretprobe, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
+from ..uprobes import Uprobe
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,16 @@ FetchHook = Callable[[str, int, dict[str, int]], None]
 class _Ctx:
     """``harness.fetchargs.FetchContext`` over one host-side hit."""
 
-    def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int]) -> None:
+    def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int],
+                 uprobe: Uprobe | None = None) -> None:
         self.engine, self.regs, self.ip, self.overrides = engine, regs, ip, overrides
+        self.uprobe = uprobe
+
+    def file_offset_vaddr(self, offset: int) -> int:
+        up = self.uprobe
+        if up is None or up.vaddr is None or up.offset is None:
+            raise ValueError("@+OFFS is for uprobes only")
+        return up.vaddr - up.offset + offset
 
     def reg(self, name: str) -> int:
         if name in self.overrides:
@@ -89,7 +98,7 @@ class HostBackend:
         self.hook = hook
         self.recording = False
         self._hits: list[Hit] = []
-        self._probes: dict[str, Kprobe | Kretprobe] = {}
+        self._probes: dict[str, Kprobe | Kretprobe | Uprobe] = {}
         self._returns: dict[str, int] = {}
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
@@ -98,7 +107,9 @@ class HostBackend:
             name = f"{spec.group}/{spec.event}"
             try:
                 p = self._make(spec, name)
-                if isinstance(p, Kretprobe):
+                if isinstance(p, Uprobe):
+                    self.engine.register_uprobe(p)
+                elif isinstance(p, Kretprobe):
                     self.engine.register_kretprobe(p)
                 else:
                     self.engine.register_kprobe(p)
@@ -109,7 +120,17 @@ class HostBackend:
             out.append(Outcome(name, True, mode="host"))
         return out
 
-    def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe:
+    def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe | Uprobe:
+        if spec.is_uprobe:
+            assert spec.path is not None
+            up = Uprobe(spec.path, spec.offset if spec.symbol is None else None,
+                        symbol=spec.symbol)
+            if spec.is_return:
+                self._returns[name] = 0
+                up.ret_handler = lambda ri, regs: self._record(spec, name, regs, ri, up)
+            else:
+                up.handler = lambda u, regs: self._record(spec, name, regs, u, up)
+            return up
         where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
                                  if spec.symbol_name else {"addr": spec.addr})
         if spec.module:
@@ -120,7 +141,8 @@ class HostBackend:
                              handler=lambda ri, regs: self._record(spec, name, regs, ri))
         return Kprobe(**where, pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
 
-    def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any) -> int:
+    def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
+                up: Uprobe | None = None) -> int:
         if not self.recording:
             return 0
         eng = self.engine
@@ -128,7 +150,15 @@ class HostBackend:
         overrides: dict[str, int] = {}
         if self.hook is not None:
             self.hook(name, nth, overrides)
-        if spec.is_return:
+        if up is not None:
+            # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
+            # address first; %ip is the probed address itself (handle_swbp() sets it).
+            ip_val = regs.ip
+            ip_text = f"0x{regs.ip:x}"
+            ret_from = f"0x{what.func:x}" if spec.is_return else None
+            if spec.is_return:
+                self._returns[name] = self._returns.get(name, 0) + 1
+        elif spec.is_return:
             func = what.rp.addr
             ip_val = regs.ip
             hit = self._symname(func)
@@ -140,7 +170,7 @@ class HostBackend:
             ip_val = what.addr + INT3_INSN_SIZE
             ip_text = eng.symbols.format(what.addr)
             ret_from = None
-        ctx = _Ctx(eng, regs, ip_val, overrides)
+        ctx = _Ctx(eng, regs, ip_val, overrides, up)
         values = evaluate(spec, ctx)
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
@@ -177,7 +207,7 @@ class HostBackend:
     def counters(self) -> dict[str, Counters]:
         out = {}
         for name, p in self._probes.items():
-            if isinstance(p, Kretprobe):
+            if isinstance(p, Kretprobe) or (isinstance(p, Uprobe) and p.ret_handler):
                 out[name] = Counters(name, self._returns.get(name, 0), p.nmissed)
             else:
                 out[name] = Counters(name, p.nhit, p.nmissed)
@@ -186,7 +216,9 @@ class HostBackend:
     def close(self) -> None:
         for p in self._probes.values():
             try:
-                if isinstance(p, Kretprobe):
+                if isinstance(p, Uprobe):
+                    self.engine.unregister_uprobe(p)
+                elif isinstance(p, Kretprobe):
                     self.engine.unregister_kretprobe(p)
                 else:
                     self.engine.unregister_kprobe(p)

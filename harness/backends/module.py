@@ -419,6 +419,11 @@ class ModuleBackend:
             name = f"{spec.group}/{spec.event}"
             if spec.kind == "-":
                 raise ValueError(f"{spec.text or name!r} deletes a probe; register adds them")
+            if spec.is_uprobe:
+                results.append(Outcome.rejected(
+                    name, _errno.EINVAL, "kph_kprobes.ko registers kprobes only; compare "
+                    "uprobes with --guest events (uprobe_events)"))
+                continue
             try:
                 addr = self._address(spec)
                 programs = [compile_arg(a, resolve=self._resolve, maxlen=self.maxlen)

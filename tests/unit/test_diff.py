@@ -68,3 +68,30 @@ def test_host_unknown_matches_any_value_per_element():
     assert res.equivalent and res.applied["unknown"] == 2
     b = run("events", [hit("events", 0, head="{20,0,1}", n="5")])
     assert not compare(a, b).equivalent
+
+
+def uhit(side, seq, pid, probe="u/work", ip="0x401780", **args):
+    return Hit(side=side, probe=probe, kind="p", seq=seq, cpu=0, pid=pid, comm="kph-threads",
+               ip=ip, args=tuple((k, str(v)) for k, v in args.items()))
+
+
+def test_uprobe_hits_compare_per_thread_only_for_uprobes():
+    host = [uhit("host", 0, 10, i=0), uhit("host", 1, 11, i=0), uhit("host", 2, 10, i=1)]
+    guest = [uhit("events", 0, 10, i=0), uhit("events", 1, 10, i=1), uhit("events", 2, 11, i=0)]
+    o = [Outcome("u/work", True, mode="uprobe")]
+    res = compare(RunResult("host", [Outcome("u/work", True, mode="host")], host, {}),
+                  RunResult("events", o, guest, {}))
+    assert res.equivalent and res.applied["thread-order"] == 1
+    # the same streams as kprobe hits are not reordered: they diverge
+    kp = compare(RunResult("host", [Outcome("u/work", True)], host, {}),
+                 RunResult("events", [Outcome("u/work", True, mode="int3")], guest, {}))
+    assert not kp.equivalent and "thread-order" not in kp.applied
+
+
+def test_a_guest_value_that_is_the_uretprobe_trampoline_compares_equal():
+    host = [uhit("host", 0, 10, s0="0x401543")]
+    guest = [uhit("events", 0, 10, s0="0x478cb1")]
+    o = [Outcome("u/work", True, mode="uprobe")]
+    args = (RunResult("host", o, host, {}), RunResult("events", o, guest, {}))
+    assert compare(*args, trampoline=("_etext+0x0", "0x478cb1")).equivalent
+    assert not compare(*args, trampoline=("_etext+0x0", "0x478cb")).equivalent   # whole only

@@ -221,7 +221,7 @@ def test_errors_the_kernel_does_not_log():
     assert _err("x:e sym")[0].startswith("Unknown probe type")
     msg, col = _err("p:e")
     assert msg.startswith("No probe point") and col == 4
-    assert "uprobe" in _err("p:e /bin/sh:0x10")[0]
+    assert parse("p:e /bin/sh:0x10").is_uprobe           # uprobe_events: harness.uprobespec
     assert _err("p:e sym x=$comm:u32")[1] == len("p:e sym x=$comm:")
     assert _err("p:e sym x=$comm:string[2]")[0].startswith("$comm and immediate")
     assert _err(" -:ev")[0].startswith("Unknown probe type")

@@ -91,3 +91,24 @@ def test_cli_prints_the_ordered_steps():
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln[:4].strip().rstrip(".").isdigit()]
     assert len(lines) == 12 and "asm_exc_int3" in r.stdout and "kph_post" in r.stdout
+
+
+def test_uprobe_variants_follow_the_kernels_user_path(vm):
+    fl = {f.kind: f for f in trapflow.demo(vm, variants=("uprobe", "uretprobe"))}
+    up = fl["uprobe"].steps
+    where = [s.where.split("+")[0] for s in up]
+    assert up[0].insn.startswith("cc") and up[0].regs["cs"] & 3 == 3   # int3 in user text
+    for name in ("asm_exc_int3", "uprobe_pre_sstep_notifier", "uprobe_notify_resume",
+                 "uprobe_dispatcher", "arch_uprobe_pre_xol", "asm_exc_debug",
+                 "arch_uprobe_post_xol"):
+        assert name in where, name
+    slot = next(s for s in up if s.lane == "instruction slot")
+    assert slot.regs["eflags"] & trapflow.TF and slot.addr < 1 << 47   # TF set in the XOL slot
+    assert where.index("uprobe_dispatcher") < where.index("arch_uprobe_pre_xol")
+    assert up[-1].addr == up[0].addr + 3 and "push" in up[-1].insn      # after mov %rsp,%rbp
+    ret = fl["uretprobe"].steps
+    tramp = ret[0].regs["rdi"]
+    assert ret[1].addr == tramp and ret[1].regs["cs"] & 3 == 3
+    assert "uretprobe_dispatcher" in [s.where.split("+")[0] for s in ret]
+    assert ret[-1].regs["cs"] & 3 == 3 and ret[-1].addr < 1 << 47 and ret[-1].addr != tramp
+    assert vm.run("cat /sys/kernel/tracing/uprobe_events").stdout == ""  # left as it was

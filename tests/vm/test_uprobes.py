@@ -1,0 +1,167 @@
+"""Host-side uprobes and uretprobes on a booted kernel, and the diff with uprobe_events
+(the acceptance of issue 9)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.diff import compare
+from harness.errors import ProbeRejectedError
+from harness.kprobes import ProbeFlags
+from harness.probespec import parse
+from harness.runner import run_differential, trampoline_text
+from harness.uprobes import Uprobe
+
+pytestmark = pytest.mark.vm
+
+
+def kph(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def bg(cmd, out):
+    """A guest process that outlives the agent's shell (all three std fds redirected)."""
+    return f"({cmd} > {out} 2>&1 < /dev/null &)"
+
+
+def diff(vm, specs, workload):
+    runs = run_differential(vm, [parse(s) for s in specs], workload)
+    return runs, compare(*runs, trampoline=trampoline_text(vm))
+
+
+def test_loop_entry_and_return_agree_with_uprobe_events(vm):
+    runs, res = diff(vm, ["p:u/add /usr/bin/kph-loop:kph_add a=%di b=%si w=+0(%dx):string "
+                          "c=$comm sp1=$stack1 ip=%ip",
+                          "r:u/addr /usr/bin/kph-loop:kph_add ret=$retval:s64"],
+                     "/usr/bin/kph-loop 6 hello")
+    assert res.equivalent, res.first
+    assert res.counts["u/add"] == (6, 6) and res.counts["u/addr"] == (6, 6)
+    host = [h for h in runs[0].hits if h.probe == "u/add"]
+    assert [h.arg("a") for h in host] == [hex(i) for i in range(6)]
+    assert {h.arg("w") for h in host} == {'"hello"'}
+    rets = [h.arg("ret") for h in runs[0].hits if h.probe == "u/addr"]
+    assert rets == [str(4 * i + 5) for i in range(6)]       # a + b + strlen("hello")
+
+
+def test_recursion_matches_uretprobe_instances_innermost_first(vm):
+    runs, res = diff(vm, ["p:u/fact /usr/bin/kph-recurse:kph_fact n=%di:s64",
+                          "r:u/factr /usr/bin/kph-recurse:kph_fact v=$retval:s64"],
+                     "/usr/bin/kph-recurse 7")
+    assert res.equivalent, res.first
+    assert [h.arg("n") for h in runs[0].hits if h.probe == "u/fact"] == \
+        [str(n) for n in range(7, 0, -1)]
+    assert [h.arg("v") for h in runs[0].hits if h.probe == "u/factr"] == \
+        ["1", "2", "6", "24", "120", "720", "5040"]
+    assert res.applied.get("trampoline", 0) >= 7      # the guest saw our trampoline
+
+
+def test_multithreaded_agrees_per_thread(vm):
+    runs, res = diff(vm, ["p:u/work /usr/bin/kph-threads:kph_work t=%di i=%si",
+                          "r:u/workr /usr/bin/kph-threads:kph_work v=$retval:s64"],
+                     "/usr/bin/kph-threads 4 8")
+    assert res.equivalent, res.first
+    assert res.counts["u/work"] == (32, 32) and res.counts["u/workr"] == (32, 32)
+    assert len({h.pid for h in runs[0].hits}) == 4
+    vals = sorted(int(h.arg("v")) for h in runs[0].hits if h.probe == "u/workr")
+    assert vals == sorted(t * 1000 + i for t in range(4) for i in range(8))
+
+
+def test_a_process_not_targeted_does_not_fire(vm, host):
+    """Two kph-loop processes run the same code at the same address; pid targets one."""
+    r = vm.run("rm -f /tmp/goA /tmp/goB; "
+               f"{bg('/usr/bin/kph-loop 5 aa /tmp/goA', '/tmp/a.out')}; "
+               f"{bg('/usr/bin/kph-loop 5 bbb /tmp/goB', '/tmp/b.out')}; "
+               "sleep 0.3; head -n1 /tmp/a.out; head -n1 /tmp/b.out", check=True)
+    pid_a, pid_b = (int(x) for x in r.stdout.split())
+    seen, everyone = [], []
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add", pid=pid_a,
+                                     handler=lambda u, regs: seen.append(regs.di)))
+    host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
+                                handler=lambda u, regs: everyone.append(regs.di)))
+    vm.run("touch /tmp/goA /tmp/goB; sleep 0.5; cat /tmp/a.out /tmp/b.out", check=True)
+    assert seen == [0, 1, 2, 3, 4] and up.nhit == 5    # only process A
+    assert sorted(everyone) == sorted([0, 1, 2, 3, 4] * 2)
+    assert pid_a != pid_b
+
+
+def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
+    r = vm.run("rm -f /tmp/go2; " + bg("/usr/bin/kph-forkexec /tmp/go2", "/tmp/fe2.out") +
+               "; sleep 0.3; head -n1 /tmp/fe2.out", check=True)
+    pid = int(r.stdout.split()[0])
+    seen = []
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
+                                     handler=lambda u, regs: seen.append(regs.di)))
+    rets = []
+    rp = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
+                                     ret_handler=lambda ri, regs: rets.append(regs.ax)))
+    out = vm.run("touch /tmp/go2; sleep 0.5; cat /tmp/fe2.out", check=True).stdout
+    assert "after 201" in out                          # the exec'd image ran kph_tick(200)
+    assert seen == [1, 2]                              # not the child's 100, not 200 after exec
+    assert rets == [2, 3]
+    assert up.gone and rp.gone and up.flags & ProbeFlags.GONE
+    host.unregister_uprobe(up)                         # a GONE probe unregisters quietly
+    host.unregister_uprobe(rp)
+    assert not up.registered and not host.uprobes.tramps
+    # with pid=None (what uprobe_events does) the child fires too
+    everyone = []
+    host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick",
+                                handler=lambda u, regs: everyone.append(regs.di)))
+    vm.run("/usr/bin/kph-forkexec > /dev/null", check=True)
+    assert sorted(everyone) == [1, 2, 100, 200]
+
+
+def test_refusals(vm, host):
+    with pytest.raises(ProbeRejectedError) as e:
+        host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="no_such_function"))
+    assert e.value.errno == 2
+    with pytest.raises(ProbeRejectedError) as e:
+        host.register_uprobe(Uprobe("/usr/bin/nope", offset=0x1000))
+    assert e.value.errno == 2
+    with pytest.raises(ProbeRejectedError):
+        host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add", pid=99999))
+
+
+def test_cli_diff_on_a_uprobe_and_a_malformed_spec_exits_2():
+    r = kph("diff", "p:u /usr/bin/kph-recurse:kph_fact n=%di", "--run", "/usr/bin/kph-recurse 4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "equivalent" in r.stdout
+    bad = kph("diff", "p:u /usr/bin/kph-loop:0x1z %di", "--run", "true")
+    assert bad.returncode == 2
+    assert "Invalid uprobe offset" in bad.stderr and "^" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    nosym = kph("diff", "p:u /usr/bin/kph-loop:no_such_fn %di", "--run", "true")
+    assert nosym.returncode == 2 and "trace_uprobe: error: no symbol no_such_fn" in nosym.stderr
+
+
+def test_close_puts_back_a_hijacked_return_address(vm):
+    """kph-loop waits inside main for its go-file; a uretprobe on main hijacked the return
+    address. Closing the engine must restore it, or main returns into the padding."""
+    host = vm.host
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
+                                     ret_handler=lambda ri, regs: None))
+    vm.run("rm -f /tmp/goM; (/usr/bin/kph-loop 2 x /tmp/goM > /tmp/m.out 2>&1 < /dev/null; "
+           "echo $? > /tmp/m.rc) > /dev/null 2>&1 < /dev/null &", check=True)
+    vm.run("sleep 0.3", check=True)
+    assert up.nhit == 1
+    host.close()
+    assert host.stats["uretprobe_restored"] == 1
+    out = vm.run("touch /tmp/goM; sleep 0.5; cat /tmp/m.rc /tmp/m.out", check=True).stdout
+    assert out.split()[0] == "0" and out.split()[2] == "6"   # exit 0; (0+0+1) + (1+3+1)
+
+
+def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, host):
+    calls = []
+    up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
+                                     ret_handler=lambda ri, regs: calls.append(regs.ax)))
+    vm.run("rm -f /tmp/goF; (/usr/bin/kph-loop 1 x /tmp/goF > /dev/null 2>&1 < /dev/null; "
+           "echo $? > /tmp/f.rc) > /dev/null 2>&1 < /dev/null &", check=True)
+    vm.run("sleep 0.3", check=True)
+    assert up.nhit == 1
+    host.unregister_uprobe(up)
+    assert host.uprobes.tramps                          # main is still running
+    assert vm.run("touch /tmp/goF; sleep 0.5; cat /tmp/f.rc", check=True).stdout == "0\n"
+    assert calls == [] and not host.uprobes.tramps      # no handler; trampoline gone after
+    assert host.stats["uretprobe_returns"] == 1
