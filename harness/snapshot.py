@@ -294,7 +294,7 @@ def _save(m: "Machine", out: Path) -> float:
         # Save a quiet guest. The agent answers before init has finished its last lines;
         # saved then, every restored guest would first finish them. And qemu-ga's first
         # guest-exec sets up what later ones reuse: done once here, not once per restore.
-        twin.run("i=0; until pgrep -P 1 -x sleep >/dev/null || [ $i -ge 500 ]; do "
+        twin.run("i=0; until grep -qs '(sleep) S 1 ' /proc/[0-9]*/stat || [ $i -ge 300 ]; do "
                  "usleep 10000; i=$((i + 1)); done", check=True)
         twin.run("true", check=True)
         twin.qmp("migrate-set-capabilities",
