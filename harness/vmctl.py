@@ -191,18 +191,22 @@ class Machine:
             m.cold_reason = f"${C.COLD_ENV} is set"
         try:
             m.start(timeout=timeout)
-        except VMError as exc:
+        except (VMError, GuestExecError) as exc:  # GuestExecError: the resync command failed
             m.close()
             if m.snapshot is None or isinstance(exc, GuestPanicError):
-                exc.console_log = m.saved_console
+                if isinstance(exc, VMError):
+                    exc.console_log = m.saved_console
                 raise
             from .snapshot import say_once
 
             # A snapshot that does not restore must not cost the caller the machine.
-            say_once(f"restoring {m.snapshot.dir} failed: {str(exc).splitlines()[0]}")
-            return cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
+            why = f"restoring {m.snapshot.dir} failed: {str(exc).splitlines()[0]}"
+            say_once(why)
+            cold = cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                             memory=memory, append=append, qemu=m.qemu, name=name,
                             timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False)
+            cold.cold_reason = why
+            return cold
         except BaseException:
             m.close()
             raise

@@ -181,3 +181,20 @@ def test_fresh_machine_fixture(kph_fresh_machine, kph_image):
     with boot_machine(kph_image) as next_one:  # what the next test would get
         assert next_one.start_mode == "snapshot"
         assert next_one.run("cat /tmp/left-behind").status != 0
+
+
+def test_a_snapshot_that_does_not_restore_falls_back_to_a_cold_boot(default_image, tmp_path):
+    img = _image_copy(default_image, tmp_path / "img", "broken")
+    with Machine.boot(img) as m:
+        assert m.start_mode == "snapshot", m.cold_reason
+        snap = m.snapshot
+    # A state file cut short, with a snapshot.json that agrees with it: only QEMU can tell.
+    snap.state.chmod(0o644)
+    snap.state.write_bytes(snap.state.read_bytes()[:4096])
+    meta = json.loads((snap.dir / "snapshot.json").read_text())
+    meta["files"]["state"] = {"size": 4096, "sha256": file_sha256(snap.state)}
+    (snap.dir / "snapshot.json").write_text(json.dumps(meta))
+    with Machine.boot(img) as m:
+        assert m.start_mode == "cold"
+        assert m.cold_reason.startswith(f"restoring {snap.dir} failed: ")
+        assert _marker(m) == "broken"
