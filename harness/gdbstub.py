@@ -353,6 +353,11 @@ class GdbStub:
         """Stop a running guest (a halted one is left as it is and its position returned)."""
         if not self.running:
             self.poll_stop()
+        if self.running and self._all_stopped():
+            # Our flag is only a cache of GDB's view: seen stale under load (a stop already
+            # consumed, the flag still set), and an -exec-interrupt to a halted target
+            # never produces the *stopped that wait_stop would wait for.
+            self.running = False
         if not self.running:
             pc = self.read_registers(("rip",))["rip"]
             return Stop(reason="already-stopped", addr=pc, thread=1, when=time.monotonic())
@@ -362,6 +367,11 @@ class GdbStub:
             return self.wait_stop(timeout=timeout or self.timeout)
         finally:
             self._expect_reasonless = False
+
+    def _all_stopped(self) -> bool:
+        """GDB's own view: every thread it knows is stopped (``-thread-info``)."""
+        threads = self.command("-thread-info").get("threads") or []
+        return bool(threads) and all(t.get("state") == "stopped" for t in threads)
 
     def wait_stop(self, *, timeout: float, wake_fd: int | None = None) -> Stop | None:
         """The next stop; raise TimeoutError if the guest keeps running past ``timeout``.
