@@ -370,7 +370,10 @@ class GdbStub:
 
     def _all_stopped(self) -> bool:
         """GDB's own view: every thread it knows is stopped (``-thread-info``)."""
-        threads = self.command("-thread-info").get("threads") or []
+        try:
+            threads = self.command("-thread-info").get("threads") or []
+        except GdbMIError:  # "Cannot execute this command while the target is running."
+            return False
         return bool(threads) and all(t.get("state") == "stopped" for t in threads)
 
     def wait_stop(self, *, timeout: float, wake_fd: int | None = None) -> Stop | None:
