@@ -356,8 +356,11 @@ class GdbStub:
         if self.running and self._all_stopped():
             # Our flag is only a cache of GDB's view: seen stale under load (a stop already
             # consumed, the flag still set), and an -exec-interrupt to a halted target
-            # never produces the *stopped that wait_stop would wait for.
+            # never produces the *stopped that wait_stop would wait for. A stop that was
+            # still in the pipe was dispatched while asking: it is the one to return.
             self.running = False
+            if self._stops:
+                return self._stops.popleft()
         if not self.running:
             pc = self.read_registers(("rip",))["rip"]
             return Stop(reason="already-stopped", addr=pc, thread=1, when=time.monotonic())
