@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""The differential suite's wall time under pytest -n 1 and -n 2, in one run, as a ratio.
+"""The differential suite's wall time, in one run, as ratios, in three configurations:
 
-Each worker boots its own machine (the plugin's kph_machine fixture), so -n 2 pays two
-boots in parallel and then splits the cases. Runs each configuration ``--repeat`` times,
-alternating, and prints the medians.
+  -n 2, fresh machine per test      (the default since snapshots: kph_fresh_machine,
+                                     each restored from the image's ready snapshot)
+  -n 2, one machine per worker      (restored from the snapshot)
+  -n 2, one machine per worker, cold (how the suite ran before snapshots)
+  -n 1, fresh machine per test      (for the -n 1 -> -n 2 speed-up)
+
+Runs each ``--repeat`` times, interleaved, and prints the medians.
 """
 from __future__ import annotations
 
@@ -16,16 +20,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = "tests/vm/test_differential_suite.py"
+CONFIGS = {
+    "-n 2, fresh machine per test (snapshot)": (2, []),
+    "-n 2, machine per worker (snapshot)": (2, ["--kph-machine-per", "worker"]),
+    "-n 2, machine per worker (cold; before)": (2, ["--kph-machine-per", "worker", "--kph-cold"]),
+    "-n 1, fresh machine per test (snapshot)": (1, []),
+}
 
 
-def run(workers: int) -> float:
+def run(workers: int, extra: list[str]) -> float:
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-n", str(workers), SUITE], cwd=ROOT, capture_output=True, text=True,
-                       timeout=1800)
+                        "-n", str(workers), SUITE, *extra], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1800)
     wall = time.monotonic() - t0
     if r.returncode != 0:
-        sys.exit(f"the suite failed under -n {workers}:\n{r.stdout[-2000:]}")
+        sys.exit(f"the suite failed under -n {workers} {' '.join(extra)}:\n{r.stdout[-2000:]}")
     return wall
 
 
@@ -33,15 +43,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2, help="runs of each (default 2)")
     args = ap.parse_args()
-    walls: dict[int, list[float]] = {1: [], 2: []}
+    walls: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(args.repeat):
-        for n in (1, 2):
-            walls[n].append(run(n))
-    m1, m2 = statistics.median(walls[1]), statistics.median(walls[2])
+        for name, (n, extra) in CONFIGS.items():
+            walls[name].append(run(n, extra))
+    med = {name: statistics.median(w) for name, w in walls.items()}
     print(f"differential suite ({SUITE}), median of {args.repeat}:")
-    print(f"  -n 1  {m1:6.1f} s")
-    print(f"  -n 2  {m2:6.1f} s")
-    print(f"  speed-up -n 1 -> -n 2: {m1 / m2:.2f}x")
+    for name, m in med.items():
+        print(f"  {name:42s} {m:6.1f} s   ({', '.join(f'{w:.1f}' for w in walls[name])})")
+    before = med["-n 2, machine per worker (cold; before)"]
+    for name in list(CONFIGS)[:2]:
+        print(f"  before / {name}: {before / med[name]:.2f}x")
+    n1, n2 = med["-n 1, fresh machine per test (snapshot)"], med["-n 2, fresh machine per test (snapshot)"]
+    print(f"  speed-up -n 1 -> -n 2 (fresh per test): {n1 / n2:.2f}x")
     return 0
 
 

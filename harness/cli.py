@@ -48,6 +48,8 @@ def _qemu_group(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accel", choices=("tcg", "kvm"), default="tcg",
                    help="tcg (default, tested) or kvm where /dev/kvm works")
     g.add_argument("--append", metavar="ARGS", help="kernel command line (replaces the default)")
+    g.add_argument("--cold", action="store_true", help="boot cold, not from the image's ready "
+                   "snapshot (also $KPH_COLD=1)")
     g.add_argument("--dry-run", action="store_true", help="print the QEMU command line and exit")
 
 
@@ -63,8 +65,10 @@ def make_parser() -> argparse.ArgumentParser:
     isub = img.add_subparsers(dest="image_cmd", metavar="ACTION")
     b = isub.add_parser("build", help="Provision the default image: kernel, initramfs, kallsyms")
     b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
-    b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot")
-    isub.add_parser("info", help="Print the default image's manifest")
+    b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot and the snapshot")
+    b.add_argument("--no-snapshot", action="store_true",
+                   help="do not make the ready snapshot (the first boot makes it)")
+    isub.add_parser("info", help="Print the default image's manifest and its snapshots")
 
     q = sub.add_parser("qemu", help="Provision or show the QEMU the harness uses")
     qsub = q.add_subparsers(dest="qemu_cmd", metavar="ACTION")
@@ -167,12 +171,16 @@ def _boot(args: argparse.Namespace) -> int:
                                 smp=args.smp,
                                 accel=args.accel, memory=args.memory, append=args.append,
                                 qemu=args.qemu)
-    if args.dry_run:
+    if args.dry_run:  # the cold command line; a restore adds -incoming and the RAM file
         print(Machine.prepare(args.image, **opts).dry_run())
         return EXIT_OK
     status = EXIT_OK
-    vm = Machine.boot(args.image, **opts)
+    vm = Machine.boot(args.image, fresh=not args.cold, **opts)
     with vm:
+        if not args.quiet and vm.start_mode == "snapshot":
+            _progress(f"boot: restored from {vm.snapshot.dir} in {vm.boot_seconds:.2f} s")
+        elif not args.quiet and vm.cold_reason:
+            _progress(f"boot: cold ({vm.cold_reason}) in {vm.boot_seconds:.2f} s")
         _warn_slow_qemu(vm.qemu, args)
         for cmd in args.run:
             r = vm.run(cmd, timeout=args.timeout)
@@ -195,13 +203,16 @@ def _image(args: argparse.Namespace) -> int:
     from .images import build_image, default_image
 
     if args.image_cmd == "build":
-        build_image(force=args.force, qemu=args.qemu,
+        build_image(force=args.force, qemu=args.qemu, snapshot=not args.no_snapshot,
                     progress=(lambda s: None) if args.quiet else _progress)
         return EXIT_OK
     if args.image_cmd == "info":
         import json
+        from .snapshot import snapshots_of
+
         img = default_image()
-        print(json.dumps(dict(img.manifest, dir=str(img.dir)), indent=2))
+        snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
+        print(json.dumps(dict(img.manifest, dir=str(img.dir), snapshots=snaps), indent=2))
         return EXIT_OK
     raise SetupError("kph image needs an action", "try `kph image build`")
 
@@ -279,7 +290,7 @@ def _machine(args: argparse.Namespace) -> Any:
 
     return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
                         smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
-                        qemu=args.qemu)
+                        qemu=args.qemu, fresh=not args.cold)
 
 
 def _refusals(outcomes: list[Any]) -> int:

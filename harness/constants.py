@@ -15,6 +15,18 @@ RUN_TIMEOUT = 60.0
 RR_TIMEOUT = 120.0
 #: One QMP command.
 QMP_TIMEOUT = 10.0
+#: Waiting for another process that is building the same snapshot.
+SNAPSHOT_LOCK_TIMEOUT = 180.0
+#: ``migrate`` of a booted guest's device state into the snapshot (takes ~0.02 s).
+SNAPSHOT_SAVE_TIMEOUT = 60.0
+#: The resynchronisation after a restore (clock, random seed): one guest command.
+RESYNC_TIMEOUT = 30.0
+#: The guest clock offset is measured with guest-get-time until one round trip is this
+#: short (seconds; the offset's error is half the round trip), at most that many times.
+RESYNC_CLOCK_SLACK = 0.01
+RESYNC_CLOCK_TRIES = 4
+#: Set (to anything but "" or "0") to make every ``Machine.boot()`` boot cold.
+COLD_ENV = "KPH_COLD"
 #: Grace time for QEMU to exit after ``quit`` before it is killed.
 QUIT_TIMEOUT = 3.0
 #: Kernel command line of the default image. ``nokaslr`` keeps kallsyms addresses valid.

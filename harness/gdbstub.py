@@ -369,6 +369,14 @@ class GdbStub:
         """Stop a running guest (a halted one is left as it is and its position returned)."""
         if not self.running:
             self.poll_stop()
+        if self.running and self._all_stopped():
+            # Our flag is only a cache of GDB's view: seen stale under load (a stop already
+            # consumed, the flag still set), and an -exec-interrupt to a halted target
+            # never produces the *stopped that wait_stop would wait for. A stop that was
+            # still in the pipe was dispatched while asking: it is the one to return.
+            self.running = False
+            if self._stops:
+                return self._stops.popleft()
         if not self.running:
             pc = self.read_registers(("rip",))["rip"]
             return Stop(reason="already-stopped", addr=pc, thread=1, when=time.monotonic())
@@ -378,6 +386,14 @@ class GdbStub:
             return self.wait_stop(timeout=timeout or self.timeout)
         finally:
             self._expect_reasonless = False
+
+    def _all_stopped(self) -> bool:
+        """GDB's own view: every thread it knows is stopped (``-thread-info``)."""
+        try:
+            threads = self.command("-thread-info").get("threads") or []
+        except GdbMIError:  # "Cannot execute this command while the target is running."
+            return False
+        return bool(threads) and all(t.get("state") == "stopped" for t in threads)
 
     def wait_stop(self, *, timeout: float, wake_fd: int | None = None) -> Stop | None:
         """The next stop; raise TimeoutError if the guest keeps running past ``timeout``.

@@ -149,8 +149,13 @@ def image_is_current(img: Image) -> bool:
     return all(n in img.manifest.get("artifacts", {}) for n in ARTIFACTS)
 
 
-def build_image(*, force: bool = False, progress: Progress = print, qemu: str | None = None) -> Image:
+def build_image(*, force: bool = False, progress: Progress = print, qemu: str | None = None,
+                snapshot: bool = True) -> Image:
     """Provision the default image; idempotent (a warm cache returns in well under a second).
+
+    With ``snapshot`` it also makes sure the image has a ready snapshot for the default
+    machine options and this QEMU (``harness.snapshot``), so the first ``Machine.boot()``
+    is already fast.
 
     :raise SetupError: apt, dpkg-deb, cpio, busybox or qemu-ga missing, or the download failed.
     """
@@ -161,6 +166,8 @@ def build_image(*, force: bool = False, progress: Progress = print, qemu: str | 
         if image_is_current(img):
             (cache_dir() / "default").write_text(abi + "\n")
             progress(f"image: {abi} is up to date in {dest}")
+            if snapshot:
+                ensure_snapshot(img, qemu, progress)
             return img
         progress(f"image: {abi} in the cache is stale or incomplete; rebuilding")
     for tool, hint in ((HOST_BUSYBOX, "apt-get install busybox-static"),
@@ -208,7 +215,18 @@ def build_image(*, force: bool = False, progress: Progress = print, qemu: str | 
     (cache_dir() / "default").write_text(abi + "\n")
     img = load_image(dest)
     progress(f"image: {abi} ready in {dest}")
+    if snapshot:
+        ensure_snapshot(img, qemu, progress)
     return img
+
+
+def ensure_snapshot(img: Image, qemu: str | None, progress: Progress) -> None:
+    """Build the image's ready snapshot for the default machine options unless current."""
+    from .snapshot import ensure
+    from .vmctl import Machine
+
+    snap, why = ensure(Machine.prepare(img, qemu=qemu), progress)
+    progress(f"snapshot: {snap.dir} is current" if snap is not None else f"snapshot: none ({why})")
 
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
@@ -222,7 +240,7 @@ def _harvest(out: Path, manifest: dict[str, Any], qemu: str | None) -> None:
     from .vmctl import Machine
 
     with Machine.boot(kernel=out / "vmlinuz", initrd=out / "initrd.img", qemu=qemu,
-                      name=f"kph-build-{os.getpid()}") as vm:
+                      name=f"kph-build-{os.getpid()}", fresh=False) as vm:
         release = vm.run("uname -r", check=True).stdout.strip()
         if release != manifest["kernel_version"]:
             raise SetupError(f"the image booted kernel {release}, expected {manifest['kernel_version']}")

@@ -10,6 +10,12 @@ Lifecycle (``VmState``): OFF -> BOOTING -> RUNNING <-> HALTED (by the gdbstub) -
 SHUTDOWN | PANICKED | LOST. QEMU is ended by its pid on every path: ``close()`` (also
 from ``__exit__`` and an ``atexit`` hook) and, if this process is killed outright, by
 the kernel through ``PR_SET_PDEATHSIG``.
+
+Fresh starts: ``Machine.boot()`` restores the image's ready snapshot (``harness.snapshot``)
+when one matches, else boots cold and logs why once. Nothing on the host side crosses
+the snapshot boundary (every Machine has its own QEMU, sockets, gdbstub session and
+HostEngine); what the guest carries across it (the agent channel, the clock, the random
+state) is resynchronised before ``boot()`` returns.
 """
 from __future__ import annotations
 
@@ -101,6 +107,11 @@ def _check_kernel_format(path: Path) -> None:
                      "pass a bzImage (arch/x86/boot/bzImage) or an ELF vmlinux with a PVH note")
 
 
+def _opt(path: Path) -> str:
+    """A path as a QEMU option value (a comma is written twice)."""
+    return str(path).replace(",", ",,")
+
+
 def run_dir_base() -> str:
     return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
 
@@ -112,7 +123,7 @@ class Machine:
                  accel: str = "tcg", memory: str = C.DEFAULT_MEMORY,
                  qemu: QemuBinary | None = None, name: str | None = None,
                  extra_args: Sequence[str] = (), image: Any = None,
-                 vmlinux: Path | None = None) -> None:
+                 vmlinux: Path | None = None, ram_file: Path | None = None) -> None:
         self.kernel, self.initrd, self.append = kernel, initrd, append
         self.vmlinux = vmlinux
         self.smp, self.accel, self.memory = smp, accel, memory
@@ -121,6 +132,15 @@ class Machine:
         self.name = name or f"kph{('-' + worker) if worker else ''}-{os.getpid()}-{next(_counter)}"
         self.image = image
         self.extra_args = list(extra_args)
+        #: Guest RAM in this file, shared (only the machine that builds a snapshot).
+        self.ram_file = ram_file
+        #: The snapshot this machine starts from (``harness.snapshot.Snapshot``), or None.
+        self.snapshot: Any = None
+        #: "cold" or "snapshot" once started; ``cold_reason`` says why a fresh boot was cold.
+        self.start_mode = "cold"
+        self.cold_reason = ""
+        #: After a restore: the bound on the guest clock's error, from the offset measurement.
+        self.clock_error_ns: int | None = None
         self.log = log.getChild(self.name)
         self.state = VmState.OFF
         self.rundir: Path | None = None
@@ -149,8 +169,13 @@ class Machine:
              memory: str = C.DEFAULT_MEMORY, append: str | None = None,
              qemu: QemuBinary | str | None = None, name: str | None = None,
              timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = (),
-             vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
+             vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True) -> "Machine":
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
+
+        ``fresh`` (the default) starts from the image's ready snapshot, building it on first
+        use; when there is none to be had (``harness.snapshot.unsupported``), or ``$KPH_COLD``
+        is set, or the restore fails, the guest boots cold and the reason is logged once.
+        ``fresh=False`` always boots cold. Either way the guest has never run anything else.
 
         :raise SetupError: a kernel, initrd or image that does not exist.
         :raise GuestPanicError: the guest panicked while booting.
@@ -160,14 +185,46 @@ class Machine:
         m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                         memory=memory, append=append, qemu=qemu, name=name,
                         extra_args=extra_args, vmlinux=vmlinux)
+        if fresh and os.environ.get(C.COLD_ENV, "") in ("", "0"):
+            m.use_snapshot()
+        elif fresh:
+            m.cold_reason = f"${C.COLD_ENV} is set"
         try:
             m.start(timeout=timeout)
-        except BaseException as exc:
+        except (VMError, GuestExecError) as exc:  # GuestExecError: the resync command failed
             m.close()
-            if isinstance(exc, VMError):
-                exc.console_log = m.saved_console
+            if m.snapshot is None or isinstance(exc, GuestPanicError):
+                if isinstance(exc, VMError):
+                    exc.console_log = m.saved_console
+                raise
+            from .snapshot import say_once
+
+            # A snapshot that does not restore must not cost the caller the machine.
+            why = f"restoring {m.snapshot.dir} failed: {str(exc).splitlines()[0]}"
+            say_once(why)
+            cold = cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
+                            memory=memory, append=append, qemu=m.qemu, name=name,
+                            timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False)
+            cold.cold_reason = why
+            return cold
+        except BaseException:
+            m.close()
             raise
         return m
+
+    def use_snapshot(self, progress: Any = None) -> bool:
+        """Start from the matching ready snapshot (built now if missing or stale).
+
+        Returns False, with ``cold_reason`` set and logged once, when there is none.
+        """
+        from .snapshot import ensure, say_once
+
+        snap, why = ensure(self, progress)
+        self.snapshot = snap
+        if snap is None:
+            self.cold_reason = why
+            say_once(why)
+        return snap is not None
 
     @classmethod
     def prepare(cls, image: Any = None, *, kernel: str | os.PathLike[str] | None = None,
@@ -212,10 +269,29 @@ class Machine:
                    accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
                    image=img, vmlinux=vpath)
 
+    def machine_args(self) -> list[str]:
+        """The guest-visible part of the command line, without this machine's name, run
+        directory or descriptors: what a snapshot's key records as machine options."""
+        args = self._args({"qmp": 3, "qga": 4, "gdb": 5}, Path("RUNDIR"))
+        i = args.index("-name")
+        return args[:i] + args[i + 2:]
+
     def command_line(self, fds: dict[str, int] | None = None) -> list[str]:
         """The exact QEMU argv (``fds`` maps qmp/qga/gdb to the descriptors QEMU inherits)."""
-        fds = fds or {"qmp": 3, "qga": 4, "gdb": 5}
-        console = (self.rundir or Path("RUNDIR")) / "console.log"
+        args = self._args(fds or {"qmp": 3, "qga": 4, "gdb": 5}, self.rundir or Path("RUNDIR"))
+        mem = None
+        if self.ram_file is not None:  # building a snapshot: the guest's RAM is the file
+            mem = f"mem-path={_opt(self.ram_file)},share=on"
+        elif self.snapshot is not None:  # a private copy-on-write mapping of it
+            mem = f"mem-path={_opt(self.snapshot.ram)},share=off,readonly=on,rom=off"
+            args += ["-incoming", "defer"]
+        if mem is not None:
+            args[args.index("-machine") + 1] += ",memory-backend=kph-ram"
+            args += ["-object", f"memory-backend-file,id=kph-ram,size={self.memory},{mem}"]
+        return self.qemu.command(args + self.extra_args)
+
+    def _args(self, fds: dict[str, int], rundir: Path) -> list[str]:
+        console = rundir / "console.log"
         args = ["-name", self.name, "-nodefaults", "-no-user-config", "-display", "none",
                 "-machine", "pc", "-m", self.memory, "-smp", str(self.smp),
                 "-accel", self.accel, "-no-reboot", "-action", "panic=pause",
@@ -233,7 +309,7 @@ class Machine:
             args += ["-cpu", "host"]
         if self.initrd is not None:
             args += ["-initrd", str(self.initrd)]
-        return self.qemu.command(args + self.extra_args)
+        return args
 
     def dry_run(self) -> str:
         return shlex.join(self.command_line())
@@ -277,14 +353,48 @@ class Machine:
         qga = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         qga.connect(str(self.rundir / "qga.sock"))
         self.agent = GuestAgent(qga, check=self._check)
+        if self.snapshot is not None:
+            self.qmp("migrate-set-capabilities",
+                     {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+            self.qmp("migrate-incoming", {"uri": f"file:{self.snapshot.state}"})
         try:
+            # After a restore the agent's stream may hold whatever the snapshot's client
+            # left in flight: this is a guest-sync-delimited resynchronisation either way.
             self.agent.wait_ready(max(1.0, timeout - (time.monotonic() - t0)))
         except VMLostError as exc:
             raise VMLostError(f"{self.name}: guest agent not ready after {timeout:.0f} s "
                               f"(kernel {self.kernel})", self.console_tail()) from exc
         self.state = VmState.RUNNING
+        if self.snapshot is not None:
+            self.start_mode = "snapshot"
+            self._resync()
         self.boot_seconds = time.monotonic() - t0
-        self.log.debug("ready in %.2f s", self.boot_seconds)
+        self.log.debug("ready in %.2f s (%s)", self.boot_seconds, self.start_mode)
+
+    def _resync(self) -> None:
+        """Bring a restored guest back in step with the host: without this, every guest
+        restored from one snapshot would wake with the snapshot's wall clock and hand out
+        the same "random" bytes (the crng keeps its key until its next scheduled reseed).
+
+        The clock offset is measured with the agent's ``guest-get-time`` (answered inside
+        qemu-ga, milliseconds once warm), then ``kph-resync`` (probes/progs/resync.c)
+        moves the clock by that offset, credits host random bytes with RNDADDENTROPY and
+        forces RNDRESEEDCRNG. A delta rather than a time: that exec is the first after
+        the restore and pays for TCG translating the exec path afresh (~0.2 s).
+        """
+        agent = self._require_running()
+        best = None
+        for _ in range(C.RESYNC_CLOCK_TRIES):
+            t0 = time.time_ns()
+            guest = int(agent.execute("guest-get-time", timeout=C.RESYNC_TIMEOUT))
+            t1 = time.time_ns()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, (t0 + t1) // 2 - guest)
+            if t1 - t0 < C.RESYNC_CLOCK_SLACK * 1e9:
+                break
+        self.clock_error_ns = best[0] // 2
+        self.run(f"/usr/bin/kph-resync {best[1]}", stdin=os.urandom(64), check=True,
+                 timeout=C.RESYNC_TIMEOUT)
 
     async def _qmp_connect(self) -> None:
         import asyncio

@@ -1,7 +1,8 @@
 """The differential suite: one spec set per case, host-side and in-guest on one execution.
 
-Runs on the ``kph_machine`` of the kprobe-harness pytest plugin: one VM per xdist worker,
-each case leaves no probe behind (the ``probe_diff`` fixture checks).
+Each case runs on a fresh machine of its own (the plugin's ``kph_fresh_machine``, restored
+from the image's ready snapshot) and leaves no probe behind (the ``probe_diff`` fixture
+checks).
 """
 from __future__ import annotations
 
@@ -60,6 +61,6 @@ def test_differential(probe_diff, name):
         assert res.runs[1].counters["kprobes/ns1"].nmissed == 1
 
 
-def test_raw_address_probe(probe_diff, kph_machine):
-    addr = kph_machine.symbols.lookup("do_sys_openat2").addr
+def test_raw_address_probe(probe_diff):
+    addr = probe_diff.vm.symbols.lookup("do_sys_openat2").addr
     probe_diff([f"p:raw {addr:#x} dfd=%di:s32"], OPEN).assert_equivalent()
