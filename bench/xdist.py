@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""The differential suite's wall time, in one run, as ratios, in three configurations:
+"""The differential suite's wall time, in one run, as ratios, in five configurations:
 
   -n 2, fresh machine per test      (the default since snapshots: kph_fresh_machine,
                                      each restored from the image's ready snapshot)
+  -n 2, fresh machine per test, cold (what a fresh machine per test costs without them)
   -n 2, one machine per worker      (restored from the snapshot)
   -n 2, one machine per worker, cold (how the suite ran before snapshots)
   -n 1, fresh machine per test      (for the -n 1 -> -n 2 speed-up)
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITE = "tests/vm/test_differential_suite.py"
 CONFIGS = {
     "-n 2, fresh machine per test (snapshot)": (2, []),
+    "-n 2, fresh machine per test (cold)": (2, ["--kph-cold"]),
     "-n 2, machine per worker (snapshot)": (2, ["--kph-machine-per", "worker"]),
     "-n 2, machine per worker (cold; before)": (2, ["--kph-machine-per", "worker", "--kph-cold"]),
     "-n 1, fresh machine per test (snapshot)": (1, []),
@@ -52,8 +54,10 @@ def main() -> int:
     for name, m in med.items():
         print(f"  {name:42s} {m:6.1f} s   ({', '.join(f'{w:.1f}' for w in walls[name])})")
     before = med["-n 2, machine per worker (cold; before)"]
-    for name in list(CONFIGS)[:2]:
+    for name in ("-n 2, fresh machine per test (snapshot)", "-n 2, machine per worker (snapshot)"):
         print(f"  before / {name}: {before / med[name]:.2f}x")
+    cold = med["-n 2, fresh machine per test (cold)"]
+    print(f"  fresh per test, cold / snapshot: {cold / med['-n 2, fresh machine per test (snapshot)']:.2f}x")
     n1, n2 = med["-n 1, fresh machine per test (snapshot)"], med["-n 2, fresh machine per test (snapshot)"]
     print(f"  speed-up -n 1 -> -n 2 (fresh per test): {n1 / n2:.2f}x")
     return 0

@@ -8,6 +8,7 @@ bytes, interrupt counts, trace timestamps), so equality is the replay's doing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -76,28 +77,57 @@ def test_replay_reproduces_the_console_to_the_panic(panic_recording, tmp_path):
     assert len(replayed) == json.loads((moved / "record.json").read_text())["console_bytes"]
 
 
+def _gdb(sock, cmds, timeout):
+    args = ["gdb", "-batch", "-nx", "-ex", f"target remote {sock}"]
+    for c in cmds:
+        args += ["-ex", c]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=timeout).stdout
+    return out, [int(v, 16) for v in re.findall(r"^\$\d+ = (0x[0-9a-f]+)$", out, re.M)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gdb_steps_backwards_in_the_replay(panic_recording, tmp_path):
-    """gdb 13 on the kept QEMU: reverse-stepi, stepi back onto the recorded end,
-    reverse-continue to panic(), stepi. Each reverse command replays from the snapshot
-    at instruction 0 (one or two passes over the whole run)."""
+    """gdb 13 on the kept QEMU: reverse-stepi, then stepi back onto the recorded end.
+    Each reverse command replays from the snapshot at instruction 0."""
+    moved = tmp_path / "gdb"
+    shutil.copytree(panic_recording.out_dir, moved)
+    with replay(moved, gdb=True) as rep:
+        assert rep.end is End.PANIC and rep.gdb_socket is not None
+        out, pcs = _gdb(rep.gdb_socket, ["p/x $pc", "reverse-stepi", "p/x $pc", "stepi", "p/x $pc"], 300)
+    assert len(pcs) == 3, out
+    end, back, again = pcs
+    assert 0 < end - back <= 15 and again == end  # one instruction back, then forward
+    assert rep.pid is not None and not _alive(rep.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gdb_reverse_continues_to_panic(panic_recording, tmp_path):
+    """``reverse-continue`` from the recorded end back to ``break *panic``, panic()'s
+    argument read back in time, then ``stepi`` forward from there.
+
+    QEMU 11.1.3's reverse-continue sometimes never returns when the host's CPUs are
+    saturated (reproduced with two busy loops on this 2-core machine: the replaying QEMU
+    sleeps forever and gdb's Ctrl-C does not wake it; on a quiet machine it passed 8 of
+    8). A stall on a saturated host is that documented limit (xfail, with the load); a
+    stall on a quiet host, or any wrong result, fails."""
     moved = tmp_path / "gdb"
     shutil.copytree(panic_recording.out_dir, moved)
     panic_addr = _kallsyms_addr("panic")
+    cores = os.cpu_count() or 1
     with replay(moved, gdb=True) as rep:
-        assert rep.end is End.PANIC and rep.gdb_socket is not None
-        cmds = ["p/x $pc", "reverse-stepi", "p/x $pc", "stepi", "p/x $pc",
-                f"break *{panic_addr:#x}", "reverse-continue", "p/x $pc", "x/s $rdi",
-                "delete", "stepi", "p/x $pc"]
-        args = ["gdb", "-batch", "-nx", "-ex", f"target remote {rep.gdb_socket}"]
-        for c in cmds:
-            args += ["-ex", c]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=540).stdout
-    pcs = [int(v, 16) for v in re.findall(r"^\$\d+ = (0x[0-9a-f]+)$", out, re.M)]
-    assert len(pcs) == 5, out
-    end, back, again, at_panic, stepped = pcs
-    assert 0 < end - back <= 15 and again == end  # one instruction back, then forward
+        try:
+            out, pcs = _gdb(rep.gdb_socket, [f"break *{panic_addr:#x}", "reverse-continue",
+                                             "p/x $pc", "x/s $rdi", "delete", "stepi", "p/x $pc"], 240)
+        except subprocess.TimeoutExpired:
+            load = os.getloadavg()[0]
+            if load >= 1.5 * cores:
+                pytest.xfail(f"reverse-continue stalled with the host saturated (load {load:.1f} "
+                             f"on {cores} cores): QEMU's limit, see README")
+            raise
+    assert len(pcs) == 2, out
+    at_panic, stepped = pcs
     assert at_panic == panic_addr
     assert '"sysrq triggered crash\\n"' in out  # panic()'s first argument, back in time
     assert 0 < stepped - panic_addr <= 15  # and forward again from there
