@@ -150,7 +150,6 @@ class GdbStub:
                     "breakpoint always-inserted on", "displaced-stepping off",
                     "print thread-events off", "step-mode on", *self._pre_connect):
             self.command(f"-gdb-set {opt}")
-        self._load_top_frame_unwinder()
         self.command(f"-target-select remote {self.target}", timeout=30)
         self._stops.clear()  # the reason-less *stopped GDB reports on connect
         # A single-step runs only the stepping vCPU, so no other hit can interleave.
@@ -160,17 +159,6 @@ class GdbStub:
         names = self.command("-data-list-register-names")["register-names"]
         self._regnum = {n: i for i, n in enumerate(names) if n}
         self.available_regs = tuple(r for r in GENERAL_REGS + SYSTEM_REGS if r in self._regnum)
-
-    def _load_top_frame_unwinder(self) -> None:
-        """Spare two memory reads per stop (see ``harness/gdb_top_frame.py``). A GDB
-        without Python still works, with those reads."""
-        script = Path(__file__).with_name("gdb_top_frame.py")
-        try:
-            self.command(f'-interpreter-exec console "source {script}"')
-            self.top_frame_unwinder = True
-        except GdbMIError as exc:
-            log.info("GDB has no Python unwinders (%s): two memory reads per stop remain", exc)
-            self.top_frame_unwinder = False
 
     def __enter__(self) -> "GdbStub":
         return self
