@@ -2,10 +2,15 @@
 with the reason (never skip)."""
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+
+ALONE_WAIT = 600.0
 
 
 def _our_qemu_children() -> list[str]:
@@ -21,6 +26,33 @@ def _our_qemu_children() -> list[str]:
                 "qemu-system-x86", "gdb", "ld-linux-x86-64"):
             out.append(f"{st.parent.name} {fields['Name'].strip()}")
     return out
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request):
+    """Tests marked ``alone`` run while no other xdist worker runs a test: every test
+    holds a shared lock for the run, an ``alone`` test an exclusive one. Why: QEMU's
+    reverse-continue stalls for good when the host's CPUs are saturated (README, "Record
+    and replay"), and under ``-n 2`` the other worker saturates them."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not uid:
+        yield
+        return
+    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    with open(Path(tempfile.gettempdir()) / f"kph-tests-{uid}.lock", "a") as f:
+        deadline = time.monotonic() + ALONE_WAIT
+        while True:
+            try:
+                fcntl.flock(f, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"waited {ALONE_WAIT:.0f} s for the other workers' tests to end")
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -102,7 +102,8 @@ def test_gdb_steps_backwards_in_the_replay(panic_recording, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.alone
+@pytest.mark.timeout(900)
 def test_gdb_reverse_continues_to_panic(panic_recording, tmp_path):
     """``reverse-continue`` from the recorded end back to ``break *panic``, panic()'s
     argument read back in time, then ``stepi`` forward from there.
@@ -110,8 +111,9 @@ def test_gdb_reverse_continues_to_panic(panic_recording, tmp_path):
     QEMU 11.1.3's reverse-continue sometimes never returns when the host's CPUs are
     saturated (reproduced with two busy loops on this 2-core machine: the replaying QEMU
     sleeps forever and gdb's Ctrl-C does not wake it; on a quiet machine it passed 8 of
-    8). A stall on a saturated host is that documented limit (xfail, with the load); a
-    stall on a quiet host, or any wrong result, fails."""
+    8). So it runs ``alone`` (no other worker's test at the same time); a stall on a
+    host still saturated by something else is that documented limit (xfail, with the
+    load); a stall on a quiet host, or any wrong result, fails."""
     moved = tmp_path / "gdb"
     shutil.copytree(panic_recording.out_dir, moved)
     panic_addr = _kallsyms_addr("panic")
