@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -49,3 +49,21 @@ class LoopThread:
         self._thread.join(2.0)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def qmp_connect(name: str, path: str, on_event: Callable[[str, dict[str, Any]], None]) -> Any:
+    """A ``qemu.qmp.QMPClient`` connected to the UNIX socket ``path``, every event handed
+    to ``on_event(name, data)`` on the loop, in order. Nothing is cleared from the
+    listener: ``EventListener.clear()`` drops events still queued (a STOP that arrives
+    with a GUEST_PANICKED was lost that way)."""
+    from qemu.qmp import QMPClient
+
+    client = QMPClient(name)
+    await client.connect(path)
+
+    async def pump() -> None:
+        async for ev in client.events:
+            on_event(ev["event"], dict(ev.get("data", {})))
+
+    asyncio.get_running_loop().create_task(pump())
+    return client

@@ -58,7 +58,6 @@ from __future__ import annotations
 import atexit
 import enum
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -78,8 +77,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import constants as C
-from .aio import LoopThread
+from .aio import LoopThread, qmp_connect
 from .errors import SetupError, VMError
+from .images import _sha256
 from .qemu import QemuBinary, find_qemu
 from .vmctl import _check_kernel_format, _listen, _pdeathsig, run_dir_base
 
@@ -198,14 +198,6 @@ def script_initrd(base: Path, script: str, dst: Path) -> Path:
 
 # -- one QEMU process ---------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _monitor_args(qemu: QemuBinary, fd: int) -> list[str]:
     chardev = ["-chardev", f"socket,id=qmp0,fd={fd},server=on,wait=off"]
     # QEMU 11 deprecates -mon in favour of the monitor-qmp object it is sugar for.
@@ -267,18 +259,11 @@ class _Run:
                           self.console_tail()) from exc
 
     async def _connect(self) -> None:
-        import asyncio
+        self._qmp = await qmp_connect(self.name, str(self.rundir / "qmp.sock"), self._on_event)
 
-        from qemu.qmp import QMPClient
-
-        self._qmp = QMPClient(self.name)
-        await self._qmp.connect(str(self.rundir / "qmp.sock"))  # type: ignore[operator]
-        asyncio.get_running_loop().create_task(self._pump())
-
-    async def _pump(self) -> None:
-        async for ev in self._qmp.events:
-            self.log.debug("<-- event %s %s", ev["event"], ev.get("data", {}))
-            self.events.put((ev["event"], dict(ev.get("data", {}))))
+    def _on_event(self, name: str, data: dict[str, Any]) -> None:
+        self.log.debug("<-- event %s %s", name, data)
+        self.events.put((name, data))
 
     def qmp(self, cmd: str, args: dict[str, Any] | None = None, *,
             timeout: float = C.QMP_TIMEOUT) -> Any:

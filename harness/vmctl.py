@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 from . import constants as C
 from .agent import GuestAgent
-from .aio import LoopThread
+from .aio import LoopThread, qmp_connect
 from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, SetupError,
                      StateError, VMError, VMLostError)
 from .qemu import QemuBinary, find_qemu
@@ -397,25 +397,16 @@ class Machine:
                  timeout=C.RESYNC_TIMEOUT)
 
     async def _qmp_connect(self) -> None:
-        import asyncio
+        self._qmp = await qmp_connect(self.name, str(self.rundir / "qmp.sock"), self._on_event)
 
-        from qemu.qmp import QMPClient
-
-        self._qmp = QMPClient(self.name)
-        await self._qmp.connect(str(self.rundir / "qmp.sock"))  # type: ignore[operator]
-        asyncio.get_running_loop().create_task(self._pump_events())
-
-    async def _pump_events(self) -> None:
-        async for ev in self._qmp.events:
-            name = ev["event"]
-            data = dict(ev.get("data", {}))
-            self.events.append((time.time(), name, data))
-            del self.events[:-200]
-            self.log.debug("<-- event %s %s", name, data)
-            if name == "GUEST_PANICKED":
-                self._panicked.set()
-            elif name == "SHUTDOWN" and not self._quitting:
-                self._shutdown.set()
+    def _on_event(self, name: str, data: dict[str, Any]) -> None:
+        self.events.append((time.time(), name, data))
+        del self.events[:-200]
+        self.log.debug("<-- event %s %s", name, data)
+        if name == "GUEST_PANICKED":
+            self._panicked.set()
+        elif name == "SHUTDOWN" and not self._quitting:
+            self._shutdown.set()
 
     def __enter__(self) -> "Machine":
         return self
