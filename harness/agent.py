@@ -9,7 +9,15 @@ request gets exactly one reply line. Any client-side timeout leaves the stream i
 unknown state, so the next call resynchronises first.
 
 ``check`` (given by the Machine) is called while waiting, so a guest panic or a dead
-QEMU surfaces at once instead of as a timeout.
+QEMU surfaces at once instead of as a timeout; ``stalled`` is called whenever a reply is
+overdue by ``STALL_AFTER`` seconds, so a guest that cannot run at all (stopped in a probe
+handler or a debugger) surfaces as the Machine's error within a second or two. No
+request waits longer than ``AGENT_REPLY_TIMEOUT`` for its reply, whatever the command's
+own timeout: a live agent answers each request in milliseconds (a long command is
+polled with ``guest-exec-status``), so a longer silence means a stuck agent.
+
+One request at a time: a lock serialises threads, and a request abandoned half way (an
+exception, Ctrl-C) leaves the stream to be resynchronised by the next one.
 """
 from __future__ import annotations
 
@@ -19,25 +27,31 @@ import logging
 import random
 import select
 import socket
+import threading
 import time
 from typing import Any, Callable
 
+from .constants import AGENT_REPLY_TIMEOUT
 from .errors import GuestAgentError, VMLostError
 
 log = logging.getLogger(__name__)
 
 _SLICE = 0.05  # how often ``check`` runs while waiting
+STALL_AFTER = 0.5  # how long a reply may be late before ``stalled`` is asked
 
 
 class GuestAgent:
     """Synchronous client for one guest agent socket (QEMU's chardev end)."""
 
-    def __init__(self, sock: socket.socket, check: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, sock: socket.socket, check: Callable[[], None] = lambda: None,
+                 stalled: Callable[[], None] = lambda: None) -> None:
         self._sock = sock
         self._sock.setblocking(False)
         self._buf = b""
         self._check = check
+        self._stalled = stalled
         self._synced = False
+        self._mutex = threading.RLock()
 
     def close(self) -> None:
         self._sock.close()
@@ -60,12 +74,17 @@ class GuestAgent:
 
     def _fill(self, deadline: float) -> None:
         """Read more bytes into the buffer, or raise VMLostError at the deadline."""
+        t0 = time.monotonic()
+        deadline = min(deadline, t0 + AGENT_REPLY_TIMEOUT)
         while True:
             self._check()
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now - t0 >= STALL_AFTER:
+                self._stalled()
+            left = deadline - now
             if left <= 0:
                 self._synced = False
-                raise VMLostError("guest agent did not answer in time")
+                raise VMLostError(f"guest agent did not answer in time ({now - t0:.0f} s)")
             r, _, _ = select.select([self._sock], [], [], min(left, _SLICE))
             if r:
                 try:
@@ -93,8 +112,20 @@ class GuestAgent:
             return {}
 
     # -- protocol ------------------------------------------------------------------------
+    def _request(self, fn: Callable[[], Any]) -> Any:
+        """Run one exchange under the lock; one abandoned half way desynchronises."""
+        with self._mutex:
+            try:
+                return fn()
+            except BaseException:
+                self._synced = False
+                raise
+
     def sync(self, timeout: float) -> None:
         """Resynchronise the stream; raise VMLostError if the agent stays silent."""
+        self._request(lambda: self._sync(timeout))
+
+    def _sync(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         ident = random.randrange(1, 2**31)
         self._buf = b""
@@ -114,7 +145,7 @@ class GuestAgent:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.sync(min(0.5, max(0.01, deadline - time.monotonic())))
+                self._request(lambda: self._sync(min(0.5, max(0.01, deadline - time.monotonic()))))
                 return
             except VMLostError:
                 if time.monotonic() >= deadline:
@@ -126,8 +157,11 @@ class GuestAgent:
         :raise GuestAgentError: when the agent answers with an error.
         :raise VMLostError: when it does not answer within ``timeout``.
         """
+        return self._request(lambda: self._execute(cmd, args, timeout))
+
+    def _execute(self, cmd: str, args: dict[str, Any] | None, timeout: float) -> Any:
         if not self._synced:
-            self.sync(timeout)
+            self._sync(timeout)
         deadline = time.monotonic() + timeout
         req: dict[str, Any] = {"execute": cmd}
         if args is not None:

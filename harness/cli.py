@@ -200,7 +200,8 @@ def _warn_slow_qemu(q: Any, args: argparse.Namespace) -> None:
 
 
 def _image(args: argparse.Namespace) -> int:
-    from .images import build_image, default_image
+    from .imagebuild import build_image
+    from .images import default_image
 
     if args.image_cmd == "build":
         build_image(force=args.force, qemu=args.qemu, snapshot=not args.no_snapshot,
@@ -239,9 +240,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
     bad = 0
     for c in run_checks():
-        mark = "ok  " if c.ok else "FAIL"
-        print(f"[{mark}] {c.name:12s} {c.detail}")
-        if not c.ok:
+        print(f"[{c.mark:4s}] {c.name:12s} {c.detail}")
+        if c.ok is False:
             bad += 1
             if c.fix:
                 print(f"       {'':12s} fix: {c.fix}")
@@ -424,7 +424,23 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
+_interrupted: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM: from now on nothing talks to a guest (every live machine is
+    aborted, its QEMU and gdb ended by pid during the unwinding), further signals are
+    ignored so the teardown cannot be cut in half, and ``main`` exits 130 with one line."""
+    from .vmctl import abort_all
+
+    if _interrupted:
+        return
+    _interrupted.append(signum)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    # Teardown after an interruption is quiet: what fails there fails because of it.
+    logging.disable(logging.CRITICAL)
+    abort_all()
     raise KeyboardInterrupt
 
 
@@ -436,33 +452,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.cmd:
         parser.print_help()
         return EXIT_USAGE
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _interrupted.clear()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _on_signal)
+    try:
+        return _dispatch(args)
+    except BaseException:  # noqa: BLE001 - an interruption wins over what it caused
+        if _interrupted:
+            return _interrupted_exit()
+        raise
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
+
+
+def _interrupted_exit() -> int:
+    name = signal.Signals(_interrupted[0]).name if _interrupted else "SIGINT"
+    print(f"interrupted ({name})", file=sys.stderr)
+    return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.cmd](args)
-    except SetupError as exc:
+    except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
+        if _interrupted or isinstance(exc, KeyboardInterrupt):
+            return _interrupted_exit()
+        code = _report_error(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _report_error(exc: BaseException) -> int | None:
+    """Print the one line for a harness error and return the exit status (None: not ours)."""
+    from .errors import HandlerError
+
+    if isinstance(exc, (SetupError, ScenarioError)):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ScenarioError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ProbeSpecError as exc:
+    if isinstance(exc, ProbeSpecError):
         from .probespec import format_error
         toks = exc.text.split()
         uprobe = len(toks) > 1 and "/" in toks[1]      # the file the kernel would log to
         print(format_error(exc, "trace_uprobe" if uprobe else "trace_kprobe").rstrip("\n"),
               file=sys.stderr)
         return EXIT_USAGE
-    except VMError as exc:
+    if isinstance(exc, VMError):
         first = str(exc.args[0]) if exc.args else str(exc)
         where = f"; console kept in {exc.console_log}" if exc.console_log else ""
         print(f"error: {first}{where}", file=sys.stderr)
         return EXIT_INFRA
-    except HarnessError as exc:
+    if isinstance(exc, HandlerError):
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INFRA
+    if isinstance(exc, HarnessError):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return None
 
 
 if __name__ == "__main__":

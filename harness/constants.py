@@ -25,8 +25,24 @@ RESYNC_TIMEOUT = 30.0
 #: short (seconds; the offset's error is half the round trip), at most that many times.
 RESYNC_CLOCK_SLACK = 0.01
 RESYNC_CLOCK_TRIES = 4
+#: A directory of downloaded inputs (.deb files) that may be shared between caches.
+DOWNLOADS_ENV = "KPH_DOWNLOADS"
 #: Set (to anything but "" or "0") to make every ``Machine.boot()`` boot cold.
 COLD_ENV = "KPH_COLD"
+#: Longest wait for one reply of the guest agent. A command may run much longer (its
+#: status is polled), but each request is answered in milliseconds by a live agent.
+AGENT_REPLY_TIMEOUT = 20.0
+#: While waiting on the guest, how often (seconds) to ask whether it can run at all
+#: (QMP ``query-status``, the host-side engine): a guest stopped in a debugger or a probe
+#: handler never answers, and waiting for the timeout would only hide why.
+STALL_CHECK_INTERVAL = 0.5
+#: A host-side probe handler holding the guest stopped for longer than this is stuck:
+#: whoever waits on the guest gets an error naming it.
+HANDLER_STUCK_TIMEOUT = 20.0
+#: The calls a host-side engine runs with the guest halted (register, read, close).
+ENGINE_CALL_TIMEOUT = 30.0
+#: ``kph doctor`` and ``--accel kvm``: a one-instruction guest must finish in this long.
+KVM_PROBE_TIMEOUT = 5.0
 #: Grace time for QEMU to exit after ``quit`` before it is killed.
 QUIT_TIMEOUT = 3.0
 #: Kernel command line of the default image. ``nokaslr`` keeps kallsyms addresses valid.

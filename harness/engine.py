@@ -24,6 +24,16 @@ handlers of ``kernel/kprobes.c``:
 Several probes at one address run newest first, as ``add_new_kprobe()`` links a new probe
 at the head of the aggregate's list.
 
+Handler context (``harness.handlerctx``): handlers run on the engine's dispatcher thread
+with the guest stopped, so anything that needs the guest running (``vm.run``, ``push``,
+``pull``) raises ``GuestStoppedError`` there at once. A handler that raises is logged at
+WARNING with its traceback, the guest goes on as if it had returned 0 (the kernel's
+handlers cannot raise; the host must not stop the guest either), and the next call on the
+engine from outside a handler (or ``close()``) raises ``HandlerError`` with every such
+exception, unless the caller took them first (``take_handler_errors()``). Opt out with
+``engine.raise_on_handler_error = False``: then they are only logged and kept in
+``handler_errors``.
+
 Return probes put the trampoline address (default ``_etext``: the first byte past the
 kernel's last instruction, inside the executable mapping, never reached by the guest's
 own control flow; change it with ``HostEngine(trampoline=...)`` or ``$KPH_TRAMPOLINE``) in
@@ -38,16 +48,20 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
+from . import constants as C
 from .emulate import Emulation, decode
-from .errors import HarnessError, ProbeRejectedError, VMLostError
+from .errors import HandlerError, HarnessError, ProbeRejectedError, VMLostError
 from .gdbstub import GdbStub, Stop
+from .handlerctx import mark_thread
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
 from .symbols import check_probe_address
+from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
 
@@ -72,24 +86,33 @@ _MAX_CHAIN = 64          # probes handled back to back before resuming regardles
 _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 
 
-class HandlerError(HarnessError):
-    """A probe handler raised; the guest continued as if it had returned 0."""
-
-
 class HostEngine:
     """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
+
+    #: False: handler exceptions are only logged and kept in ``handler_errors``, never
+    #: raised by later calls (see the module docstring).
+    raise_on_handler_error = True
 
     def __init__(self, vm: Any, *, trampoline: str | int | None = None,
                  emulate: bool = True) -> None:
         self.vm = vm
+        # Everything the handlers will read about the kernel is on the host before the
+        # first breakpoint goes in (harness.facts); nothing is fetched from the guest later.
+        self.symbols = vm.symbols
+        self.blacklist = vm.blacklist
+        self.btf = vm.btf
         self.stub: GdbStub = vm.gdbstub(resume=False)
         if self.stub.running:
             self.stub.interrupt()
-        self.symbols = vm.symbols
-        self.blacklist = vm.blacklist
         self.emulate = emulate
         self.stats: Counter[str] = Counter()
+        #: Every exception a handler raised (kept; ``take_handler_errors`` takes the
+        #: ones not yet raised or taken).
         self.handler_errors: list[BaseException] = []
+        self._pending_errors: list[BaseException] = []
+        self._logged_errors: set[tuple[int, type]] = set()
+        #: (since, what): the guest is held stopped by this engine (a hit or a request).
+        self._held: tuple[float, str] | None = None
         self._aggr: dict[int, list[Kprobe]] = {}
         self._bp: dict[int, int] = {}
         self._free: dict[int, list[KretprobeInstance]] = {}
@@ -103,19 +126,35 @@ class HostEngine:
                      if (sym := self.symbols.get(name)) is not None}
         cur = self.symbols.get("current_task")
         self._current_task_off: int | None = cur.addr if cur is not None else None
-        self._comm_off: int | None = None
-        self._task_off: dict[str, int | None] = {}
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
         self._final_resume: int | None = None
         self._fatal: BaseException | None = None
         self._uprobes: Any = None
+        self._task_off = {m: self._btf_offset("task_struct", m) for m in ("pid", "comm")}
+        if self._task_off["comm"] is None:
+            base = self.symbols.lookup("init_task").addr
+            i = self.stub.read_memory(base, 0x2000).find(b"swapper/0\0")
+            self._task_off["comm"] = i if i >= 0 else None
+        self._comm_off = self._task_off["comm"]
+        vm.add_stop_holder(self._holding)
         self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
         self._thread.start()
 
+    def _btf_offset(self, struct: str, member: str) -> int | None:
+        try:
+            return int(self.btf.offset(struct, member))
+        except (KeyError, ValueError):
+            return None
+
+    def _holding(self) -> tuple[float, str] | None:
+        """For the machine's stall check: since when, and in what, the guest is held."""
+        return self._held
+
     # -- the dispatcher -------------------------------------------------------------------
     def _loop(self) -> None:
+        mark_thread(f"a host-side probe handler (or the {self.vm.name} probe dispatcher)")
         resume_at: int | None = None
         try:
             while True:
@@ -127,12 +166,16 @@ class HostEngine:
                     # breakpoint (a guest int3).
                     self._final_resume = resume_at
                     return
+                self._held = None
                 self.stub.resume(resume_at)
                 stop: Stop | None = None
                 while stop is None:
                     stop = self.stub.wait_stop(timeout=3600, wake_fd=self._wake_r)
                     if stop is None:
+                        self._held = (time.monotonic(), "a call on the host-side engine")
                         stop = self.stub.interrupt()
+                if self._held is None:
+                    self._held = (time.monotonic(), f"the hit at {stop.addr:#x}")
                 resume_at = self._on_stop(stop)
         except BaseException as exc:  # noqa: BLE001 - reported to every later caller
             self._fatal = exc
@@ -162,20 +205,32 @@ class HostEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(VMLostError(f"host-side probes stopped: {exc}"))
 
-    def _call(self, fn: Callable[[], Any], *, timeout: float = 30.0) -> Any:
-        """Run ``fn`` on the dispatcher with the guest halted; return its result."""
+    def _call(self, fn: Callable[[], Any], *, timeout: float = C.ENGINE_CALL_TIMEOUT,
+              errors: str = "before") -> Any:
+        """Run ``fn`` on the dispatcher with the guest halted; return its result.
+
+        ``errors``: raise pending handler errors ``before`` running ``fn``, or ``after``
+        it (teardown calls: the unregistering must still happen).
+        """
         if threading.current_thread() is self._thread:
             return fn()
+        if errors == "before":
+            self.raise_handler_errors()
         if self._fatal is not None:
             raise VMLostError(f"host-side probes stopped: {self._fatal}") from self._fatal
         fut: Future[Any] = Future()
         self._requests.put((fn, fut))
         os.write(self._wake_w, b"!")
         try:
-            return fut.result(timeout)
+            out = fut.result(timeout)
         except TimeoutError:
-            raise VMLostError(f"the probe dispatcher did not answer within {timeout} s "
-                              "(a handler still running?)") from None
+            held = self._held
+            what = f" ({held[1]} for {time.monotonic() - held[0]:.0f} s)" if held else ""
+            raise VMLostError(f"the probe dispatcher did not answer within {timeout:.0f} s"
+                              f"{what}: a handler that never returns?") from None
+        if errors == "after":
+            self.raise_handler_errors()
+        return out
 
     # -- stops ----------------------------------------------------------------------------
     def _on_stop(self, stop: Stop) -> int | None:
@@ -216,12 +271,22 @@ class HostEngine:
         regs.clear_dirty()
 
     def _handler(self, fn: Callable[..., Any], *args: Any) -> Any:
+        name = getattr(fn, "__name__", repr(fn))
+        self._held = (self._held[0] if self._held else time.monotonic(),
+                      f"the handler {name} of {_probe_name(args[0])}")
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - the guest must go on
             self.handler_errors.append(exc)
+            self._pending_errors.append(exc)
             self.stats["handler_errors"] += 1
-            log.error("probe handler %s raised %r", getattr(fn, "__name__", fn), exc)
+            key = (id(fn), type(exc))
+            first = key not in self._logged_errors
+            self._logged_errors.add(key)
+            log.warning("probe handler %s of %s raised %r; the guest went on as if it "
+                        "returned 0%s", name, _probe_name(args[0]), exc,
+                        "" if first else " (traceback logged at its first time)",
+                        exc_info=exc if first else None)
             return 0
 
     def _on_probe(self, addr: int, th: int) -> int:
@@ -394,24 +459,9 @@ class HostEngine:
         """``current`` (a ``struct task_struct *``) on the vCPU of ``regs``."""
         return self._current_task(regs)
 
-    def _task_offset(self, member: str) -> int | None:
-        """Offset of a ``struct task_struct`` member, from the kernel's BTF (``comm`` also
-        by locating init_task's "swapper/0" when there is no BTF)."""
-        if member not in self._task_off:
-            off: int | None = None
-            try:
-                off = self.vm.btf.offset("task_struct", member)
-            except Exception:  # noqa: BLE001 - no BTF: fall back below
-                if member == "comm":
-                    base = self.symbols.lookup("init_task").addr
-                    i = self.stub.read_memory(base, 0x2000).find(b"swapper/0\0")
-                    off = i if i >= 0 else None
-            self._task_off[member] = off
-        return self._task_off[member]
-
     def task_pid(self, task: int | None) -> int | None:
         """``task->pid`` (the thread id the trace file prints)."""
-        off = self._task_offset("pid")
+        off = self._task_off["pid"]
         if task is None or off is None:
             return None
         try:
@@ -421,12 +471,8 @@ class HostEngine:
 
     def task_comm(self, task: int | None) -> str | None:
         """``task->comm``."""
-        if task is None:
+        if task is None or self._comm_off is None:
             return None
-        if self._comm_off is None:
-            self._comm_off = self._task_offset("comm")
-            if self._comm_off is None:
-                return None
         try:
             raw = self.stub.read_memory(task + self._comm_off, 16)
         except HarnessError:
@@ -543,7 +589,7 @@ class HostEngine:
         return p
 
     def unregister_kprobe(self, p: Kprobe) -> None:
-        self._call(lambda: self._unregister(p))
+        self._call(lambda: self._unregister(p), errors="after")
 
     def register_kprobes(self, ps: Iterable[Kprobe]) -> None:
         """Register all or none: a failure unregisters those already done, then raises."""
@@ -561,7 +607,7 @@ class HostEngine:
         self._call(batch)
 
     def unregister_kprobes(self, ps: Iterable[Kprobe]) -> None:
-        self._call(lambda: [self._unregister(p) for p in list(ps)])
+        self._call(lambda: [self._unregister(p) for p in list(ps)], errors="after")
 
     def enable_kprobe(self, p: Kprobe | Kretprobe) -> None:
         def go() -> None:
@@ -610,7 +656,7 @@ class HostEngine:
                     ri.orphan = True
             if not self._live and not any(r.registered for r in self._kretprobes()):
                 self._drop_trampoline()
-        self._call(go)
+        self._call(go, errors="after")
 
     @property
     def uprobes(self) -> Any:
@@ -634,7 +680,7 @@ class HostEngine:
 
     def unregister_uprobe(self, up: Any) -> None:
         if self._uprobes is not None:
-            self._call(lambda: self._uprobes.unregister(up))
+            self._call(lambda: self._uprobes.unregister(up), errors="after")
 
     def register_jprobe(self, jp: Jprobe) -> Jprobe:
         """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
@@ -734,19 +780,40 @@ class HostEngine:
             out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
         return out
 
+    def take_handler_errors(self) -> list[BaseException]:
+        """The handler exceptions not yet raised or taken; taking them means no later
+        call raises ``HandlerError`` for them."""
+        out, self._pending_errors = self._pending_errors, []
+        return out
+
     def raise_handler_errors(self) -> None:
-        """Raise the first exception a handler raised (they are otherwise only logged)."""
-        if self.handler_errors:
-            first = self.handler_errors[0]
-            raise HandlerError(f"{len(self.handler_errors)} handler error(s); first: {first!r}") from first
+        """Raise ``HandlerError`` for the handler exceptions not yet raised or taken
+        (nothing with ``raise_on_handler_error`` False)."""
+        if not self.raise_on_handler_error or not self._pending_errors:
+            return
+        errs = self.take_handler_errors()
+        raise HandlerError(f"{len(errs)} host-side probe handler error(s); first: {errs[0]!r} "
+                           "(logged with its traceback; take_handler_errors() to handle "
+                           "them yourself)", errs) from errs[0]
 
     @property
     def closed(self) -> bool:
         return self._closing
 
     def close(self) -> None:
-        """Put back every hijacked return address, remove every breakpoint, resume the guest."""
+        """Put back every hijacked return address, remove every breakpoint, resume the guest.
+
+        :raise HandlerError: handlers raised and the errors were neither raised nor taken
+            (after everything is closed).
+        """
         if self._closing:
+            return
+        self.vm.remove_stop_holder(self._holding)
+        if getattr(self.vm, "aborting", False):
+            # The process is being interrupted and the machine is about to be killed:
+            # clean nothing in the guest, wait for nothing.
+            self._closing = True
+            os.write(self._wake_w, b"!")
             return
 
         def shutdown() -> None:
@@ -754,7 +821,12 @@ class HostEngine:
                 self._uprobes.close()
             restored = 0
             for slot, ri in list(self._live.items()):
-                cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+                try:
+                    cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+                except HarnessError:
+                    # A call that never returns (do_exit) leaves its instance behind, as
+                    # in the kernel; its stack may be freed and unmapped by now.
+                    continue
                 if cur == self.trampoline:
                     self.stub.write_memory(slot, ri.ret_addr.to_bytes(8, "little"))
                     restored += 1
@@ -785,6 +857,20 @@ class HostEngine:
                 pass
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self.raise_handler_errors()
+
+
+def _probe_name(p: Any) -> str:
+    """``Kprobe(do_sys_openat2+0x0)`` for log lines (a kretprobe instance names its probe)."""
+    p = getattr(p, "rp", p)
+    where = getattr(p, "symbol_name", None)
+    if where:
+        off = getattr(p, "offset", 0) or 0
+        where += f"+{off:#x}" if off else ""
+    else:
+        addr = getattr(p, "addr", None)
+        where = f"{addr:#x}" if isinstance(addr, int) else "?"
+    return f"{type(p).__name__}({where})"
 
 
 def _arity(fn: Callable[..., Any]) -> int:
@@ -800,3 +886,6 @@ def _arity(fn: Callable[..., Any]) -> int:
 def _readable(fd: int) -> bool:
     import select
     return bool(select.select([fd], [], [], 0)[0])
+
+
+register_host_engine("gdbstub", HostEngine)

@@ -12,6 +12,10 @@ refuses a probe is a *result* (see ``harness.engine``), not an error here.
      │   ├─ GuestShutdownError            the guest powered off or reset on its own
      │   └─ VMLostError                   no reply from QMP or the guest agent in time
      ├─ StateError(.state, .required)     a call made in the wrong VmState
+     │   └─ GuestStoppedError(.reason)    it needs the guest running, and the guest is
+     │                                    stopped (in a probe handler, by a debugger)
+     ├─ HandlerError(.errors)             host-side probe handlers raised (the guest
+     │                                    went on as if they had returned 0)
      ├─ GuestAgentError(.error_class)     the guest agent answered with an error
      ├─ GuestExecError(.exitcode, .stdout, .stderr)   a guest command failed (check=True)
      ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
@@ -69,6 +73,30 @@ class StateError(HarnessError):
         super().__init__(msg)
         self.state = state
         self.required = required
+
+
+class GuestStoppedError(StateError):
+    """A call that needs the guest running (``vm.run``, ``push``, ``pull``, the agent) was
+    made while the guest is stopped: from a host-side probe handler, or while a debugger
+    holds it. Raised at once, instead of a wait that could never end; ``reason`` says who
+    holds the guest and what to do instead."""
+
+    def __init__(self, msg: str, reason: str = "") -> None:
+        super().__init__(msg, "stopped", "running")
+        self.reason = reason
+
+
+class HandlerError(HarnessError):
+    """Host-side probe handlers raised; the guest went on as if each had returned 0.
+
+    Raised by the next call on the engine (or its ``close()``) unless the caller took
+    the errors with ``take_handler_errors()`` first; ``errors`` holds every exception,
+    the first is also the ``__cause__``.
+    """
+
+    def __init__(self, msg: str, errors: list[BaseException] | None = None) -> None:
+        super().__init__(msg)
+        self.errors = list(errors or [])
 
 
 class GuestAgentError(HarnessError):

@@ -38,7 +38,7 @@ from typing import Any, Iterable
 from pygdbmi.gdbmiparser import parse_response
 
 from .errors import GdbMIError, HarnessError, SetupError, VMLostError
-from .vmctl import _pdeathsig
+from .procs import pdeathsig
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class GdbStub:
             self.proc = subprocess.Popen([exe, "--nx", "--quiet", "--interpreter=mi3"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=stderr, bufsize=0, start_new_session=True,
-                                         preexec_fn=_pdeathsig)
+                                         preexec_fn=pdeathsig)
         finally:
             if log_path:
                 stderr.close()  # type: ignore[union-attr]
@@ -165,6 +165,19 @@ class GdbStub:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def kill(self) -> None:
+        """End gdb by its pid at once (SIGKILL), without a word to it: for an interrupted
+        process, whose other threads may be in the middle of talking to gdb."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
 
     def close(self) -> None:
         """Detach (the guest keeps running) and end gdb by its pid. Idempotent."""

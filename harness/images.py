@@ -1,14 +1,16 @@
-"""Build and locate the embedded default image (kernel, initramfs, kallsyms, manifest).
+"""Locate, verify and assemble the embedded default image (kernel, initramfs, kernel facts).
 
-``images/`` in the source tree is the recipe; this module turns it into artifacts in
+``images/`` in the source tree is the recipe; this module holds what turns it into files
+(the initramfs, the test programs, the module) and what finds and checks a built image in
 the cache, keyed by the kernel ABI that Debian's ``linux-image-cloud-amd64`` points to
 *today* (Debian bumps it with security updates and drops old ones from the mirror, so
-nothing here names a version). The first boot of a new image harvests
-``/proc/kallsyms`` and the kprobes blacklist into the cache: Debian's System.map is a stub.
+nothing here names a version). Building an image boots it once to harvest its kernel
+facts (``harness.facts``): that part, which needs a Machine, is ``harness.imagebuild``;
+this module never starts a guest.
 """
 from __future__ import annotations
 
-import datetime as _dt
+import functools
 import gzip
 import hashlib
 import json
@@ -23,9 +25,10 @@ from typing import Any, Callable
 
 from .constants import KERNEL_META_PACKAGE, cache_dir
 from .errors import SetupError
+from .facts import KernelFacts
 
 #: Bump when the build steps change in a way the recipe files do not show.
-BUILD_FORMAT = 2
+BUILD_FORMAT = 3
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "images"
 #: Small static test programs shipped in the image as /usr/bin/kph-<name>.
 PROGS_DIR = RECIPE_DIR.parent / "probes" / "progs"
@@ -34,7 +37,9 @@ KMOD_DIR = RECIPE_DIR.parent / "probes" / "kmod"
 KMOD_NAME = "kph_kprobes"
 HOST_BUSYBOX = "/bin/busybox"
 HOST_QEMU_GA = "/usr/sbin/qemu-ga"
-ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "config")
+#: Every file a complete image has; all but the first two are its kernel facts.
+ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "btf", "modules",
+             "release", "config")
 
 Progress = Callable[[str], None]
 
@@ -69,6 +74,12 @@ class Image:
     @property
     def config(self) -> Path:
         return self.dir / "config"
+
+    @functools.cached_property
+    def facts(self) -> KernelFacts:
+        """What the host side knows about this image's kernel (``harness.facts``),
+        harvested at build time and checked with the other artifacts."""
+        return KernelFacts(self.dir)
 
 
 def _sha256(path: Path) -> str:
@@ -149,107 +160,11 @@ def image_is_current(img: Image) -> bool:
     return all(n in img.manifest.get("artifacts", {}) for n in ARTIFACTS)
 
 
-def build_image(*, force: bool = False, progress: Progress = print, qemu: str | None = None,
-                snapshot: bool = True) -> Image:
-    """Provision the default image; idempotent (a warm cache returns in well under a second).
-
-    With ``snapshot`` it also makes sure the image has a ready snapshot for the default
-    machine options and this QEMU (``harness.snapshot``), so the first ``Machine.boot()``
-    is already fast.
-
-    :raise SetupError: apt, dpkg-deb, cpio, busybox or qemu-ga missing, or the download failed.
-    """
-    abi = resolve_kernel_abi()
-    dest = cache_dir() / abi
-    if not force and (dest / "manifest.json").exists():
-        img = load_image(dest)
-        if image_is_current(img):
-            (cache_dir() / "default").write_text(abi + "\n")
-            progress(f"image: {abi} is up to date in {dest}")
-            if snapshot:
-                ensure_snapshot(img, qemu, progress)
-            return img
-        progress(f"image: {abi} in the cache is stale or incomplete; rebuilding")
-    for tool, hint in ((HOST_BUSYBOX, "apt-get install busybox-static"),
-                       (HOST_QEMU_GA, "apt-get install qemu-guest-agent")):
-        if not Path(tool).exists():
-            raise SetupError(f"{tool} is missing", f"{hint} (./setup.sh does)")
-    if not shutil.which("cpio"):
-        raise SetupError("cpio is missing", "apt-get install cpio (./setup.sh does)")
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{abi}.tmp-", dir=cache_dir()))
-    try:
-        out = work / "out"
-        out.mkdir()
-        progress(f"image: fetching linux-image-{abi}")
-        _sh(["apt-get", "download", "-q", f"linux-image-{abi}"], cwd=work, what="apt-get download")
-        deb = next(work.glob("linux-image-*.deb"))
-        pkg_version = deb.name.split("_")[1]
-        progress(f"image: unpacking {deb.name}")
-        kdir = work / "kernel"
-        _sh(["dpkg-deb", "-x", str(deb), str(kdir)], what="dpkg-deb -x")
-        deb.unlink()
-        shutil.copy(kdir / f"boot/vmlinuz-{abi}", out / "vmlinuz")
-        shutil.copy(kdir / f"boot/config-{abi}", out / "config")
-        progress("image: assembling the initramfs (busybox, qemu-ga, modules, init)")
-        root = work / "root"
-        mods = _assemble_root(root, kdir / "lib/modules" / abi)
-        shutil.rmtree(kdir)
-        _pack_cpio(root, out / "initrd.img")
-        progress(f"image: initramfs {(out / 'initrd.img').stat().st_size // 1024} KiB, "
-                 f"modules: {', '.join(mods)}")
-        manifest: dict[str, Any] = {
-            "kernel_version": abi, "kernel_package": f"linux-image-{abi}",
-            "kernel_package_version": pkg_version, "recipe": recipe_hash(),
-            "modules": mods, "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        _write_manifest(out, manifest)
-        progress("image: first boot, harvesting /proc/kallsyms and the kprobes blacklist")
-        _harvest(out, manifest, qemu)
-        _write_manifest(out, manifest)
-        if dest.exists():
-            shutil.rmtree(dest)
-        out.rename(dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    (cache_dir() / "default").write_text(abi + "\n")
-    img = load_image(dest)
-    progress(f"image: {abi} ready in {dest}")
-    if snapshot:
-        ensure_snapshot(img, qemu, progress)
-    return img
-
-
-def ensure_snapshot(img: Image, qemu: str | None, progress: Progress) -> None:
-    """Build the image's ready snapshot for the default machine options unless current."""
-    from .snapshot import ensure
-    from .vmctl import Machine
-
-    snap, why = ensure(Machine.prepare(img, qemu=qemu), progress)
-    progress(f"snapshot: {snap.dir} is current" if snap is not None else f"snapshot: none ({why})")
-
-
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     manifest["artifacts"] = {
         p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
         for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def _harvest(out: Path, manifest: dict[str, Any], qemu: str | None) -> None:
-    from .vmctl import Machine
-
-    with Machine.boot(kernel=out / "vmlinuz", initrd=out / "initrd.img", qemu=qemu,
-                      name=f"kph-build-{os.getpid()}", fresh=False) as vm:
-        release = vm.run("uname -r", check=True).stdout.strip()
-        if release != manifest["kernel_version"]:
-            raise SetupError(f"the image booted kernel {release}, expected {manifest['kernel_version']}")
-        syms = vm.run("gzip -c /proc/kallsyms", check=True, timeout=120).out
-        (out / "kallsyms").write_bytes(gzip.decompress(syms))
-        bl = vm.run("cat /sys/kernel/debug/kprobes/blacklist", check=True).out
-        (out / "kprobes_blacklist").write_bytes(bl)
-        manifest["boot_seconds"] = round(vm.boot_seconds, 2)
-        manifest["qemu"] = vm.qemu.version_str
 
 
 def _modinfo_depends(ko: Path) -> list[str]:

@@ -81,7 +81,8 @@ from .aio import LoopThread, qmp_connect
 from .errors import SetupError, VMError
 from .images import _sha256
 from .qemu import QemuBinary, find_qemu
-from .vmctl import _check_kernel_format, _listen, _pdeathsig, run_dir_base
+from .procs import listen_unix, make_run_dir, pdeathsig
+from .vmctl import _check_kernel_format
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +213,10 @@ class _Run:
     def __init__(self, qemu: QemuBinary, out_dir: Path, name: str, gdb: bool) -> None:
         self.qemu, self.out_dir, self.name = qemu, out_dir, name
         self.log = log.getChild(name)
-        self.rundir = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=run_dir_base()))
-        os.chmod(self.rundir, 0o700)
-        self.socks = {"qmp": _listen(self.rundir / "qmp.sock")}
+        self.rundir = make_run_dir(name)
+        self.socks = {"qmp": listen_unix(self.rundir / "qmp.sock")}
         if gdb:
-            self.socks["gdb"] = _listen(self.rundir / "gdb.sock")
+            self.socks["gdb"] = listen_unix(self.rundir / "gdb.sock")
         self.proc: subprocess.Popen[bytes] | None = None
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._loop: LoopThread | None = None
@@ -244,7 +244,7 @@ class _Run:
                 self.proc = subprocess.Popen(
                     argv, cwd=self.out_dir, stdin=subprocess.DEVNULL, stdout=qlog,
                     stderr=subprocess.STDOUT, pass_fds=[s.fileno() for s in self.socks.values()],
-                    start_new_session=True, preexec_fn=_pdeathsig,
+                    start_new_session=True, preexec_fn=pdeathsig,
                     env=dict(os.environ, **self.qemu.env))
             except OSError as exc:
                 raise SetupError(f"cannot start QEMU {self.qemu.argv[0]}: {exc}",

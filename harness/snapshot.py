@@ -284,9 +284,7 @@ def build(m: "Machine", key: dict[str, Any], why: str, say: Callable[[str], None
 
 def _save(m: "Machine", out: Path) -> float:
     """Cold-boot a twin of ``m`` whose RAM is ``out/ram``; migrate its devices to ``out/state``."""
-    from .vmctl import Machine
-
-    twin = Machine(kernel=m.kernel, initrd=m.initrd, append=m.append, smp=m.smp, accel=m.accel,
+    twin = type(m)(kernel=m.kernel, initrd=m.initrd, append=m.append, smp=m.smp, accel=m.accel,
                    memory=m.memory, qemu=m.qemu, name=f"{m.name}-snap", image=m.image,
                    ram_file=out / "ram")
     with twin:

@@ -187,7 +187,7 @@ class UprobeManager:
     def _offset(self, struct: str, member: str) -> int:
         key = (struct, member)
         if key not in self._off:
-            self._off[key] = self.vm.btf.offset(struct, member)
+            self._off[key] = self.engine.btf.offset(struct, member)
         return self._off[key]
 
     def _u64(self, addr: int) -> int:

@@ -16,11 +16,21 @@ when one matches, else boots cold and logs why once. Nothing on the host side cr
 the snapshot boundary (every Machine has its own QEMU, sockets, gdbstub session and
 HostEngine); what the guest carries across it (the agent channel, the clock, the random
 state) is resynchronised before ``boot()`` returns.
+
+Kernel facts: ``vm.facts`` (``harness.facts.KernelFacts``: kallsyms, blacklist, BTF, ...)
+is complete when ``boot()`` returns: the image's own, or harvested right then for a
+kernel booted without an image. Nothing is fetched from the guest on demand, so nothing
+the host side reads inside a probe handler can wait on the stopped guest.
+
+Waiting on the guest: every call that needs the guest running (``run``, ``push``,
+``pull``, ``write_file``) raises ``GuestStoppedError`` at once from a probe handler's
+thread (``harness.handlerctx``), and, from any thread, as soon as the guest is seen
+stopped for good (QMP ``query-status`` not running for a second, or a host-side engine
+holding it in one handler for ``HANDLER_STUCK_TIMEOUT``). No wait can outlive its cause.
 """
 from __future__ import annotations
 
 import atexit
-import ctypes
 import enum
 import itertools
 import logging
@@ -30,19 +40,22 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import constants as C
+from . import facts as F
 from .agent import GuestAgent
 from .aio import LoopThread, qmp_connect
-from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, SetupError,
-                     StateError, VMError, VMLostError)
+from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
+                     HandlerError, SetupError, StateError, VMError, VMLostError)
+from .handlerctx import ADVICE, stopped_reason
+from .images import Image, default_image
+from .procs import listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs
 from .qemu import QemuBinary, find_qemu
 
 log = logging.getLogger(__name__)
@@ -51,6 +64,16 @@ _PANIC_MARK = b"Kernel panic - not syncing"
 _CONSOLE_KEEP = 1 << 20
 _counter = itertools.count(1)
 _live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
+#: Host-side engines by name (``vm.host``); ``harness.engine`` registers "gdbstub".
+HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
+#: A function that says whether something holds the guest stopped: None, or (since, who)
+#: with ``since`` a ``time.monotonic()`` value.
+StopHolder = Callable[[], "tuple[float, str] | None"]
+
+
+def register_host_engine(name: str, factory: Callable[["Machine"], Any]) -> None:
+    """Make ``factory(vm)`` available as the host-side engine ``name``."""
+    HOST_ENGINES[name] = factory
 
 
 class VmState(enum.Enum):
@@ -85,18 +108,6 @@ class RunResult:
         return self.status == 0
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _listen(path: Path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    s.listen(1)
-    return s
-
-
 def _check_kernel_format(path: Path) -> None:
     """Refuse files QEMU would load as garbage and then hang on: bzImage or ELF only."""
     with open(path, "rb") as f:
@@ -107,13 +118,67 @@ def _check_kernel_format(path: Path) -> None:
                      "pass a bzImage (arch/x86/boot/bzImage) or an ELF vmlinux with a PVH note")
 
 
+_accel_seen: dict[tuple[tuple[str, ...], str, str], tuple[bool, str]] = {}
+
+
+def probe_accel(qemu: QemuBinary, accel: str, kernel: Path | None = None, *,
+                timeout: float = C.KVM_PROBE_TIMEOUT) -> tuple[bool, str]:
+    """Start ``kernel`` (default: the default image's) under ``accel`` and say whether it
+    reached ``start_kernel()`` ("Linux version" on the early console) within ``timeout``.
+
+    Why run a kernel: on some hosts /dev/kvm opens, even a real-mode test guest runs, and
+    yet a Linux guest spins for ever right after its decompressor (seen here). Only the
+    kernel itself tells. Cached per process. Returns (usable, one line of what was seen).
+    """
+    if kernel is None:
+        try:
+            kernel = default_image().kernel
+        except SetupError:
+            return False, "no kernel to try it with (run `kph image build`)"
+    key = (qemu.argv, accel, str(kernel))
+    if key in _accel_seen:
+        return _accel_seen[key]
+    if accel == "kvm" and not os.path.exists("/dev/kvm"):
+        return _accel_seen.setdefault(key, (False, "no /dev/kvm on this host"))
+    cmd = qemu.command(["-nodefaults", "-no-user-config", "-display", "none", "-machine", "pc",
+                        "-accel", accel, "-m", "128", "-serial", "stdio", "-no-reboot",
+                        "-kernel", str(kernel), "-append",
+                        "console=ttyS0 earlyprintk=serial,ttyS0 nokaslr quiet panic=-1"])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=pdeathsig, env=dict(os.environ, **qemu.env))
+    assert proc.stdout is not None
+    out = b""
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        while b"Linux version" not in out and time.monotonic() - t0 < timeout:
+            import select
+
+            select.select([proc.stdout], [], [], 0.05)
+            chunk = proc.stdout.read() or b""
+            out += chunk
+            if not chunk and proc.poll() is not None:
+                break
+    finally:
+        proc.kill()
+        proc.wait(5)
+        proc.stdout.close()
+    took = time.monotonic() - t0
+    if b"Linux version" in out:
+        res = (True, f"a Linux guest started under -accel {accel} in {took:.2f} s")
+    elif proc.returncode not in (None, -signal.SIGKILL) and took < timeout:
+        last = out.decode(errors="replace").strip().splitlines()
+        res = (False, f"QEMU -accel {accel} failed" + (f": {last[-1][:160]}" if last else ""))
+    else:
+        res = (False, f"a Linux guest did not reach start_kernel in {timeout:.0f} s under "
+                      f"-accel {accel} (the vCPU spins): unusable here")
+    return _accel_seen.setdefault(key, res)
+
+
 def _opt(path: Path) -> str:
     """A path as a QEMU option value (a comma is written twice)."""
     return str(path).replace(",", ",,")
-
-
-def run_dir_base() -> str:
-    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
 
 
 class Machine:
@@ -160,7 +225,15 @@ class Machine:
         self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
-        self._blacklist: Any = None
+        #: The host-side engine ``vm.host`` makes (a name in ``HOST_ENGINES``).
+        self.host_engine = "gdbstub"
+        #: What the host side knows about the kernel (``harness.facts``); set by ``boot()``.
+        self.facts: F.KernelFacts | None = image.facts if image is not None else None
+        #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
+        self.aborting = False
+        self._stop_holders: list[StopHolder] = []
+        self._stopped_seen: tuple[float, str] | None = None
+        self._last_stall_check = 0.0
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -210,7 +283,39 @@ class Machine:
         except BaseException:
             m.close()
             raise
+        try:
+            m.ensure_facts()
+        except BaseException:
+            m.close()
+            raise
         return m
+
+    def ensure_facts(self) -> F.KernelFacts:
+        """Make ``self.facts`` complete before anything can arm a probe.
+
+        An image brings its own (harvested by ``kph image build``). A kernel booted without
+        an image has them harvested now, with the guest running, into
+        ``$KPH_CACHE/kernels/<kernel sha256>-<initrd sha256>/`` (once per kernel and
+        initramfs), with ``nokaslr`` off only kallsyms is harvested per boot (into the run
+        directory), since KASLR moves every address at each boot.
+
+        :raise GuestExecError: the guest could not give a fact (a kernel without BTF, ...).
+        """
+        kaslr = "nokaslr" not in self.append.split()
+        if self.facts is None:
+            from .snapshot import file_sha256
+
+            key = file_sha256(self.kernel)[:16] + "-" + (
+                file_sha256(self.initrd)[:16] if self.initrd is not None else "none")
+            d = C.cache_dir() / "kernels" / key
+            if not F.is_harvested(d):
+                self.log.info("harvesting kernel facts into %s", d)
+                F.harvest(self, d)
+            self.facts = F.KernelFacts(d)
+        if kaslr and self.facts.kallsyms_file is None and self.rundir is not None:
+            F.harvest(self, self.rundir, only=("kallsyms",))
+            self.facts = F.KernelFacts(self.facts.dir, kallsyms_file=self.rundir / "kallsyms")
+        return self.facts
 
     def use_snapshot(self, progress: Any = None) -> bool:
         """Start from the matching ready snapshot (built now if missing or stale).
@@ -234,8 +339,6 @@ class Machine:
                 extra_args: Sequence[str] = (),
                 vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
         """Resolve and check every input without starting anything (``--dry-run`` uses it)."""
-        from .images import Image, default_image
-
         if accel not in ("tcg", "kvm"):
             raise SetupError(f"unknown accelerator {accel!r}", "use --accel tcg or --accel kvm")
         if smp < 1:
@@ -265,6 +368,10 @@ class Machine:
                                  (" or run `kph image build`" if img is None else ""))
         _check_kernel_format(kpath)
         q = qemu if isinstance(qemu, QemuBinary) else find_qemu(qemu)
+        if accel == "kvm":
+            ok, detail = probe_accel(q, "kvm", kpath)
+            if not ok:
+                raise SetupError(f"--accel kvm: {detail}", "use --accel tcg (the default)")
         return cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
                    accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
                    image=img, vmlinux=vpath)
@@ -322,10 +429,10 @@ class Machine:
         t0 = time.monotonic()
         self.state = VmState.BOOTING
         _live.add(self)
-        self.rundir = Path(tempfile.mkdtemp(prefix=f"{self.name}.", dir=run_dir_base()))
-        os.chmod(self.rundir, 0o700)
+        reap_stale_run_dirs()
+        self.rundir = make_run_dir(self.name)
         for key in ("qmp", "qga", "gdb"):
-            self._socks[key] = _listen(self.rundir / f"{key}.sock")
+            self._socks[key] = listen_unix(self.rundir / f"{key}.sock")
         fds = {k: s.fileno() for k, s in self._socks.items()}
         console = self.rundir / "console.log"
         console.touch()
@@ -336,7 +443,7 @@ class Machine:
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qlog,
                                          stderr=subprocess.STDOUT, pass_fds=list(fds.values()),
-                                         start_new_session=True, preexec_fn=_pdeathsig,
+                                         start_new_session=True, preexec_fn=pdeathsig,
                                          env=dict(os.environ, **self.qemu.env))
         except OSError as exc:
             raise SetupError(f"cannot start QEMU {self.qemu.argv[0]}: {exc}",
@@ -352,7 +459,7 @@ class Machine:
             raise VMLostError(f"QMP did not answer: {exc}", self.console_tail()) from exc
         qga = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         qga.connect(str(self.rundir / "qga.sock"))
-        self.agent = GuestAgent(qga, check=self._check)
+        self.agent = GuestAgent(qga, check=self._check, stalled=self._stall_check)
         if self.snapshot is not None:
             self.qmp("migrate-set-capabilities",
                      {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
@@ -411,27 +518,61 @@ class Machine:
     def __enter__(self) -> "Machine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self.close()
+        except HandlerError as err:
+            if exc is None:
+                raise
+            self.log.warning("%s (not raised: %r is already on its way)", err, exc)
+
+    def abort(self) -> None:
+        """Mark the machine as being torn down because the process is interrupted: every
+        later call that would talk to the guest refuses at once, ``close()`` ends QEMU
+        without asking it to quit and host-side engines stop without cleaning the guest
+        (it is about to vanish)."""
+        self.aborting = True
+        self.log.debug("aborting")
 
     def close(self) -> None:
-        """End QEMU by its pid, stop the QMP loop and remove the run directory. Idempotent."""
+        """End QEMU by its pid, stop the QMP loop and remove the run directory. Idempotent.
+
+        :raise HandlerError: host-side handlers raised and nobody took the errors (raised
+            after the teardown is complete).
+        """
+        handler_error: HandlerError | None = None
         with self._lock:
             if self.state is VmState.OFF and self.rundir is None:
                 return
             self._quitting = True
             failed = self.state in (VmState.PANICKED, VmState.LOST, VmState.BOOTING)
+            if self.aborting:
+                # Interrupted: other threads may be mid-conversation with gdb or QEMU;
+                # end both by pid first, then let the parts close without asking anything.
+                if self.proc is not None and self.proc.poll() is None:
+                    self.proc.kill()
+                if self._stub is not None:
+                    self._stub.kill()
             for part in (self._host, self._stub):
                 if part is None:
                     continue
                 try:
                     part.close()
+                except HandlerError as exc:
+                    handler_error = exc
                 except Exception:  # noqa: BLE001 - teardown goes on
-                    self.log.exception("closing %r failed", part)
+                    if not self.aborting:
+                        self.log.exception("closing %r failed", part)
             self._host = self._stub = None
             if self.agent is not None:
                 self.agent.close()
             proc = self.proc
+            if proc is not None and proc.poll() is None and self.aborting:
+                proc.kill()
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    pass
             if proc is not None and proc.poll() is None:
                 if self._qmp is not None and self._loop is not None:
                     try:
@@ -470,6 +611,8 @@ class Machine:
             if self.state in (VmState.RUNNING, VmState.HALTED, VmState.BOOTING):
                 self.state = VmState.SHUTDOWN
             _live.discard(self)
+        if handler_error is not None:
+            raise handler_error
 
     def _save_console(self) -> None:
         logs = C.cache_dir() / "logs"
@@ -539,10 +682,56 @@ class Machine:
             raise GuestShutdownError(f"{self.name}: guest shut down{where}", self.console_tail())
 
     def _require_running(self) -> GuestAgent:
+        if self.aborting:
+            raise StateError(f"{self.name} is being torn down (interrupted)", self.state,
+                             VmState.RUNNING)
         if self.state not in (VmState.RUNNING,) or self.agent is None:
             raise StateError(f"{self.name} is {self.state.value}; the guest must be running",
                              self.state, VmState.RUNNING)
+        self._stopped_seen = None  # each wait judges the guest afresh
+        why = stopped_reason()
+        if why is not None:
+            raise GuestStoppedError(
+                f"{self.name}: called from {why}: the guest stays stopped until it returns, "
+                f"so the guest agent cannot answer; {ADVICE}", why)
         return self.agent
+
+    def _stall_check(self) -> None:
+        """Called by the agent while a reply is overdue: raise ``GuestStoppedError`` when
+        the guest cannot run, so no wait outlives its cause (see the module docstring)."""
+        if self.state is not VmState.RUNNING or self.aborting:
+            return
+        now = time.monotonic()
+        if self._stop_holders:
+            # A host-side engine owns the stub: the guest stops only at its hits, for as
+            # long as their handlers take. Only a handler that never returns is stuck.
+            for holder in list(self._stop_holders):
+                held = holder()
+                if held is not None and now - held[0] >= C.HANDLER_STUCK_TIMEOUT:
+                    raise GuestStoppedError(
+                        f"{self.name}: {held[1]} has held the guest stopped for "
+                        f"{now - held[0]:.0f} s; nothing that needs the guest can finish "
+                        "until it returns", held[1])
+            return
+        if now - self._last_stall_check < C.STALL_CHECK_INTERVAL:
+            return
+        self._last_stall_check = now
+        try:
+            status = str(self.qmp("query-status", timeout=2.0).get("status"))
+        except (VMError, StateError):
+            return
+        if status == "running":
+            self._stopped_seen = None
+            return
+        if self._stopped_seen is None or self._stopped_seen[1] != status:
+            self._stopped_seen = (now, status)
+            return
+        if now - self._stopped_seen[0] >= 1.0:
+            who = {"debug": "stopped at a debug event: a gdbstub breakpoint or step",
+                   "paused": "paused: a QMP stop or a debugger's interrupt"
+                   }.get(status, f"QEMU reports {status!r}")
+            raise GuestStoppedError(f"{self.name}: the guest is not running ({who}); resume "
+                                    "it before calling anything that needs the guest", status)
 
     # -- guest access ---------------------------------------------------------------------
     def run(self, cmd: str, *, timeout: float = C.RUN_TIMEOUT, check: bool = False,
@@ -619,69 +808,54 @@ class Machine:
 
     @property
     def host(self) -> Any:
-        """Host-side kprobes on this machine (``harness.engine.HostEngine``), started on first use."""
+        """Host-side kprobes on this machine: the engine named by ``host_engine``
+        (``harness.engine.HostEngine`` for "gdbstub"), started on first use."""
         if self._host is None or self._host.closed:
-            from .engine import HostEngine
-
+            factory = HOST_ENGINES.get(self.host_engine)
+            if factory is None:
+                raise SetupError(f"no host-side engine {self.host_engine!r}",
+                                 f"use one of {', '.join(sorted(HOST_ENGINES)) or 'gdbstub'}")
             self._require_running()
-            self._host = HostEngine(self)
+            self._host = factory(self)
         return self._host
+
+    def add_stop_holder(self, holder: StopHolder) -> None:
+        """Register something that may hold the guest stopped (a host-side engine); the
+        stall check asks it before concluding that the guest is stuck."""
+        self._stop_holders.append(holder)
+
+    def remove_stop_holder(self, holder: StopHolder) -> None:
+        if holder in self._stop_holders:
+            self._stop_holders.remove(holder)
+
+    def _facts(self) -> F.KernelFacts:
+        if self.facts is None:
+            raise StateError(f"{self.name} has no kernel facts yet; Machine.boot() harvests "
+                             "them before it returns", self.state, VmState.RUNNING)
+        return self.facts
 
     @property
     def symbols(self) -> Any:
-        """The kernel's ``SymbolTable``: from ``vmlinux`` if given, else the image's kallsyms,
-        else ``/proc/kallsyms`` of this guest (cached per kernel build when ``nokaslr``
-        keeps addresses stable across boots)."""
+        """The kernel's ``SymbolTable``: from ``vmlinux`` if given, else the kernel facts'
+        kallsyms (``vm.facts``)."""
         if self._symbols is None:
-            from .symbols import SymbolTable, load_kallsyms_cached
-
             if self.vmlinux is not None:
+                from .symbols import SymbolTable
+
                 self._symbols = SymbolTable.from_vmlinux(self.vmlinux)
-            elif self.image is not None:
-                self._symbols = load_kallsyms_cached(self.image.kallsyms)
             else:
-                self._symbols = load_kallsyms_cached(self._harvest("kallsyms", "/proc/kallsyms"))
+                self._symbols = self._facts().symbols
         return self._symbols
 
     @property
     def blacklist(self) -> Any:
-        """The guest's kprobe blacklist (``/sys/kernel/debug/kprobes/blacklist``)."""
-        if self._blacklist is None:
-            from .symbols import Blacklist
-
-            path = self.image.blacklist if self.image is not None else \
-                self._harvest("kprobes_blacklist", "/sys/kernel/debug/kprobes/blacklist")
-            self._blacklist = Blacklist.from_file(path)
-        return self._blacklist
-
-    def _harvest(self, what: str, guest_path: str) -> Path:
-        """Copy a guest file to the cache, keyed by the kernel build (and the boot, with KASLR)."""
-        import gzip
-        import hashlib
-
-        key = hashlib.sha256(self.kernel.read_bytes()).hexdigest()[:16]
-        stable = "nokaslr" in self.append.split()
-        d = C.cache_dir() / "kernels" / key
-        dest = d / what if stable else (self.rundir or d) / what
-        if not dest.exists():
-            out = self.run(f"gzip -c {guest_path}", check=True, timeout=120).out
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_suffix(".tmp")
-            tmp.write_bytes(gzip.decompress(out))
-            tmp.rename(dest)
-        return dest
+        """The guest's kprobe blacklist, from the kernel facts."""
+        return self._facts().blacklist
 
     @property
     def btf(self) -> Any:
-        """The kernel's BTF (``/sys/kernel/btf/vmlinux``), cached per kernel build."""
-        if getattr(self, "_btf", None) is None:
-            from .btf import BTF
-
-            key = "btf"
-            path = (self.image.dir / key) if self.image is not None and (self.image.dir / key).exists() \
-                else self._harvest(key, "/sys/kernel/btf/vmlinux")
-            self._btf = BTF(path.read_bytes())
-        return self._btf
+        """The kernel's BTF, from the kernel facts."""
+        return self._facts().btf
 
     def refresh_module_symbols(self) -> list[str]:
         """Merge the symbols and section bases of the guest's loaded modules; return their names."""
@@ -718,6 +892,12 @@ class Machine:
 
     def __repr__(self) -> str:
         return f"<Machine {self.name} {self.state.value} pid={self.pid}>"
+
+
+def abort_all() -> None:
+    """``abort()`` every live machine of this process (the CLI's SIGINT/SIGTERM handler)."""
+    for m in list(_live):
+        m.abort()
 
 
 @atexit.register

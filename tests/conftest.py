@@ -93,7 +93,7 @@ def host(vm):
     having raised."""
     h = vm.host
     yield h
-    errors = list(h.handler_errors)
+    errors = h.take_handler_errors()
     h.close()
     assert vm.run("echo alive").stdout == "alive\n"
     assert not errors, f"handler raised: {errors[0]!r}"

@@ -153,6 +153,9 @@ class EventsBackend:
 
     def close(self) -> None:
         """Disable and delete our events; tracing is left on, the buffer empty."""
+        if self.vm.aborting:  # interrupted: the guest is about to vanish
+            self.specs.clear()
+            return
         cmds = []
         for spec in self.specs.values():
             cmds.append(f"echo 0 > {TRACING}/events/{spec.group}/{spec.event}/enable")

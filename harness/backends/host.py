@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
-from ..errors import HarnessError, ProbeRejectedError
+from ..errors import HandlerError, HarnessError, ProbeRejectedError
 from ..fetchargs import FaultError, evaluate, format_value
 from ..kprobes import Kprobe, Kretprobe, PtRegs
 from ..probespec import ProbeSpec
@@ -214,6 +214,12 @@ class HostBackend:
         return out
 
     def close(self) -> None:
+        """Unregister every probe; then raise ``HandlerError`` if a handler raised (a bug
+        of the harness's own handlers: it must not pass for a divergence)."""
+        if self.vm.aborting:  # interrupted: the guest is about to vanish
+            self._probes.clear()
+            return
+        handler_error: HandlerError | None = None
         for p in self._probes.values():
             try:
                 if isinstance(p, Uprobe):
@@ -222,6 +228,10 @@ class HostBackend:
                     self.engine.unregister_kretprobe(p)
                 else:
                     self.engine.unregister_kprobe(p)
+            except HandlerError as exc:
+                handler_error = handler_error or exc
             except HarnessError as exc:
                 log.warning("unregistering %r failed: %s", p, exc)
         self._probes.clear()
+        if handler_error is not None:
+            raise handler_error

@@ -536,6 +536,9 @@ class ModuleBackend:
         """
         if not self._loaded:                 # never loaded by this backend, or closed
             return
+        if self.vm.aborting:                 # interrupted: the guest is about to vanish
+            self._loaded = False
+            return
         before = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
         self.control("record off\nreset\n")
         r = self.vm.run(f"rmmod {MODULE_NAME}", timeout=self.timeout)

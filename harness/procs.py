@@ -1,0 +1,114 @@
+"""Child processes and run directories: what makes sure nothing the harness starts outlives it.
+
+A leaf module (imports nothing of the package) so that ``vmctl``, ``gdbstub`` and
+``replay`` share it without importing each other.
+
+- ``pdeathsig``: run in a child between fork and exec (``preexec_fn``), so the kernel
+  kills QEMU or gdb when the harness dies, even by SIGKILL.
+- ``make_run_dir``: a private 0700 directory for one machine's sockets and logs, with an
+  ``owner`` file naming the process (pid and its start time, so a reused pid is not
+  taken for the owner).
+- ``reap_stale_run_dirs``: removes the run directories whose owner is gone (a harness
+  that was SIGKILLed cannot remove its own); called by every ``Machine.start``.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Every run directory's name starts with this (``<prefix><machine name>.<random>``).
+RUN_DIR_PREFIX = "kph"
+OWNER_FILE = "owner"
+PR_SET_PDEATHSIG = 1
+
+
+def pdeathsig() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``; for ``subprocess.Popen(preexec_fn=...)``.
+
+    The signal comes when the *thread* that forked the child ends; every Popen of the
+    harness runs on a thread that lives as long as the process it serves.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_dir_base() -> str:
+    """Where run directories go: ``$XDG_RUNTIME_DIR``, else the system temp directory."""
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat),
+    or None when there is no such process (or it has ended and is a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # a zombie has ended; only its parent has not looked yet
+        return None
+    return fields[19]
+
+
+def make_run_dir(name: str) -> Path:
+    """A new 0700 directory ``<base>/<name>.XXXXXX`` owned by this process."""
+    d = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=run_dir_base()))
+    os.chmod(d, 0o700)
+    (d / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
+    return d
+
+
+def _owner_alive(d: Path) -> bool:
+    try:
+        pid_s, started = (d / OWNER_FILE).read_text().split()
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return True  # not ours to judge (no owner file yet, or someone else's format)
+    return start_time(pid) == started
+
+
+def reap_stale_run_dirs() -> list[Path]:
+    """Remove run directories whose owning process is gone; return what was removed."""
+    removed = []
+    base = Path(run_dir_base())
+    try:
+        entries = list(base.glob(f"{RUN_DIR_PREFIX}*"))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for d in entries:
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if (d / OWNER_FILE).exists() and not _owner_alive(d):
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("removed %s, left by a process that is gone", d)
+            removed.append(d)
+    return removed
+
+
+def listen_unix(path: Path) -> socket.socket:
+    """A listening UNIX stream socket at ``path`` (handed to QEMU by descriptor)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.listen(1)
+    return s
+
+
+def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid`` if it still exists."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
