@@ -431,8 +431,6 @@ def _on_signal(signum: int, frame: object) -> None:
     """SIGINT or SIGTERM: from now on nothing talks to a guest (every live machine is
     aborted, its QEMU and gdb ended by pid during the unwinding), further signals are
     ignored so the teardown cannot be cut in half, and ``main`` exits 130 with one line."""
-    from .vmctl import abort_all
-
     if _interrupted:
         return
     _interrupted.append(signum)
@@ -440,22 +438,25 @@ def _on_signal(signum: int, frame: object) -> None:
         signal.signal(s, signal.SIG_IGN)
     # Teardown after an interruption is quiet: what fails there fails because of it.
     logging.disable(logging.CRITICAL)
-    abort_all()
+    vmctl = sys.modules.get("harness.vmctl")   # not loaded yet: no machine to abort
+    if vmctl is not None:
+        vmctl.abort_all()
     raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(name)s: %(message)s")
-    logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
-    if not args.cmd:
-        parser.print_help()
-        return EXIT_USAGE
     _interrupted.clear()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _on_signal)
     try:
+        parser = make_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level),
+                            format="%(name)s: %(message)s")
+        logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
+        if not args.cmd:
+            parser.print_help()
+            return EXIT_USAGE
         return _dispatch(args)
     except BaseException:  # noqa: BLE001 - an interruption wins over what it caused
         if _interrupted:
@@ -509,6 +510,9 @@ def _report_error(exc: BaseException) -> int | None:
     if isinstance(exc, HarnessError):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if isinstance(exc, OSError):    # the host refused something (disk full, permissions)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INFRA
     return None
 
 

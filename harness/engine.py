@@ -210,7 +210,7 @@ class HostEngine:
         """Run ``fn`` on the dispatcher with the guest halted; return its result.
 
         ``errors``: raise pending handler errors ``before`` running ``fn``, or ``after``
-        it (teardown calls: the unregistering must still happen).
+        it (teardown calls: the unregistering must still happen), or ``none``.
         """
         if threading.current_thread() is self._thread:
             return fn()
@@ -843,7 +843,7 @@ class HostEngine:
 
         if self._thread.is_alive() and self._fatal is None:
             try:
-                self._call(shutdown, timeout=15)
+                self._call(shutdown, timeout=15, errors="none")
             except HarnessError as exc:
                 log.warning("host-side probes could not shut down cleanly: %s", exc)
         self._closing = True

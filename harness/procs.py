@@ -40,9 +40,18 @@ def pdeathsig() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_dir_base() -> str:
-    """Where run directories go: ``$XDG_RUNTIME_DIR``, else the system temp directory."""
-    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+#: sun_path is 108 bytes; a run directory's sockets must fit with their names.
+SOCKET_PATH_MAX = 107
+_SOCKET_ROOM = len("/.XXXXXXXX/qmp.sock") + 8
+
+
+def run_dir_base(name_len: int = 32) -> str:
+    """Where run directories go: ``$XDG_RUNTIME_DIR``, else the system temp directory,
+    whichever leaves room for a UNIX socket path (108 bytes) inside it."""
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
+        if base and len(base) + name_len + _SOCKET_ROOM <= SOCKET_PATH_MAX:
+            return base
+    return "/tmp"
 
 
 def start_time(pid: int) -> str | None:
@@ -61,7 +70,7 @@ def start_time(pid: int) -> str | None:
 
 def make_run_dir(name: str) -> Path:
     """A new 0700 directory ``<base>/<name>.XXXXXX`` owned by this process."""
-    d = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=run_dir_base()))
+    d = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=run_dir_base(len(name))))
     os.chmod(d, 0o700)
     (d / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}\n")
     return d
@@ -78,12 +87,13 @@ def _owner_alive(d: Path) -> bool:
 
 def reap_stale_run_dirs() -> list[Path]:
     """Remove run directories whose owning process is gone; return what was removed."""
-    removed = []
-    base = Path(run_dir_base())
-    try:
-        entries = list(base.glob(f"{RUN_DIR_PREFIX}*"))
-    except OSError:
-        return removed
+    removed: list[Path] = []
+    entries: list[Path] = []
+    for base in {os.environ.get("XDG_RUNTIME_DIR") or "/tmp", tempfile.gettempdir()}:
+        try:
+            entries += Path(base).glob(f"{RUN_DIR_PREFIX}*")
+        except OSError:
+            continue
     uid = os.getuid()
     for d in entries:
         try:
@@ -99,10 +109,17 @@ def reap_stale_run_dirs() -> list[Path]:
 
 
 def listen_unix(path: Path) -> socket.socket:
-    """A listening UNIX stream socket at ``path`` (handed to QEMU by descriptor)."""
+    """A listening UNIX stream socket at ``path`` (handed to QEMU by descriptor).
+
+    :raise OSError: the path cannot be bound (``run_dir_base`` keeps it short enough).
+    """
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
-    s.listen(1)
+    try:
+        s.bind(str(path))
+        s.listen(1)
+    except OSError:
+        s.close()
+        raise
     return s
 
 

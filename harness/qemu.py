@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .constants import FAST_GDBSTUB_QEMU, cache_dir
+from .constants import DOWNLOADS_ENV, FAST_GDBSTUB_QEMU, cache_dir
 from .errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,9 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
 
     A private apt configuration (its own sources, lists, cache and an empty dpkg status)
     resolves ``qemu-system-x86`` and everything it depends on; each package is unpacked
-    with ``dpkg-deb -x``. Needs no chroot and changes nothing outside the cache.
+    with ``dpkg-deb -x``. Needs no chroot and changes nothing outside the cache. With
+    ``$KPH_DOWNLOADS`` set, the .deb files are kept there and reused (apt checks their
+    hashes against the package lists), so another cache need not download them again.
     """
     root = private_dir()
     if not force:
@@ -200,9 +202,13 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
         keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
         (apt / "etc/sources.list").write_text("".join(
             f"deb [signed-by={keyring}] {uri} {suite} main\n" for suite in PRIVATE_SUITES))
+        downloads = os.environ.get(DOWNLOADS_ENV)
+        archives = Path(downloads) / "qemu-debs" if downloads else apt / "cache/archives"
+        (archives / "partial").mkdir(parents=True, exist_ok=True)
         opts = [f"-oDir::Etc={apt}/etc", f"-oDir::Etc::SourceList={apt}/etc/sources.list",
                 "-oDir::Etc::SourceParts=/nonexistent", f"-oDir::State={apt}/state",
                 f"-oDir::State::status={apt}/state/status", f"-oDir::Cache={apt}/cache",
+                f"-oDir::Cache::Archives={archives}",
                 "-oDebug::NoLocking=1", "-oAPT::Architecture=amd64",
                 "-oAPT::Sandbox::User=root", "-qq"]
         progress(f"qemu: reading Debian 13 package lists ({', '.join(PRIVATE_SUITES)})")
@@ -210,7 +216,12 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
         progress("qemu: downloading qemu-system-x86 and its libraries")
         _run(["apt-get", *opts, "install", "-y", "--download-only", "--no-install-recommends",
               "-t", PRIVATE_TARGET, "qemu-system-x86"], "apt-get install --download-only")
-        debs = sorted((apt / "cache/archives").glob("*.deb"))
+        want = _download_list(opts)
+        debs = sorted(p for p in archives.glob("*.deb")
+                      if p.name[:p.name.rindex("_") + 1] in want)
+        if len(debs) != len(want):
+            raise SetupError(f"apt downloaded {len(debs)} of the {len(want)} packages QEMU needs",
+                             "run `kph qemu provision --force` again")
         progress(f"qemu: unpacking {len(debs)} packages")
         tree = work / "tree"
         tree.mkdir()
@@ -221,7 +232,7 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
             raise SetupError(f"no dynamic loader in the private tree ({ldso})")
         (work / "bin").mkdir()
         os.symlink(os.path.relpath(ldso, work / "bin"), work / "bin" / QEMU_NAME)
-        shutil.rmtree(apt / "cache/archives")
+        shutil.rmtree(apt / "cache/archives", ignore_errors=True)
         (work / "qemu.json").write_text(json.dumps({"version": [0, 0, 0], "suites": PRIVATE_SUITES}))
         # Probe the version through the real invocation before moving it into place.
         staged = QemuBinary(argv=(str(work / "bin" / QEMU_NAME), "--library-path",
@@ -244,6 +255,21 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
     assert q is not None
     progress(f"qemu: private QEMU {q.version_str} ready in {root}")
     return q
+
+
+def _download_list(opts: list[str]) -> set[str]:
+    """``name_version_`` prefixes of the .deb files the private tree needs, from apt's
+    simulation (a shared download directory may hold other packages or versions)."""
+    out = subprocess.run(["apt-get", *opts, "install", "-s", "--no-install-recommends",
+                          "-t", PRIVATE_TARGET, "qemu-system-x86"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    want = set()
+    for m in re.finditer(r"^Inst (\S+) \((\S+)", out.stdout, re.M):
+        want.add(f"{m[1]}_{m[2].replace(':', '%3a')}_")
+    if not want:
+        raise SetupError(f"apt could not plan the private QEMU: {out.stderr.strip()[-300:]}",
+                         "check network access to the Debian mirror, or pass --qemu PATH")
+    return want
 
 
 def _run(cmd: list[str], what: str) -> None:

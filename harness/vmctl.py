@@ -64,8 +64,11 @@ _PANIC_MARK = b"Kernel panic - not syncing"
 _CONSOLE_KEEP = 1 << 20
 _counter = itertools.count(1)
 _live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
-#: Host-side engines by name (``vm.host``); ``harness.engine`` registers "gdbstub".
+#: Host-side engines by name (``vm.host``), registered by their modules when imported.
 HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
+#: The module that registers each engine: imported by name on first use, so this lower
+#: layer never imports an engine (which sits above it) statically.
+ENGINE_MODULES = {"gdbstub": "harness.engine"}
 #: A function that says whether something holds the guest stopped: None, or (since, who)
 #: with ``since`` a ``time.monotonic()`` value.
 StopHolder = Callable[[], "tuple[float, str] | None"]
@@ -811,6 +814,10 @@ class Machine:
         """Host-side kprobes on this machine: the engine named by ``host_engine``
         (``harness.engine.HostEngine`` for "gdbstub"), started on first use."""
         if self._host is None or self._host.closed:
+            if self.host_engine not in HOST_ENGINES and self.host_engine in ENGINE_MODULES:
+                import importlib
+
+                importlib.import_module(ENGINE_MODULES[self.host_engine])
             factory = HOST_ENGINES.get(self.host_engine)
             if factory is None:
                 raise SetupError(f"no host-side engine {self.host_engine!r}",

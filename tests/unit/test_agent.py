@@ -89,3 +89,79 @@ def test_exec_decodes_output_and_status():
                                       "out-data": base64.b64encode(b"hi\n").decode()}}).encode() + b"\n"
     ag = _agent(script)
     assert ag.exec(["/bin/sh", "-c", "x"], timeout=2) == (3, b"hi\n", b"")
+
+
+def _synced_then(answer):
+    """A peer that answers guest-sync-delimited, then ``answer(req)`` for the rest."""
+    def script(req):
+        if req["execute"] == "guest-sync-delimited":
+            return b"\xff" + json.dumps({"return": req["arguments"]["id"]}).encode() + b"\n"
+        return answer(req)
+    return script
+
+
+def test_an_overdue_reply_asks_stalled_which_may_end_the_wait():
+    class Stopped(Exception):
+        pass
+
+    asked = []
+
+    def stalled():
+        asked.append(1)
+        raise Stopped
+
+    a, b = socket.socketpair()
+    threading.Thread(target=_peer, args=(b, _synced_then(lambda req: b"")), daemon=True).start()
+    ag = GuestAgent(a, stalled=stalled)
+    ag.sync(2)
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(Stopped):
+        ag.execute("guest-ping", timeout=30)
+    assert asked and time.monotonic() - t0 < 2.0
+
+
+def test_no_reply_is_awaited_longer_than_the_reply_timeout(monkeypatch):
+    import time
+
+    import harness.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "AGENT_REPLY_TIMEOUT", 0.4)
+    ag = _agent(_synced_then(lambda req: b""))
+    ag.sync(2)
+    t0 = time.monotonic()
+    with pytest.raises(VMLostError, match="did not answer in time"):
+        ag.execute("guest-ping", timeout=60)   # the command's own timeout is much longer
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_an_abandoned_exchange_resyncs_before_the_next():
+    """A reply that arrives after its request was given up (a Ctrl-C, a stall error) must
+    not be taken for the next request's reply (seen: KeyError 'pid' from a stray reply)."""
+    import time
+    state = {"n": 0}
+
+    def answer(req):
+        state["n"] += 1
+        if state["n"] == 1:
+            time.sleep(0.8)           # late: the client has given up by then
+            return b'{"return": {"late": true}}\n'
+        return b'{"return": {"pid": 7}}\n'
+
+    class Gone(Exception):
+        pass
+
+    calls = []
+
+    def stalled():
+        calls.append(1)
+        if len(calls) == 1:
+            raise Gone
+
+    a, b = socket.socketpair()
+    threading.Thread(target=_peer, args=(b, _synced_then(answer)), daemon=True).start()
+    ag = GuestAgent(a, stalled=stalled)
+    ag.sync(2)
+    with pytest.raises(Gone):
+        ag.execute("guest-ping", timeout=5)
+    time.sleep(1.0)                    # the late reply is in the socket now
+    assert ag.execute("guest-exec", {"path": "x"}, timeout=5) == {"pid": 7}

@@ -16,7 +16,7 @@ import pytest
 
 from harness.replay import End, record, replay
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(180)]
 
 PANIC_SCRIPT = """cat /proc/uptime
 head -c 16 /dev/urandom | od -x

@@ -25,7 +25,7 @@ def null_bundle(tmp_path_factory, default_image):
     return out, rec
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_null_deref_record_then_replay_gives_the_same_oops(null_bundle):
     out, rec = null_bundle
     assert rec.returncode == 0, rec.stdout + rec.stderr
@@ -50,7 +50,7 @@ def test_null_deref_record_then_replay_gives_the_same_oops(null_bundle):
     assert (out / "replay-registers.txt").read_text() == (out / "registers.txt").read_text()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_replay_gdb_keeps_the_stub_for_reverse_stepping_until_ctrl_c(null_bundle):
     out, rec = null_bundle
     assert rec.returncode == 0, rec.stderr
@@ -77,7 +77,7 @@ def test_replay_gdb_keeps_the_stub_for_reverse_stepping_until_ctrl_c(null_bundle
     assert not Path(sock).exists()  # the run directory went with QEMU
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_recorded_events_scenario_replays_the_same_trace(tmp_path, default_image):
     from harness import repro_rr, scenario
 

@@ -9,7 +9,7 @@ import pytest
 
 from harness import report, trapflow
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(180)]
 
 INT3_PATH = [
     ("CPU", "do_sys_openat2+0x5"), ("exception entry", "asm_exc_int3"),
