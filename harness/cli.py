@@ -61,14 +61,25 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    img = sub.add_parser("image", help="Build or show the embedded default image")
+    img = sub.add_parser("image", help="Build, list or show the images (one per kernel)")
     isub = img.add_subparsers(dest="image_cmd", metavar="ACTION")
-    b = isub.add_parser("build", help="Provision the default image: kernel, initramfs, kallsyms")
+    b = isub.add_parser("build", help="Provision an image: kernel, initramfs, kernel facts, "
+                        "module, ready snapshot",
+                        description="Build the image of a Debian cloud kernel: its packages, "
+                        "a busybox initramfs with qemu-ga, the test programs and kph_kprobes.ko "
+                        "(built with that kernel's own compiler), its kernel facts (kallsyms, "
+                        "blacklist, BTF, ...) harvested on a first boot, and its ready snapshot.")
+    b.add_argument("--kernel", metavar="SERIES|ABI", default=None,
+                   help="which kernel: a series (6.1, 6.12, 7.3: what Debian 12, Debian 13 "
+                   "and Debian 13 backports ship today) or a full ABI such as "
+                   "6.12.117+deb13-cloud-amd64; default: Debian 12's, the default image")
     b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
     b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot and the snapshot")
     b.add_argument("--no-snapshot", action="store_true",
                    help="do not make the ready snapshot (the first boot makes it)")
-    isub.add_parser("info", help="Print the default image's manifest and its snapshots")
+    inf = isub.add_parser("info", help="Print an image's manifest and its snapshots (JSON)")
+    inf.add_argument("--image", metavar="SERIES|ABI|DIR", help="the image (default: the default)")
+    isub.add_parser("list", help="List the images in the cache")
 
     q = sub.add_parser("qemu", help="Provision or show the QEMU the harness uses")
     qsub = q.add_subparsers(dest="qemu_cmd", metavar="ACTION")
@@ -204,14 +215,31 @@ def _image(args: argparse.Namespace) -> int:
     from .images import default_image
 
     if args.image_cmd == "build":
-        build_image(force=args.force, qemu=args.qemu, snapshot=not args.no_snapshot,
+        build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
+                    snapshot=not args.no_snapshot,
                     progress=(lambda s: None) if args.quiet else _progress)
+        return EXIT_OK
+    if args.image_cmd == "list":
+        from .images import _read_default, built_images, image_is_current
+        from .snapshot import snapshots_of
+
+        imgs = built_images()
+        if not imgs:
+            print("no images; run `kph image build` (or --kernel 6.12, 7.3)", file=sys.stderr)
+            return EXIT_OK
+        default = _read_default()
+        print(f"{'series':7s} {'kernel':32s} {'built':26s} {'state':8s} snapshots")
+        for i in imgs:
+            state = "current" if image_is_current(i) else "stale"
+            mark = " (default)" if i.version == default else ""
+            print(f"{i.series:7s} {i.version:32s} {i.manifest.get('built', '?'):26s} {state:8s} "
+                  f"{len(snapshots_of(i))}{mark}")
         return EXIT_OK
     if args.image_cmd == "info":
         import json
         from .snapshot import snapshots_of
 
-        img = default_image()
+        img = default_image(args.image)
         snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
         print(json.dumps(dict(img.manifest, dir=str(img.dir), snapshots=snaps), indent=2))
         return EXIT_OK

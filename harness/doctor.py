@@ -72,7 +72,7 @@ def _kvm() -> Check:
         return Check("kvm", True, f"/dev/kvm opens; not tried ({exc}); TCG stays the default")
     if ok:
         return Check("kvm", True, f"usable: {detail}; TCG stays the default (--accel kvm to use it)")
-    return Check("kvm", None, f"unusable: {detail}; TCG will be used, --accel kvm is refused")
+    return Check("kvm", None, f"{detail}; TCG will be used, --accel kvm is refused")
 
 
 def _image() -> list[Check]:
@@ -103,6 +103,28 @@ def _tools() -> list[Check]:
     return out
 
 
+def _matrix() -> list[Check]:
+    """The other kernels' images, and the private compiler their modules are built with."""
+    from .images import _read_default, built_images, image_is_current
+    from .toolchain import compiler_version, tree_dir
+
+    out = []
+    default = _read_default()
+    for img in built_images():
+        if img.version == default:
+            continue
+        ok = image_is_current(img)
+        out.append(Check(f"image {img.series}", ok,
+                         f"{img.version} (module built with "
+                         f"{img.manifest.get('module_toolchain', '?')})",
+                         "" if ok else f"run `kph image build --kernel {img.series}`"))
+    tree = tree_dir() / "tree"
+    if tree.exists():
+        out.append(Check("toolchain", True, f"{compiler_version(tree) or 'gcc'} for Debian 13 "
+                         f"kernels in {tree} (a chroot: the host's gcc-12 cannot build them)"))
+    return out
+
+
 def run_checks() -> list[Check]:
     return [*_qemu(), _gdb(), _kvm(), *_tools(),
-            Check("cache", True, str(cache_dir())), *_image()]
+            Check("cache", True, str(cache_dir())), *_image(), *_matrix()]

@@ -60,7 +60,7 @@ from .gdbstub import GdbStub, Stop
 from .handlerctx import mark_thread
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
-from .symbols import check_probe_address
+from .symbols import check_probe_address, kprobe_addr
 from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
@@ -549,6 +549,10 @@ class HostEngine:
         if p.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
         addr = self._resolve(p.symbol_name, p.offset, p.addr)
+        # kernel/kprobes.c: _kprobe_addr() -> arch_adjust_kprobe_addr()
+        # (arch/x86/kernel/kprobes/core.c): on IBT kernels (6.12, 7.3) a function starts
+        # with ENDBR64, and sym+0 (or +4) is placed at +4.
+        addr, _ = kprobe_addr(addr, symbols=self.symbols, read=self.stub.read_memory)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
                             read=self.stub.read_memory, kretprobe=kretprobe)
         if addr == self.trampoline:

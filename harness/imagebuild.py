@@ -7,13 +7,16 @@ recorded in ``manifest.json`` with a sha256 each, like the kernel and the initra
 Then the image's ready snapshot is made (``harness.snapshot``). This module sits above
 ``harness.vmctl``; ``harness.images`` (locating and checking images) sits below it.
 
-Downloads: with ``$KPH_DOWNLOADS`` set, the kernel package is looked for there first and
-kept there after downloading (a cache of *inputs* that a newcomer's machine may share
-with CI; nothing derived is kept there).
+Every Debian cloud kernel the archives hold can be an image (``harness.kernels``: 6.1
+from the host's own suite, 6.12 and 7.3 from Debian 13 and its backports); its module is
+built with that kernel's own compiler (``harness.toolchain``). Downloads: with
+``$KPH_DOWNLOADS`` set, the .deb files of Debian 13 are kept there (a cache of *inputs*
+that a newcomer's machine may share with CI; nothing derived is kept there).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import os
 import shutil
 import tempfile
@@ -21,29 +24,46 @@ from pathlib import Path
 from typing import Any
 
 from . import facts as F
-from .constants import DOWNLOADS_ENV, cache_dir
+from . import kernels, toolchain
+from .constants import cache_dir
 from .errors import SetupError
-from .images import (HOST_BUSYBOX, HOST_QEMU_GA, Image, Progress, _assemble_root, _pack_cpio,
-                     _sh, image_is_current, load_image, recipe_hash, resolve_kernel_abi,
+from .images import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, Image, Progress, _assemble_root,
+                     _kmod_sources, _pack_cpio, image_is_current, load_image, recipe_hash,
                      write_manifest)
 
 
-def build_image(*, force: bool = False, progress: Progress = print, qemu: str | None = None,
-                snapshot: bool = True) -> Image:
-    """Provision the default image; idempotent (a warm cache returns in well under a second).
+def build_image(*, kernel: str | None = None, force: bool = False, progress: Progress = print,
+                qemu: str | None = None, snapshot: bool = True) -> Image:
+    """Provision the image of ``kernel`` (a selector, ``harness.kernels``; default: the
+    host suite's current cloud kernel, which also becomes the default image); idempotent
+    (a warm cache returns in well under a second).
 
     With ``snapshot`` it also makes sure the image has a ready snapshot for the default
     machine options and this QEMU (``harness.snapshot``), so the first ``Machine.boot()``
     is already fast.
 
-    :raise SetupError: apt, dpkg-deb, cpio, busybox or qemu-ga missing, or the download failed.
+    :raise SetupError: an unknown kernel (the message lists the available ones), apt,
+        dpkg-deb, cpio, busybox or qemu-ga missing, a download or a module build failed.
     """
-    abi = resolve_kernel_abi()
+    rel = kernels.resolve(kernel)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # One build of an image at a time (xdist workers may all want the same one); the
+    # second finds the first's result.
+    with open(cache_dir() / f".build-{rel.abi}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(rel, force=force, progress=progress, qemu=qemu, snapshot=snapshot)
+
+
+def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress,
+                  qemu: str | None, snapshot: bool) -> Image:
+    is_default = rel.abi == kernels.default_abi()
+    abi = rel.abi
     dest = cache_dir() / abi
     if not force and (dest / "manifest.json").exists():
         img = load_image(dest)
         if image_is_current(img):
-            (cache_dir() / "default").write_text(abi + "\n")
+            if is_default:
+                (cache_dir() / "default").write_text(abi + "\n")
             progress(f"image: {abi} is up to date in {dest}")
             if snapshot:
                 ensure_snapshot(img, qemu, progress)
@@ -60,24 +80,25 @@ def build_image(*, force: bool = False, progress: Progress = print, qemu: str | 
     try:
         out = work / "out"
         out.mkdir()
-        deb = _kernel_deb(abi, work, progress)
-        pkg_version = deb.name.split("_")[1]
-        progress(f"image: unpacking {deb.name}")
-        kdir = work / "kernel"
-        _sh(["dpkg-deb", "-x", str(deb), str(kdir)], what="dpkg-deb -x")
-        shutil.copy(kdir / f"boot/vmlinuz-{abi}", out / "vmlinuz")
-        shutil.copy(kdir / f"boot/config-{abi}", out / "config")
-        progress("image: assembling the initramfs (busybox, qemu-ga, modules, init)")
+        kdir = kernels.fetch(rel, work / "kernel", progress)
+        tree = kernels.locate(kdir, abi)
+        shutil.copy(tree.vmlinuz, out / "vmlinuz")
+        shutil.copy(tree.config, out / "config")
+        tc = toolchain.for_kernel(rel, progress)
+        progress(f"image: assembling the initramfs (busybox, qemu-ga, modules, init; "
+                 f"{KMOD_NAME}.ko with {tc.describe()})")
         root = work / "root"
-        mods = _assemble_root(root, kdir / "lib/modules" / abi)
+        mods = _assemble_root(root, tree.modules, lambda dest: toolchain.build_module(
+            tc, _kmod_sources(), KMOD_NAME, dest))
         shutil.rmtree(kdir)
         _pack_cpio(root, out / "initrd.img")
         progress(f"image: initramfs {(out / 'initrd.img').stat().st_size // 1024} KiB, "
-                 f"modules: {', '.join(mods)}")
+                 f"modules: {', '.join(mods) or '(all built in)'}")
         manifest: dict[str, Any] = {
-            "kernel_version": abi, "kernel_package": f"linux-image-{abi}",
-            "kernel_package_version": pkg_version, "recipe": recipe_hash(),
-            "modules": mods, "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "kernel_version": abi, "kernel_series": rel.series, "kernel_origin": rel.origin,
+            "kernel_package": f"linux-image-{abi}", "recipe": recipe_hash(),
+            "modules": mods, "module_toolchain": tc.describe(),
+            "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
         progress("image: first boot, harvesting the kernel facts "
                  "(kallsyms, kprobes blacklist, BTF, modules)")
@@ -88,33 +109,13 @@ def build_image(*, force: bool = False, progress: Progress = print, qemu: str | 
         out.rename(dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    (cache_dir() / "default").write_text(abi + "\n")
+    if is_default:
+        (cache_dir() / "default").write_text(abi + "\n")
     img = load_image(dest)
     progress(f"image: {abi} ready in {dest}")
     if snapshot:
         ensure_snapshot(img, qemu, progress)
     return img
-
-
-def _kernel_deb(abi: str, work: Path, progress: Progress) -> Path:
-    """The kernel package: from ``$KPH_DOWNLOADS`` when it holds it, else downloaded
-    (and kept there when that is set)."""
-    downloads = os.environ.get(DOWNLOADS_ENV)
-    pattern = f"linux-image-{abi}_*.deb"
-    if downloads:
-        have = sorted(Path(downloads).glob(pattern))
-        if have:
-            progress(f"image: using {have[-1]}")
-            return have[-1]
-    progress(f"image: fetching linux-image-{abi}")
-    _sh(["apt-get", "download", "-q", f"linux-image-{abi}"], cwd=work, what="apt-get download")
-    deb = next(work.glob(pattern))
-    if downloads:
-        Path(downloads).mkdir(parents=True, exist_ok=True)
-        kept = Path(downloads) / deb.name
-        shutil.copy(deb, kept)
-        return kept
-    return deb
 
 
 def ensure_snapshot(img: Image, qemu: str | None, progress: Progress) -> None:

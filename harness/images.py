@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .constants import KERNEL_META_PACKAGE, cache_dir
+from .constants import cache_dir
 from .errors import SetupError
 from .facts import KernelFacts
 
@@ -54,6 +54,11 @@ class Image:
     @property
     def version(self) -> str:
         return str(self.manifest["kernel_version"])
+
+    @property
+    def series(self) -> str:
+        """The kernel series, ``6.1``, ``6.12``, ``7.3``."""
+        return series_of(self.version)
 
     @property
     def kernel(self) -> Path:
@@ -108,20 +113,6 @@ def recipe_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def resolve_kernel_abi() -> str:
-    """The kernel package ``linux-image-cloud-amd64`` depends on today, e.g. ``6.1.0-NN-cloud-amd64``."""
-    try:
-        out = subprocess.run(["apt-cache", "depends", KERNEL_META_PACKAGE], capture_output=True,
-                             text=True, timeout=60, check=False)
-    except OSError as exc:
-        raise SetupError("apt-cache is not available", "build on Debian 12 or pass --kernel") from exc
-    m = re.search(r"Depends:\s*linux-image-(\S+)", out.stdout)
-    if not m:
-        raise SetupError(f"apt knows no {KERNEL_META_PACKAGE}",
-                         "run `apt-get update` (./setup.sh does) and try again")
-    return m[1]
-
-
 def _read_default() -> str | None:
     f = cache_dir() / "default"
     return f.read_text().strip() if f.exists() else None
@@ -134,14 +125,49 @@ def load_image(directory: Path) -> Image:
     return Image(directory, json.loads(mf.read_text()))
 
 
-def default_image(name: str | os.PathLike[str] | None = None) -> Image:
-    """The image to boot when none is named: the last one ``kph image build`` made.
+def built_images() -> list[Image]:
+    """Every image in the cache (complete or not), oldest kernel first."""
+    out = []
+    root = cache_dir()
+    for mf in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
+        try:
+            out.append(Image(mf.parent, json.loads(mf.read_text())))
+        except ValueError:
+            continue
+    return sorted(out, key=lambda i: _version_key(i.version))
 
-    ``name`` may be a kernel version in the cache or an image directory.
+
+def _version_key(abi: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", abi.split("-cloud")[0]))
+
+
+def series_of(abi: str) -> str:
+    """``6.12`` of ``6.12.117+deb13-cloud-amd64``, ``6.1`` of ``6.1.0-56-cloud-amd64``."""
+    m = re.match(r"(\d+)\.(\d+)", abi)
+    return f"{m[1]}.{m[2]}" if m else abi
+
+
+def default_image(name: str | os.PathLike[str] | None = None) -> Image:
+    """The image to boot: ``name`` (a kernel series such as ``6.12``, a full ABI, or an
+    image directory), else the default one (the host suite's kernel, which a plain
+    ``kph image build`` makes).
+
+    :raise SetupError: no such image in the cache; the message lists what is built.
     """
     if name is not None:
         p = Path(name)
-        return load_image(p if p.is_dir() else cache_dir() / str(name))
+        if p.is_dir():
+            return load_image(p)
+        sel = str(name)
+        if (cache_dir() / sel / "manifest.json").exists():
+            return load_image(cache_dir() / sel)
+        matches = [i for i in built_images() if series_of(i.version) == sel]
+        if matches:
+            return matches[-1]
+        built = ", ".join(f"{series_of(i.version)} ({i.version})" for i in built_images())
+        raise SetupError(f"no image for kernel {sel!r} in {cache_dir()}",
+                         f"run `kph image build --kernel {sel}`"
+                         + (f"; built: {built}" if built else ""))
     version = _read_default()
     if not version:
         raise SetupError(f"no default image in {cache_dir()}",
@@ -172,7 +198,12 @@ def _modinfo_depends(ko: Path) -> list[str]:
     return [d for d in m[1].decode().split(",") if d] if m else []
 
 
-def _assemble_root(root: Path, moddir: Path) -> list[str]:
+def _assemble_root(root: Path, moddir: Path,
+                   build_kmod: Callable[[Path], None] | None = None) -> list[str]:
+    """The initramfs tree: busybox, qemu-ga, the test programs, the harness's module
+    (``build_kmod(dest)`` builds it, default: with the host's headers for ``moddir``'s
+    kernel), init, and the modules of ``images/modules.txt`` with their dependencies
+    (those the kernel has built in, ``modules.builtin``, are skipped)."""
     for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc/kph", "lib/modules", "proc", "sys",
               "dev", "tmp", "run", "root"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -184,7 +215,10 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
             os.symlink("busybox", root / "bin" / a)
     _copy_with_libs(HOST_QEMU_GA, root, "usr/sbin/qemu-ga")
     _build_progs(root / "usr/bin")
-    _build_kmod(root / "lib/modules", moddir.name)
+    if build_kmod is None:
+        _build_kmod(root / "lib/modules", moddir.name)
+    else:
+        build_kmod(root / "lib/modules" / f"{KMOD_NAME}.ko")
     shutil.copy(RECIPE_DIR / "init", root / "init")
     os.chmod(root / "init", 0o755)
     # Module index: name (with - and _ equal) -> path; then a dependency-ordered list.
@@ -192,10 +226,14 @@ def _assemble_root(root: Path, moddir: Path) -> list[str]:
     for ko in moddir.rglob("*.ko*"):
         index[ko.name.split(".ko")[0].replace("-", "_")] = ko
     order: list[str] = []
+    builtin = set()
+    if (moddir / "modules.builtin").exists():
+        builtin = {Path(ln.strip()).name.split(".ko")[0].replace("-", "_")
+                   for ln in (moddir / "modules.builtin").read_text().splitlines() if ln.strip()}
 
     def add(name: str) -> None:
         key = name.replace("-", "_")
-        if key in order:
+        if key in order or (key in builtin and key not in index):
             return
         if key not in index:
             raise SetupError(f"module {name} is not in this kernel package",
@@ -236,26 +274,13 @@ def _build_progs(dest: Path) -> None:
 
 
 def _build_kmod(dest: Path, abi: str) -> None:
-    """Build ``probes/kmod`` (kbuild, in a scratch copy) against the image's kernel headers
-    as ``dest/kph_kprobes.ko``. Not listed in modules.load: ``ModuleBackend`` loads it."""
-    headers = Path(f"/usr/src/linux-headers-{abi}")
-    if not (headers / "Makefile").exists():
-        raise SetupError(f"kernel headers for {abi} are missing ({headers})",
-                         f"apt-get install linux-headers-{abi} (./setup.sh does)")
-    if not shutil.which("make"):
-        raise SetupError("make is missing", "apt-get install make (./setup.sh does)")
-    with tempfile.TemporaryDirectory(prefix="kph-kmod-") as tmp:
-        for f in _kmod_sources():
-            shutil.copy(f, tmp)
-        proc = subprocess.run(["make", "-C", str(headers), f"M={tmp}", "modules"],
-                              capture_output=True, text=True, timeout=600, check=False)
-        ko = Path(tmp) / f"{KMOD_NAME}.ko"
-        if proc.returncode != 0 or not ko.exists():
-            raise SetupError(f"building {KMOD_NAME}.ko failed: "
-                             f"{(proc.stderr or proc.stdout).strip()[-400:]}",
-                             f"check {KMOD_DIR} and that linux-headers-{abi} is complete")
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ko, dest / f"{KMOD_NAME}.ko")
+    """Build ``probes/kmod`` against the host's headers of ``abi`` as
+    ``dest/kph_kprobes.ko``. Not listed in modules.load: ``ModuleBackend`` loads it."""
+    from .kernels import KernelRelease
+    from .toolchain import build_module, for_kernel
+
+    build_module(for_kernel(KernelRelease(abi, "host")), _kmod_sources(), KMOD_NAME,
+                 dest / f"{KMOD_NAME}.ko")
 
 
 def _plain_ko(src: Path, root: Path) -> Path:

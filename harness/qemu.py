@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .constants import DOWNLOADS_ENV, FAST_GDBSTUB_QEMU, cache_dir
+from .constants import FAST_GDBSTUB_QEMU, cache_dir
 from .errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -154,85 +154,37 @@ def why_chosen(q: QemuBinary) -> str:
 
 # --- provisioning -------------------------------------------------------------------------
 
-def _host_debian_uri() -> str:
-    """The Debian mirror URI from the host's own apt configuration."""
-    src = Path("/etc/apt/sources.list.d")
-    for f in sorted(src.glob("*.sources")) if src.is_dir() else []:
-        for block in f.read_text().split("\n\n"):
-            if re.search(r"^Suites:.*\b(bookworm|trixie)\b(?!-security)", block, re.M):
-                m = re.search(r"^URIs:\s*(\S+)", block, re.M)
-                if m and "security" not in m[1]:
-                    return m[1]
-    lst = Path("/etc/apt/sources.list")
-    if lst.exists():
-        for line in lst.read_text().splitlines():
-            m = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(bookworm|trixie)\s", line)
-            if m:
-                return m[1]
-    raise SetupError("no Debian mirror found in /etc/apt/sources.list{,.d}",
-                     "configure apt for Debian, or pass --qemu PATH to a QEMU >= 10.2")
-
-
 def provision_private_qemu(progress: Callable[[str], None] = print, force: bool = False) -> QemuBinary:
     """Unpack QEMU from Debian 13 backports into the cache, with its whole library closure.
 
-    A private apt configuration (its own sources, lists, cache and an empty dpkg status)
-    resolves ``qemu-system-x86`` and everything it depends on; each package is unpacked
-    with ``dpkg-deb -x``. Needs no chroot and changes nothing outside the cache. With
-    ``$KPH_DOWNLOADS`` set, the .deb files are kept there and reused (apt checks their
-    hashes against the package lists), so another cache need not download them again.
+    A private apt configuration (``harness.debian.PrivateApt``: its own sources, lists,
+    cache and an empty dpkg status) resolves ``qemu-system-x86`` and everything it depends
+    on; each package is unpacked with ``dpkg-deb -x``. Needs no chroot and changes nothing
+    outside the cache. With ``$KPH_DOWNLOADS`` set, the .deb files are kept there.
     """
+    from .debian import TRIXIE, PrivateApt, host_mirror_uri, unpack
+
     root = private_dir()
     if not force:
         existing = private_qemu()
         if existing:
             return existing
-    if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
-        raise SetupError("apt-get and dpkg-deb are needed to provision QEMU",
-                         "pass --qemu PATH to a QEMU >= 10.2")
-    uri = _host_debian_uri()
+    apt = PrivateApt(TRIXIE)
     root.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="qemu.tmp-", dir=root.parent))
     try:
-        apt = work / "apt"
-        for d in ("etc/apt.conf.d", "etc/preferences.d", "state/lists/partial",
-                  "cache/archives/partial"):
-            (apt / d).mkdir(parents=True)
-        (apt / "state/status").touch()
-        keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
-        (apt / "etc/sources.list").write_text("".join(
-            f"deb [signed-by={keyring}] {uri} {suite} main\n" for suite in PRIVATE_SUITES))
-        downloads = os.environ.get(DOWNLOADS_ENV)
-        archives = Path(downloads) / "qemu-debs" if downloads else apt / "cache/archives"
-        (archives / "partial").mkdir(parents=True, exist_ok=True)
-        opts = [f"-oDir::Etc={apt}/etc", f"-oDir::Etc::SourceList={apt}/etc/sources.list",
-                "-oDir::Etc::SourceParts=/nonexistent", f"-oDir::State={apt}/state",
-                f"-oDir::State::status={apt}/state/status", f"-oDir::Cache={apt}/cache",
-                f"-oDir::Cache::Archives={archives}",
-                "-oDebug::NoLocking=1", "-oAPT::Architecture=amd64",
-                "-oAPT::Sandbox::User=root", "-qq"]
-        progress(f"qemu: reading Debian 13 package lists ({', '.join(PRIVATE_SUITES)})")
-        _run(["apt-get", *opts, "update"], "apt-get update (private)")
+        apt.update(progress, force=True)
         progress("qemu: downloading qemu-system-x86 and its libraries")
-        _run(["apt-get", *opts, "install", "-y", "--download-only", "--no-install-recommends",
-              "-t", PRIVATE_TARGET, "qemu-system-x86"], "apt-get install --download-only")
-        want = _download_list(opts)
-        debs = sorted(p for p in archives.glob("*.deb")
-                      if p.name[:p.name.rindex("_") + 1] in want)
-        if len(debs) != len(want):
-            raise SetupError(f"apt downloaded {len(debs)} of the {len(want)} packages QEMU needs",
-                             "run `kph qemu provision --force` again")
+        debs = apt.fetch(["qemu-system-x86"], PRIVATE_TARGET)
         progress(f"qemu: unpacking {len(debs)} packages")
         tree = work / "tree"
-        tree.mkdir()
-        for deb in debs:
-            _run(["dpkg-deb", "-x", str(deb), str(tree)], f"dpkg-deb -x {deb.name}")
+        unpack(debs, tree)
+        apt.discard(debs)
         ldso = tree / "usr/lib64/ld-linux-x86-64.so.2"
         if not ldso.exists():
             raise SetupError(f"no dynamic loader in the private tree ({ldso})")
         (work / "bin").mkdir()
         os.symlink(os.path.relpath(ldso, work / "bin"), work / "bin" / QEMU_NAME)
-        shutil.rmtree(apt / "cache/archives", ignore_errors=True)
         (work / "qemu.json").write_text(json.dumps({"version": [0, 0, 0], "suites": PRIVATE_SUITES}))
         # Probe the version through the real invocation before moving it into place.
         staged = QemuBinary(argv=(str(work / "bin" / QEMU_NAME), "--library-path",
@@ -242,7 +194,7 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
                             env={"QEMU_MODULE_DIR": str(tree / "usr/lib/x86_64-linux-gnu/qemu")})
         version = _probe(staged.argv, tuple(staged.env.items()))
         (work / "qemu.json").write_text(json.dumps(
-            {"version": list(version), "suites": list(PRIVATE_SUITES), "mirror": uri}))
+            {"version": list(version), "suites": list(PRIVATE_SUITES), "mirror": host_mirror_uri()}))
         if root.exists():
             shutil.rmtree(root)
         # The tree's paths are absolute in nothing we rely on, so a rename is safe.
@@ -255,25 +207,3 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
     assert q is not None
     progress(f"qemu: private QEMU {q.version_str} ready in {root}")
     return q
-
-
-def _download_list(opts: list[str]) -> set[str]:
-    """``name_version_`` prefixes of the .deb files the private tree needs, from apt's
-    simulation (a shared download directory may hold other packages or versions)."""
-    out = subprocess.run(["apt-get", *opts, "install", "-s", "--no-install-recommends",
-                          "-t", PRIVATE_TARGET, "qemu-system-x86"],
-                         capture_output=True, text=True, timeout=600, check=False)
-    want = set()
-    for m in re.finditer(r"^Inst (\S+) \((\S+)", out.stdout, re.M):
-        want.add(f"{m[1]}_{m[2].replace(':', '%3a')}_")
-    if not want:
-        raise SetupError(f"apt could not plan the private QEMU: {out.stderr.strip()[-300:]}",
-                         "check network access to the Debian mirror, or pass --qemu PATH")
-    return want
-
-
-def _run(cmd: list[str], what: str) -> None:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    if out.returncode != 0:
-        raise SetupError(f"{what} failed: {(out.stderr or out.stdout).strip()[-300:]}",
-                         "check network access to the Debian mirror, or pass --qemu PATH")

@@ -75,7 +75,11 @@ class X86_64(Arch):
     nop5 = bytes.fromhex("0f1f440000")               # x86_nops[5], at each __fentry__ site
     endbr64 = bytes.fromhex("f30f1efa")
     endbr32 = bytes.fromhex("f30f1efb")
-    endbr_poison = bytes.fromhex("660f1f00")         # gen_endbr_poison(): a sealed ENDBR
+    #: gen_endbr_poison() (arch/x86/include/asm/ibt.h): what apply_seal_endbr() writes
+    #: over an ENDBR nobody calls indirectly, and what is_endbr() still takes for one.
+    #: 6.12: 0x001f0f66, "osp nopl (%rax)"; 7.3: 0xd6401f0f, "nopl -42(%rax)" (a NOP that
+    #: carries UDB as its immediate). Only the running kernel's own appears in its text.
+    endbr_poisons = (bytes.fromhex("660f1f00"), bytes.fromhex("0f1f40d6"))
     emulate_prefixes = (bytes.fromhex("0f0b78656e"), bytes.fromhex("0f0b6b766d"))  # ud2 "xen"/"kvm"
     max_insn_len = 15                                # MAX_INSN_SIZE
     hw_breakpoints = 4                               # DR0..DR3
@@ -86,7 +90,7 @@ class X86_64(Arch):
         ``CONFIG_X86_KERNEL_IBT`` the kernel builds with ``-fcf-protection=none`` and has
         no ENDBR to find. Linux kernel commit cc66bb914578 ("x86/ibt,kprobes: Cure sym+0
         equals fentry woes") (in v5.19)."""
-        if entry[:4] in (self.endbr64, self.endbr32, self.endbr_poison):
+        if entry[:4] in (self.endbr64, self.endbr32, *self.endbr_poisons):
             on_entry = offset in (0, 4)
             return sym_addr + (4 if on_entry else offset), on_entry
         return sym_addr + offset, offset == 0

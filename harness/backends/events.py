@@ -104,7 +104,9 @@ class EventsBackend:
                 self.vm.symbols.lookup(spec.symbol_name).addr + spec.offset
         except KeyError:
             return o
-        return Outcome(o.probe, True, mode=modes.get(addr, "int3"))
+        # An IBT kernel places SYM+0 at +4, past the ENDBR (arch_adjust_kprobe_addr).
+        mode = modes.get(addr) or (modes.get(addr + 4) if not spec.offset else None)
+        return Outcome(o.probe, True, mode=mode or "int3")
 
     def enable(self) -> None:
         # Through the agent's file API, not a shell: the only process that opens

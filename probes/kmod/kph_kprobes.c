@@ -65,6 +65,10 @@
 #include <linux/atomic.h>
 #include <linux/list.h>
 #include <linux/rculist.h>
+/* hex2bin()/bin2hex() moved out of kernel.h into their own header in 7.x. */
+#if __has_include(<linux/hex.h>)
+#include <linux/hex.h>
+#endif
 
 #define KPH_MAX_ARGS	128		/* MAX_TRACE_ARGS */
 #define KPH_MAX_OPS	512
