@@ -124,6 +124,24 @@ def make_parser() -> argparse.ArgumentParser:
     _kernel_group(df)
     _qemu_group(df)
 
+    mx = sub.add_parser("matrix", help="Run a probe set on several kernels; show where they differ",
+                        description="For each kernel (--kernels), boot its image (built first "
+                        "if missing), place the specs host-side and in the guest on one "
+                        "execution of --run and compare them (as kph diff); then compare the "
+                        "kernels' guests with each other: registration, probe mode, event "
+                        "counts and the printed fields. Exit 0 when host and guest agree on "
+                        "every kernel, 1 otherwise, 2 on usage or setup errors.",
+                        epilog="example: kph matrix -f probes/examples/matrix.spec --run "
+                        "'sh -c \"true & wait\"' --kernels 6.1,6.12,7.3")
+    _spec_args(mx)
+    mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
+                    help="kernel series or ABIs, comma-separated (default 6.1,6.12,7.3)")
+    mx.add_argument("--guest", choices=("events", "module"), default="events",
+                    help="the in-guest side (default: tracefs kprobe_events)")
+    mx.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+
     rp = sub.add_parser("repro", help="Reproduce a probe bug and keep the evidence",
                         description="Run a scenario file (probes/scenarios/*.toml), decide "
                         "whether its expectation is met and write an evidence bundle. Exit 0 "
@@ -377,6 +395,54 @@ def _diff(args: argparse.Namespace) -> int:
     return EXIT_OK if res.equivalent else EXIT_DIVERGED
 
 
+def _matrix(args: argparse.Namespace) -> int:
+    from . import report
+    from .probespec import parse
+    from .runner import run_matrix
+
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not kernels:
+        raise SetupError("--kernels names no kernel", "e.g. --kernels 6.1,6.12,7.3")
+    for path in (args.json, args.html):
+        _check_writable(path)
+    lines = list(args.specs)
+    if args.spec_file:
+        lines += _spec_file_lines(args.spec_file)
+    if not lines:
+        raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
+    specs = [parse(ln) for ln in lines]
+    res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
+                     qemu=args.qemu, progress=None if args.quiet else _progress)
+    sys.stdout.write(report.matrix_text(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.matrix_json(res))
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(report.matrix_html(res))
+    return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
+
+
+def _check_writable(path: str | None) -> None:
+    """A report path that cannot be written is a usage error before anything boots."""
+    import os
+
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise SetupError(f"cannot write {path}: no writable directory {d}",
+                         "give a path in an existing, writable directory")
+
+
+def _spec_file_lines(path: str) -> list[str]:
+    try:
+        text = open(path).read()
+    except OSError as exc:
+        raise SetupError(f"cannot read {path}: {exc.strerror}", "check the path") from exc
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
 def _repro(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -448,7 +514,7 @@ def _demo(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _demo,
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
-    "probe": _probe, "diff": _diff, "repro": _repro,
+    "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix,
 }
 
 

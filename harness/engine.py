@@ -124,8 +124,7 @@ class HostEngine:
         self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
         self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
                      if (sym := self.symbols.get(name)) is not None}
-        cur = self.symbols.get("current_task")
-        self._current_task_off: int | None = cur.addr if cur is not None else None
+        self._current_task_off = self._percpu_current_task()
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -141,6 +140,18 @@ class HostEngine:
         vm.add_stop_holder(self._holding)
         self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
         self._thread.start()
+
+    def _percpu_current_task(self) -> int | None:
+        """The per-cpu offset of ``current`` (``get_current()``, arch/x86/include/asm/
+        current.h). 6.1 and 7.3: the per-cpu variable ``current_task``; 6.2 to 6.14 (6.12
+        here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``. Checked by
+        what the kernel has, not by its version."""
+        cur = self.symbols.get("current_task")
+        if cur is not None:
+            return int(cur.addr)
+        hot = self.symbols.get("pcpu_hot")
+        off = self._btf_offset("pcpu_hot", "current_task")
+        return int(hot.addr) + off if hot is not None and off is not None else None
 
     def _btf_offset(self, struct: str, member: str) -> int | None:
         try:

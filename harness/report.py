@@ -168,3 +168,97 @@ along the kernel's path, each passed by a single-step. Lanes: user task, CPU, ex
 entry, kprobes core, probe handler, instruction slot.</p>
 {''.join(body)}</body></html>
 """
+
+
+# ---------------------------------------------------------------- kernel matrix
+
+def _kernel_verdict(k: Any) -> str:
+    if k.error:
+        return f"not run: {k.error}"
+    d = k.diff
+    if d.equivalent:
+        return f"host = guest ({d.total_matched} events matched)"
+    return "host != guest: " + d.divergences[0].describe(d.a_side, d.b_side)
+
+
+def _registered(k: Any) -> str:
+    if k.guest is None:
+        return "-"
+    ok = sum(1 for o in k.guest.outcomes if o.accepted)
+    return f"{ok}/{len(k.guest.outcomes)}"
+
+
+def _events_cell(k: Any) -> str:
+    if k.diff is None:
+        return "-"
+    return ", ".join(f"{p.split('/')[-1]} {nb}" for p, (_, nb) in k.diff.counts.items()) or "0"
+
+
+def _diff_line(d: Any) -> str:
+    vals = " | ".join(f"{v!s} ({', '.join(ks)})" for v, ks in d.groups())
+    where = f" (event {d.index + 1})" if d.index >= 0 else ""
+    note = f"  [{d.note}]" if d.note else ""
+    return f"  {d.probe:22s} {d.what}{where}: {vals}{note}"
+
+
+def matrix_text(res: Any) -> str:
+    """The matrix as text: a row per kernel, then what the guests do differently."""
+    out = [f"kph matrix: {len(res.kernels)} kernel(s), workload {res.workload!r}",
+           f"  {'kernel':7s} {'abi':30s} {'registered':10s} {'guest events':28s} host vs guest"]
+    for k in res.kernels:
+        out.append(f"  {k.series:7s} {k.abi:30s} {_registered(k):10s} {_events_cell(k):28s} "
+                   f"{_kernel_verdict(k)}")
+    ran = [k for k in res.kernels if k.guest is not None]
+    if len(ran) >= 2:
+        out.append("between kernels (the guests, on the same specs and workload):")
+        out += [_diff_line(d) for d in res.differences] or ["  no difference"]
+    verdict = ("every kernel: host and guest agree" if res.all_equivalent else
+               "host and guest disagree (or did not run) on: "
+               + ", ".join(k.series for k in res.kernels if not k.equivalent))
+    out.append(f"result: {verdict}")
+    return "\n".join(out) + "\n"
+
+
+def matrix_json(res: Any) -> str:
+    doc = {
+        "workload": res.workload,
+        "kernels": [{
+            "series": k.series, "abi": k.abi, "error": k.error or None,
+            "equivalent": k.equivalent,
+            "outcomes": [dataclasses.asdict(o) for o in (k.guest.outcomes if k.guest else [])],
+            "counts": {p: list(c) for p, c in (k.diff.counts.items() if k.diff else ())},
+            "divergences": [dataclasses.asdict(d) for d in (k.diff.divergences if k.diff else [])],
+            "guest_hits": [dataclasses.asdict(h) for h in (k.guest.hits if k.guest else [])],
+        } for k in res.kernels],
+        "differences": [dataclasses.asdict(d) for d in res.differences],
+        "all_equivalent": res.all_equivalent,
+    }
+    return json.dumps(doc, indent=2, default=str) + "\n"
+
+
+def matrix_html(res: Any) -> str:
+    e = html.escape
+    bad = ' class="bad"'
+    rows = "".join(
+        f"<tr{bad if not k.equivalent else ''}><td>{e(k.series)}</td>"
+        f"<td><code>{e(k.abi)}</code></td><td>{e(_registered(k))}</td>"
+        f"<td>{e(_events_cell(k))}</td><td>{e(_kernel_verdict(k))}</td></tr>"
+        for k in res.kernels)
+    series = [k.series for k in res.kernels if k.guest is not None]
+    head = "".join(f"<th>{e(s)}</th>" for s in series)
+    drows = "".join(
+        f"<tr><td>{e(d.probe)}</td><td>{e(d.what)}"
+        f"{'' if d.index < 0 else f' (event {d.index + 1})'}</td>"
+        + "".join(f"<td><code>{e(dict(d.values).get(s, ''))}</code></td>" for s in series)
+        + f"<td>{e(d.note)}</td></tr>" for d in res.differences)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kph matrix</title>
+<style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:2px 6px;vertical-align:top}}tr.bad{{background:#fcc}}
+code{{font-size:12px}}</style></head><body>
+<h1>kph matrix</h1><p>workload <code>{e(res.workload)}</code></p>
+<table><tr><th>kernel</th><th>abi</th><th>registered</th><th>guest events</th>
+<th>host vs guest</th></tr>{rows}</table>
+<h2>Between kernels (the guests)</h2>
+<table><tr><th>probe</th><th>what</th>{head}<th></th></tr>
+{drows or '<tr><td colspan="9">no difference</td></tr>'}</table></body></html>
+"""

@@ -96,3 +96,48 @@ def trampoline_text(vm: Any) -> tuple[str, ...]:
     if up is not None:
         texts += [f"0x{t:x}" for t in up.used_trampolines]
     return tuple(texts)
+
+
+def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
+               guest: str = "events", timeout: float = 120.0, qemu: str | None = None,
+               build: bool = True, progress: Any = None) -> Any:
+    """``run_differential`` on each kernel's image (built first when missing and
+    ``build``), then the kernels' guests compared (``harness.matrix``).
+
+    A kernel that cannot be run (no image and no build, a boot failure) is reported in its
+    row with the reason; the others still run.
+    """
+    from .images import default_image
+    from .matrix import KernelRun, MatrixResult, compare_kernels
+    from .diff import compare
+    from .errors import VMError
+    from .vmctl import Machine
+
+    say = progress or (lambda s: None)
+    out = MatrixResult(workload)
+    for sel in kernels:
+        try:
+            img = default_image(sel)
+        except SetupError:
+            if not build:
+                raise
+            from .imagebuild import build_image
+
+            say(f"matrix: {sel}: no image yet, building it")
+            img = build_image(kernel=sel, qemu=qemu, progress=say)
+        say(f"matrix: {img.series} ({img.version}): booting, arming both sides, running")
+        kr = KernelRun(img.series, img.version)
+        try:
+            with Machine.boot(img, qemu=qemu) as vm:
+                host, guest_res = run_differential(vm, specs, workload, guest=guest,
+                                                   timeout=timeout)
+                kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
+                kr.host, kr.guest = host, guest_res
+        except (VMError, HarnessError) as exc:
+            if isinstance(exc, SetupError):
+                raise
+            kr.error = str(exc).splitlines()[0]
+            say(f"matrix: {img.series}: {kr.error}")
+        out.kernels.append(kr)
+    out.differences = compare_kernels(out.kernels)
+    return out
