@@ -7,7 +7,10 @@ Thin, like xdist's plugin: options, markers and fixtures here; the work is in
 own machines (named after the worker) and nothing is shared between workers.
 
 Fixtures:
-  kph_image          the image to boot (session)
+  kph_kernel         the kernel of this test with ``--kph-kernels`` (a series or ABI), or
+                     None; tests that use a machine are parametrized over the list, and
+                     xdist spreads the copies
+  kph_image          the image to boot (session; built first if the kernel has none)
   kph_machine        one booted Machine per worker (session); tests must leave it clean
   kph_fresh_machine  a Machine of its own for one test, restored from the image's ready
                      snapshot (``harness.snapshot``; ~0.5 s instead of a ~3 s cold boot),
@@ -34,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kph-machine-per", choices=("test", "worker"), default="test",
                     help="Machine of probe_diff: a fresh one per test (default), or the "
                     "worker's shared kph_machine")
+    group.addoption("--kph-kernels", metavar="K,K,...", default=None,
+                    help="Run every machine test once per kernel (series or ABI), e.g. "
+                    "6.1,6.12,7.3; images are built on first use")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
 
@@ -42,6 +48,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vm: boots a real kernel under QEMU")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line("markers", "kvm: needs a working /dev/kvm")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    kernels = metafunc.config.getoption("--kph-kernels")
+    if kernels and "kph_kernel" in metafunc.fixturenames:
+        ks = [k.strip() for k in kernels.split(",") if k.strip()]
+        metafunc.parametrize("kph_kernel", ks, indirect=True, scope="session",
+                             ids=[f"k{k}" for k in ks])
 
 
 def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:
@@ -95,11 +109,23 @@ class _Checked:
 
 
 @pytest.fixture(scope="session")
-def kph_image(request: pytest.FixtureRequest) -> Any:
+def kph_kernel(request: pytest.FixtureRequest) -> str | None:
+    return getattr(request, "param", None)
+
+
+@pytest.fixture(scope="session")
+def kph_image(request: pytest.FixtureRequest, kph_kernel: str | None) -> Any:
     from harness.errors import HarnessError
     from harness.images import default_image
 
     try:
+        if kph_kernel is not None:
+            try:
+                return default_image(kph_kernel)
+            except HarnessError:
+                from harness.imagebuild import build_image
+                return build_image(kernel=kph_kernel, qemu=request.config.getoption("--kph-qemu"),
+                                   progress=lambda s: None)
         return default_image(request.config.getoption("--kph-image"))
     except HarnessError as exc:
         pytest.fail(f"no kprobe-harness image: {exc}")
@@ -120,7 +146,9 @@ def kph_fresh_machine(request: pytest.FixtureRequest, kph_image: Any) -> Any:
 
 
 @pytest.fixture
-def probe_diff(request: pytest.FixtureRequest) -> DiffHelper:
+def probe_diff(request: pytest.FixtureRequest, kph_kernel: str | None) -> DiffHelper:
+    # kph_kernel is named so that --kph-kernels parametrizes every probe_diff test; the
+    # machine itself is looked up below (per test or per worker).
     per_test = request.config.getoption("--kph-machine-per") == "test"
     vm = request.getfixturevalue("kph_fresh_machine" if per_test else "kph_machine")
     helper = DiffHelper(vm, request.config.getoption("--kph-guest"))

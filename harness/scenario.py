@@ -108,6 +108,14 @@ def load(path: str | Path) -> Scenario:
     for k in ("image", "kernel", "initrd", "vmlinux", "memory", "append"):
         _get(machine, k, str, "machine.", ps)
     _get(machine, "smp", int, "machine.", ps)
+    kern = machine.get("kernel")
+    if kern is not None and re.fullmatch(r"\d+\.\d+(?:[.\-+][\w.+-]*)?", kern) \
+            and not (p.parent / kern).exists() and not Path(kern).exists():
+        # kernel = "6.12" (or a full ABI) names a kernel of the matrix: its image.
+        if "image" in machine:
+            raise ScenarioError(ps, "machine.kernel", "give either a kernel series (its image) "
+                                "or machine.image, not both")
+        machine["image"] = machine.pop("kernel")
     setup = _get(doc, "setup", list, "", ps, [])
     for i, c in enumerate(setup):
         if not isinstance(c, str):
