@@ -142,6 +142,26 @@ def make_parser() -> argparse.ArgumentParser:
     mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
+    wk = sub.add_parser("worker", help="Prepare a host over SSH as a pytest-xdist worker",
+                        description="Scale the differential suite out to other machines "
+                        "with pytest-xdist's SSH gateways (see docs: running across machines).")
+    wsub = wk.add_subparsers(dest="worker_cmd", metavar="ACTION")
+    wp = wsub.add_parser("prepare", help="Send this commit to HOST, run setup.sh there, build "
+                         "the images, check it is identical, print the --tx spec",
+                         epilog="example: kph worker prepare root@build2 --dir /srv/kph "
+                         "--kernels 6.12,7.3, then: pytest -d --tx <printed spec> --tx popen "
+                         "--dist loadgroup")
+    wp.add_argument("target", metavar="[USER@]HOST", help="an ssh target (or a Host of --ssh-config)")
+    wp.add_argument("--dir", required=True, metavar="PATH", help="the worker's checkout on HOST")
+    wp.add_argument("--commit", default="HEAD", metavar="REV", help="what to check out (default HEAD)")
+    wp.add_argument("--kernels", default="", metavar="K,K,...",
+                    help="images to build there besides the default (e.g. 6.12,7.3)")
+    wp.add_argument("--cache", metavar="DIR", help="KPH_CACHE on HOST (default: its own default)")
+    wp.add_argument("--ssh-config", metavar="FILE", help="an ssh_config for the connection")
+    wi = wsub.add_parser("identity", help="Print this checkout's identity as JSON (commit, "
+                         "QEMU, images, cores): what prepare compares")
+    wi.add_argument("--kernels", default="", metavar="K,K,...", help="only these images")
+
     rp = sub.add_parser("repro", help="Reproduce a probe bug and keep the evidence",
                         description="Run a scenario file (probes/scenarios/*.toml), decide "
                         "whether its expectation is met and write an evidence bundle. Exit 0 "
@@ -443,6 +463,25 @@ def _spec_file_lines(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def _worker(args: argparse.Namespace) -> int:
+    import json
+
+    from . import remote
+
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if args.worker_cmd == "identity":
+        print(json.dumps(remote.local_identity(["default", *kernels] if kernels else None),
+                         indent=1))
+        return EXIT_OK
+    if args.worker_cmd == "prepare":
+        info = remote.prepare(args.target, directory=args.dir, commit=args.commit,
+                              kernels=kernels, cache=args.cache, ssh_config=args.ssh_config,
+                              progress=(lambda s: None) if args.quiet else _progress)
+        print(f"--tx {info['tx']}")
+        return EXIT_OK
+    raise SetupError("kph worker needs an action", "try `kph worker prepare HOST --dir PATH`")
+
+
 def _repro(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -514,7 +553,7 @@ def _demo(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": _demo,
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
-    "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix,
+    "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix, "worker": _worker,
 }
 
 

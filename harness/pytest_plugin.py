@@ -18,9 +18,21 @@ Fixtures:
   probe_diff         call with (specs, workload) -> DiffResult; ``.assert_equivalent()``;
                      runs on a fresh machine per test (``--kph-machine-per worker``: on
                      the worker's kph_machine, as before snapshots existed)
+
+Across machines (pytest-xdist's SSH gateways, ``kph worker prepare``): with several
+kernels, every machine test carries ``xdist_group("kph-<kernel>")`` so that
+``--dist loadgroup`` keeps a kernel's cases on one worker (its machine and snapshot);
+every report carries the host and worker it ran on (``user_properties``: ``kph_host``),
+a ``probe_diff`` report its diff as a section, and a failed one its diff JSON and the
+guest's console tail, which the controller writes under ``--kph-evidence DIR`` (one
+directory per host and test), so nothing has to be copied back from a remote worker.
 """
 from __future__ import annotations
 
+import os
+import re
+import socket
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -40,11 +52,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kph-kernels", metavar="K,K,...", default=None,
                     help="Run every machine test once per kernel (series or ABI), e.g. "
                     "6.1,6.12,7.3; images are built on first use")
+    group.addoption("--kph-evidence", metavar="DIR", default=None,
+                    help="Write each failed test's evidence (diff report, diff JSON, "
+                    "console tail) under DIR/<host>/<test>/, from local and remote workers")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    d = config.getoption("--kph-evidence", None)
+    if d and not hasattr(config, "workerinput"):   # the controller writes, workers report
+        config.pluginmanager.register(_Evidence(Path(d)), "kph-evidence")
     config.addinivalue_line("markers", "vm: boots a real kernel under QEMU")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
     config.addinivalue_line("markers", "kvm: needs a working /dev/kvm")
@@ -56,6 +74,63 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         ks = [k.strip() for k in kernels.split(",") if k.strip()]
         metafunc.parametrize("kph_kernel", ks, indirect=True, scope="session",
                              ids=[f"k{k}" for k in ks])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kernels = config.getoption("--kph-kernels")
+    if not kernels or "," not in kernels:
+        return  # one kernel: a group would put every case on one worker
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kernel = callspec.params.get("kph_kernel") if callspec is not None else None
+        if kernel:
+            item.add_marker(pytest.mark.xdist_group(name=f"kph-{kernel}"))
+
+
+def _where() -> str:
+    """``host:worker`` of this process (``host:local`` without xdist)."""
+    return f"{socket.gethostname()}:{os.environ.get('PYTEST_XDIST_WORKER', 'local')}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call":
+        return
+    rep.user_properties.append(("kph_host", _where()))
+    helper = getattr(item, "funcargs", {}).get("probe_diff")
+    if isinstance(helper, DiffHelper) and helper.last is not None:
+        from harness import report
+
+        rep.sections.append(("kph diff", report.text(helper.last)))
+        if rep.failed:
+            rep.user_properties.append(("kph_diff_json", report.to_json(
+                helper.last, getattr(helper.last, "runs", None))))
+            try:
+                rep.user_properties.append(("kph_console", helper.vm.console_tail(60)))
+            except Exception:  # noqa: BLE001 - evidence is best effort
+                pass
+
+
+class _Evidence:
+    """On the controller (or a plain run): each failed test's evidence on disk."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.failed or report.when != "call":
+            return
+        props = dict(report.user_properties)
+        where = str(props.get("kph_host", "unknown")).replace(":", "-")
+        d = self.root / where / re.sub(r"[^\w.\[\]-]+", "_", report.nodeid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "report.txt").write_text(str(report.longrepr) + "".join(
+            f"\n--- {name} ---\n{text}" for name, text in report.sections))
+        for key, fname in (("kph_diff_json", "diff.json"), ("kph_console", "console.log")):
+            if key in props:
+                (d / fname).write_text(str(props[key]))
 
 
 def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:

@@ -1,0 +1,183 @@
+"""Remote workers: a host prepared over SSH to run the differential suite as a pytest-xdist
+worker (``--tx ssh=HOST//python=...//chdir=...``), and the identity check that keeps
+results from different kernels, QEMUs or harness versions from being pooled silently.
+
+No rsync (deprecated in xdist): ``prepare`` sends the commit as a git bundle through the
+SSH connection, checks it out in the worker directory, runs the project's own
+``setup.sh`` there (packages, venv, QEMU, default image, snapshot) and builds the extra
+kernels' images, writes ``.kph-worker/python`` (the worker's interpreter with its
+``KPH_CACHE``), asks the host for its identity (``kph worker identity``) and compares it
+with the controller's.
+
+Identity: the harness commit, the QEMU version, and per image the kernel ABI, the sha256
+of its kernel and the recipe hash (the initramfs itself is rebuilt on every host and is
+not byte-identical: file times differ). The core count tells how many workers the host
+takes (one per core: TCG runs one guest per core).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import SetupError
+
+Progress = Callable[[str], None]
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_DIR = ".kph-worker"
+PREPARE_TIMEOUT = 3600.0
+
+
+def local_identity(kernels: list[str] | None = None) -> dict[str, Any]:
+    """This checkout's identity (what ``kph worker identity`` prints)."""
+    from .images import built_images, default_image, image_is_current
+    from .qemu import find_qemu
+
+    commit = _git("rev-parse", "HEAD").strip()
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+    imgs = {}
+    wanted = ([default_image(None if k == "default" else k) for k in kernels] if kernels
+              else built_images())
+    for img in wanted:
+        imgs[img.series] = {"abi": img.version, "current": image_is_current(img),
+                            "kernel_sha256": img.manifest["artifacts"]["vmlinuz"]["sha256"],
+                            "recipe": img.manifest.get("recipe")}
+    try:
+        q = find_qemu().version_str
+    except SetupError:
+        q = None
+    return {"host": os.uname().nodename, "commit": commit, "dirty": dirty, "qemu": q,
+            "cores": os.cpu_count() or 1, "images": imgs}
+
+
+def differences(local: dict[str, Any], remote: dict[str, Any]) -> list[str]:
+    """What makes ``remote``'s results incomparable with ``local``'s (empty: nothing)."""
+    out = []
+    if local["commit"] != remote["commit"]:
+        out.append(f"harness commit {remote['commit'][:12]} (here {local['commit'][:12]})")
+    if local["qemu"] != remote["qemu"]:
+        out.append(f"QEMU {remote['qemu']} (here {local['qemu']})")
+    for series, mine in local["images"].items():
+        theirs = remote["images"].get(series)
+        if theirs is None:
+            out.append(f"no {series} image")
+            continue
+        for key, label in (("abi", "kernel"), ("kernel_sha256", "kernel binary"),
+                           ("recipe", "image recipe")):
+            if mine[key] != theirs[key]:
+                out.append(f"{series}: {label} {theirs[key]} (here {mine[key]})")
+        if not theirs.get("current"):
+            out.append(f"{series}: image not current")
+    return out
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                             timeout=120, check=False)
+    except OSError as exc:
+        raise SetupError("git is needed to send the harness to a worker", "apt-get install git") from exc
+    if out.returncode != 0:
+        raise SetupError(f"git {' '.join(args)} failed: {out.stderr.strip()[-200:]}",
+                         "run kph worker from a git checkout of kprobe-harness")
+    return out.stdout
+
+
+class Ssh:
+    """``ssh`` to one target (``[user@]host``, or a Host of ``ssh_config``), batch mode."""
+
+    def __init__(self, target: str, ssh_config: str | None = None) -> None:
+        self.target = target
+        self.base = ["ssh", "-o", "BatchMode=yes"]
+        if ssh_config:
+            self.base += ["-F", ssh_config]
+
+    def run(self, script: str, *, stdin: bytes | None = None, timeout: float = 600,
+            progress: Progress | None = None, what: str = "") -> str:
+        """Run ``script`` with the remote ``sh``; stream its stderr lines to ``progress``.
+
+        :raise SetupError: ssh failed or the script exited non-zero (its last lines).
+        """
+        cmd = [*self.base, self.target, "sh -c " + shlex.quote(script)]
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else
+                                    subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            raise SetupError("ssh is not available", "apt-get install openssh-client") from exc
+        err_lines: list[str] = []
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise SetupError(f"{self.target}: {what or 'remote command'} took more than "
+                             f"{timeout:.0f} s") from None
+        err_lines = err.decode(errors="replace").splitlines()
+        if progress:
+            for ln in err_lines:
+                if ln.startswith(("==>", "image:", "qemu:", "snapshot:", "apt:", "toolchain:")):
+                    progress(f"{self.target}: {ln}")
+        if proc.returncode != 0:
+            tail = " | ".join(err_lines[-3:]) or f"exit {proc.returncode}"
+            raise SetupError(f"{self.target}: {what or 'remote command'} failed: {tail}",
+                             "check that the host is reachable with ssh (BatchMode) and "
+                             "runs Debian 12 as root")
+        return out.decode(errors="replace")
+
+
+def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[str] | None = None,
+            cache: str | None = None, ssh_config: str | None = None,
+            progress: Progress = print) -> dict[str, Any]:
+    """Make ``target`` a worker: the harness at ``commit`` in ``directory``, set up, its
+    images built, identical to this checkout. Returns its identity plus ``tx``, the
+    ``--tx`` spec for pytest-xdist (one worker per core of the host).
+
+    :raise SetupError: the host is unreachable, setup failed there, or its identity
+        differs from this checkout's (the message names every difference).
+    """
+    ssh = Ssh(target, ssh_config)
+    rev = _git("rev-parse", commit).strip()
+    d = shlex.quote(directory)
+    env = f"KPH_CACHE={shlex.quote(cache)} " if cache else ""
+    with tempfile.TemporaryDirectory(prefix="kph-bundle-") as tmp:
+        bundle = Path(tmp) / "kph.bundle"
+        _git("bundle", "create", str(bundle), rev, "--branches", "--tags")
+        progress(f"{target}: sending commit {rev[:12]} ({bundle.stat().st_size // 1024} KiB bundle)")
+        ssh.run(f"mkdir -p {d} && cat > {d}.bundle", stdin=bundle.read_bytes(), what="upload")
+    ssh.run(f"set -e; if [ -d {d}/.git ]; then cd {d} && git fetch -q {d}.bundle; "
+            f"else git clone -q {d}.bundle {d} && cd {d}; fi; git checkout -q --detach {rev}; "
+            f"rm -f {d}.bundle", what="checkout")
+    progress(f"{target}: running setup.sh")
+    ssh.run(f"cd {d} && {env}./setup.sh", timeout=PREPARE_TIMEOUT, progress=progress,
+            what="setup.sh")
+    for k in kernels or []:
+        progress(f"{target}: building the {k} image")
+        ssh.run(f"cd {d} && {env}.venv/bin/kph image build --kernel {shlex.quote(k)}",
+                timeout=PREPARE_TIMEOUT, progress=progress, what=f"kph image build --kernel {k}")
+    wrapper = (f"#!/bin/sh\n# The pytest-xdist interpreter of this worker (kph worker prepare).\n"
+               + (f"export KPH_CACHE={shlex.quote(cache)}\n" if cache else "")
+               + f"exec {shlex.quote(directory)}/.venv/bin/python \"$@\"\n")
+    ssh.run(f"mkdir -p {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "
+            f"chmod 755 {d}/{WORKER_DIR}/python", stdin=wrapper.encode(), what="worker wrapper")
+    ks = ",".join(kernels or [])
+    remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity"
+                                + (f" --kernels {shlex.quote(ks)}" if ks else ""),
+                                what="kph worker identity"))
+    local = local_identity(["default", *(kernels or [])] if kernels else None)
+    local["images"] = {s: v for s, v in local["images"].items()
+                       if s in remote["images"] or not kernels}
+    diff = differences(local, remote)
+    if diff:
+        raise SetupError(f"{target} is not identical to this checkout: {'; '.join(diff)}",
+                         "results from different kernels, QEMUs or harness versions must not "
+                         "be pooled; rebuild there (kph worker prepare) or here")
+    remote["tx"] = (f"{remote['cores']}*ssh={target}"
+                    + (f"//ssh_config={ssh_config}" if ssh_config else "")
+                    + f"//python={directory}/{WORKER_DIR}/python//chdir={directory}")
+    progress(f"{target}: ready: {remote['cores']} core(s); pytest --tx {remote['tx']}")
+    return remote
