@@ -3,7 +3,9 @@ worker (``--tx ssh=HOST//python=...//chdir=...``), and the identity check that k
 results from different kernels, QEMUs or harness versions from being pooled silently.
 
 No rsync (deprecated in xdist): ``prepare`` sends the commit as a git bundle through the
-SSH connection, checks it out in the worker directory, runs the project's own
+SSH connection, checks it out in ``DIR/<name of this checkout's directory>`` (the layout
+xdist expects under a gateway's ``chdir``: it rewrites test paths given on the command
+line to ``<root name>/<path>``; pass test paths when ssh gateways take part), runs the project's own
 ``setup.sh`` there (packages, venv, QEMU, default image, snapshot) and builds the extra
 kernels' images, writes ``.kph-worker/python`` (the worker's interpreter with its
 ``KPH_CACHE``), asks the host for its identity (``kph worker identity``) and compares it
@@ -109,19 +111,38 @@ class Ssh:
                                     stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             raise SetupError("ssh is not available", "apt-get install openssh-client") from exc
+        import threading
+
         err_lines: list[str] = []
+
+        def pump() -> None:
+            assert proc.stderr is not None
+            for raw in proc.stderr:
+                ln = raw.decode(errors="replace").rstrip("\n")
+                err_lines.append(ln)
+                if progress and ln.startswith(("==>", "image:", "qemu:", "snapshot:", "apt:",
+                                               "toolchain:")):
+                    progress(f"{self.target}: {ln}")
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
         try:
-            out, err = proc.communicate(stdin, timeout=timeout)
+            if stdin is not None:
+                assert proc.stdin is not None
+                proc.stdin.write(stdin)
+                proc.stdin.close()
+            assert proc.stdout is not None
+            out_box: list[bytes] = []
+            outr = threading.Thread(target=lambda: out_box.append(proc.stdout.read()), daemon=True)
+            outr.start()
+            proc.wait(timeout)
+            outr.join(10)
+            reader.join(10)
+            out = out_box[0] if out_box else b""
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
+            proc.wait()
             raise SetupError(f"{self.target}: {what or 'remote command'} took more than "
                              f"{timeout:.0f} s") from None
-        err_lines = err.decode(errors="replace").splitlines()
-        if progress:
-            for ln in err_lines:
-                if ln.startswith(("==>", "image:", "qemu:", "snapshot:", "apt:", "toolchain:")):
-                    progress(f"{self.target}: {ln}")
         if proc.returncode != 0:
             tail = " | ".join(err_lines[-3:]) or f"exit {proc.returncode}"
             raise SetupError(f"{self.target}: {what or 'remote command'} failed: {tail}",
@@ -142,6 +163,8 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
     """
     ssh = Ssh(target, ssh_config)
     rev = _git("rev-parse", commit).strip()
+    base = directory
+    directory = f"{directory.rstrip('/')}/{ROOT.name}"
     d = shlex.quote(directory)
     env = f"KPH_CACHE={shlex.quote(cache)} " if cache else ""
     with tempfile.TemporaryDirectory(prefix="kph-bundle-") as tmp:
@@ -178,6 +201,6 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
                          "be pooled; rebuild there (kph worker prepare) or here")
     remote["tx"] = (f"{remote['cores']}*ssh={target}"
                     + (f"//ssh_config={ssh_config}" if ssh_config else "")
-                    + f"//python={directory}/{WORKER_DIR}/python//chdir={directory}")
+                    + f"//python={directory}/{WORKER_DIR}/python//chdir={base}")
     progress(f"{target}: ready: {remote['cores']} core(s); pytest --tx {remote['tx']}")
     return remote
