@@ -470,8 +470,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if args.worker_cmd == "identity":
-        print(json.dumps(remote.local_identity(["default", *kernels] if kernels else None),
-                         indent=1))
+        print(json.dumps(remote.local_identity(kernels or None), indent=1))
         return EXIT_OK
     if args.worker_cmd == "prepare":
         info = remote.prepare(args.target, directory=args.dir, commit=args.commit,

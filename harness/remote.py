@@ -187,13 +187,10 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
                + f"exec {shlex.quote(directory)}/.venv/bin/python \"$@\"\n")
     ssh.run(f"mkdir -p {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "
             f"chmod 755 {d}/{WORKER_DIR}/python", stdin=wrapper.encode(), what="worker wrapper")
-    ks = ",".join(kernels or [])
-    remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity"
-                                + (f" --kernels {shlex.quote(ks)}" if ks else ""),
+    remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity --kernels "
+                                + shlex.quote(",".join(["default", *(kernels or [])])),
                                 what="kph worker identity"))
-    local = local_identity(["default", *(kernels or [])] if kernels else None)
-    local["images"] = {s: v for s, v in local["images"].items()
-                       if s in remote["images"] or not kernels}
+    local = local_identity(["default", *(kernels or [])])
     diff = differences(local, remote)
     if diff:
         raise SetupError(f"{target} is not identical to this checkout: {'; '.join(diff)}",
