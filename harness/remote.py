@@ -3,9 +3,10 @@ worker (``--tx ssh=HOST//python=...//chdir=...``), and the identity check that k
 results from different kernels, QEMUs or harness versions from being pooled silently.
 
 No rsync (deprecated in xdist): ``prepare`` sends the commit as a git bundle through the
-SSH connection, checks it out in ``DIR/<name of this checkout's directory>`` (the layout
-xdist expects under a gateway's ``chdir``: it rewrites test paths given on the command
-line to ``<root name>/<path>``; pass test paths when ssh gateways take part), runs the project's own
+SSH connection, checks it out in the worker directory (the gateway's ``chdir``, so the
+worker collects with the checkout's own configuration; select tests with ``-k``/``-m``:
+xdist rewrites positional test paths for rsync roots, which kph workers do not use, and
+refuses paths outside them), runs the project's own
 ``setup.sh`` there (packages, venv, QEMU, default image, snapshot) and builds the extra
 kernels' images, writes ``.kph-worker/python`` (the worker's interpreter with its
 ``KPH_CACHE``), asks the host for its identity (``kph worker identity``) and compares it
@@ -163,8 +164,6 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
     """
     ssh = Ssh(target, ssh_config)
     rev = _git("rev-parse", commit).strip()
-    base = directory
-    directory = f"{directory.rstrip('/')}/{ROOT.name}"
     d = shlex.quote(directory)
     env = f"KPH_CACHE={shlex.quote(cache)} " if cache else ""
     with tempfile.TemporaryDirectory(prefix="kph-bundle-") as tmp:
@@ -198,6 +197,6 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
                          "be pooled; rebuild there (kph worker prepare) or here")
     remote["tx"] = (f"{remote['cores']}*ssh={target}"
                     + (f"//ssh_config={ssh_config}" if ssh_config else "")
-                    + f"//python={directory}/{WORKER_DIR}/python//chdir={base}")
+                    + f"//python={directory}/{WORKER_DIR}/python//chdir={directory}")
     progress(f"{target}: ready: {remote['cores']} core(s); pytest --tx {remote['tx']}")
     return remote
