@@ -113,6 +113,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                 pass
 
 
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """A worker that died (its host lost, its SSH session ended): name the host in the
+    error, not only xdist's gateway id."""
+    node = getattr(report, "node", None)
+    spec = getattr(getattr(node, "gateway", None), "spec", None)
+    if spec is None:
+        return
+    where = f"ssh host {spec.ssh}" if getattr(spec, "ssh", None) else "a local (popen) worker"
+    report.longrepr = f"{report.longrepr} (on {where}); the QEMU it ran died with it " \
+                      "(PR_SET_PDEATHSIG); the other workers go on"
+    report.user_properties.append(("kph_host", f"{getattr(spec, 'ssh', None) or 'local'}:"
+                                   f"{getattr(node.gateway, 'id', '?')}"))
+
+
 class _Evidence:
     """On the controller (or a plain run): each failed test's evidence on disk."""
 
@@ -120,7 +134,7 @@ class _Evidence:
         self.root = root
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not report.failed or report.when != "call":
+        if not report.failed or report.when not in ("call", "???"):   # "???": a crash
             return
         props = dict(report.user_properties)
         where = str(props.get("kph_host", "unknown")).replace(":", "-")

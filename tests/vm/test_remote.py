@@ -1,0 +1,151 @@
+"""Issue 18: the differential suite across machines on pytest-xdist's SSH gateways.
+
+Only loopback is allowed here, so "another machine" is a private sshd on 127.0.0.1
+(``harness.loopback_sshd``: a random port, throwaway keys, stopped by its pid) and a
+worker checkout made by ``kph worker prepare`` in a temporary directory with its own,
+empty ``KPH_CACHE``: setup.sh, the private QEMU, the image and its snapshot are all made
+there afresh, as on a new host.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from harness.loopback_sshd import HOST_ALIAS, LoopbackSshd
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+SLICE = "test_differential and (entry or return or mid-function)"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """(sshd, the --tx spec of a prepared worker, its KPH_CACHE)."""
+    base = tmp_path_factory.mktemp("remote")
+    sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-{os.getpid()}"))   # short: socket paths
+    sshd.start()
+    try:
+        cache = base / "cache"
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "-q", "worker", "prepare",
+                            HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(cache),
+                            "--ssh-config", str(sshd.ssh_config)],
+                           capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        tx = r.stdout.split("--tx ", 1)[1].strip()
+        yield sshd, tx, cache
+    finally:
+        sshd.stop()
+        import shutil
+        shutil.rmtree(sshd.dir, ignore_errors=True)
+
+
+def _pytest(args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """nodeid-ish name -> (outcome, kph_host)."""
+    out = {}
+    for tc in ET.parse(junit).getroot().iter("testcase"):
+        outcome = "failed" if tc.find("failure") is not None or tc.find("error") is not None \
+            else "skipped" if tc.find("skipped") is not None else "passed"
+        host = next((p.get("value") for p in tc.iter("property") if p.get("name") == "kph_host"), "")
+        out[f"{tc.get('classname')}::{tc.get('name')}"] = (outcome, host or "")
+    return out
+
+
+def _processes_with(*texts: str) -> list[str]:
+    """Live processes whose environment holds every one of ``texts``."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            data = env.read_bytes()
+            stat = (env.parent / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] != "Z" and all(t.encode() in data for t in texts):
+                found.append(f"{env.parent.name} {(env.parent / 'comm').read_text().strip()}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(1500)
+def test_prepare_makes_an_identical_worker_and_prints_its_tx(worker):
+    sshd, tx, cache = worker
+    assert tx.startswith(f"{os.cpu_count()}*ssh={HOST_ALIAS}//ssh_config=")
+    assert "//python=" in tx and tx.endswith("/w") and "//chdir=" in tx
+    assert (cache / "default").exists() and (cache / "qemu" / "qemu.json").exists()
+
+
+@pytest.mark.timeout(1500)
+def test_a_slice_through_two_ssh_gateways_and_popen_matches_a_local_run(worker, tmp_path):
+    sshd, tx, cache = worker
+    two = tx.replace(tx.split("*", 1)[0], "2", 1)
+    remote = _pytest(["--dist", "load", "--tx", two, "--tx", "popen", "-k", SLICE,
+                      "--junitxml", str(tmp_path / "remote.xml")])
+    assert remote.returncode == 0, remote.stdout[-3000:]
+    local = _pytest(["-k", SLICE, "--junitxml", str(tmp_path / "local.xml")])
+    assert local.returncode == 0, local.stdout[-3000:]
+    r, l = _outcomes(tmp_path / "remote.xml"), _outcomes(tmp_path / "local.xml")
+    assert r.keys() == l.keys() and len(r) >= 6
+    assert {k: v[0] for k, v in r.items()} == {k: v[0] for k, v in l.items()}
+    hosts = {h for _, h in r.values()}
+    # Each result says where it ran: gw0, gw1 are the ssh workers, gw2 the local one.
+    assert all(h.count(":") == 1 and h.split(":")[1].startswith("gw") for h in hosts), hosts
+    assert len(hosts) >= 2, hosts
+
+
+@pytest.mark.timeout(1500)
+def test_a_remote_worker_killed_mid_run_is_an_error_naming_its_host(worker, tmp_path):
+    """The killed worker's test is an error naming the ssh host, its QEMU dies with it
+    (PDEATHSIG), and the other workers finish the run."""
+    sshd, tx, cache = worker
+    two = tx.replace(tx.split("*", 1)[0], "2", 1)
+    evidence = tmp_path / "evidence"
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--dist",
+                          "load", "--tx", two, "--tx", "popen", "-k", "test_differential",
+                          "--junitxml", str(tmp_path / "r.xml"), "--kph-evidence", str(evidence)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        # Wait until a remote worker has a QEMU running, then kill that worker.
+        deadline = time.monotonic() + 300
+        victim = None
+        while victim is None and time.monotonic() < deadline and p.poll() is None:
+            for line in _processes_with(f"KPH_CACHE={cache}"):
+                pid, comm = line.split(" ", 1)
+                if comm.startswith("qemu-system"):
+                    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                    environ = Path(f"/proc/{ppid}/environ").read_bytes()
+                    if b"PYTEST_XDIST_WORKER=gw" in environ:
+                        worker_id = environ.split(b"PYTEST_XDIST_WORKER=")[1].split(b"\0")[0]
+                        victim = (ppid, worker_id.decode())
+                        break
+            time.sleep(0.2)
+        assert victim is not None, "no remote worker ran a QEMU"
+        os.kill(victim[0], signal.SIGKILL)
+        mine = (f"PYTEST_XDIST_WORKER={victim[1]}\0", f"KPH_CACHE={cache}\0")
+        gone = time.monotonic() + 10
+        left = _processes_with(*mine)
+        while left and time.monotonic() < gone:
+            time.sleep(0.2)
+            left = _processes_with(*mine)
+        assert not left, f"processes of the killed worker {victim[1]} still run: {left}"
+        out, _ = p.communicate(timeout=900)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert f"worker '{victim[1]}' crashed" in out and f"ssh host {HOST_ALIAS}" in out, out[-3000:]
+    res = _outcomes(tmp_path / "r.xml")
+    failed = [k for k, (o, _) in res.items() if o == "failed"]
+    assert len(failed) == 1, failed                  # only the test it was running
+    assert sum(1 for o, _ in res.values() if o == "passed") >= 20     # the rest finished
+    assert list(evidence.glob(f"{HOST_ALIAS}-{victim[1]}/*/report.txt")), list(evidence.rglob("*"))
