@@ -98,7 +98,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     rep = outcome.get_result()
     if rep.when != "call":
         return
-    rep.user_properties.append(("kph_host", _where()))
+    # The item's list feeds the teardown report, which --junitxml reads properties from;
+    # the call report's own copy feeds --kph-evidence.
+    for props in (rep.user_properties, item.user_properties):
+        props.append(("kph_host", _where()))
     helper = getattr(item, "funcargs", {}).get("probe_diff")
     if isinstance(helper, DiffHelper) and helper.last is not None:
         from harness import report
