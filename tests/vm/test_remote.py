@@ -89,7 +89,7 @@ def test_a_slice_through_two_ssh_gateways_and_popen_matches_a_local_run(worker, 
     sshd, tx, cache = worker
     two = tx.replace(tx.split("*", 1)[0], "2", 1)
     remote = _pytest(["--dist", "load", "--tx", two, "--tx", "popen", "-k", SLICE,
-                      "--junitxml", str(tmp_path / "remote.xml")])
+                      f"--junitxml={tmp_path / 'remote.xml'}"])
     assert remote.returncode == 0, remote.stdout[-3000:]
     local = _pytest(["-k", SLICE, "--junitxml", str(tmp_path / "local.xml")])
     assert local.returncode == 0, local.stdout[-3000:]
@@ -111,7 +111,9 @@ def test_a_remote_worker_killed_mid_run_is_an_error_naming_its_host(worker, tmp_
     evidence = tmp_path / "evidence"
     p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--dist",
                           "load", "--tx", two, "--tx", "popen", "-k", "test_differential",
-                          "--junitxml", str(tmp_path / "r.xml"), "--kph-evidence", str(evidence)],
+                          # =-forms: xdist rewrites any argument that is an existing path
+                          # for a gateway with a chdir (and refuses one outside its roots)
+                          f"--junitxml={tmp_path / 'r.xml'}", f"--kph-evidence={evidence}"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -122,8 +124,14 @@ def test_a_remote_worker_killed_mid_run_is_an_error_naming_its_host(worker, tmp_
             for line in _processes_with(f"KPH_CACHE={cache}"):
                 pid, comm = line.split(" ", 1)
                 if comm.startswith("qemu-system"):
-                    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                    environ = Path(f"/proc/{ppid}/environ").read_bytes()
+                    # The worker set PYTEST_XDIST_WORKER after it started (so only its
+                    # children show it in /proc/PID/environ): read it off the QEMU.
+                    try:
+                        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                                   .split()[1])
+                        environ = Path(f"/proc/{pid}/environ").read_bytes()
+                    except OSError:
+                        continue
                     if b"PYTEST_XDIST_WORKER=gw" in environ:
                         worker_id = environ.split(b"PYTEST_XDIST_WORKER=")[1].split(b"\0")[0]
                         victim = (ppid, worker_id.decode())
