@@ -36,6 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "worker's shared kph_machine")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
+    group.addoption("--kph-host", choices=("gdbstub", "plugin"), default="gdbstub",
+                    help="Host-side engine of the machines (vm.host, probe_diff's host "
+                    "side): gdbstub (default) or the QEMU plugin")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,7 +56,8 @@ def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:
 
 
 def _boot_opts(config: pytest.Config) -> dict[str, Any]:
-    return {"qemu": config.getoption("--kph-qemu"), "fresh": not config.getoption("--kph-cold")}
+    return {"qemu": config.getoption("--kph-qemu"), "fresh": not config.getoption("--kph-cold"),
+            "host": config.getoption("--kph-host")}
 
 
 class DiffHelper:

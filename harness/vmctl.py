@@ -123,8 +123,13 @@ class Machine:
                  accel: str = "tcg", memory: str = C.DEFAULT_MEMORY,
                  qemu: QemuBinary | None = None, name: str | None = None,
                  extra_args: Sequence[str] = (), image: Any = None,
-                 vmlinux: Path | None = None, ram_file: Path | None = None) -> None:
+                 vmlinux: Path | None = None, ram_file: Path | None = None,
+                 host: str = "gdbstub") -> None:
         self.kernel, self.initrd, self.append = kernel, initrd, append
+        #: The host-side engine ``vm.host`` is: "gdbstub" (harness.engine) or "plugin"
+        #: (harness.plugin_engine, QEMU started with probes/plugin loaded, inert).
+        self.host_kind = host
+        self.plugin_path: Path | None = None
         self.vmlinux = vmlinux
         self.smp, self.accel, self.memory = smp, accel, memory
         self.qemu = qemu or find_qemu()
@@ -169,7 +174,8 @@ class Machine:
              memory: str = C.DEFAULT_MEMORY, append: str | None = None,
              qemu: QemuBinary | str | None = None, name: str | None = None,
              timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = (),
-             vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True) -> "Machine":
+             vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True,
+             host: str = "gdbstub") -> "Machine":
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
 
         ``fresh`` (the default) starts from the image's ready snapshot, building it on first
@@ -184,7 +190,7 @@ class Machine:
         """
         m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                         memory=memory, append=append, qemu=qemu, name=name,
-                        extra_args=extra_args, vmlinux=vmlinux)
+                        extra_args=extra_args, vmlinux=vmlinux, host=host)
         if fresh and os.environ.get(C.COLD_ENV, "") in ("", "0"):
             m.use_snapshot()
         elif fresh:
@@ -204,7 +210,8 @@ class Machine:
             say_once(why)
             cold = cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                             memory=memory, append=append, qemu=m.qemu, name=name,
-                            timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False)
+                            timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False,
+                            host=host)
             cold.cold_reason = why
             return cold
         except BaseException:
@@ -232,7 +239,8 @@ class Machine:
                 accel: str = "tcg", memory: str = C.DEFAULT_MEMORY, append: str | None = None,
                 qemu: QemuBinary | str | None = None, name: str | None = None,
                 extra_args: Sequence[str] = (),
-                vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
+                vmlinux: str | os.PathLike[str] | None = None,
+                host: str = "gdbstub") -> "Machine":
         """Resolve and check every input without starting anything (``--dry-run`` uses it)."""
         from .images import Image, default_image
 
@@ -240,6 +248,8 @@ class Machine:
             raise SetupError(f"unknown accelerator {accel!r}", "use --accel tcg or --accel kvm")
         if smp < 1:
             raise SetupError(f"--smp {smp} is not a CPU count", "use --smp 1 or more")
+        if host not in ("gdbstub", "plugin"):
+            raise SetupError(f"unknown host-side engine {host!r}", "use --host gdbstub or --host plugin")
         if kernel is None:
             img = image if isinstance(image, Image) else default_image(image)
             kpath, ipath = img.kernel, img.initrd
@@ -265,9 +275,13 @@ class Machine:
                                  (" or run `kph image build`" if img is None else ""))
         _check_kernel_format(kpath)
         q = qemu if isinstance(qemu, QemuBinary) else find_qemu(qemu)
-        return cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
-                   accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
-                   image=img, vmlinux=vpath)
+        m = cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
+                accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
+                image=img, vmlinux=vpath, host=host)
+        if host == "plugin":  # built (or found cached) before anything starts
+            from .plugin import build_plugin
+            m.plugin_path = build_plugin(q)
+        return m
 
     def machine_args(self) -> list[str]:
         """The guest-visible part of the command line, without this machine's name, run
@@ -288,6 +302,9 @@ class Machine:
         if mem is not None:
             args[args.index("-machine") + 1] += ",memory-backend=kph-ram"
             args += ["-object", f"memory-backend-file,id=kph-ram,size={self.memory},{mem}"]
+        if self.plugin_path is not None:  # harness.plugin: loaded inert, not guest-visible
+            from .plugin import qemu_args
+            args += qemu_args(self.plugin_path, (fds or {}).get("plugin", 6))
         return self.qemu.command(args + self.extra_args)
 
     def _args(self, fds: dict[str, int], rundir: Path) -> list[str]:
@@ -324,7 +341,7 @@ class Machine:
         _live.add(self)
         self.rundir = Path(tempfile.mkdtemp(prefix=f"{self.name}.", dir=run_dir_base()))
         os.chmod(self.rundir, 0o700)
-        for key in ("qmp", "qga", "gdb"):
+        for key in ("qmp", "qga", "gdb") + (("plugin",) if self.plugin_path else ()):
             self._socks[key] = _listen(self.rundir / f"{key}.sock")
         fds = {k: s.fileno() for k, s in self._socks.items()}
         console = self.rundir / "console.log"
@@ -621,10 +638,13 @@ class Machine:
     def host(self) -> Any:
         """Host-side kprobes on this machine (``harness.engine.HostEngine``), started on first use."""
         if self._host is None or self._host.closed:
-            from .engine import HostEngine
-
             self._require_running()
-            self._host = HostEngine(self)
+            if self.host_kind == "plugin":
+                from .plugin_engine import PluginEngine
+                self._host = PluginEngine(self)
+            else:
+                from .engine import HostEngine
+                self._host = HostEngine(self)
         return self._host
 
     @property
