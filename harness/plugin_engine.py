@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import HarnessError, ProbeRejectedError
-from .plugin import (CMD_ADD, CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE,
+from .plugin import (ADD_ENABLED, ADD_NO_INVALIDATE, CMD_ADD, CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE,
                      CMD_STATS, INVAL_PENDING, INVAL_TEXT, PK_SPEC_P, PK_SPEC_R, PluginLink,
                      RawRecord, decode)
 from .symbols import check_probe_address
@@ -140,14 +140,17 @@ class PluginEngine:
         return addr + offset
 
     def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
-                       enabled: bool = True) -> PluginProbe:
+                       enabled: bool = True, invalidate: bool = True) -> PluginProbe:
         """Arm a compiled spec probe at ``addr`` (checked by the caller); a return probe
-        gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs))."""
+        gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs)).
+        ``invalidate=False`` leaves code translated earlier without the probe (tests use
+        it to show what the invalidation is for)."""
         if ret and maxactive <= 0:
             maxactive = max(10, 2 * self.vm.smp)      # register_kretprobe(), kernel/kprobes.c
         pid = next(self._ids)
         kind = PK_SPEC_R if ret else PK_SPEC_P
-        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, int(enabled),
+        flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE)
+        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
                               len(program) // 16, 0) + program
         st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
         p = PluginProbe(pid, addr, kind, maxactive, enabled, INVAL_TEXT.get(st, str(st)))
@@ -178,9 +181,12 @@ class PluginEngine:
         return {"invalidations": n, "invalidation_ns": ns, "trampoline_unmatched": missing,
                 "records": seq, "dropped": self.link.dropped}
 
-    def invalidate(self, addr: int) -> str:
-        """Invalidate the translations of ``addr`` now (what adding a probe does)."""
-        st = struct.unpack("<I", self.link.request(CMD_INVALIDATE, struct.pack("<Q", addr)))[0]
+    def invalidate(self, addr: int, *, flush_all: bool = False) -> str:
+        """Invalidate the translations of ``addr`` now (what adding a probe does);
+        ``flush_all``: through ``qemu_plugin_reset()`` instead, which drops the whole
+        translation cache (measured in bench/plugin_invalidation.py, not used)."""
+        st = struct.unpack("<I", self.link.request(
+            CMD_INVALIDATE, struct.pack("<QI", addr, 1 if flush_all else 0)))[0]
         return INVAL_TEXT.get(st, str(st))
 
     def invalidate_code(self) -> None:
