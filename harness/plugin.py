@@ -48,14 +48,21 @@ SO_NAME = "kph_plugin.so"
 PROTO = 1
 
 CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
-CMD_STATS, CMD_GSTATS, CMD_INVALIDATE = 7, 8, 9
-PK_SPEC_P, PK_SPEC_R = 1, 2
+CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL = 7, 8, 9, 10
+PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
+EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
+C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
+ACT_CONTINUE, ACT_SETPC, ACT_POST, ACT_DISCARD, ACT_HANDLED = 0, 1, 2, 3, 4
+#: ``regs.read_sys()`` names, in the plugin's order (kph_plugin.c sys_names).
+SYS_REGS = ("cr0", "cr2", "cr3", "cr4", "cr8", "efer", "fs_base", "gs_base", "k_gs_base")
+EV_HDR = struct.Struct("<IIIIQ21QQiI16sQQ")
+EV_SIZE = 256
 REC_HIT, REC_RET, REC_PAD, REC_ERROR = 1, 2, 3, 4
 RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG = 1, 2, 4, 8, 16
 INVAL_DONE, INVAL_IDLE, INVAL_PENDING, INVAL_SKIPPED = 0, 1, 2, 3
 INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "pending",
               INVAL_SKIPPED: "skipped"}
-ADD_ENABLED, ADD_NO_INVALIDATE = 1, 2
+ADD_ENABLED, ADD_NO_INVALIDATE, ADD_POST, ADD_ENTRY = 1, 2, 4, 8
 
 RING_MAGIC = 0x4B504852
 RING_CTL_OFF = 4096
@@ -319,6 +326,105 @@ class PluginLink:
         finally:
             with self._rec_lock:
                 self.ring.close()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A vCPU waiting in a handler round trip (``EV_*``): where, its registers, current."""
+
+    type: int
+    vcpu: int
+    extra: int
+    addr: int
+    regs: tuple[int, ...]
+    task: int
+    pid: int
+    tflags: int
+    comm: bytes
+    a: int
+    b: int
+    ids: tuple[int, ...]
+
+
+class Channel:
+    """One vCPU's handler channel: a socketpair whose other end the plugin holds.
+
+    The vCPU thread writes an event and blocks; :meth:`serve` hands it to ``dispatch``,
+    which may call :meth:`read`, :meth:`write` and :meth:`read_reg` on that vCPU (they
+    run in its context, with its address space) and returns what to do. The other vCPUs
+    are not stopped. Closing the channel lets a blocked vCPU go on (as if every handler
+    returned 0).
+    """
+
+    def __init__(self, link: "PluginLink", vcpu: int) -> None:
+        self.vcpu = vcpu
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            link.request(CMD_CHANNEL, struct.pack("<I", vcpu), fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        self.closed = False
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+    def next_event(self) -> Event | None:
+        """The next event, or None when the channel closed."""
+        try:
+            head = self._recv(EV_SIZE)
+        except (EOFError, OSError):
+            return None
+        (etype, vcpu, n, extra, addr, *rest) = EV_HDR.unpack_from(head)
+        regs = tuple(rest[:21])
+        task, pid, tflags, comm, a, b = rest[21:]
+        try:
+            ids = struct.unpack(f"<{n}I", self._recv(4 * n)) if n else ()
+        except (EOFError, OSError):
+            return None
+        return Event(etype, vcpu, extra, addr, regs, task, pid, tflags,
+                     comm.split(b"\0", 1)[0], a, b, ids)
+
+    def read(self, addr: int, n: int) -> bytes | None:
+        """``n`` bytes of guest virtual memory in this vCPU's address space, or None."""
+        self.sock.sendall(struct.pack("<IIQI", C_READ, 12, addr & (1 << 64) - 1, n))
+        status, length = struct.unpack("<II", self._recv(8))
+        data = self._recv(length) if length else b""
+        return None if status else data
+
+    def write(self, addr: int, data: bytes) -> bool:
+        self.sock.sendall(struct.pack("<IIQ", C_WRITE, 8 + len(data), addr & (1 << 64) - 1) + data)
+        status, _ = struct.unpack("<II", self._recv(8))
+        return status == 0
+
+    def read_reg(self, name: str) -> int:
+        self.sock.sendall(struct.pack("<III", C_READREG, 4, SYS_REGS.index(name)))
+        status, _, value = struct.unpack("<IIQ", self._recv(16))
+        if status:
+            raise PluginError(f"the plugin cannot read {name}", status)
+        return value
+
+    def done(self, action: int, writes: dict[int, int]) -> None:
+        """Let the vCPU go: ``writes`` maps pt_regs indexes to new values."""
+        mask, vals = 0, [0] * 21
+        for i, v in writes.items():
+            mask |= 1 << i
+            vals[i] = v & (1 << 64) - 1
+        self.sock.sendall(struct.pack("<IIIIQ21Q", C_DONE, 16 + 8 * 21, action, 0, mask, *vals))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
 
 
 def wait_for(path: Path, timeout: float) -> None:

@@ -12,7 +12,26 @@ other vCPUs go on. The semantics are the same modules' (``kprobes``, ``fetchargs
   shared-memory ring, read back and evaluated by ``harness.fetchargs``: no round trip;
 - kretprobes take instances from a pool of ``maxactive`` in C, per concurrent call across
   all vCPUs, as ``pre_handler_kretprobe()`` (kernel/kprobes.c, 6.1) does, and the
-  trampoline is serviced in C.
+  trampoline is serviced in C;
+- Python handlers (``register_kprobe(Kprobe(pre_handler=...))``, kretprobes with
+  ``entry_handler``/``handler``, jprobes) are a synchronous round trip on that vCPU only
+  (``harness.plugin.Channel``): the vCPU waits in its callback while the handler runs
+  here, may read and write guest memory and system registers through it, and resumes
+  with the registers the handler changed (``qemu_plugin_write_register``) or at the ip it
+  chose (``qemu_plugin_set_pc``). The other vCPUs keep running.
+
+The hit flow mirrors ``harness.engine`` (kprobe_int3_handler(), aggr_pre_handler(),
+kprobe_post_process() of Linux 6.1): pre_handlers newest first, the first non-zero
+return ends the chain and the vCPU resumes at ``regs.ip`` with no instruction and no
+post_handler; with 0 an ip change is dropped (``setup_singlestep()`` overwrites it) and
+the other registers carry over; the instruction then runs *in QEMU* (nothing emulated,
+nothing single-stepped), and the post_handlers run at the next instruction this vCPU
+executes, whatever the probed one was (a branch, call or ret: at the next block's first
+instruction; an interrupt delivered right after it: at the interrupt, with ip/flags/sp
+from the interrupt frame). When the probed instruction itself faults, the
+fault_handlers run with the faulting registers from the exception frame (1 = handled:
+the frame is undone, the vCPU resumes at ``regs.ip``) and no post_handler runs; the
+guest's own int3 there (vector 3) is the guest's business.
 
 Registration applies the kernel's rules first (``harness.symbols.check_probe_address``,
 reading kernel text through the human monitor's ``x``, which works while the guest
@@ -35,10 +54,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .engine import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, _arity
 from .errors import HarnessError, ProbeRejectedError
-from .plugin import (ADD_ENABLED, ADD_NO_INVALIDATE, CMD_ADD, CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE,
-                     CMD_STATS, INVAL_PENDING, INVAL_TEXT, PK_SPEC_P, PK_SPEC_R, PluginLink,
-                     RawRecord, decode)
+from .fetchprog import REG_INDEX, REGS
+from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
+from .plugin import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC, ADD_ENABLED,
+                     ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE, CMD_GSTATS,
+                     CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, EV_FAULT, EV_MISS, EV_POST, EV_PRE,
+                     EV_RET, EV_RET_ENTRY, INVAL_PENDING, INVAL_TEXT, PK_KPROBE, PK_KRET,
+                     PK_SPEC_P, PK_SPEC_R, Channel, Event, PluginLink, RawRecord, decode)
 from .symbols import check_probe_address
 
 log = logging.getLogger(__name__)
@@ -88,6 +112,15 @@ class PluginEngine:
         self.link = PluginLink(vm.rundir / "plugin.sock")
         self.link.request(CMD_CONFIG, struct.pack("<4Q", *self.task_offsets, self.trampoline))
         self._closed = False
+        # Python handlers (made on first use): per-vCPU channels and their threads
+        self._channels: list[Channel] = []
+        self._threads: list[threading.Thread] = []
+        self._tls = threading.local()
+        self._by_id: dict[int, Kprobe | Kretprobe] = {}
+        self._aggr: dict[int, list[Kprobe | Kretprobe]] = {}
+        self._pending: dict[int, tuple[int, list[Kprobe]]] = {}
+        self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
+                     if (sym := self.symbols.get(name)) is not None}
 
     def _btf(self, member: str) -> int:
         try:
@@ -98,8 +131,18 @@ class PluginEngine:
 
     # -- guest memory, without stopping anything -----------------------------------------
     def read(self, addr: int, n: int) -> bytes:
-        """Guest virtual memory read through the human monitor's ``x`` (CPU 0's address
-        space: meant for kernel addresses, e.g. probed text at registration)."""
+        """Guest virtual memory. In a handler: through its vCPU (that task's address
+        space). Elsewhere: through the human monitor's ``x``, in CPU 0's address space,
+        without stopping anything (meant for kernel addresses, e.g. probed text).
+
+        :raise HarnessError: the address does not map.
+        """
+        ch = self._channel()
+        if ch is not None:
+            data = ch.read(addr, n)
+            if data is None:
+                raise HarnessError(f"cannot read guest memory at {addr:#x}")
+            return data
         out = bytearray()
         while len(out) < n:
             chunk = min(n - len(out), 1024)
@@ -177,9 +220,11 @@ class PluginEngine:
         return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", p.id)))
 
     def global_stats(self) -> dict[str, int]:
-        n, ns, missing, seq = struct.unpack("<4Q", self.link.request(CMD_GSTATS))
-        return {"invalidations": n, "invalidation_ns": ns, "trampoline_unmatched": missing,
-                "records": seq, "dropped": self.link.dropped}
+        vals = struct.unpack("<10Q", self.link.request(CMD_GSTATS))
+        keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
+                "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
+                "posts_interrupt", "flushes")
+        return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:
         """Invalidate the translations of ``addr`` now (what adding a probe does);
@@ -200,13 +245,385 @@ class PluginEngine:
         recs.sort(key=lambda r: r.seq)
         return recs
 
+    # -- Python handlers: the kprobes API (kernel names, harness.kprobes values) ---------
+    def _ensure_channels(self) -> None:
+        if self._channels:
+            return
+        for i in range(self.link.nvcpus):
+            ch = Channel(self.link, i)
+            th = threading.Thread(target=self._serve, args=(ch,), daemon=True,
+                                  name=f"{self.vm.name}-plugin-vcpu{i}")
+            self._channels.append(ch)
+            self._threads.append(th)
+            th.start()
+
+    def _serve(self, ch: Channel) -> None:
+        while True:
+            ev = ch.next_event()
+            if ev is None:
+                return
+            self._tls.ch, self._tls.ev = ch, ev
+            try:
+                action, writes = self._dispatch(ch, ev)
+            except Exception as exc:  # noqa: BLE001 - the vCPU must go on
+                log.exception("plugin event %d failed", ev.type)
+                self.handler_errors.append(exc)
+                action, writes = ACT_CONTINUE, {}
+            finally:
+                self._tls.ch = self._tls.ev = None
+            try:
+                ch.done(action, writes)
+            except OSError:
+                return
+
+    def _regs(self, ev: Event, ch: Channel, values: dict[str, int] | None = None) -> PtRegs:
+        vals = {n: v for n, v in zip(REGS, ev.regs) if n != "orig_ax"}
+        vals.update(values or {})
+        return PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu)
+
+    @staticmethod
+    def _writes(regs: PtRegs, *, keep_ip: bool) -> dict[int, int]:
+        return {REG_INDEX[k]: v for k, v in regs.dirty.items() if keep_ip or k != "ip"}
+
+    def _handler(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the guest must go on
+            self.handler_errors.append(exc)
+            self.stats["handler_errors"] += 1
+            log.error("probe handler %s raised %r", getattr(fn, "__name__", fn), exc)
+            return 0
+
+    def _dispatch(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        self.stats["round_trips"] += 1
+        if ev.type == EV_PRE:
+            return self._on_pre(ch, ev)
+        if ev.type == EV_POST:
+            return self._on_post(ch, ev)
+        if ev.type == EV_FAULT:
+            return self._on_fault(ch, ev)
+        if ev.type == EV_RET_ENTRY:
+            return self._on_ret_entry(ch, ev)
+        if ev.type == EV_RET:
+            return self._on_ret(ch, ev)
+        if ev.type == EV_MISS:
+            for i in ev.ids:
+                p = self._by_id.get(i)
+                if p is not None:
+                    p.nmissed += 1
+            return ACT_CONTINUE, {}
+        raise HarnessError(f"unknown plugin event {ev.type}")
+
+    def _on_pre(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        probes = [p for i in ev.ids if isinstance(p := self._by_id.get(i), Kprobe)
+                  and p.registered and not p.disabled]
+        self.stats["hits"] += 1
+        regs = self._regs(ev, ch, {"ip": ev.addr})
+        for p in probes:
+            p.nhit += 1
+        for p in probes:
+            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
+                # aggr_pre_handler(): the path was changed; no instruction, no post_handler
+                return ACT_SETPC, {**self._writes(regs, keep_ip=False), REG_INDEX["ip"]: regs.ip}
+        writes = self._writes(regs, keep_ip=False)    # setup_singlestep() overwrites ip
+        after = [p for p in probes if p.post_handler is not None or p.fault_handler is not None]
+        if after:
+            self._pending[ev.vcpu] = (ev.addr, after)
+            return ACT_POST, writes
+        return ACT_CONTINUE, writes
+
+    def _on_post(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        _, probes = self._pending.pop(ev.vcpu, (ev.addr, []))
+        probes = [p for p in probes if p.post_handler is not None]
+        if not probes:
+            return ACT_CONTINUE, {}
+        if ev.extra == 1:
+            # An interrupt came right after the instruction: ip, cs, flags, sp, ss of the
+            # moment after it are in the interrupt frame (no error code).
+            sp = ev.regs[REG_INDEX["sp"]]
+            frame = ch.read(sp, 40)
+            if frame is None:
+                return ACT_CONTINUE, {}
+            fields = dict(zip(("ip", "cs", "flags", "sp", "ss"), struct.unpack("<5Q", frame)))
+            regs = self._regs(ev, ch, fields)
+            for p in probes:
+                self._handler(p.post_handler, p, regs, 0)
+            for i, name in enumerate(("ip", "cs", "flags", "sp", "ss")):
+                if name in regs.dirty:
+                    ch.write(sp + 8 * i, struct.pack("<Q", regs.dirty[name]))
+            return ACT_CONTINUE, {REG_INDEX[k]: v for k, v in regs.dirty.items() if k not in fields}
+        regs = self._regs(ev, ch)
+        for p in probes:
+            self._handler(p.post_handler, p, regs, 0)
+        if "ip" in regs.dirty:
+            return ACT_SETPC, self._writes(regs, keep_ip=True)
+        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
+
+    def _on_fault(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        """The probed instruction raised an exception; the vCPU sits at its entry."""
+        _, probes = self._pending.pop(ev.vcpu, (ev.addr, []))
+        vector = self._exc.get(ev.b)
+        if vector is None or vector == 3:
+            return ACT_CONTINUE, {}
+        self.stats["faults"] += 1
+        sp = ev.regs[REG_INDEX["sp"]]
+        frame = ch.read(sp + (8 if vector in ERROR_CODE_VECTORS else 0), 40)
+        if frame is None:
+            return ACT_CONTINUE, {}
+        rip, cs, rflags, rsp, ss = struct.unpack("<5Q", frame)
+        regs = self._regs(ev, ch, {"ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
+        for p in probes:
+            if p.fault_handler is not None and self._handler(p.fault_handler, p, regs, vector):
+                self.stats["faults_handled"] += 1
+                undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
+                return ACT_HANDLED, {REG_INDEX[k]: v for k, v in undo.items()}
+        return ACT_CONTINUE, {}
+
+    def _on_ret_entry(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        """pre_handler_kretprobe(): the plugin took instance ``ev.extra`` of the pool."""
+        rp = self._by_id.get(ev.ids[0]) if ev.ids else None
+        if not isinstance(rp, Kretprobe) or not rp.registered:
+            return ACT_DISCARD, {}
+        ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
+        ri.data = bytearray(rp.data_size)
+        ri.cpu, ri.task, ri.stack_slot, ri.orphan = ev.vcpu, ev.task or None, ev.b, False
+        regs = self._regs(ev, ch, {"ip": ev.addr})
+        if rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs):
+            return ACT_DISCARD, self._writes(regs, keep_ip=False)
+        rp.nhit += 1
+        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
+
+    def _on_ret(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        """The function returned into the trampoline; ``ev.a`` is the real return address
+        (rethook_trampoline_handler() sets regs->ip to it before the handlers run)."""
+        rp = self._by_id.get(ev.ids[0]) if ev.ids else None
+        if not isinstance(rp, Kretprobe):
+            return ACT_CONTINUE, {}
+        ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
+        ri.ret_addr, ri.stack_slot = ev.a, ev.b
+        self.stats["returns"] += 1
+        regs = self._regs(ev, ch, {"ip": ev.a})
+        if not ri.orphan and rp.registered and rp.handler is not None:
+            self._handler(rp.handler, ri, regs)
+        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
+
+    def _add_handler_probe(self, p: Kprobe | Kretprobe, addr: int, kind: int, flags: int,
+                           maxactive: int = 0) -> int:
+        self._ensure_channels()
+        pid = next(self._ids)
+        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags, 0, 0)
+        with self._lock:
+            self._by_id[pid] = p
+        try:
+            st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        except HarnessError:
+            with self._lock:
+                self._by_id.pop(pid, None)
+            raise
+        self.stats["invalidation_" + INVAL_TEXT.get(st, str(st)).replace(" ", "_")] += 1
+        p._kph_id = pid  # type: ignore[attr-defined]
+        self._aggr.setdefault(addr, []).insert(0, p)   # add_new_kprobe(): newest first
+        return pid
+
+    def _register(self, p: Kprobe) -> None:
+        if p.registered:
+            raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
+        addr = self.resolve(p.symbol_name, p.offset, p.addr)
+        self.check_address(addr)
+        p.addr = addr
+        flags = (0 if p.disabled else ADD_ENABLED) | \
+            (ADD_POST if p.post_handler is not None or p.fault_handler is not None else 0)
+        self._add_handler_probe(p, addr, PK_KPROBE, flags)
+        p.registered = True
+
+    def _unregister(self, p: Kprobe | Kretprobe) -> None:
+        pid = getattr(p, "_kph_id", None)
+        if not p.registered or pid is None:
+            return
+        p.registered = False
+        lst = self._aggr.get(p.addr or 0, [])
+        if p in lst:
+            lst.remove(p)
+        if not lst:
+            self._aggr.pop(p.addr or 0, None)
+        try:
+            self.link.request(CMD_REMOVE, struct.pack("<I", pid))
+        except HarnessError as exc:
+            log.warning("removing probe %d: %s", pid, exc)
+
+    def register_kprobe(self, p: Kprobe) -> Kprobe:
+        """Arm ``p``; raise ProbeRejectedError with the kernel's errno if it cannot go there."""
+        self._register(p)
+        return p
+
+    def unregister_kprobe(self, p: Kprobe) -> None:
+        self._unregister(p)
+
+    def register_kprobes(self, ps: Any) -> None:
+        """Register all or none: a failure unregisters those already done, then raises."""
+        done: list[Kprobe] = []
+        try:
+            for p in ps:
+                self._register(p)
+                done.append(p)
+        except BaseException:
+            for p in done:
+                self._unregister(p)
+            raise
+
+    def unregister_kprobes(self, ps: Any) -> None:
+        for p in list(ps):
+            self._unregister(p)
+
+    def _set_enabled(self, p: Kprobe | Kretprobe, on: bool) -> None:
+        if on:
+            p.flags &= ~ProbeFlags.DISABLED
+        else:
+            p.flags |= ProbeFlags.DISABLED
+        pid = getattr(p, "_kph_id", None)
+        if pid is not None and p.registered:
+            self.link.request(CMD_ENABLE, struct.pack("<II", pid, int(on)))
+
+    def enable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        self._set_enabled(p, True)
+
+    def disable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        self._set_enabled(p, False)
+
+    def register_kretprobe(self, rp: Kretprobe) -> Kretprobe:
+        """Arm a return probe at a function entry (offset 0, as the kernel requires).
+
+        Instances come from a pool of ``maxactive`` (default max(10, 2 * vCPUs), as
+        register_kretprobe() sets it) kept in the plugin, shared by all vCPUs: a call
+        finding it empty counts ``nmissed`` and runs no entry_handler.
+        """
+        if rp.registered:
+            raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, rp.addr)
+        addr = self.resolve(rp.symbol_name, rp.offset,
+                            rp.addr if rp.symbol_name is None else None)
+        self.check_address(addr, kretprobe=True)
+        if rp.maxactive <= 0:
+            rp.maxactive = max(10, 2 * self.vm.smp)
+        rp._kph_insts = [KretprobeInstance(rp) for _ in range(rp.maxactive)]  # type: ignore[attr-defined]
+        rp.addr = addr
+        self._add_handler_probe(rp, addr, PK_KRET, 0 if rp.disabled else ADD_ENABLED,
+                                rp.maxactive)
+        rp.registered = True
+        return rp
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        """Disarm ``rp``; calls in flight still return through the trampoline, without
+        the handler (as 6.1 does)."""
+        for ri in getattr(rp, "_kph_insts", ()):
+            ri.orphan = True
+        self._unregister(rp)
+
+    def register_jprobe(self, jp: Jprobe) -> Jprobe:
+        """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
+        if jp.entry is None:
+            raise ProbeRejectedError("a jprobe needs an entry function (-EINVAL)", EINVAL)
+        entry = jp.entry
+        n = jp.nargs if jp.nargs is not None else _arity(entry)
+
+        def pre(p: Kprobe, regs: PtRegs) -> int:
+            entry(*self.function_args(regs, n))
+            return 0
+        jp.kp = self.register_kprobe(Kprobe(symbol_name=jp.symbol_name, offset=jp.offset,
+                                            addr=jp.addr, pre_handler=pre))
+        return jp
+
+    def unregister_jprobe(self, jp: Jprobe) -> None:
+        if jp.kp is not None:
+            self.unregister_kprobe(jp.kp)
+
+    def function_args(self, regs: PtRegs, n: int) -> list[int]:
+        """The first ``n`` integer arguments at a function entry (x86_64 SysV ABI)."""
+        order = ("di", "si", "dx", "cx", "r8", "r9")
+        args = [regs.get(r) for r in order[:n]]
+        for i in range(6, n):  # [sp] is the return address; the 7th argument follows it
+            args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
+        return args
+
+    # -- in a handler: the vCPU's own view --------------------------------------------------
+    def _channel(self) -> Channel | None:
+        return getattr(self._tls, "ch", None)
+
+    def current_task(self, regs: PtRegs | None = None) -> int | None:
+        """``current`` on the vCPU of the handler running now."""
+        ev = getattr(self._tls, "ev", None)
+        return ev.task or None if ev is not None else None
+
+    def task_pid(self, task: int | None) -> int | None:
+        off = self.task_offsets[1]
+        if task is None or not off:
+            return None
+        try:
+            return int.from_bytes(self.read(task + off, 4), "little", signed=True)
+        except HarnessError:
+            return None
+
+    def task_comm(self, task: int | None) -> str | None:
+        off = self.task_offsets[2]
+        if task is None or not off:
+            return None
+        try:
+            return self.read(task + off, 16).split(b"\0", 1)[0].decode("utf-8", "replace")
+        except HarnessError:
+            return None
+
+    def read_string(self, addr: int, maxlen: int = 4096) -> bytes | None:
+        """A NUL-terminated string, a page at a time; None when its first byte cannot be read."""
+        out, a = b"", addr
+        while len(out) < maxlen:
+            n = min(maxlen - len(out), 4096 - (a & 4095))
+            try:
+                chunk = self.read(a, n)
+            except HarnessError:
+                return out if out else None
+            end = chunk.find(b"\0")
+            if end >= 0:
+                return out + chunk[:end]
+            out, a = out + chunk, a + n
+        return out
+
+    def write(self, addr: int, data: bytes) -> None:
+        """Guest memory, from a handler (through its vCPU).
+
+        :raise HarnessError: outside a handler (nothing is stopped to write through), or
+            when the address does not map.
+        """
+        ch = self._channel()
+        if ch is None:
+            raise HarnessError("the plugin engine writes guest memory only from a handler; "
+                               "use the gdbstub engine to write with the guest stopped")
+        if not ch.write(addr, data):
+            raise HarnessError(f"cannot write guest memory at {addr:#x}")
+
+    def exception_table(self) -> list[tuple[int, int]]:
+        """``(insn, fixup)`` of every ``__ex_table`` entry: the kernel's user-access sites."""
+        a = self.symbols.lookup("__start___ex_table").addr
+        b = self.symbols.lookup("__stop___ex_table").addr
+        data = self.read(a, b - a)
+        out = []
+        for i in range(0, len(data) - 11, 12):  # struct exception_table_entry {int insn, fixup, data}
+            insn = a + i + int.from_bytes(data[i:i + 4], "little", signed=True)
+            fixup = a + i + 4 + int.from_bytes(data[i + 4:i + 8], "little", signed=True)
+            out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
+        return out
+
     def list(self) -> str:
+        """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""
+        rows: list[tuple[int, str, bool]] = []
+        for addr, ps in self._aggr.items():
+            rows += [(addr, "r" if isinstance(p, Kretprobe) else "k", p.disabled) for p in ps]
+        rows += [(p.addr, "r" if p.kind == PK_SPEC_R else "k", not p.enabled)
+                 for p in self._probes.values()]
         lines = []
-        for p in sorted(self._probes.values(), key=lambda p: p.addr):
-            hit = self.symbols.symbolize(p.addr)
-            where = f"{hit[0].name}+{hit[1]:#x}" if hit else f"{p.addr:#x}"
-            kind = "r" if p.kind == PK_SPEC_R else "k"
-            lines.append(f"{p.addr:016x}  {kind}  {where}    {'' if p.enabled else '[DISABLED]'}")
+        for addr, kind, disabled in sorted(rows, key=lambda r: r[0]):
+            hit = self.symbols.symbolize(addr)
+            where = f"{hit[0].name}+{hit[1]:#x}" if hit else f"{addr:#x}"
+            mod = hit[0].module if hit and hit[0].module else " "
+            lines.append(f"{addr:016x}  {kind}  {where}  {mod} {'[DISABLED]' if disabled else ''}")
         return "\n".join(lines) + ("\n" if lines else "")
 
     def raise_handler_errors(self) -> None:
@@ -223,4 +640,11 @@ class PluginEngine:
         if self._closed:
             return
         self._closed = True
+        for ch in self._channels:
+            ch.close()                 # a vCPU waiting on one goes on
+        for th in self._threads:
+            th.join(2)
+        for probes in self._aggr.values():
+            for p in probes:
+                p.registered = False
         self.link.close()

@@ -61,13 +61,18 @@ KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
 /* ---- wire protocol (harness/plugin.py mirrors these) ---- */
 enum {
     CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
-    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9,
+    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10,
 };
-enum { PK_SPEC_P = 1, PK_SPEC_R = 2 };
+enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4 };
+/* handler round trips on a vCPU's channel: events to the harness, its commands back */
+enum { EV_PRE = 1, EV_POST = 2, EV_FAULT = 3, EV_RET_ENTRY = 4, EV_RET = 5, EV_MISS = 6 };
+enum { C_READ = 1, C_WRITE = 2, C_READREG = 3, C_DONE = 4 };
+enum { ACT_CONTINUE = 0, ACT_SETPC = 1, ACT_POST = 2, ACT_DISCARD = 3, ACT_HANDLED = 4 };
+#define EV_HDR 256
 enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
 enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16 };
 enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
-enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2 };
+enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8 };
 
 typedef struct probe {
     uint32_t id, kind;
@@ -78,7 +83,7 @@ typedef struct probe {
     size_t nprog;
     atomic_uint_fast64_t nhit, nmissed;
     /* kretprobe instances, under rp_lock */
-    uint32_t maxactive, nfree;
+    uint32_t maxactive, nfree, flags;
     struct inst *insts;
     struct inst **freelist;
 } probe;
@@ -98,6 +103,7 @@ typedef struct site {
     uint64_t addr;
     _Atomic(plist *) list;
     int tramp;
+    uint32_t len;                   /* the instruction's length, seen at translation */
 } site;
 
 typedef struct {
@@ -110,6 +116,14 @@ typedef struct {
     char comm[16];
     uint32_t tflags;
     atomic_int idle;
+    /* Python handlers: this vCPU's channel, and a post_handler waiting for the next
+     * instruction (the one after the probed instruction at post_addr) */
+    atomic_int chan;
+    int post_armed;
+    int discon_pending;             /* 1 interrupt, 2 exception, while a post is pending */
+    uint64_t post_addr;
+    uint64_t new_ip;
+    uint8_t ev[EV_HDR + 4 * MAX_PER_SITE];
 } vcpu_t;
 
 /* ring layout: header, per-vCPU control blocks, per-vCPU data areas */
@@ -138,10 +152,23 @@ static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
+/* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
+ * path (next instruction, next block, interrupt), full flushes */
+static atomic_uint_fast64_t g_n_irq, g_n_exc, g_n_post_insn, g_n_post_tb, g_n_post_irq, g_n_flush;
 
 /* registers, by pt_regs index, and the two GS bases */
 static struct qemu_plugin_register *g_reg[KREG_NUM];
 static struct qemu_plugin_register *g_gs_base, *g_kgs_base;
+/* system registers a handler may read (regs.read_sys), by index */
+#define NSYS 9
+static const char *const sys_names[NSYS] = {
+    "cr0", "cr2", "cr3", "cr4", "cr8", "efer", "fs_base", "gs_base", "k_gs_base",
+};
+static struct qemu_plugin_register *g_sys[NSYS];
+/* post_handlers: once one exists, every translation block starts with a conditional
+ * callback that fires on a vCPU whose scoreboard entry says a post is pending */
+static atomic_int g_post_mode;
+static struct qemu_plugin_scoreboard *g_sb;
 static atomic_int g_regs_ready;
 
 /* the ring */
@@ -272,11 +299,14 @@ static void request_invalidate(uint64_t addr)
 
 /* In a vCPU context: rewrite the first byte of each pending address with itself, which
  * invalidates the translations that hold it. */
+static void service_reset(void);
+
 static void service_invalidations(vcpu_t *v)
 {
     uint64_t addrs[MAX_PENDING], upto;
     int n, i;
 
+    service_reset();
     if (!atomic_load_explicit(&inval_pending, memory_order_relaxed)) {
         return;
     }
@@ -403,14 +433,25 @@ static int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len)
 
 /* The pt_regs of this hit, and `current` with its pid and comm (read through the
  * per-cpu current_task at the kernel's GS base: in user mode that base waits in
- * MSR_KERNEL_GS_BASE until swapgs). */
-static void read_context(vcpu_t *v)
+ * MSR_KERNEL_GS_BASE until swapgs).
+ *
+ * `pc` is where the vCPU is: in an instruction callback TCG has not stored rip for
+ * instructions past the block's first, so the caller says (from translation time);
+ * 0 means rip is current (discontinuity callbacks). The same goes for the arithmetic
+ * flags, which TCG computes lazily and the plugin API cannot reach: in an instruction
+ * callback `flags` holds IF and the other system bits, not ZF/SF/CF/... (README). */
+static void read_context(vcpu_t *v, uint64_t pc)
 {
     int i;
     uint64_t base;
 
     for (i = 0; i < KREG_NUM; i++) {
-        v->regs[i] = reg_read(v, g_reg[i]);
+        if (i != KREG_IP || !pc) {
+            v->regs[i] = reg_read(v, g_reg[i]);
+        }
+    }
+    if (pc) {
+        v->regs[KREG_IP] = pc;
     }
     v->regs[KREG_ORIG_AX] = ~0ull;
     v->tflags = 0;
@@ -521,8 +562,13 @@ static unsigned int live_bucket(uint64_t slot)
     return (unsigned int)((slot >> 3) * 0x9E3779B97F4A7C15ull >> 52) & (LIVE_SIZE - 1);
 }
 
-/* pre_handler_kretprobe(): take an instance or count nmissed, hijack [sp]. */
-static void kret_entry(vcpu_t *v, probe *p)
+static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr,
+                      const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
+                      int ip_by_register);
+
+/* pre_handler_kretprobe(): take an instance or count nmissed, run the entry_handler
+ * (non-zero: no return probe for this call), hijack [sp]. */
+static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
 {
     uint64_t slot = v->regs[KREG_SP], ret;
     inst *ri;
@@ -532,9 +578,25 @@ static void kret_entry(vcpu_t *v, probe *p)
     if (p->nfree == 0) {
         pthread_mutex_unlock(&rp_lock);
         atomic_fetch_add(&p->nmissed, 1);
+        if (p->kind == PK_KRET) {   /* the harness keeps rp->nmissed as the kernel does */
+            round_trip(v, vcpu, EV_MISS, p->addr, &p->id, 1, 0, 0, 0, 0);
+        }
         return;
     }
     ri = p->freelist[--p->nfree];
+    if (p->kind == PK_KRET) {
+        uint32_t idx = (uint32_t)(ri - p->insts);
+        int act;
+
+        pthread_mutex_unlock(&rp_lock);
+        act = round_trip(v, vcpu, EV_RET_ENTRY, p->addr, &p->id, 1, idx, 0, slot, 0);
+        pthread_mutex_lock(&rp_lock);
+        if (act == ACT_DISCARD) {
+            p->freelist[p->nfree++] = ri;
+            pthread_mutex_unlock(&rp_lock);
+            return;
+        }
+    }
     if (mem_read(v, slot, &ret, 8) != 0 || mem_write(v, slot, &g_tramp, 8) != 0) {
         p->freelist[p->nfree++] = ri;
         pthread_mutex_unlock(&rp_lock);
@@ -559,7 +621,7 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
     uint64_t slot, real = 0;
     unsigned int b;
 
-    read_context(v);
+    read_context(v, g_tramp);
     slot = v->regs[KREG_SP] - 8;
     b = live_bucket(slot);
     pthread_mutex_lock(&rp_lock);
@@ -598,7 +660,13 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
     for (i = 0; i < n; i++) {
         probe *p = done[i]->rp;
 
-        if (atomic_load(&g_live) && atomic_load(&p->enabled) && !atomic_load(&p->dead)) {
+        if (p->kind == PK_KRET) {
+            /* the harness runs the handler unless the kretprobe is gone (orphan) */
+            uint32_t idx = (uint32_t)(done[i] - p->insts);
+
+            round_trip(v, vcpu, EV_RET, p->addr, &p->id, 1, idx, real, slot, 0);
+            v->regs[KREG_IP] = real;
+        } else if (atomic_load(&g_live) && atomic_load(&p->enabled) && !atomic_load(&p->dead)) {
             emit(v, vcpu, p, REC_RET, p->addr, real);
         }
     }
@@ -609,6 +677,201 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
     }
     pthread_mutex_unlock(&rp_lock);
     qemu_plugin_set_pc(real);
+}
+
+/* ---------------------------------------------------------------- handler round trips */
+
+static int read_full(int fd, void *buf, size_t len);
+static int write_full(int fd, const void *buf, size_t len);
+
+static void chan_dead(vcpu_t *v, int fd)
+{
+    /* The harness went away: this vCPU goes on as if every handler returned 0. */
+    if (atomic_compare_exchange_strong(&v->chan, &fd, -1)) {
+        close(fd);
+    }
+}
+
+static void write_regs(vcpu_t *v, uint64_t mask, const uint64_t *vals, int with_ip)
+{
+    int k;
+
+    for (k = 0; k < KREG_NUM; k++) {
+        if (!(mask & (1ull << k)) || k == KREG_ORIG_AX || (k == KREG_IP && !with_ip) || !g_reg[k]) {
+            continue;
+        }
+        g_byte_array_set_size(v->gb, 8);
+        memcpy(v->gb->data, &vals[k], 8);
+        qemu_plugin_write_register(g_reg[k], v->gb);
+        v->regs[k] = vals[k];
+    }
+}
+
+/* Send one event and serve the harness's commands until it says what to do. The ip a
+ * handler chose is left in v->new_ip (the caller decides whether it applies); other
+ * registers it changed are written here, ip too when `ip_by_register` (discontinuity
+ * callbacks, where the PC is a plain register). Returns the action, or -1 when the
+ * channel is gone. */
+static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr,
+                      const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
+                      int ip_by_register)
+{
+    int fd = atomic_load(&v->chan);
+    uint8_t *e = v->ev;
+    uint32_t vcpu32 = vcpu;
+
+    if (fd < 0) {
+        return -1;
+    }
+    if (n > MAX_PER_SITE) {
+        n = MAX_PER_SITE;
+    }
+    memset(e, 0, EV_HDR);
+    memcpy(e + 0, &type, 4);
+    memcpy(e + 4, &vcpu32, 4);
+    memcpy(e + 8, &n, 4);
+    memcpy(e + 12, &extra, 4);
+    memcpy(e + 16, &addr, 8);
+    memcpy(e + 24, v->regs, 8 * KREG_NUM);              /* .. 192 */
+    memcpy(e + 192, &v->task, 8);
+    memcpy(e + 200, &v->pid, 4);
+    memcpy(e + 204, &v->tflags, 4);
+    memcpy(e + 208, v->comm, 16);
+    memcpy(e + 224, &a, 8);
+    memcpy(e + 232, &b, 8);
+    if (n) {
+        memcpy(e + EV_HDR, ids, 4 * n);
+    }
+    v->new_ip = v->regs[KREG_IP];
+    if (write_full(fd, e, EV_HDR + 4 * n) != 0) {
+        chan_dead(v, fd);
+        return -1;
+    }
+    for (;;) {
+        uint32_t h[2], st;
+        uint64_t addr64;
+
+        if (read_full(fd, h, 8) != 0) {
+            chan_dead(v, fd);
+            return -1;
+        }
+        switch (h[0]) {
+        case C_READ: {
+            uint32_t len;
+            uint8_t *buf = v->rec;
+
+            if (h[1] != 12 || read_full(fd, &addr64, 8) != 0 || read_full(fd, &len, 4) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            if (len > REC_MAX - 8) {
+                len = REC_MAX - 8;
+            }
+            st = len && mem_read(v, addr64, buf + 8, len) == 0 ? 0 : EFAULT;
+            memcpy(buf, &st, 4);
+            if (st) {
+                len = 0;
+            }
+            memcpy(buf + 4, &len, 4);
+            if (write_full(fd, buf, 8 + len) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_WRITE: {
+            uint32_t len = h[1] - 8, out[2] = {0, 0};
+
+            if (h[1] < 8 || h[1] - 8 > REC_MAX || read_full(fd, &addr64, 8) != 0 ||
+                read_full(fd, v->rec, len) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            out[0] = len && mem_write(v, addr64, v->rec, len) == 0 ? 0 : EFAULT;
+            if (write_full(fd, out, 8) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_READREG: {
+            uint32_t idx;
+            uint8_t out[16] = {0};
+            uint64_t val;
+
+            if (h[1] != 4 || read_full(fd, &idx, 4) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            st = idx < NSYS && g_sys[idx] ? 0 : EINVAL;
+            val = st ? 0 : reg_read(v, g_sys[idx]);
+            memcpy(out, &st, 4);
+            st = 8;
+            memcpy(out + 4, &st, 4);
+            memcpy(out + 8, &val, 8);
+            if (write_full(fd, out, 16) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_DONE: {
+            /* u32 action, u32 pad, u64 mask, u64 vals[21] */
+            uint8_t d[16 + 8 * KREG_NUM];
+            uint32_t action;
+            uint64_t mask, vals[KREG_NUM];
+
+            if (h[1] != sizeof(d) || read_full(fd, d, sizeof(d)) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            memcpy(&action, d, 4);
+            memcpy(&mask, d + 8, 8);
+            memcpy(vals, d + 16, sizeof(vals));
+            write_regs(v, mask, vals, ip_by_register);
+            if (mask & (1ull << KREG_IP)) {
+                v->new_ip = vals[KREG_IP];
+            }
+            return (int)action;
+        }
+        default:
+            chan_dead(v, fd);
+            return -1;
+        }
+    }
+}
+
+static void arm_post(unsigned int vcpu, vcpu_t *v, uint64_t addr)
+{
+    v->post_armed = 1;
+    v->post_addr = addr;
+    if (g_sb) {
+        qemu_plugin_u64_set((qemu_plugin_u64){g_sb, 0}, vcpu, 1);
+    }
+}
+
+static void disarm_post(unsigned int vcpu, vcpu_t *v)
+{
+    v->post_armed = 0;
+    v->discon_pending = 0;
+    if (g_sb) {
+        qemu_plugin_u64_set((qemu_plugin_u64){g_sb, 0}, vcpu, 0);
+    }
+}
+
+/* The instruction after a probed one is about to run: the post_handlers see the
+ * registers after the probed instruction (kprobe_post_process(), 6.1). */
+static void deliver_post(unsigned int vcpu, vcpu_t *v, uint64_t pc)
+{
+    int act;
+    uint64_t at = v->post_addr;
+
+    disarm_post(vcpu, v);
+    read_context(v, pc);
+    act = round_trip(v, vcpu, EV_POST, at, NULL, 0, 0, 0, 0, 0);
+    if (act == ACT_SETPC && v->new_ip != v->regs[KREG_IP]) {
+        qemu_plugin_set_pc(v->new_ip);
+    }
 }
 
 /* ---------------------------------------------------------------- callbacks */
@@ -635,7 +898,28 @@ static void on_site(unsigned int vcpu, void *ud)
     if (!l) {
         return;
     }
-    /* Aggregate probes run newest first (add_new_kprobe() links at the head). */
+    if (v->post_armed) {
+        /* A probe hit while this vCPU is between a pre and its post_handler: the
+         * kernel's reenter_kprobe() counts it missed (kprobes_inc_nmissed_count()). */
+        uint32_t ids[MAX_PER_SITE], n = 0;
+
+        for (i = 0; i < l->n; i++) {
+            if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
+                atomic_fetch_add(&l->p[i]->nmissed, 1);
+                if (l->p[i]->kind >= PK_KPROBE) {
+                    ids[n++] = l->p[i]->id;
+                }
+            }
+        }
+        if (n) {
+            read_context(v, s->addr);
+            round_trip(v, vcpu, EV_MISS, s->addr, ids, n, 0, 0, 0, 0);
+        }
+        return;
+    }
+    /* Aggregate probes run newest first (add_new_kprobe() links at the head); a run of
+     * Python kprobes is one round trip, and a pre_handler that returns non-zero ends the
+     * chain (aggr_pre_handler()). */
     for (i = 0; i < l->n; i++) {
         probe *p = l->p[i];
 
@@ -644,38 +928,164 @@ static void on_site(unsigned int vcpu, void *ud)
             continue;
         }
         if (!have) {
-            read_context(v);
+            read_context(v, s->addr);
             have = 1;
         }
         if (p->kind == PK_SPEC_P) {
             atomic_fetch_add(&p->nhit, 1);
             emit(v, vcpu, p, REC_HIT, p->addr, 0);
-        } else if (p->kind == PK_SPEC_R) {
-            kret_entry(v, p);
+        } else if (p->kind == PK_SPEC_R || p->kind == PK_KRET) {
+            kret_entry(vcpu, v, p);
+        } else if (p->kind == PK_KPROBE) {
+            uint32_t ids[MAX_PER_SITE];
+            uint32_t n = 0;
+            int act;
+
+            while (i < l->n && l->p[i]->kind == PK_KPROBE) {
+                if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
+                    ids[n++] = l->p[i]->id;
+                    atomic_fetch_add(&l->p[i]->nhit, 1);
+                }
+                i++;
+            }
+            i--;
+            act = round_trip(v, vcpu, EV_PRE, s->addr, ids, n, 0, 0, 0, 0);
+            if (act == ACT_SETPC) {
+                /* the path was changed: no instruction, no post_handler */
+                qemu_plugin_set_pc(v->new_ip);
+            }
+            if (act == ACT_POST) {
+                arm_post(vcpu, v, s->addr);
+            }
         }
     }
+}
+
+/* The next instruction of the same translation block after a probed one. */
+static void on_after(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+    site *s = ud;
+
+    if (v && v->post_armed && !v->discon_pending && v->post_addr == s->addr) {
+        atomic_fetch_add(&g_n_post_insn, 1);
+        deliver_post(vcpu, v, s->addr + s->len);
+    }
+}
+
+static void discon_post(unsigned int vcpu, vcpu_t *v, uint64_t entry);
+
+/* The first instruction of any block, when this vCPU has a post pending (the probed
+ * instruction ended its block: a branch, call, ret, or the block's size limit). */
+static void on_tb_start(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+
+    if (v && v->post_armed) {
+        uint64_t pc = (uint64_t)(uintptr_t)ud;             /* the block's first address */
+
+        if (v->discon_pending) {
+            discon_post(vcpu, v, pc);
+        } else {
+            atomic_fetch_add(&g_n_post_tb, 1);
+            deliver_post(vcpu, v, pc);
+        }
+    }
+}
+
+static int site_has_post(site *s)
+{
+    plist *l = atomic_load_explicit(&s->list, memory_order_acquire);
+    int i;
+
+    for (i = 0; l && i < l->n; i++) {
+        if (l->p[i]->kind == PK_KPROBE && (l->p[i]->flags & ADD_POST)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int site_needs_pc(site *s)
+{
+    plist *l = atomic_load_explicit(&s->list, memory_order_acquire);
+    int i;
+
+    for (i = 0; l && i < l->n; i++) {
+        if (l->p[i]->kind == PK_KPROBE || l->p[i]->kind == PK_KRET) {
+            return 1;
+        }
+    }
+    return s->tramp;
 }
 
 static void on_tb_trans(struct qemu_plugin_tb *tb, void *ud)
 {
     size_t n = qemu_plugin_tb_n_insns(tb), i;
+    site *prev_post = NULL;
 
     (void)ud;
+    if (atomic_load_explicit(&g_post_mode, memory_order_relaxed) && g_sb) {
+        qemu_plugin_register_vcpu_tb_exec_cond_cb(tb, on_tb_start, QEMU_PLUGIN_CB_RW_REGS_PC,
+                                                  QEMU_PLUGIN_COND_NE,
+                                                  (qemu_plugin_u64){g_sb, 0}, 0,
+                                                  (void *)(uintptr_t)qemu_plugin_tb_vaddr(tb));
+    }
     for (i = 0; i < n; i++) {
         struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
         uint64_t a = qemu_plugin_insn_vaddr(insn);
         site *s = site_find(a);
         plist *l;
 
+        if (prev_post) {
+            /* before this instruction's own probes: post of the one before comes first */
+            qemu_plugin_register_vcpu_insn_exec_cb(insn, on_after, QEMU_PLUGIN_CB_RW_REGS_PC,
+                                                   prev_post);
+            prev_post = NULL;
+        }
         if (!s) {
             continue;
         }
         l = atomic_load_explicit(&s->list, memory_order_acquire);
         if (s->tramp || (l && l->n)) {
-            /* set_pc() needs RW_REGS_PC; plain probes only read. */
+            /* set_pc() and register writes need RW_REGS_PC; spec probes only read. */
             qemu_plugin_register_vcpu_insn_exec_cb(
-                insn, on_site, s->tramp ? QEMU_PLUGIN_CB_RW_REGS_PC : QEMU_PLUGIN_CB_R_REGS, s);
+                insn, on_site, site_needs_pc(s) ? QEMU_PLUGIN_CB_RW_REGS_PC : QEMU_PLUGIN_CB_R_REGS, s);
+            if (site_has_post(s)) {
+                s->len = (uint32_t)qemu_plugin_insn_size(insn);
+                prev_post = s;
+            }
         }
+    }
+}
+
+/* An exception or interrupt while a post_handler is pending. On x86 QEMU calls the
+ * discontinuity callback before it delivers the event (the registers are still those
+ * of the interrupted code, and rip is that of the block's start), so it is only noted
+ * here; the next block to start on this vCPU is the handler's entry, with the hardware
+ * frame (rip, cs, rflags, rsp, ss, after an error code for some exceptions) pushed:
+ * - an exception can only come from the probed instruction itself (the post is delivered
+ *   before the next instruction): the harness runs the fault_handlers there, with the
+ *   faulting registers from the frame and the vector from the entry point
+ *   (kprobe_fault_handler(); 1 = handled: frame undone, the vCPU resumes at regs.ip),
+ *   and no post_handler (the guest's own int3 there, vector 3, is the guest's);
+ * - an interrupt came after the probed instruction completed: the post_handlers run with
+ *   the registers it left, rip/rflags/rsp from the frame. */
+static void discon_post(unsigned int vcpu, vcpu_t *v, uint64_t entry)
+{
+    uint64_t at = v->post_addr;
+    int kind = v->discon_pending, act;
+
+    disarm_post(vcpu, v);
+    read_context(v, entry);
+    if (kind == 2) {
+        act = round_trip(v, vcpu, EV_FAULT, at, NULL, 0, 0, 0, entry, 0);
+    } else {
+        atomic_fetch_add(&g_n_post_irq, 1);
+        act = round_trip(v, vcpu, EV_POST, at, NULL, 0, 1, 0, entry, 0);
+    }
+    if (act == ACT_SETPC || act == ACT_HANDLED) {
+        qemu_plugin_set_pc(v->new_ip);
     }
 }
 
@@ -684,9 +1094,15 @@ static void on_discon(unsigned int vcpu, enum qemu_plugin_discon_type type, uint
 {
     vcpu_t *v = vc(vcpu);
 
-    (void)type; (void)from; (void)to; (void)ud;
-    if (v) {
-        service_invalidations(v);
+    (void)ud;
+    if (!v) {
+        return;
+    }
+    atomic_fetch_add_explicit(type == QEMU_PLUGIN_DISCON_INTERRUPT ? &g_n_irq : &g_n_exc, 1,
+                              memory_order_relaxed);
+    service_invalidations(v);
+    if (v->post_armed && !v->discon_pending) {
+        v->discon_pending = type == QEMU_PLUGIN_DISCON_INTERRUPT ? 1 : 2;
     }
 }
 
@@ -730,6 +1146,7 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
         return;
     }
     v->gb = g_byte_array_new();
+    atomic_store(&v->chan, -1);
     if (!atomic_load(&g_regs_ready)) {
         GArray *regs = qemu_plugin_get_registers();
         unsigned int i, esz = regs ? g_array_get_element_size(regs) : 0;
@@ -741,6 +1158,11 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
             for (k = 0; k < KREG_NUM; k++) {
                 if (reg_names[k] && !strcmp(d->name, reg_names[k])) {
                     g_reg[k] = d->handle;
+                }
+            }
+            for (k = 0; k < NSYS; k++) {
+                if (!strcmp(d->name, sys_names[k])) {
+                    g_sys[k] = d->handle;
                 }
             }
             if (!strcmp(d->name, "gs_base")) {
@@ -778,6 +1200,22 @@ static void on_reset_done(void *ud)
     pthread_mutex_unlock(&reset_lock);
 }
 
+/* qemu_plugin_reset() flushes the translation cache only when called with a current
+ * vCPU (plugin_reset_uninstall(), plugins/core.c: without one it just drops the
+ * callbacks): so a vCPU calls it, at its next callback, like an invalidation. */
+static atomic_int reset_wanted;
+
+static void service_reset(void)
+{
+    int one = 1;
+
+    if (atomic_load_explicit(&reset_wanted, memory_order_relaxed) &&
+        atomic_compare_exchange_strong(&reset_wanted, &one, 0)) {
+        atomic_fetch_add(&g_n_flush, 1);
+        qemu_plugin_reset(g_id, on_reset_done, NULL);
+    }
+}
+
 static int reset_all(int timeout_ms)
 {
     struct timespec dl;
@@ -786,13 +1224,28 @@ static int reset_all(int timeout_ms)
     pthread_mutex_lock(&reset_lock);
     reset_done_flag = 0;
     pthread_mutex_unlock(&reset_lock);
-    qemu_plugin_reset(g_id, on_reset_done, NULL);
+    atomic_store(&reset_wanted, 1);
     clock_gettime(CLOCK_REALTIME, &dl);
     dl.tv_sec += timeout_ms / 1000;
     pthread_mutex_lock(&reset_lock);
     while (!reset_done_flag) {
-        if (pthread_cond_timedwait(&reset_cond, &reset_lock, &dl) == ETIMEDOUT) {
-            rc = reset_done_flag ? INVAL_DONE : INVAL_PENDING;
+        struct timespec step, t;
+
+        if (all_idle()) {
+            /* the first vCPU to leave idle resets before it runs anything */
+            rc = INVAL_IDLE;
+            break;
+        }
+        clock_gettime(CLOCK_REALTIME, &step);
+        step.tv_nsec += 2000000L;
+        if (step.tv_nsec >= 1000000000L) {
+            step.tv_sec++;
+            step.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&reset_cond, &reset_lock, &step);
+        clock_gettime(CLOCK_REALTIME, &t);
+        if (!reset_done_flag && (t.tv_sec > dl.tv_sec || (t.tv_sec == dl.tv_sec && t.tv_nsec >= dl.tv_nsec))) {
+            rc = INVAL_PENDING;
             break;
         }
     }
@@ -996,8 +1449,9 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     memcpy(&maxactive, pl + 16, 4);
     memcpy(&enabled, pl + 20, 4);
     memcpy(&nprog, pl + 24, 4);
-    if ((kind != PK_SPEC_P && kind != PK_SPEC_R) || nprog > MAX_PROG ||
-        len != 32 + nprog * sizeof(kph_insn) || (kind == PK_SPEC_R && (maxactive == 0 || maxactive > 4096)) ||
+    if (kind < PK_SPEC_P || kind > PK_KRET || nprog > MAX_PROG ||
+        len != 32 + nprog * sizeof(kph_insn) ||
+        ((kind == PK_SPEC_R || kind == PK_KRET) && (maxactive == 0 || maxactive > 4096)) ||
         addr == g_tramp) {
         return reply(fd, EINVAL, NULL, 0);
     }
@@ -1013,7 +1467,17 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         p->prog = malloc(nprog * sizeof(kph_insn));
         memcpy(p->prog, pl + 32, nprog * sizeof(kph_insn));
     }
-    if (kind == PK_SPEC_R) {
+    p->flags = enabled;
+    if (kind == PK_KPROBE && (enabled & ADD_POST) && !atomic_load(&g_post_mode)) {
+        /* The first post_handler: from now on every block gets the conditional
+         * callback, and blocks translated before are flushed once to get it too. */
+        if (!g_sb) {
+            g_sb = qemu_plugin_scoreboard_new(sizeof(uint64_t));
+        }
+        atomic_store(&g_post_mode, 1);
+        reset_all(5000);
+    }
+    if (kind == PK_SPEC_R || kind == PK_KRET) {
         p->maxactive = p->nfree = maxactive;
         p->insts = calloc(maxactive, sizeof(inst));
         p->freelist = calloc(maxactive, sizeof(inst *));
@@ -1103,6 +1567,31 @@ static int serve(int fd)
         case CMD_ADD:
             rc = cmd_add(fd, pl, len);
             break;
+        case CMD_CHANNEL: {
+            /* u32 vcpu, one descriptor: that vCPU's handler channel */
+            uint32_t i32 = 0;
+            vcpu_t *v;
+
+            if (len >= 4) {
+                memcpy(&i32, pl, 4);
+            }
+            v = vc(i32);
+            if (!v || rfd < 0) {
+                if (rfd >= 0) {
+                    close(rfd);
+                }
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            {
+                int old = atomic_exchange(&v->chan, rfd);
+                if (old >= 0) {
+                    close(old);     /* a vCPU blocked on it sees EOF and goes on */
+                }
+            }
+            rc = reply(fd, 0, NULL, 0);
+            break;
+        }
         case CMD_REMOVE:
         case CMD_ENABLE: {
             uint32_t id = 0, on = 0;
@@ -1163,12 +1652,18 @@ static int serve(int fd)
             break;
         }
         case CMD_GSTATS: {
-            uint64_t out[4];
+            uint64_t out[10];
 
             out[0] = atomic_load(&inval_count);
             out[1] = atomic_load(&inval_ns_total);
             out[2] = atomic_load(&g_tramp_missing);
             out[3] = atomic_load(&g_seq);
+            out[4] = atomic_load(&g_n_irq);
+            out[5] = atomic_load(&g_n_exc);
+            out[6] = atomic_load(&g_n_post_insn);
+            out[7] = atomic_load(&g_n_post_tb);
+            out[8] = atomic_load(&g_n_post_irq);
+            out[9] = atomic_load(&g_n_flush);
             rc = reply(fd, 0, out, sizeof(out));
             break;
         }

@@ -90,6 +90,25 @@ void qemu_plugin_register_vcpu_tb_exec_cb(struct qemu_plugin_tb *tb, qemu_plugin
 void qemu_plugin_register_vcpu_insn_exec_cb(struct qemu_plugin_insn *insn,
                                             qemu_plugin_vcpu_udata_cb_t cb,
                                             enum qemu_plugin_cb_flags flags, void *userdata);
+/* Scoreboards: per-vCPU values that inline conditions read (conditional callbacks). */
+struct qemu_plugin_scoreboard;
+typedef struct {
+    struct qemu_plugin_scoreboard *score;
+    size_t offset;
+} qemu_plugin_u64;
+enum qemu_plugin_cond {
+    QEMU_PLUGIN_COND_NEVER, QEMU_PLUGIN_COND_ALWAYS, QEMU_PLUGIN_COND_EQ, QEMU_PLUGIN_COND_NE,
+    QEMU_PLUGIN_COND_LT, QEMU_PLUGIN_COND_LE, QEMU_PLUGIN_COND_GT, QEMU_PLUGIN_COND_GE,
+};
+struct qemu_plugin_scoreboard *qemu_plugin_scoreboard_new(size_t element_size);
+void qemu_plugin_u64_set(qemu_plugin_u64 entry, unsigned int vcpu_index, uint64_t val);
+void qemu_plugin_register_vcpu_tb_exec_cond_cb(struct qemu_plugin_tb *tb,
+                                               qemu_plugin_vcpu_udata_cb_t cb,
+                                               enum qemu_plugin_cb_flags flags,
+                                               enum qemu_plugin_cond cond,
+                                               qemu_plugin_u64 entry, uint64_t imm,
+                                               void *userdata);
+
 void qemu_plugin_register_atexit_cb(qemu_plugin_id_t id, qemu_plugin_udata_cb_t cb, void *userdata);
 void qemu_plugin_reset(qemu_plugin_id_t id, qemu_plugin_udata_cb_t cb, void *userdata);
 
