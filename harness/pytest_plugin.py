@@ -36,9 +36,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "worker's shared kph_machine")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
-    group.addoption("--kph-host", choices=("gdbstub", "plugin"), default="gdbstub",
+    group.addoption("--kph-host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
                     help="Host-side engine of the machines (vm.host, probe_diff's host "
-                    "side): gdbstub (default) or the QEMU plugin")
+                    "side): gdbstub (default), the QEMU plugin, or both (probe_diff then "
+                    "compares gdbstub, plugin and guest on one execution)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,15 +57,16 @@ def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:
 
 
 def _boot_opts(config: pytest.Config) -> dict[str, Any]:
+    host = config.getoption("--kph-host")
     return {"qemu": config.getoption("--kph-qemu"), "fresh": not config.getoption("--kph-cold"),
-            "host": config.getoption("--kph-host")}
+            "host": "plugin" if host == "both" else host}
 
 
 class DiffHelper:
     """``probe_diff(specs, workload)``: run both sides on one execution and compare."""
 
-    def __init__(self, vm: Any, guest: str) -> None:
-        self.vm, self.guest = vm, guest
+    def __init__(self, vm: Any, guest: str, host: str = "gdbstub") -> None:
+        self.vm, self.guest, self.host = vm, guest, host
         self.last: Any = None
 
     def __call__(self, specs: Sequence[str], workload: str, *, guest: str | None = None,
@@ -74,6 +76,13 @@ class DiffHelper:
         from harness.runner import run_differential, trampoline_text
 
         parsed = [parse(s) for s in specs]
+        if self.host == "both" and hook is None:
+            from harness.worlds import run_three
+
+            three = run_three(self.vm, parsed, workload, guest=guest or self.guest,
+                              timeout=timeout)
+            self.last = three
+            return _CheckedThree(three)
         runs = run_differential(self.vm, parsed, workload, guest=guest or self.guest,
                                 hook=hook, timeout=timeout)
         res = compare(*runs, trampoline=trampoline_text(self.vm))
@@ -96,6 +105,28 @@ class _Checked:
         assert self.result.equivalent, text
         assert self.result.total_matched >= min_events, f"too few events matched\n{text}"
         return self.result
+
+
+class _CheckedThree:
+    """probe_diff's answer under ``--kph-host both``: ``runs`` are (gdbstub, guest) as
+    with one host engine; every pair of the three worlds must agree."""
+
+    def __init__(self, three: Any) -> None:
+        self.three = three
+        self.runs = (three.runs[0], three.runs[2])
+        self.plugin_run = three.runs[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.three.pairs[0], name)
+
+    def assert_equivalent(self, *, min_events: int = 1) -> Any:
+        from harness import report
+
+        for res in self.three.pairs:
+            text = report.text(res)
+            assert res.equivalent, text
+            assert res.total_matched >= min_events, f"too few events matched\n{text}"
+        return self.three
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +158,8 @@ def kph_fresh_machine(request: pytest.FixtureRequest, kph_image: Any) -> Any:
 def probe_diff(request: pytest.FixtureRequest) -> DiffHelper:
     per_test = request.config.getoption("--kph-machine-per") == "test"
     vm = request.getfixturevalue("kph_fresh_machine" if per_test else "kph_machine")
-    helper = DiffHelper(vm, request.config.getoption("--kph-guest"))
+    helper = DiffHelper(vm, request.config.getoption("--kph-guest"),
+                        request.config.getoption("--kph-host"))
     yield helper
     # No state may leak out of a test: no probes left on either side (on a fresh machine
     # this still catches a runner that does not clean up after itself).

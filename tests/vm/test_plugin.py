@@ -140,3 +140,24 @@ def test_run_single_plugin_backend(pvm):
     assert res.side == "plugin"
     assert any(h.comm == "head" and h.arg("count") for h in res.hits)
     assert res.counters["kprobes/rd"].nhit >= 1
+
+
+def test_kph_diff_host_both_agrees_three_ways(capsys):
+    """``kph diff --host both``: gdbstub, plugin and guest on one execution, every pair."""
+    from harness.cli import main
+
+    rc = main(["diff", "--host", "both", "p:o do_sys_openat2 path=+0(%si):ustring",
+               "r:or do_sys_openat2 ret=$retval:s64", "--run", "cat /proc/version /nope; true"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "host vs events" in out and "plugin vs events" in out and "host vs plugin" in out
+    assert out.rstrip().endswith("three worlds: EQUIVALENT")
+
+
+def test_kph_probe_host_plugin(capsys):
+    from harness.cli import main
+
+    rc = main(["probe", "--host", "plugin", "p:o do_sys_openat2 path=+0(%si):ustring",
+               "--run", "cat /proc/version"])
+    out = capsys.readouterr().out
+    assert rc == 0 and 'path="/proc/version"' in out
