@@ -363,6 +363,7 @@ class Channel:
             link.request(CMD_CHANNEL, struct.pack("<I", vcpu), fds=[theirs.fileno()])
         finally:
             theirs.close()
+        self._buf = bytearray(EV_SIZE)
         self.closed = False
 
     def _recv(self, n: int) -> bytes:
@@ -376,17 +377,22 @@ class Channel:
 
     def next_event(self) -> Event | None:
         """The next event, or None when the channel closed."""
+        buf = self._buf
         try:
-            head = self._recv(EV_SIZE)
-        except (EOFError, OSError):
+            got = self.sock.recv_into(buf, EV_SIZE, socket.MSG_WAITALL)
+        except OSError:
             return None
-        (etype, vcpu, n, extra, addr, *rest) = EV_HDR.unpack_from(head)
+        if got < EV_SIZE:
+            return None
+        (etype, vcpu, n, extra, addr, *rest) = EV_HDR.unpack_from(buf)
         regs = tuple(rest[:21])
         task, pid, tflags, comm, a, b = rest[21:]
-        try:
-            ids = struct.unpack(f"<{n}I", self._recv(4 * n)) if n else ()
-        except (EOFError, OSError):
-            return None
+        ids = struct.unpack_from(f"<{min(n, 4)}I", buf, 240)   # up to 4 in the header
+        if n > 4:
+            try:
+                ids += struct.unpack(f"<{n - 4}I", self._recv(4 * (n - 4)))
+            except (EOFError, OSError):
+                return None
         return Event(etype, vcpu, extra, addr, regs, task, pid, tflags,
                      comm.split(b"\0", 1)[0], a, b, ids)
 

@@ -684,6 +684,24 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
 static int read_full(int fd, void *buf, size_t len);
 static int write_full(int fd, const void *buf, size_t len);
 
+/* A command header from the harness. A handler usually answers within microseconds:
+ * poll for a short while before sleeping in read(), which saves the wake-up of this
+ * (vCPU) thread on the way back. */
+#define SPIN_NS 40000
+static int read_cmd(int fd, uint32_t h[2])
+{
+    uint64_t t0 = now_ns();
+
+    do {
+        ssize_t r = recv(fd, h, 8, MSG_DONTWAIT | MSG_PEEK);
+
+        if (r == 8 || r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+            break;
+        }
+    } while (now_ns() - t0 < SPIN_NS);
+    return read_full(fd, h, 8);
+}
+
 static void chan_dead(vcpu_t *v, int fd)
 {
     /* The harness went away: this vCPU goes on as if every handler returned 0. */
@@ -739,11 +757,13 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
     memcpy(e + 208, v->comm, 16);
     memcpy(e + 224, &a, 8);
     memcpy(e + 232, &b, 8);
-    if (n) {
-        memcpy(e + EV_HDR, ids, 4 * n);
+    /* up to 4 ids ride in the header's last 16 bytes; more follow it */
+    memcpy(e + 240, ids, 4 * (n < 4 ? n : 4));
+    if (n > 4) {
+        memcpy(e + EV_HDR, ids + 4, 4 * (n - 4));
     }
     v->new_ip = v->regs[KREG_IP];
-    if (write_full(fd, e, EV_HDR + 4 * n) != 0) {
+    if (write_full(fd, e, EV_HDR + 4 * (n > 4 ? n - 4 : 0)) != 0) {
         chan_dead(v, fd);
         return -1;
     }
@@ -751,7 +771,7 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
         uint32_t h[2], st;
         uint64_t addr64;
 
-        if (read_full(fd, h, 8) != 0) {
+        if (read_cmd(fd, h) != 0) {
             chan_dead(v, fd);
             return -1;
         }
