@@ -161,3 +161,16 @@ def test_kph_probe_host_plugin(capsys):
                "--run", "cat /proc/version"])
     out = capsys.readouterr().out
     assert rc == 0 and 'path="/proc/version"' in out
+
+
+def test_maxactive_1_on_two_vcpus_misses_as_the_guest_counts(default_image):
+    """-smp 2, two pinned sleepers in do_nanosleep at once, ``r1:``: the plugin's nmissed
+    is the guest kretprobe's own (kprobe_profile), compared exactly by the diff."""
+    with Machine.boot(default_image, host="plugin", smp=2) as vm:
+        runs = run_differential(vm, [parse("r1:ns do_nanosleep ret=$retval:s32")],
+                                "taskset 1 sleep 1 & taskset 2 sleep 1 & wait")
+        res = compare(*runs, trampoline=trampoline_text(vm))
+    assert res.equivalent, res
+    assert runs[0].side == "plugin"
+    assert runs[0].counters["kprobes/ns"].nmissed == runs[1].counters["kprobes/ns"].nmissed == 1
+    assert {h.cpu for h in runs[0].hits if h.comm == "sleep"} <= {0, 1}
