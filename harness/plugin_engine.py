@@ -334,7 +334,7 @@ class PluginEngine:
 
     def _on_post(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
         _, probes = self._pending.pop(ev.vcpu, (ev.addr, []))
-        probes = [p for p in probes if p.post_handler is not None]
+        probes = [p for p in probes if p.post_handler is not None and p.registered]
         if not probes:
             return ACT_CONTINUE, {}
         if ev.extra == 1:
@@ -373,7 +373,8 @@ class PluginEngine:
         rip, cs, rflags, rsp, ss = struct.unpack("<5Q", frame)
         regs = self._regs(ev, ch, {"ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
         for p in probes:
-            if p.fault_handler is not None and self._handler(p.fault_handler, p, regs, vector):
+            if p.fault_handler is not None and p.registered and \
+                    self._handler(p.fault_handler, p, regs, vector):
                 self.stats["faults_handled"] += 1
                 undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
                 return ACT_HANDLED, {REG_INDEX[k]: v for k, v in undo.items()}

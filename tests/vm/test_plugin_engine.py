@@ -380,3 +380,19 @@ def test_maxactive_1_two_vcpus_concurrent_calls_miss(smp2):
         assert len(calls) == rp.nhit
     finally:
         host.close()
+
+
+def test_post_mode_comes_and_goes_with_post_handlers(pvm, host):
+    """A post_handler makes every translation block test for a pending post (one flush
+    to reach old blocks); when the last one goes, so does the test (one more flush)."""
+    before = host.global_stats()["flushes"]
+    kp = host.register_kprobe(Kprobe(symbol_name="do_sys_openat2",
+                                     post_handler=lambda p, r, f: None))
+    pvm.run(OPEN, check=True)
+    assert host.global_stats()["flushes"] == before + 1
+    host.register_kprobe(Kprobe(symbol_name="vfs_read", post_handler=lambda p, r, f: None))
+    pvm.run(OPEN, check=True)
+    assert host.global_stats()["flushes"] == before + 1      # already on
+    host.unregister_kprobes([kp, *[p for ps in host._aggr.values() for p in ps]])
+    pvm.run(OPEN, check=True)
+    assert host.global_stats()["flushes"] == before + 2
