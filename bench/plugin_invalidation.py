@@ -112,7 +112,6 @@ def main() -> int:
                 lat = latency(vm, flush_all, busy, 10)
                 print(f"  {'reset' if flush_all else 'byte':6s} {'busy' if busy else 'idle':5s} "
                       f"{statistics.median(lat):7.2f} / {max(lat):7.2f}")
-        base = statistics.median([after_cost(vm, False, 1) for _ in range(args.rounds)])
         walls = {}
         for flush_all in (False, True):
             walls[flush_all] = after_cost(vm, flush_all, args.rounds)

@@ -40,7 +40,8 @@ offsets from BTF) is loaded before any probe is armed; nothing is fetched from t
 in a callback.
 
 Code translated before a probe was added is invalidated by the plugin (see
-kph_plugin.c): ``stats["invalidations"]`` and ``invalidation_ms`` say what it cost.
+kph_plugin.c and the README): ``global_stats()`` counts invalidations and the time until
+they were done. The hit flow of Python handlers is ``harness.plugin_handlers``.
 """
 from __future__ import annotations
 
@@ -54,15 +55,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .engine import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, _arity
+from .engine import EXCEPTION_ENTRIES, _arity
 from .errors import HarnessError, ProbeRejectedError
-from .fetchprog import REG_INDEX, REGS
 from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
-from .plugin import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC, ADD_ENABLED,
-                     ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE, CMD_GSTATS,
-                     CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, EV_FAULT, EV_MISS, EV_POST, EV_PRE,
-                     EV_RET, EV_RET_ENTRY, INVAL_PENDING, INVAL_TEXT, PK_KPROBE, PK_KRET,
-                     PK_SPEC_P, PK_SPEC_R, Channel, Event, PluginLink, RawRecord, decode)
+from .plugin import (ADD_ENABLED, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
+                     CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
+                     PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
+                     decode)
+from .plugin_handlers import HandlerDispatch
 from .symbols import check_probe_address
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class PluginProbe:
     invalidation: str = "done"
 
 
-class PluginEngine:
+class PluginEngine(HandlerDispatch):
     """Host-side kprobes through the QEMU plugin. Use ``vm.host`` rather than constructing it."""
 
     kind = "plugin"
@@ -256,157 +256,6 @@ class PluginEngine:
             self._channels.append(ch)
             self._threads.append(th)
             th.start()
-
-    def _serve(self, ch: Channel) -> None:
-        while True:
-            ev = ch.next_event()
-            if ev is None:
-                return
-            self._tls.ch, self._tls.ev = ch, ev
-            try:
-                action, writes = self._dispatch(ch, ev)
-            except Exception as exc:  # noqa: BLE001 - the vCPU must go on
-                log.exception("plugin event %d failed", ev.type)
-                self.handler_errors.append(exc)
-                action, writes = ACT_CONTINUE, {}
-            finally:
-                self._tls.ch = self._tls.ev = None
-            try:
-                ch.done(action, writes)
-            except OSError:
-                return
-
-    def _regs(self, ev: Event, ch: Channel, values: dict[str, int] | None = None) -> PtRegs:
-        vals = {n: v for n, v in zip(REGS, ev.regs) if n != "orig_ax"}
-        vals.update(values or {})
-        return PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu)
-
-    @staticmethod
-    def _writes(regs: PtRegs, *, keep_ip: bool) -> dict[int, int]:
-        return {REG_INDEX[k]: v for k, v in regs.dirty.items() if keep_ip or k != "ip"}
-
-    def _handler(self, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - the guest must go on
-            self.handler_errors.append(exc)
-            self.stats["handler_errors"] += 1
-            log.error("probe handler %s raised %r", getattr(fn, "__name__", fn), exc)
-            return 0
-
-    def _dispatch(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        self.stats["round_trips"] += 1
-        if ev.type == EV_PRE:
-            return self._on_pre(ch, ev)
-        if ev.type == EV_POST:
-            return self._on_post(ch, ev)
-        if ev.type == EV_FAULT:
-            return self._on_fault(ch, ev)
-        if ev.type == EV_RET_ENTRY:
-            return self._on_ret_entry(ch, ev)
-        if ev.type == EV_RET:
-            return self._on_ret(ch, ev)
-        if ev.type == EV_MISS:
-            for i in ev.ids:
-                p = self._by_id.get(i)
-                if p is not None:
-                    p.nmissed += 1
-            return ACT_CONTINUE, {}
-        raise HarnessError(f"unknown plugin event {ev.type}")
-
-    def _on_pre(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        probes = [p for i in ev.ids if isinstance(p := self._by_id.get(i), Kprobe)
-                  and p.registered and not p.disabled]
-        self.stats["hits"] += 1
-        regs = self._regs(ev, ch, {"ip": ev.addr})
-        for p in probes:
-            p.nhit += 1
-        for p in probes:
-            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
-                # aggr_pre_handler(): the path was changed; no instruction, no post_handler
-                return ACT_SETPC, {**self._writes(regs, keep_ip=False), REG_INDEX["ip"]: regs.ip}
-        writes = self._writes(regs, keep_ip=False)    # setup_singlestep() overwrites ip
-        after = [p for p in probes if p.post_handler is not None or p.fault_handler is not None]
-        if after:
-            self._pending[ev.vcpu] = (ev.addr, after)
-            return ACT_POST, writes
-        return ACT_CONTINUE, writes
-
-    def _on_post(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        _, probes = self._pending.pop(ev.vcpu, (ev.addr, []))
-        probes = [p for p in probes if p.post_handler is not None and p.registered]
-        if not probes:
-            return ACT_CONTINUE, {}
-        if ev.extra == 1:
-            # An interrupt came right after the instruction: ip, cs, flags, sp, ss of the
-            # moment after it are in the interrupt frame (no error code).
-            sp = ev.regs[REG_INDEX["sp"]]
-            frame = ch.read(sp, 40)
-            if frame is None:
-                return ACT_CONTINUE, {}
-            fields = dict(zip(("ip", "cs", "flags", "sp", "ss"), struct.unpack("<5Q", frame)))
-            regs = self._regs(ev, ch, fields)
-            for p in probes:
-                self._handler(p.post_handler, p, regs, 0)
-            for i, name in enumerate(("ip", "cs", "flags", "sp", "ss")):
-                if name in regs.dirty:
-                    ch.write(sp + 8 * i, struct.pack("<Q", regs.dirty[name]))
-            return ACT_CONTINUE, {REG_INDEX[k]: v for k, v in regs.dirty.items() if k not in fields}
-        regs = self._regs(ev, ch)
-        for p in probes:
-            self._handler(p.post_handler, p, regs, 0)
-        if "ip" in regs.dirty:
-            return ACT_SETPC, self._writes(regs, keep_ip=True)
-        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
-
-    def _on_fault(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        """The probed instruction raised an exception; the vCPU sits at its entry."""
-        _, probes = self._pending.pop(ev.vcpu, (ev.addr, []))
-        vector = self._exc.get(ev.b)
-        if vector is None or vector == 3:
-            return ACT_CONTINUE, {}
-        self.stats["faults"] += 1
-        sp = ev.regs[REG_INDEX["sp"]]
-        frame = ch.read(sp + (8 if vector in ERROR_CODE_VECTORS else 0), 40)
-        if frame is None:
-            return ACT_CONTINUE, {}
-        rip, cs, rflags, rsp, ss = struct.unpack("<5Q", frame)
-        regs = self._regs(ev, ch, {"ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
-        for p in probes:
-            if p.fault_handler is not None and p.registered and \
-                    self._handler(p.fault_handler, p, regs, vector):
-                self.stats["faults_handled"] += 1
-                undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
-                return ACT_HANDLED, {REG_INDEX[k]: v for k, v in undo.items()}
-        return ACT_CONTINUE, {}
-
-    def _on_ret_entry(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        """pre_handler_kretprobe(): the plugin took instance ``ev.extra`` of the pool."""
-        rp = self._by_id.get(ev.ids[0]) if ev.ids else None
-        if not isinstance(rp, Kretprobe) or not rp.registered:
-            return ACT_DISCARD, {}
-        ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
-        ri.data = bytearray(rp.data_size)
-        ri.cpu, ri.task, ri.stack_slot, ri.orphan = ev.vcpu, ev.task or None, ev.b, False
-        regs = self._regs(ev, ch, {"ip": ev.addr})
-        if rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs):
-            return ACT_DISCARD, self._writes(regs, keep_ip=False)
-        rp.nhit += 1
-        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
-
-    def _on_ret(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
-        """The function returned into the trampoline; ``ev.a`` is the real return address
-        (rethook_trampoline_handler() sets regs->ip to it before the handlers run)."""
-        rp = self._by_id.get(ev.ids[0]) if ev.ids else None
-        if not isinstance(rp, Kretprobe):
-            return ACT_CONTINUE, {}
-        ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
-        ri.ret_addr, ri.stack_slot = ev.a, ev.b
-        self.stats["returns"] += 1
-        regs = self._regs(ev, ch, {"ip": ev.a})
-        if not ri.orphan and rp.registered and rp.handler is not None:
-            self._handler(rp.handler, ri, regs)
-        return ACT_CONTINUE, self._writes(regs, keep_ip=False)
 
     def _add_handler_probe(self, p: Kprobe | Kretprobe, addr: int, kind: int, flags: int,
                            maxactive: int = 0) -> int:
