@@ -37,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -119,6 +120,8 @@ typedef struct {
     /* Python handlers: this vCPU's channel, and a post_handler waiting for the next
      * instruction (the one after the probed instruction at post_addr) */
     atomic_int chan;
+    pthread_mutex_t chan_lock;
+    int in_rt;
     int post_armed;
     int discon_pending;             /* 1 interrupt, 2 exception, while a post is pending */
     uint64_t post_addr;
@@ -690,26 +693,84 @@ static int write_full(int fd, const void *buf, size_t len);
  * poll for a short while before sleeping in read(), which saves the wake-up of this
  * (vCPU) thread on the way back. */
 #define SPIN_NS 40000
+/* A handler that has not answered in this long is taken for a dead harness: the vCPU
+ * goes on (a guest cannot wait forever on a host that hangs). */
+#define HANDLER_TIMEOUT_MS 120000
 static int read_cmd(int fd, uint32_t h[2])
 {
     uint64_t t0 = now_ns();
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int r;
 
     do {
-        ssize_t r = recv(fd, h, 8, MSG_DONTWAIT | MSG_PEEK);
+        ssize_t got = recv(fd, h, 8, MSG_DONTWAIT | MSG_PEEK);
 
-        if (r == 8 || r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+        if (got == 8 || got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
             break;
         }
     } while (now_ns() - t0 < SPIN_NS);
+    do {
+        r = poll(&pfd, 1, HANDLER_TIMEOUT_MS);
+    } while (r < 0 && errno == EINTR);
+    if (r == 0) {
+        say("kph_plugin: a handler did not answer in 120 s; its vCPU goes on\n");
+        return -1;
+    }
     return read_full(fd, h, 8);
 }
 
+/* Channel ownership, under v->chan_lock: a vCPU in a round trip owns the descriptor it
+ * took; the control thread replacing or dropping it then only shuts it down (which
+ * wakes the vCPU without freeing the number under it) and the vCPU closes it; otherwise
+ * the control thread closes it itself. */
+static int chan_take(vcpu_t *v)
+{
+    int fd;
+
+    pthread_mutex_lock(&v->chan_lock);
+    fd = atomic_load(&v->chan);
+    v->in_rt = fd >= 0;
+    pthread_mutex_unlock(&v->chan_lock);
+    return fd;
+}
+
+static void chan_release(vcpu_t *v, int fd)
+{
+    pthread_mutex_lock(&v->chan_lock);
+    v->in_rt = 0;
+    if (atomic_load(&v->chan) != fd) {
+        close(fd);                  /* replaced or dropped while in use */
+    }
+    pthread_mutex_unlock(&v->chan_lock);
+}
+
+/* The channel failed: this vCPU goes on as if every handler returned 0. */
 static void chan_dead(vcpu_t *v, int fd)
 {
-    /* The harness went away: this vCPU goes on as if every handler returned 0. */
-    if (atomic_compare_exchange_strong(&v->chan, &fd, -1)) {
-        close(fd);
+    pthread_mutex_lock(&v->chan_lock);
+    v->in_rt = 0;
+    if (atomic_load(&v->chan) == fd) {
+        atomic_store(&v->chan, -1);
     }
+    close(fd);
+    pthread_mutex_unlock(&v->chan_lock);
+}
+
+/* Control thread: put `fd` (or -1) in place of v's channel. */
+static void chan_set(vcpu_t *v, int fd)
+{
+    int old;
+
+    pthread_mutex_lock(&v->chan_lock);
+    old = atomic_exchange(&v->chan, fd);
+    if (old >= 0) {
+        if (v->in_rt) {
+            shutdown(old, SHUT_RDWR);
+        } else {
+            close(old);
+        }
+    }
+    pthread_mutex_unlock(&v->chan_lock);
 }
 
 static void write_regs(vcpu_t *v, uint64_t mask, const uint64_t *vals, int with_ip)
@@ -736,7 +797,7 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
                       const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
                       int ip_by_register)
 {
-    int fd = atomic_load(&v->chan);
+    int fd = chan_take(v);
     uint8_t *e = v->ev;
     uint32_t vcpu32 = vcpu;
 
@@ -854,6 +915,7 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
             if (mask & (1ull << KREG_IP)) {
                 v->new_ip = vals[KREG_IP];
             }
+            chan_release(v, fd);
             return (int)action;
         }
         default:
@@ -1172,6 +1234,7 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
     }
     v->gb = g_byte_array_new();
     atomic_store(&v->chan, -1);
+    pthread_mutex_init(&v->chan_lock, NULL);
     if (!atomic_load(&g_regs_ready)) {
         GArray *regs = qemu_plugin_get_registers();
         unsigned int i, esz = regs ? g_array_get_element_size(regs) : 0;
@@ -1631,12 +1694,7 @@ static int serve(int fd)
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
-            {
-                int old = atomic_exchange(&v->chan, rfd);
-                if (old >= 0) {
-                    close(old);     /* a vCPU blocked on it sees EOF and goes on */
-                }
-            }
+            chan_set(v, rfd);
             rc = reply(fd, 0, NULL, 0);
             break;
         }
@@ -1768,6 +1826,11 @@ static void *ctl_thread(void *arg)
          * still serviced at the trampoline. */
         atomic_store(&g_live, 0);
         close(fd);
+        for (int i = 0; i < MAX_VCPUS; i++) {
+            if (g_vcpu[i]) {
+                chan_set(g_vcpu[i], -1);    /* a vCPU waiting on a handler goes on */
+            }
+        }
         reset_session();
     }
 }

@@ -395,3 +395,28 @@ def test_post_mode_comes_and_goes_with_post_handlers(pvm, host):
     host.unregister_kprobes([kp, *[p for ps in host._aggr.values() for p in ps]])
     pvm.run(OPEN, check=True)
     assert host.global_stats()["flushes"] == before + 2
+
+
+def test_closing_the_engine_lets_a_vcpu_waiting_in_a_handler_go_on(pvm):
+    """A dead harness must not hold a vCPU: closing the engine while a handler still
+    waits shuts its channel, the vCPU goes on as if the handler returned 0."""
+    host = pvm.host
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(p, r):
+        if user_string(host, r.si) == "/proc/version":
+            entered.set()
+            release.wait(30)
+        return 0
+    host.register_kprobe(Kprobe(symbol_name="do_sys_openat2", pre_handler=stuck))
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=pvm.run("cat /proc/version", timeout=60)))
+    t.start()
+    try:
+        assert entered.wait(20)
+        host.close()
+        t.join(30)
+        assert not t.is_alive() and out["r"].ok and not release.is_set()
+    finally:
+        release.set()
+    assert pvm.run("echo alive").stdout == "alive\n"
