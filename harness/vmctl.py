@@ -182,6 +182,9 @@ class Machine:
         use; when there is none to be had (``harness.snapshot.unsupported``), or ``$KPH_COLD``
         is set, or the restore fails, the guest boots cold and the reason is logged once.
         ``fresh=False`` always boots cold. Either way the guest has never run anything else.
+        ``host`` picks the engine ``vm.host`` is: "gdbstub" (``harness.engine``) or "plugin"
+        (``harness.plugin_engine``: QEMU starts with ``probes/plugin`` loaded, inert; it is
+        built on first use, a failed build is a SetupError).
 
         :raise SetupError: a kernel, initrd or image that does not exist.
         :raise GuestPanicError: the guest panicked while booting.

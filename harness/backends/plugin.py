@@ -82,6 +82,7 @@ class PluginBackend:
         self._probes: dict[str, list[Any]] = {}
         self._hits: list[Hit] = []
         self.capture_misses = 0
+        self.dropped = 0
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
         out = []
@@ -110,6 +111,7 @@ class PluginBackend:
     def enable(self) -> None:
         self._hits.clear()
         self.engine.records()              # what came before does not count
+        self._dropped0 = self.engine.link.dropped
         for ps in self._probes.values():
             for p in ps:
                 self.engine.enable_probe(p, True)
@@ -121,6 +123,10 @@ class PluginBackend:
                 self.engine.enable_probe(p, False)
         self.recording = False
         self._take()
+        #: Records the plugin had to drop (a ring full: the host drained too slowly).
+        self.dropped = self.engine.link.dropped - getattr(self, "_dropped0", 0)
+        if self.dropped:
+            log.warning("the plugin dropped %d record(s): its ring was full", self.dropped)
 
     def _take(self) -> None:
         for rec in self.engine.records():
