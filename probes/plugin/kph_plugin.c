@@ -1153,8 +1153,9 @@ static void on_tb_trans(struct qemu_plugin_tb *tb, void *ud)
  * frame (rip, cs, rflags, rsp, ss, after an error code for some exceptions) pushed:
  * - an exception can only come from the probed instruction itself (the post is delivered
  *   before the next instruction): the harness runs the fault_handlers there, with the
- *   faulting registers from the frame and the vector from the entry point
- *   (kprobe_fault_handler(); 1 = handled: frame undone, the vCPU resumes at regs.ip),
+ *   faulting registers from the frame and the vector from the entry point (1 =
+ *   handled: frame undone, the vCPU resumes at regs.ip: the meaning the 2005 texts give
+ *   kprobe::fault_handler, which 5.14 removed and harness/engine.py keeps host-side),
  *   and no post_handler (the guest's own int3 there, vector 3, is the guest's);
  * - an interrupt came after the probed instruction completed: the post_handlers run with
  *   the registers it left, rip/rflags/rsp from the frame. */
