@@ -107,11 +107,21 @@ def plugin_key(qemu: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: The plugin speaks QEMU's plugin API 7 (callbacks with user data, no plugin id), what
+#: QEMU 11.1 offers (min = cur = 7 in 11.1.3); older QEMUs refuse to load it.
+MIN_QEMU = (11, 1)
+
+
 def build_plugin(qemu: Any) -> Path:
     """The plugin for ``qemu`` (a ``QemuBinary``), built now if not cached.
 
-    :raise SetupError: no compiler, or the build failed (the first error line is given).
+    :raise SetupError: QEMU too old, no compiler, or the build failed (the first error
+        line is given).
     """
+    if tuple(qemu.version[:2]) < MIN_QEMU:
+        raise SetupError(f"the plugin engine needs QEMU >= {MIN_QEMU[0]}.{MIN_QEMU[1]} "
+                         f"(plugin API 7); QEMU {qemu.version_str} is older",
+                         "run `kph qemu provision` (or ./setup.sh), or use the gdbstub engine")
     key = plugin_key(qemu)
     dest = C.cache_dir() / "plugin" / key / SO_NAME
     if dest.is_file():

@@ -68,3 +68,9 @@ def test_record_header_layout_matches_the_plugin():
     r = plugin.decode(rec)
     assert (r.type, r.vcpu, r.probe_id, r.seq, r.regs[16], r.task, r.func, r.pid, r.comm) == \
         (plugin.REC_HIT, 1, 9, 77, 16, 0xabc, 0xf00, 42, b"cat")
+
+
+def test_old_qemu_is_a_setup_error_before_building(env):
+    old = QemuBinary(argv=("/bin/true",), version=(7, 2, 22), source="system")
+    with pytest.raises(SetupError, match="needs QEMU >= 11.1.*7.2.22"):
+        plugin.build_plugin(old)
