@@ -318,9 +318,6 @@ def _probe(args: argparse.Namespace) -> int:
 
     specs = _load_specs(args)
     backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
-    if backend == "plugin" and any(s.is_uprobe for s in specs):
-        raise SetupError("the plugin engine has no uprobes yet; these specs include uprobes",
-                         "use --host gdbstub for uprobe lines")
     with _machine(args) as vm:
         res = run_single(vm, backend, specs, args.run, timeout=args.timeout)
     if _refusals(res.outcomes):
@@ -346,9 +343,6 @@ def _diff(args: argparse.Namespace) -> int:
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
-    if args.host != "gdbstub" and any(s.is_uprobe for s in specs):
-        raise SetupError("the plugin engine has no uprobes yet; these specs include uprobes",
-                         "use --host gdbstub for uprobe lines")
     if args.host == "both":
         return _diff_three(args, specs)
     with _machine(args) as vm:

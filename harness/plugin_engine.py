@@ -53,12 +53,13 @@ import struct
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from .engine import EXCEPTION_ENTRIES, _arity
 from .errors import HarnessError, ProbeRejectedError
 from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
-from .plugin import (ADD_ENABLED, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
+from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
                      decode)
@@ -100,7 +101,8 @@ class PluginEngine(HandlerDispatch):
         self.blacklist = vm.blacklist
         self.stats: Counter[str] = Counter()
         self.handler_errors: list[BaseException] = []
-        self._uprobes = None
+        #: What ``harness.runner.trampoline_text`` reads: the uretprobe trampolines in use.
+        self._uprobes = SimpleNamespace(used_trampolines=set())
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
@@ -183,18 +185,34 @@ class PluginEngine(HandlerDispatch):
         return addr + offset
 
     def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
-                       enabled: bool = True, invalidate: bool = True) -> PluginProbe:
+                       enabled: bool = True, invalidate: bool = True,
+                       user: tuple[int, tuple[int, ...], int] | None = None) -> PluginProbe:
         """Arm a compiled spec probe at ``addr`` (checked by the caller); a return probe
         gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs)).
         ``invalidate=False`` leaves code translated earlier without the probe (tests use
-        it to show what the invalidation is for)."""
+        it to show what the invalidation is for).
+
+        ``user``: a uprobe, ``(trampoline, filter offsets, inode)``: it fires only in
+        processes where ``current->mm->exe_file->f_inode->i_ino`` (the chain of
+        ``task_struct`` member offsets given) is the inode; its returns go through the
+        trampoline in that program. User code is reached by flushing all translations.
+        """
         if ret and maxactive <= 0:
-            maxactive = max(10, 2 * self.vm.smp)      # register_kretprobe(), kernel/kprobes.c
+            # register_kretprobe() (kernel/kprobes.c); uretprobes have no pool in the
+            # kernel (one return_instance per call): a large one stands in.
+            maxactive = max(10, 2 * self.vm.smp) if user is None else 4096
         pid = next(self._ids)
         kind = PK_SPEC_R if ret else PK_SPEC_P
         flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE)
+        ext = b""
+        if user is not None:
+            tramp, chain, ino = user
+            flags |= ADD_EXT | ADD_FLUSH
+            ext = struct.pack("<QII4QQQ", tramp, len(chain), 0, *(list(chain) + [0] * 4)[:4], ino, 0)
+            if ret:
+                self._uprobes.used_trampolines.add(tramp)
         payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
-                              len(program) // 16, 0) + program
+                              len(program) // 16, 0) + program + ext
         st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
         p = PluginProbe(pid, addr, kind, maxactive, enabled, INVAL_TEXT.get(st, str(st)))
         if st == INVAL_PENDING:
@@ -220,10 +238,10 @@ class PluginEngine(HandlerDispatch):
         return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", p.id)))
 
     def global_stats(self) -> dict[str, int]:
-        vals = struct.unpack("<10Q", self.link.request(CMD_GSTATS))
+        vals = struct.unpack("<11Q", self.link.request(CMD_GSTATS))
         keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
                 "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
-                "posts_interrupt", "flushes")
+                "posts_interrupt", "flushes", "uprobe_filtered")
         return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:

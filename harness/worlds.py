@@ -9,8 +9,9 @@ callback runs during that step. One hit is thus seen three times, in this order:
 gdbstub stop, the plugin callback, the guest's own probe. Return probes hijack the same
 return-address slot in that order too, so each later world records the earlier one's
 trampoline as the return address: the guest sees the plugin's (``_etext+0x1``), the
-plugin sees the gdbstub engine's (``_etext+0x0``). Both compare equal to the real
-return address (the ``trampoline`` normalization of ``harness.diff``).
+plugin sees the gdbstub engine's (``_etext+0x0``); for uretprobes the bytes one and two
+past the program's text. All compare equal to the real return address (the
+``trampoline`` normalization of ``harness.diff``).
 
 Arming order: gdbstub first (its address checks read the original instructions), then
 the plugin, then the guest; enabling in the reverse order.
@@ -56,8 +57,9 @@ def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str 
 
     if getattr(vm, "host_kind", "") != "plugin":
         raise SetupError("three worlds need the plugin loaded", "boot with host='plugin'")
-    if any(s.is_uprobe for s in specs):
-        raise SetupError("the plugin engine has no uprobes yet", "use --host gdbstub for uprobe lines")
+    from .runner import resolve_uprobes
+
+    specs = resolve_uprobes(vm, specs)
     comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
     stub = HostEngine(vm, emulate=False)
     g = h = p = None
@@ -85,6 +87,8 @@ def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str 
         stub.close()
     hs = vm.symbols.symbolize(stub.trampoline)
     tramps = tuple(trampoline_text(vm)) + ((f"{hs[0].name}+{hs[1]:#x}",) if hs else ())
+    if stub._uprobes is not None:       # the gdbstub engine's uretprobe trampolines
+        tramps += tuple(f"0x{t:x}" for t in stub._uprobes.used_trampolines)
     pairs = (compare(runs[0], runs[2], trampoline=tramps),
              compare(runs[1], runs[2], trampoline=tramps),
              compare(runs[0], runs[1], trampoline=tramps))

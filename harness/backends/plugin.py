@@ -23,6 +23,7 @@ from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
 from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
+from ..uprobes import Uprobe
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ EINVAL = 22
 class _RecordCtx:
     """``harness.fetchargs.FetchContext`` over one plugin record."""
 
-    def __init__(self, backend: "PluginBackend", rec: RawRecord, ip: int) -> None:
-        self.rec, self.ip, self.backend = rec, ip, backend
+    def __init__(self, backend: "PluginBackend", rec: RawRecord, ip: int,
+                 up: Uprobe | None = None) -> None:
+        self.rec, self.ip, self.backend, self.up = rec, ip, backend, up
         self.mem = CaptureContext(parse_blocks(rec.body, rec.nblocks))
         self._regs = dict(zip(REGS, rec.regs))
 
@@ -62,7 +64,9 @@ class _RecordCtx:
         return syms.format(addr) if syms.symbolize(addr) else None
 
     def file_offset_vaddr(self, offset: int) -> int:
-        raise ValueError("@+OFFS is for uprobes only")
+        if self.up is None or self.up.vaddr is None or self.up.offset is None:
+            raise ValueError("@+OFFS is for uprobes only")
+        return self.up.vaddr - self.up.offset + offset
 
 
 class PluginBackend:
@@ -79,6 +83,7 @@ class PluginBackend:
         self.comm_rule = comm_rule
         self.recording = False
         self._specs: dict[int, tuple[ProbeSpec, str]] = {}
+        self._uprobes: dict[int, Uprobe] = {}
         self._probes: dict[str, list[Any]] = {}
         self._hits: list[Hit] = []
         self.capture_misses = 0
@@ -90,8 +95,12 @@ class PluginBackend:
             name = f"{spec.group}/{spec.event}"
             try:
                 if spec.is_uprobe:
-                    raise ProbeRejectedError("uprobes are not in the plugin engine yet; use "
-                                             "the gdbstub engine (--host gdbstub)", EINVAL)
+                    p, up = self._add_uprobe(spec)
+                    self._uprobes[p.id] = up
+                    self._specs[p.id] = (spec, name)
+                    self._probes.setdefault(name, []).append(p)
+                    out.append(Outcome(name, True, mode="plugin"))
+                    continue
                 if spec.module:
                     self.vm.refresh_module_symbols()
                 addr = self.engine.resolve(spec.symbol_name, spec.offset,
@@ -107,6 +116,38 @@ class PluginBackend:
             self._probes.setdefault(name, []).append(p)
             out.append(Outcome(name, True, mode="plugin"))
         return out
+
+    def _add_uprobe(self, spec: ProbeSpec) -> tuple[Any, Uprobe]:
+        """A ``uprobe_events`` line: the same checks as the gdbstub engine's
+        (``harness.uprobes.UprobeManager.prepare``: ELF, executable text, inode, no PIE),
+        then a plugin probe at the program's address, for processes whose executable is
+        that file (``current->mm->exe_file->f_inode->i_ino``, offsets from BTF)."""
+        from types import SimpleNamespace
+
+        from ..uprobes import UprobeManager
+
+        assert spec.path is not None
+        eng = self.engine
+        up = Uprobe(spec.path, spec.offset if spec.symbol is None else None, symbol=spec.symbol)
+        mgr = UprobeManager(SimpleNamespace(stub=None, vm=self.vm, stats=eng.stats,
+                                            symbols=eng.symbols))
+        mgr.prepare(up)
+        assert up.vaddr is not None and up.ino is not None
+        btf = self.vm.btf
+        chain = (btf.offset("task_struct", "mm"), btf.offset("mm_struct", "exe_file"),
+                 btf.offset("file", "f_inode"), btf.offset("inode", "i_ino"))
+        tramp = eng.trampoline
+        if spec.is_return:
+            # the byte after the gdbstub engine's trampoline (the end of the program's
+            # executable segment), so the two engines never share it
+            tramp = mgr.elf(up.path).trampoline() + 1
+            if tramp % 4096 == 0:
+                raise ProbeRejectedError(f"{up.path}: no room for a uretprobe trampoline "
+                                         "after its text (-EINVAL)", EINVAL)
+        prog = compile_spec(spec.args, file_offset_vaddr=lambda off: up.vaddr - up.offset + off)
+        p = eng.add_spec_probe(up.vaddr, ret=spec.is_return, program=prog, enabled=False,
+                               user=(tramp, chain, up.ino))
+        return p, up
 
     def enable(self) -> None:
         self._hits.clear()
@@ -137,16 +178,23 @@ class PluginBackend:
     def _hit(self, rec: RawRecord, seq: int) -> Hit:
         spec, name = self._specs[rec.probe_id]
         syms = self.engine.symbols
-        if rec.type == REC_RET:
+        up = self._uprobes.get(rec.probe_id)
+        if up is not None:
+            # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
+            # address first; %ip is the probed address itself (handle_swbp() sets it)
+            ip = rec.ret_addr if rec.type == REC_RET else rec.func
+            ip_text = f"0x{ip:x}"
+            ret_from: str | None = f"0x{rec.func:x}" if rec.type == REC_RET else None
+        elif rec.type == REC_RET:
             ip = rec.ret_addr
             ip_text = syms.format(ip) if syms.symbolize(ip) else f"0x{ip:08x}"
             hit = syms.symbolize(rec.func)
-            ret_from: str | None = hit[0].name if hit else f"0x{rec.func:x}"
+            ret_from = hit[0].name if hit else f"0x{rec.func:x}"
         else:
             ip = rec.func + INT3_INSN_SIZE
             ip_text = syms.format(rec.func)
             ret_from = None
-        ctx = _RecordCtx(self, rec, ip)
+        ctx = _RecordCtx(self, rec, ip, up)
         if rec.flags & (RF_TRUNC | RF_BADPROG):
             log.warning("%s: record %d %s", name, rec.seq,
                         "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin")

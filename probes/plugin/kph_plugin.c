@@ -73,7 +73,9 @@ enum { ACT_CONTINUE = 0, ACT_SETPC = 1, ACT_POST = 2, ACT_DISCARD = 3, ACT_HANDL
 enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
 enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16 };
 enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
-enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8 };
+enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_EXT = 16,
+       ADD_FLUSH = 32 };
+#define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
 
 typedef struct probe {
     uint32_t id, kind;
@@ -85,6 +87,14 @@ typedef struct probe {
     atomic_uint_fast64_t nhit, nmissed;
     /* kretprobe instances, under rp_lock */
     uint32_t maxactive, nfree, flags;
+    /* uprobes: where its returns go, and which processes it is for: the chain
+     * current->mm->exe_file->f_inode->i_ino must end in `expect` (kernel/events/
+     * uprobes.c places a uprobe on an inode: every mm mapping that file) */
+    uint64_t tramp;
+    uint32_t nfilter;
+    uint64_t filter[4];
+    uint64_t expect;
+    uint64_t mm_off;
     struct inst *insts;
     struct inst **freelist;
 } probe;
@@ -92,6 +102,7 @@ typedef struct probe {
 typedef struct inst {
     probe *rp;
     uint64_t slot, ret_addr, task;
+    uint64_t mm;                    /* user return probes: the address space of the slot */
     struct inst *next;              /* same bucket of the live table */
 } inst;
 
@@ -153,11 +164,13 @@ static int g_nprobes;
 static uint64_t g_tramp;
 static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
+static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists */
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
  * path (next instruction, next block, interrupt), full flushes */
 static atomic_uint_fast64_t g_n_irq, g_n_exc, g_n_post_insn, g_n_post_tb, g_n_post_irq, g_n_flush;
+static atomic_uint_fast64_t g_n_filtered;   /* uprobe hits of another program */
 
 /* registers, by pt_regs index, and the two GS bases */
 static struct qemu_plugin_register *g_reg[KREG_NUM];
@@ -571,6 +584,39 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
                       const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
                       int ip_by_register);
 
+/* current->mm (user return probes key their instances by it: two processes may hold
+ * the same stack slot address). 0 when unknown. */
+static uint64_t task_mm(vcpu_t *v, uint64_t mm_off)
+{
+    uint64_t mm = 0;
+
+    if (!(v->tflags & RF_TASK) || mem_read(v, v->task + mm_off, &mm, 8) != 0) {
+        return 0;
+    }
+    return mm;
+}
+
+/* Does this hit belong to the probe (a uprobe's exe-inode filter)? */
+static int filter_ok(vcpu_t *v, probe *p)
+{
+    uint64_t val;
+    uint32_t i;
+
+    if (!p->nfilter) {
+        return 1;
+    }
+    if (!(v->tflags & RF_TASK)) {
+        return 0;
+    }
+    val = v->task;
+    for (i = 0; i < p->nfilter; i++) {
+        if (!val || mem_read(v, val + p->filter[i], &val, 8) != 0) {
+            return 0;
+        }
+    }
+    return val == p->expect;
+}
+
 /* pre_handler_kretprobe(): take an instance or count nmissed, run the entry_handler
  * (non-zero: no return probe for this call), hijack [sp]. */
 static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
@@ -602,7 +648,7 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
             return;
         }
     }
-    if (mem_read(v, slot, &ret, 8) != 0 || mem_write(v, slot, &g_tramp, 8) != 0) {
+    if (mem_read(v, slot, &ret, 8) != 0 || mem_write(v, slot, &p->tramp, 8) != 0) {
         p->freelist[p->nfree++] = ri;
         pthread_mutex_unlock(&rp_lock);
         atomic_fetch_add(&p->nmissed, 1);
@@ -611,6 +657,7 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     ri->slot = slot;
     ri->ret_addr = ret;
     ri->task = v->task;
+    ri->mm = p->mm_off ? task_mm(v, p->mm_off) : 0;
     b = live_bucket(slot);
     ri->next = g_live_tab[b];
     g_live_tab[b] = ri;
@@ -618,17 +665,22 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     atomic_fetch_add(&p->nhit, 1);
 }
 
-/* The guest returned into the trampoline: [sp - 8] was the hijacked slot. */
-static void on_trampoline(unsigned int vcpu, vcpu_t *v)
+/* The guest returned into a trampoline: [sp - 8] was the hijacked slot (in a user
+ * trampoline, of this process's mm: handle_trampoline(), kernel/events/uprobes.c, finds
+ * the task's return instances). */
+static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
 {
     inst *done[MAX_PER_SITE];
     int n = 0, i;
-    uint64_t slot, real = 0;
+    uint64_t slot, real = 0, mm = 0;
     unsigned int b;
 
-    read_context(v, g_tramp);
+    read_context(v, tramp);
     slot = v->regs[KREG_SP] - 8;
     b = live_bucket(slot);
+    if (tramp != g_tramp && g_mm_off) {
+        mm = task_mm(v, g_mm_off);
+    }
     pthread_mutex_lock(&rp_lock);
     /* Newest first; an instance whose saved address is the trampoline itself was taken
      * by a later kretprobe on the same frame: go on to the one below it. */
@@ -636,7 +688,7 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
         inst **pp = &g_live_tab[b], *ri = NULL;
 
         while (*pp) {
-            if ((*pp)->slot == slot) {
+            if ((*pp)->slot == slot && (*pp)->mm == mm) {
                 ri = *pp;
                 *pp = ri->next;
                 break;
@@ -649,7 +701,7 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v)
         if (n < MAX_PER_SITE) {
             done[n++] = ri;
         }
-        if (ri->ret_addr != g_tramp) {
+        if (ri->ret_addr != tramp) {
             real = ri->ret_addr;
             break;
         }
@@ -971,8 +1023,8 @@ static void on_site(unsigned int vcpu, void *ud)
         return;
     }
     service_invalidations(v);
-    if (s->tramp && s->addr == g_tramp) {
-        on_trampoline(vcpu, v);
+    if (s->tramp) {
+        on_trampoline(vcpu, v, s->addr);
         return;
     }
     if (!atomic_load_explicit(&g_live, memory_order_relaxed)) {
@@ -1017,6 +1069,10 @@ static void on_site(unsigned int vcpu, void *ud)
         if (!have) {
             read_context(v, s->addr);
             have = 1;
+        }
+        if (!filter_ok(v, p)) {
+            atomic_fetch_add_explicit(&g_n_filtered, 1, memory_order_relaxed);
+            continue;               /* another program at this user address */
         }
         if (p->kind == PK_SPEC_P) {
             atomic_fetch_add(&p->nhit, 1);
@@ -1559,7 +1615,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     memcpy(&enabled, pl + 20, 4);
     memcpy(&nprog, pl + 24, 4);
     if (kind < PK_SPEC_P || kind > PK_KRET || nprog > MAX_PROG ||
-        len != 32 + nprog * sizeof(kph_insn) ||
+        len != 32 + nprog * sizeof(kph_insn) + ((enabled & ADD_EXT) ? ADD_EXT_SIZE : 0) ||
         ((kind == PK_SPEC_R || kind == PK_KRET) && (maxactive == 0 || maxactive > 4096)) ||
         addr == g_tramp) {
         return reply(fd, EINVAL, NULL, 0);
@@ -1577,6 +1633,24 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         memcpy(p->prog, pl + 32, nprog * sizeof(kph_insn));
     }
     p->flags = enabled;
+    p->tramp = g_tramp;
+    if (enabled & ADD_EXT) {
+        const uint8_t *x = pl + 32 + nprog * sizeof(kph_insn);
+
+        memcpy(&p->tramp, x, 8);
+        memcpy(&p->nfilter, x + 8, 4);
+        memcpy(p->filter, x + 16, 32);
+        memcpy(&p->expect, x + 48, 8);
+        if (p->nfilter > 4 || !p->tramp) {
+            free(p->prog);
+            free(p);
+            return reply(fd, EINVAL, NULL, 0);
+        }
+        if (p->nfilter) {
+            p->mm_off = p->filter[0];       /* the chain starts at task->mm */
+            g_mm_off = p->filter[0];
+        }
+    }
     if (kind == PK_KPROBE && (enabled & ADD_POST) && atomic_fetch_add(&g_n_post, 1) == 0 &&
         !atomic_load(&g_post_mode)) {
         /* The first post_handler: from now on every block gets the conditional
@@ -1611,8 +1685,19 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     }
     site_set(s, list, n);
     g_probes[g_nprobes++] = p;
+    if ((kind == PK_SPEC_R || kind == PK_KRET) && p->tramp != g_tramp) {
+        site *t = site_get(p->tramp);   /* a uretprobe's trampoline in its program */
+
+        if (t) {
+            t->tramp = 1;
+        }
+    }
     pthread_mutex_unlock(&g_lock);
-    if (enabled & ADD_NO_INVALIDATE) {
+    if (enabled & ADD_FLUSH) {
+        /* User code: the probed file's page has no one virtual address to write through
+         * (the current process may not map it); flush everything instead. */
+        st = (uint32_t)reset_all(5000);
+    } else if (enabled & ADD_NO_INVALIDATE) {
         st = INVAL_SKIPPED;         /* tests: show what a probe without it misses */
     } else {
         request_invalidate(addr);
@@ -1760,7 +1845,7 @@ static int serve(int fd)
             break;
         }
         case CMD_GSTATS: {
-            uint64_t out[10];
+            uint64_t out[11];
 
             out[0] = atomic_load(&inval_count);
             out[1] = atomic_load(&inval_ns_total);
@@ -1772,6 +1857,7 @@ static int serve(int fd)
             out[7] = atomic_load(&g_n_post_tb);
             out[8] = atomic_load(&g_n_post_irq);
             out[9] = atomic_load(&g_n_flush);
+            out[10] = atomic_load(&g_n_filtered);
             rc = reply(fd, 0, out, sizeof(out));
             break;
         }

@@ -24,9 +24,3 @@ def test_help_names_the_engines():
     text = make_parser()._subparsers._group_actions[0].choices["diff"].format_help()
     assert "gdbstub" in text and "plugin" in text and "three" in text
 
-
-def test_uprobe_lines_with_the_plugin_are_refused_before_booting():
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--host", "plugin",
-                        "p:u /usr/bin/kph-loop:kph_add %di", "--run", "true"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no uprobes yet" in r.stderr and "--host gdbstub" in r.stderr
