@@ -27,6 +27,14 @@
  * trampoline the instances of that stack slot are handled newest first, as
  * rethook_trampoline_handler() walks a task's rethook nodes, then the vCPU jumps to the
  * real return address (qemu_plugin_set_pc).
+ *
+ * Why one file of ~1,900 lines: every part shares the lock-free site table, the
+ * per-vCPU state and the callback contexts QEMU allows (set_pc only where registered
+ * with RW_REGS_PC, memory writes only from a vCPU); splitting it would mean a header
+ * exposing all of them. It is in sections, in this order: site table, invalidation,
+ * registers and memory, ring, kretprobes, handler round trips, callbacks (where a hit
+ * is handled, post and fault delivery, translation), full flush, control channel,
+ * install. fetch.c (the fetch programs) has no QEMU in it and is tested on its own.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -1324,7 +1332,7 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
     g_vcpu[vcpu] = v;
 }
 
-/* ---------------------------------------------------------------- full flush (measured only) */
+/* ---------------------------------------------------------------- full flush */
 
 /* The other way to reach translated code: qemu_plugin_reset() drops every callback and
  * flushes the whole translation cache; the callbacks are registered again when it is
