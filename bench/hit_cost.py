@@ -11,6 +11,16 @@ few times per process) on one booted guest:
 reaching the harness to the resume being sent (the part the harness controls).
 Repeated with the system QEMU when it is older than the chosen one, so the table shows
 what QEMU >= 10.2 buys (no translation-cache flush per debug stop).
+
+Then the plugin engine (issue 15) against the same two stub clients, on a hit-dense
+workload (``dd bs=1``: one vfs_read per byte, no process per hit) on one guest booted
+with the plugin loaded, interleaved rounds, each method at an iteration count that
+makes its added time measurable (stops cost milliseconds, plugin hits microseconds), each
+with its own baseline at that count:
+  raw / gdbstub    a breakpoint at vfs_read, read rdi, resume past the entry nop;
+  plugin spec      ``p:rd vfs_read di=%di`` compiled, recorded in C into the ring;
+  plugin handler   a Python pre_handler reading regs.di (one round trip per hit).
+The last two lines are ``ratio gdbstub/plugin spec: N`` and ``... handler: N``.
 """
 from __future__ import annotations
 
@@ -200,6 +210,100 @@ def report(qemu, rows, n: int) -> dict:
     return per
 
 
+def dense(n: int) -> str:
+    return f"dd if=/dev/zero of=/dev/null bs=1 count={n} 2>/dev/null"
+
+
+def timed_dense(vm: Machine, n: int) -> float:
+    t0 = time.monotonic()
+    vm.run(dense(n), timeout=900, check=True)
+    return time.monotonic() - t0
+
+
+def _dense_thread(vm: Machine, n: int, out: dict) -> threading.Thread:
+    def go() -> None:
+        out["wall"] = timed_dense(vm, n)
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def dense_stub(vm: Machine, addr: int, n: int, raw: bool) -> tuple[float, int]:
+    """The raw RSP client or GdbStub at ``addr`` during the dense workload."""
+    global in_thread
+    saved = in_thread
+    in_thread = _dense_thread          # the loops above, on the dense workload
+    try:
+        wall, hits, _ = (raw_loop if raw else gdbstub_loop)(vm, addr, n)
+    finally:
+        in_thread = saved
+    return wall, hits
+
+
+def dense_plugin_spec(vm: Machine, n: int) -> tuple[float, int]:
+    from harness import fetchprog
+    from harness.probespec import parse
+
+    eng = vm.host
+    addr = vm.symbols.lookup("vfs_read").addr
+    p = eng.add_spec_probe(addr, ret=False,
+                           program=fetchprog.compile_spec(parse("p:rd vfs_read di=%di").args))
+    eng.records()
+    try:
+        wall = timed_dense(vm, n)
+    finally:
+        eng.remove_probe(p)
+    return wall, sum(1 for r in eng.records() if r.probe_id == p.id)
+
+
+def dense_plugin_handler(vm: Machine, n: int) -> tuple[float, int]:
+    from harness.kprobes import Kprobe
+
+    eng = vm.host
+    kp = eng.register_kprobe(Kprobe(symbol_name="vfs_read", pre_handler=lambda p, r: r.di and 0))
+    try:
+        wall = timed_dense(vm, n)
+    finally:
+        eng.unregister_kprobe(kp)
+    return wall, kp.nhit
+
+
+def measure_plugin(qemu, rounds: int, n_stop: int, n_spec: int, n_handler: int) -> dict:
+    """Interleaved rounds of every method on one plugin-loaded guest; medians."""
+    counts = {"raw": n_stop, "gdbstub": n_stop, "plugin spec": n_spec, "plugin handler": n_handler}
+    walls: dict[str, list[float]] = {k: [] for k in counts}
+    bases: dict[int, list[float]] = {n: [] for n in set(counts.values())}
+    hits: dict[str, int] = {}
+    GDB_CPU.clear()
+    with Machine.boot(qemu=qemu, host="plugin") as vm:
+        addr = vm.symbols.lookup("vfs_read").addr
+        assert vm.host.read(addr, 5) == bytes.fromhex("0f1f440000"), "vfs_read has no entry nop"
+        timed_dense(vm, 1000)
+        for _ in range(rounds):
+            for n in bases:
+                bases[n].append(timed_dense(vm, n))
+            for name, fn in (("raw", lambda: dense_stub(vm, addr, n_stop, True)),
+                             ("gdbstub", lambda: dense_stub(vm, addr, n_stop, False)),
+                             ("plugin spec", lambda: dense_plugin_spec(vm, n_spec)),
+                             ("plugin handler", lambda: dense_plugin_handler(vm, n_handler))):
+                wall, h = fn()
+                walls[name].append(wall)
+                hits[name] = h
+        for n in bases:
+            bases[n].append(timed_dense(vm, n))
+    print(f"\nQEMU {qemu.version_str}, plugin engine vs gdbstub: dense workload (dd bs=1, one "
+          f"vfs_read per byte), median of {rounds} rounds")
+    print(f"  {'method':15s} {'count':>7s} {'wall s':>8s} {'base s':>8s} {'hits':>7s} {'added/hit us':>13s}")
+    per = {}
+    for name, n in counts.items():
+        w, b = statistics.median(walls[name]), statistics.median(bases[n])
+        per[name] = (w - b) / hits[name] * 1e6 if hits.get(name) else float("nan")
+        print(f"  {name:15s} {n:7d} {w:8.3f} {b:8.3f} {hits[name]:7d} {per[name]:13.1f}")
+    if GDB_CPU:
+        print(f"  gdb's own CPU per hit: {statistics.median(GDB_CPU) * 1e3:.2f} ms")
+    return per
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=200, help="processes in the workload (default 200)")
@@ -207,6 +311,13 @@ def main() -> int:
     ap.add_argument("--no-system", action="store_true", help="skip the system QEMU comparison")
     ap.add_argument("--packets", action="store_true",
                     help="only show the packets GDB exchanges per hit, against the raw loop's")
+    ap.add_argument("--plugin-only", action="store_true",
+                    help="only the plugin engine against the stub clients (dense workload)")
+    ap.add_argument("--n-stop", type=int, default=300, help="dd bytes for raw/gdbstub (default 300)")
+    ap.add_argument("--n-spec", type=int, default=200000,
+                    help="dd bytes for the plugin spec probe (default 200000)")
+    ap.add_argument("--n-handler", type=int, default=5000,
+                    help="dd bytes for the plugin handler probe (default 5000)")
     args = ap.parse_args()
     img = default_image()
     addr = load_kallsyms_cached(img.kallsyms).lookup("do_sys_openat2").addr
@@ -215,14 +326,18 @@ def main() -> int:
         packets_per_hit(chosen, addr)
         return 0
     results = {}
-    results["chosen"] = report(chosen, measure(chosen, addr, args.n, args.rounds), args.n)
-    sysq = None if args.no_system else system_qemu()
+    if not args.plugin_only:
+        results["chosen"] = report(chosen, measure(chosen, addr, args.n, args.rounds), args.n)
+    sysq = None if args.no_system or args.plugin_only else system_qemu()
     if sysq and sysq.version < chosen.version:
         n = max(20, args.n // 4)  # ~70 ms per hit: keep the run short
         results["system"] = report(sysq, measure(sysq, addr, n, 1), n)
         a, b = results["system"]["gdbstub"][0], results["chosen"]["gdbstub"][0]
         print(f"\nQEMU {chosen.version_str} vs {sysq.version_str}: added time per GdbStub hit "
               f"{b:.2f} ms vs {a:.2f} ms ({a / b:.0f}x less)")
+    per = measure_plugin(chosen, args.rounds, args.n_stop, args.n_spec, args.n_handler)
+    for kind in ("spec", "handler"):
+        print(f"ratio gdbstub/plugin {kind}: {per['gdbstub'] / per['plugin ' + kind]:.0f}")
     return 0
 
 

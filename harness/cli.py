@@ -108,6 +108,9 @@ def make_parser() -> argparse.ArgumentParser:
     _spec_args(pr)
     pr.add_argument("--backend", choices=("host", "events", "module"), default="host",
                     help="where the probes go (default host)")
+    pr.add_argument("--host", choices=("gdbstub", "plugin"), default="gdbstub",
+                    help="the host-side engine: gdbstub (default, the reference) or the QEMU "
+                    "plugin (microseconds per hit, vCPUs not stopped)")
     pr.add_argument("--json", action="store_true", help="print the hits as JSON")
     _kernel_group(pr)
     _qemu_group(pr)
@@ -119,6 +122,9 @@ def make_parser() -> argparse.ArgumentParser:
     _spec_args(df)
     df.add_argument("--guest", choices=("events", "module"), default="events",
                     help="the in-guest side (default: tracefs kprobe_events)")
+    df.add_argument("--host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
+                    help="the host-side engine: gdbstub (default), plugin, or both (three "
+                    "worlds on one execution, every pair compared)")
     df.add_argument("--json", metavar="FILE", help="write the result as JSON")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     _kernel_group(df)
@@ -354,9 +360,10 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
 def _machine(args: argparse.Namespace) -> Any:
     from .vmctl import Machine
 
+    host = "plugin" if getattr(args, "host", "gdbstub") in ("plugin", "both") else "gdbstub"
     return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
                         smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
-                        qemu=args.qemu, fresh=not args.cold)
+                        qemu=args.qemu, fresh=not args.cold, host=host)
 
 
 def _refusals(outcomes: list[Any]) -> int:
@@ -376,8 +383,9 @@ def _probe(args: argparse.Namespace) -> int:
     from .runner import run_single
 
     specs = _load_specs(args)
+    backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
     with _machine(args) as vm:
-        res = run_single(vm, args.backend, specs, args.run, timeout=args.timeout)
+        res = run_single(vm, backend, specs, args.run, timeout=args.timeout)
     if _refusals(res.outcomes):
         return EXIT_USAGE
     if args.json:
@@ -387,7 +395,7 @@ def _probe(args: argparse.Namespace) -> int:
             print(h.line())
     counts = ", ".join(f"{p} {c.nhit} hits/{c.nmissed} missed" for p, c in res.counters.items())
     if not args.quiet:
-        print(f"{args.backend}: {len(res.hits)} events; {counts}; workload exit "
+        print(f"{backend}: {len(res.hits)} events; {counts}; workload exit "
               f"{res.workload_status}", file=sys.stderr)
     return EXIT_OK
 
@@ -401,6 +409,8 @@ def _diff(args: argparse.Namespace) -> int:
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
+    if args.host == "both":
+        return _diff_three(args, specs)
     with _machine(args) as vm:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
         tramp = trampoline_text(vm)
@@ -479,6 +489,34 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"--tx {info['tx']}")
         return EXIT_OK
     raise SetupError("kph worker needs an action", "try `kph worker prepare HOST --dir PATH`")
+
+
+def _diff_three(args: argparse.Namespace, specs: list[Any]) -> int:
+    """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.worlds)."""
+    import json
+
+    from . import report
+    from .worlds import run_three
+
+    with _machine(args) as vm:
+        three = run_three(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
+    for res in three.pairs:
+        sys.stdout.write(report.text(res, workload=args.run, status=three.runs[0].workload_status))
+    first = three.first_divergence()
+    print(f"three worlds: {'EQUIVALENT' if first is None else 'DIVERGED'}"
+          + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
+    which = ((0, 2), (1, 2), (0, 1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"equivalent": first is None,
+                       "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
+                                 for r, (i, j) in zip(three.pairs, which)]}, f, indent=1)
+    if args.html:
+        k = three.pairs.index(first) if first is not None else 0
+        i, j = which[k]
+        with open(args.html, "w") as f:
+            f.write(report.to_html(three.pairs[k], (three.runs[i], three.runs[j]), workload=args.run))
+    return EXIT_OK if first is None else EXIT_DIVERGED
 
 
 def _repro(args: argparse.Namespace) -> int:

@@ -57,7 +57,8 @@ from . import constants as C
 from .emulate import Emulation, decode
 from .errors import HandlerError, HarnessError, ProbeRejectedError, VMLostError
 from .gdbstub import GdbStub, Stop
-from .handlerctx import mark_thread
+from .facts import percpu_current_task
+from .handlerctx import HandlerErrors, mark_thread, probe_name
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
 from .symbols import check_probe_address, kprobe_addr
@@ -86,12 +87,8 @@ _MAX_CHAIN = 64          # probes handled back to back before resuming regardles
 _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 
 
-class HostEngine:
+class HostEngine(HandlerErrors):
     """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
-
-    #: False: handler exceptions are only logged and kept in ``handler_errors``, never
-    #: raised by later calls (see the module docstring).
-    raise_on_handler_error = True
 
     def __init__(self, vm: Any, *, trampoline: str | int | None = None,
                  emulate: bool = True) -> None:
@@ -106,11 +103,7 @@ class HostEngine:
             self.stub.interrupt()
         self.emulate = emulate
         self.stats: Counter[str] = Counter()
-        #: Every exception a handler raised (kept; ``take_handler_errors`` takes the
-        #: ones not yet raised or taken).
-        self.handler_errors: list[BaseException] = []
-        self._pending_errors: list[BaseException] = []
-        self._logged_errors: set[tuple[int, type]] = set()
+        self._init_handler_errors()
         #: (since, what): the guest is held stopped by this engine (a hit or a request).
         self._held: tuple[float, str] | None = None
         self._aggr: dict[int, list[Kprobe]] = {}
@@ -124,7 +117,7 @@ class HostEngine:
         self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
         self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
                      if (sym := self.symbols.get(name)) is not None}
-        self._current_task_off = self._percpu_current_task()
+        self._current_task_off = percpu_current_task(self.symbols, self.btf)
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -140,18 +133,6 @@ class HostEngine:
         vm.add_stop_holder(self._holding)
         self._thread = threading.Thread(target=self._loop, name=f"{vm.name}-kprobes", daemon=True)
         self._thread.start()
-
-    def _percpu_current_task(self) -> int | None:
-        """The per-cpu offset of ``current`` (``get_current()``, arch/x86/include/asm/
-        current.h). 6.1 and 7.3: the per-cpu variable ``current_task``; 6.2 to 6.14 (6.12
-        here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``. Checked by
-        what the kernel has, not by its version."""
-        cur = self.symbols.get("current_task")
-        if cur is not None:
-            return int(cur.addr)
-        hot = self.symbols.get("pcpu_hot")
-        off = self._btf_offset("pcpu_hot", "current_task")
-        return int(hot.addr) + off if hot is not None and off is not None else None
 
     def _btf_offset(self, struct: str, member: str) -> int | None:
         try:
@@ -284,21 +265,8 @@ class HostEngine:
     def _handler(self, fn: Callable[..., Any], *args: Any) -> Any:
         name = getattr(fn, "__name__", repr(fn))
         self._held = (self._held[0] if self._held else time.monotonic(),
-                      f"the handler {name} of {_probe_name(args[0])}")
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - the guest must go on
-            self.handler_errors.append(exc)
-            self._pending_errors.append(exc)
-            self.stats["handler_errors"] += 1
-            key = (id(fn), type(exc))
-            first = key not in self._logged_errors
-            self._logged_errors.add(key)
-            log.warning("probe handler %s of %s raised %r; the guest went on as if it "
-                        "returned 0%s", name, _probe_name(args[0]), exc,
-                        "" if first else " (traceback logged at its first time)",
-                        exc_info=exc if first else None)
-            return 0
+                      f"the handler {name} of {probe_name(args[0])}")
+        return self._run_handler(fn, probe_name(args[0]), *args)
 
     def _on_probe(self, addr: int, th: int) -> int:
         probes = [p for p in self._aggr[addr] if not p.disabled]
@@ -795,22 +763,6 @@ class HostEngine:
             out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
         return out
 
-    def take_handler_errors(self) -> list[BaseException]:
-        """The handler exceptions not yet raised or taken; taking them means no later
-        call raises ``HandlerError`` for them."""
-        out, self._pending_errors = self._pending_errors, []
-        return out
-
-    def raise_handler_errors(self) -> None:
-        """Raise ``HandlerError`` for the handler exceptions not yet raised or taken
-        (nothing with ``raise_on_handler_error`` False)."""
-        if not self.raise_on_handler_error or not self._pending_errors:
-            return
-        errs = self.take_handler_errors()
-        raise HandlerError(f"{len(errs)} host-side probe handler error(s); first: {errs[0]!r} "
-                           "(logged with its traceback; take_handler_errors() to handle "
-                           "them yourself)", errs) from errs[0]
-
     @property
     def closed(self) -> bool:
         return self._closing
@@ -873,19 +825,6 @@ class HostEngine:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.raise_handler_errors()
-
-
-def _probe_name(p: Any) -> str:
-    """``Kprobe(do_sys_openat2+0x0)`` for log lines (a kretprobe instance names its probe)."""
-    p = getattr(p, "rp", p)
-    where = getattr(p, "symbol_name", None)
-    if where:
-        off = getattr(p, "offset", 0) or 0
-        where += f"+{off:#x}" if off else ""
-    else:
-        addr = getattr(p, "addr", None)
-        where = f"{addr:#x}" if isinstance(addr, int) else "?"
-    return f"{type(p).__name__}({where})"
 
 
 def _arity(fn: Callable[..., Any]) -> int:

@@ -146,6 +146,22 @@ class KernelFacts:
         return self._bytes(name).decode("utf-8", "replace")
 
 
+def percpu_current_task(symbols: Any, btf: Any) -> int | None:
+    """The per-cpu offset of ``current`` (``get_current()``, arch/x86/include/asm/
+    current.h). 6.1 and 7.3: the per-cpu variable ``current_task``; 6.2 to 6.14 (6.12
+    here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``. Decided by
+    what the kernel has, not by its version number."""
+    cur = symbols.get("current_task")
+    if cur is not None:
+        return int(cur.addr)
+    hot = symbols.get("pcpu_hot")
+    try:
+        off = int(btf.offset("pcpu_hot", "current_task"))
+    except (KeyError, ValueError, AttributeError):
+        return None
+    return int(hot.addr) + off if hot is not None else None
+
+
 def harvest(vm: Any, dest: Path, *, only: tuple[str, ...] | None = None) -> None:
     """Copy the facts of the running guest ``vm`` (a ``Machine``) into ``dest``.
 

@@ -20,11 +20,17 @@ other threads while a handler runs are caught by the machine's stall check
 (``harness.vmctl``): they fail once a handler has held the guest for
 ``HANDLER_STUCK_TIMEOUT``.
 
-A leaf module: it imports nothing of the package.
+A leaf module: it imports nothing of the package but its errors.
 """
 from __future__ import annotations
 
+import logging
 import threading
+from typing import Any, Callable
+
+from .errors import HandlerError
+
+_log = logging.getLogger("harness.engine")
 
 _local = threading.local()
 
@@ -42,3 +48,75 @@ def stopped_reason() -> str | None:
 
 ADVICE = ("record what you need in the handler (regs, vm.host.read) and act on it after "
           "vm.run() returns")
+
+
+class HandlerErrors:
+    """What every host-side engine does with a handler that raises (mixed into
+    ``harness.engine.HostEngine`` and ``harness.plugin_engine.PluginEngine``).
+
+    The exception is logged at WARNING with the probe and, the first time for that
+    handler and exception type, the traceback; the guest goes on as if the handler had
+    returned 0 (a kernel handler cannot raise; the host must not stop the guest either).
+    The next call on the engine from outside a handler raises ``HandlerError`` with every
+    such exception (teardown calls raise after they have done their work), unless the
+    caller took them (``take_handler_errors``). ``raise_on_handler_error = False`` opts
+    out: they are then only logged and kept in ``handler_errors``.
+    """
+
+    #: False: handler exceptions are only logged and kept, never raised by later calls.
+    raise_on_handler_error = True
+
+    def _init_handler_errors(self) -> None:
+        #: Every exception a handler raised (kept; ``take_handler_errors`` takes the ones
+        #: not yet raised or taken).
+        self.handler_errors: list[BaseException] = []
+        self._pending_errors: list[BaseException] = []
+        self._logged_errors: set[tuple[int, type]] = set()
+
+    def _run_handler(self, fn: Callable[..., Any], probe: str, *args: Any) -> Any:
+        """``fn(*args)``; a raise is logged, kept and treated as returning 0."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the guest must go on
+            self.handler_errors.append(exc)
+            self._pending_errors.append(exc)
+            stats = getattr(self, "stats", None)
+            if stats is not None:
+                stats["handler_errors"] += 1
+            key = (id(fn), type(exc))
+            first = key not in self._logged_errors
+            self._logged_errors.add(key)
+            _log.warning("probe handler %s of %s raised %r; the guest went on as if it "
+                         "returned 0%s", getattr(fn, "__name__", repr(fn)), probe, exc,
+                         "" if first else " (traceback logged at its first time)",
+                         exc_info=exc if first else None)
+            return 0
+
+    def take_handler_errors(self) -> list[BaseException]:
+        """The handler exceptions not yet raised or taken; taking them means no later
+        call raises ``HandlerError`` for them."""
+        out, self._pending_errors = self._pending_errors, []
+        return out
+
+    def raise_handler_errors(self) -> None:
+        """Raise ``HandlerError`` for the handler exceptions not yet raised or taken
+        (nothing with ``raise_on_handler_error`` False)."""
+        if not self.raise_on_handler_error or not self._pending_errors:
+            return
+        errs = self.take_handler_errors()
+        raise HandlerError(f"{len(errs)} host-side probe handler error(s); first: {errs[0]!r} "
+                           "(logged with its traceback; take_handler_errors() to handle "
+                           "them yourself)", errs) from errs[0]
+
+
+def probe_name(p: Any) -> str:
+    """``Kprobe(do_sys_openat2+0x5)`` for log lines (a kretprobe instance names its probe)."""
+    p = getattr(p, "rp", p)
+    where = getattr(p, "symbol_name", None)
+    if where:
+        off = getattr(p, "offset", 0) or 0
+        where += f"+{off:#x}" if off else ""
+    else:
+        addr = getattr(p, "addr", None)
+        where = f"{addr:#x}" if isinstance(addr, int) else "?"
+    return f"{type(p).__name__}({where})"

@@ -57,6 +57,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "console tail) under DIR/<host>/<test>/, from local and remote workers")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
+    group.addoption("--kph-host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
+                    help="Host-side engine of the machines (vm.host, probe_diff's host "
+                    "side): gdbstub (default), the QEMU plugin, or both (probe_diff then "
+                    "compares gdbstub, plugin and guest on one execution)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -159,14 +163,16 @@ def boot_machine(image: Any = None, qemu: str | None = None, **kw: Any) -> Any:
 
 
 def _boot_opts(config: pytest.Config) -> dict[str, Any]:
-    return {"qemu": config.getoption("--kph-qemu"), "fresh": not config.getoption("--kph-cold")}
+    host = config.getoption("--kph-host")
+    return {"qemu": config.getoption("--kph-qemu"), "fresh": not config.getoption("--kph-cold"),
+            "host": "plugin" if host == "both" else host}
 
 
 class DiffHelper:
     """``probe_diff(specs, workload)``: run both sides on one execution and compare."""
 
-    def __init__(self, vm: Any, guest: str) -> None:
-        self.vm, self.guest = vm, guest
+    def __init__(self, vm: Any, guest: str, host: str = "gdbstub") -> None:
+        self.vm, self.guest, self.host = vm, guest, host
         self.last: Any = None
 
     def __call__(self, specs: Sequence[str], workload: str, *, guest: str | None = None,
@@ -176,6 +182,13 @@ class DiffHelper:
         from harness.runner import run_differential, trampoline_text
 
         parsed = [parse(s) for s in specs]
+        if self.host == "both" and hook is None:
+            from harness.worlds import run_three
+
+            three = run_three(self.vm, parsed, workload, guest=guest or self.guest,
+                              timeout=timeout)
+            self.last = three
+            return _CheckedThree(three)
         runs = run_differential(self.vm, parsed, workload, guest=guest or self.guest,
                                 hook=hook, timeout=timeout)
         res = compare(*runs, trampoline=trampoline_text(self.vm))
@@ -198,6 +211,28 @@ class _Checked:
         assert self.result.equivalent, text
         assert self.result.total_matched >= min_events, f"too few events matched\n{text}"
         return self.result
+
+
+class _CheckedThree:
+    """probe_diff's answer under ``--kph-host both``: ``runs`` are (gdbstub, guest) as
+    with one host engine; every pair of the three worlds must agree."""
+
+    def __init__(self, three: Any) -> None:
+        self.three = three
+        self.runs = (three.runs[0], three.runs[2])
+        self.plugin_run = three.runs[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.three.pairs[0], name)
+
+    def assert_equivalent(self, *, min_events: int = 1) -> Any:
+        from harness import report
+
+        for res in self.three.pairs:
+            text = report.text(res)
+            assert res.equivalent, text
+            assert res.total_matched >= min_events, f"too few events matched\n{text}"
+        return self.three
 
 
 @pytest.fixture(scope="session")
@@ -243,7 +278,8 @@ def probe_diff(request: pytest.FixtureRequest, kph_kernel: str | None) -> DiffHe
     # machine itself is looked up below (per test or per worker).
     per_test = request.config.getoption("--kph-machine-per") == "test"
     vm = request.getfixturevalue("kph_fresh_machine" if per_test else "kph_machine")
-    helper = DiffHelper(vm, request.config.getoption("--kph-guest"))
+    helper = DiffHelper(vm, request.config.getoption("--kph-guest"),
+                        request.config.getoption("--kph-host"))
     yield helper
     # No state may leak out of a test: no probes left on either side (on a fresh machine
     # this still catches a runner that does not clean up after itself).

@@ -65,10 +65,17 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``."""
     specs = resolve_uprobes(vm, specs)
     g = make_backend(guest, vm)
-    h: HostBackend | None = None
+    h: Any = None
     try:
-        h = HostBackend(vm, hook=hook,
-                        comm_rule="saved_cmdlines" if guest == "events" else "at_hit")
+        comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
+        if getattr(vm, "host_kind", "gdbstub") == "plugin":   # issue 15: the plugin engine
+            from .backends.plugin import PluginBackend
+            if hook is not None:
+                raise SetupError("a fetch hook needs the gdbstub engine",
+                                 "boot with host='gdbstub' to use hook=")
+            h = PluginBackend(vm, comm_rule=comm_rule)
+        else:
+            h = HostBackend(vm, hook=hook, comm_rule=comm_rule)
         h_out = h.register(specs)
         g_out = g.register(specs)
         vm.host.invalidate_code()

@@ -68,7 +68,7 @@ _live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
 HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
 #: The module that registers each engine: imported by name on first use, so this lower
 #: layer never imports an engine (which sits above it) statically.
-ENGINE_MODULES = {"gdbstub": "harness.engine"}
+ENGINE_MODULES = {"gdbstub": "harness.engine", "plugin": "harness.plugin_engine"}
 #: A function that says whether something holds the guest stopped: None, or (since, who)
 #: with ``since`` a ``time.monotonic()`` value.
 StopHolder = Callable[[], "tuple[float, str] | None"]
@@ -191,8 +191,13 @@ class Machine:
                  accel: str = "tcg", memory: str = C.DEFAULT_MEMORY,
                  qemu: QemuBinary | None = None, name: str | None = None,
                  extra_args: Sequence[str] = (), image: Any = None,
-                 vmlinux: Path | None = None, ram_file: Path | None = None) -> None:
+                 vmlinux: Path | None = None, ram_file: Path | None = None,
+                 host: str = "gdbstub") -> None:
         self.kernel, self.initrd, self.append = kernel, initrd, append
+        #: The host-side engine ``vm.host`` is: "gdbstub" (harness.engine) or "plugin"
+        #: (harness.plugin_engine, QEMU started with probes/plugin loaded, inert).
+        self.host_kind = host
+        self.plugin_path: Path | None = None
         self.vmlinux = vmlinux
         self.smp, self.accel, self.memory = smp, accel, memory
         self.qemu = qemu or find_qemu()
@@ -228,8 +233,6 @@ class Machine:
         self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
-        #: The host-side engine ``vm.host`` makes (a name in ``HOST_ENGINES``).
-        self.host_engine = "gdbstub"
         #: What the host side knows about the kernel (``harness.facts``); set by ``boot()``.
         self.facts: F.KernelFacts | None = image.facts if image is not None else None
         #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
@@ -245,13 +248,17 @@ class Machine:
              memory: str = C.DEFAULT_MEMORY, append: str | None = None,
              qemu: QemuBinary | str | None = None, name: str | None = None,
              timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = (),
-             vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True) -> "Machine":
+             vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True,
+             host: str = "gdbstub") -> "Machine":
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
 
         ``fresh`` (the default) starts from the image's ready snapshot, building it on first
         use; when there is none to be had (``harness.snapshot.unsupported``), or ``$KPH_COLD``
         is set, or the restore fails, the guest boots cold and the reason is logged once.
         ``fresh=False`` always boots cold. Either way the guest has never run anything else.
+        ``host`` picks the engine ``vm.host`` is: "gdbstub" (``harness.engine``) or "plugin"
+        (``harness.plugin_engine``: QEMU starts with ``probes/plugin`` loaded, inert; it is
+        built on first use, a failed build is a SetupError).
 
         :raise SetupError: a kernel, initrd or image that does not exist.
         :raise GuestPanicError: the guest panicked while booting.
@@ -260,7 +267,7 @@ class Machine:
         """
         m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                         memory=memory, append=append, qemu=qemu, name=name,
-                        extra_args=extra_args, vmlinux=vmlinux)
+                        extra_args=extra_args, vmlinux=vmlinux, host=host)
         if fresh and os.environ.get(C.COLD_ENV, "") in ("", "0"):
             m.use_snapshot()
         elif fresh:
@@ -280,7 +287,8 @@ class Machine:
             say_once(why)
             cold = cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                             memory=memory, append=append, qemu=m.qemu, name=name,
-                            timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False)
+                            timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False,
+                            host=host)
             cold.cold_reason = why
             return cold
         except BaseException:
@@ -340,12 +348,15 @@ class Machine:
                 accel: str = "tcg", memory: str = C.DEFAULT_MEMORY, append: str | None = None,
                 qemu: QemuBinary | str | None = None, name: str | None = None,
                 extra_args: Sequence[str] = (),
-                vmlinux: str | os.PathLike[str] | None = None) -> "Machine":
+                vmlinux: str | os.PathLike[str] | None = None,
+                host: str = "gdbstub") -> "Machine":
         """Resolve and check every input without starting anything (``--dry-run`` uses it)."""
         if accel not in ("tcg", "kvm"):
             raise SetupError(f"unknown accelerator {accel!r}", "use --accel tcg or --accel kvm")
         if smp < 1:
             raise SetupError(f"--smp {smp} is not a CPU count", "use --smp 1 or more")
+        if host not in ("gdbstub", "plugin"):
+            raise SetupError(f"unknown host-side engine {host!r}", "use --host gdbstub or --host plugin")
         if kernel is None:
             img = image if isinstance(image, Image) else default_image(image)
             kpath, ipath = img.kernel, img.initrd
@@ -375,9 +386,13 @@ class Machine:
             ok, detail = probe_accel(q, "kvm", kpath)
             if not ok:
                 raise SetupError(f"--accel kvm: {detail}", "use --accel tcg (the default)")
-        return cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
-                   accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
-                   image=img, vmlinux=vpath)
+        m = cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
+                accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
+                image=img, vmlinux=vpath, host=host)
+        if host == "plugin":  # built (or found cached) before anything starts
+            from .plugin import build_plugin
+            m.plugin_path = build_plugin(q)
+        return m
 
     def machine_args(self) -> list[str]:
         """The guest-visible part of the command line, without this machine's name, run
@@ -398,6 +413,9 @@ class Machine:
         if mem is not None:
             args[args.index("-machine") + 1] += ",memory-backend=kph-ram"
             args += ["-object", f"memory-backend-file,id=kph-ram,size={self.memory},{mem}"]
+        if self.plugin_path is not None:  # harness.plugin: loaded inert, not guest-visible
+            from .plugin import qemu_args
+            args += qemu_args(self.plugin_path, (fds or {}).get("plugin", 6))
         return self.qemu.command(args + self.extra_args)
 
     def _args(self, fds: dict[str, int], rundir: Path) -> list[str]:
@@ -434,7 +452,7 @@ class Machine:
         _live.add(self)
         reap_stale_run_dirs()
         self.rundir = make_run_dir(self.name)
-        for key in ("qmp", "qga", "gdb"):
+        for key in ("qmp", "qga", "gdb") + (("plugin",) if self.plugin_path else ()):
             self._socks[key] = listen_unix(self.rundir / f"{key}.sock")
         fds = {k: s.fileno() for k, s in self._socks.items()}
         console = self.rundir / "console.log"
@@ -811,16 +829,16 @@ class Machine:
 
     @property
     def host(self) -> Any:
-        """Host-side kprobes on this machine: the engine named by ``host_engine``
+        """Host-side kprobes on this machine: the engine named by ``host_kind``
         (``harness.engine.HostEngine`` for "gdbstub"), started on first use."""
         if self._host is None or self._host.closed:
-            if self.host_engine not in HOST_ENGINES and self.host_engine in ENGINE_MODULES:
+            if self.host_kind not in HOST_ENGINES and self.host_kind in ENGINE_MODULES:
                 import importlib
 
-                importlib.import_module(ENGINE_MODULES[self.host_engine])
-            factory = HOST_ENGINES.get(self.host_engine)
+                importlib.import_module(ENGINE_MODULES[self.host_kind])
+            factory = HOST_ENGINES.get(self.host_kind)
             if factory is None:
-                raise SetupError(f"no host-side engine {self.host_engine!r}",
+                raise SetupError(f"no host-side engine {self.host_kind!r}",
                                  f"use one of {', '.join(sorted(HOST_ENGINES)) or 'gdbstub'}")
             self._require_running()
             self._host = factory(self)

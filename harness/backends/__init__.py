@@ -5,6 +5,8 @@ Every backend implements ``ProbeBackend``; adding one (eBPF, say) is adding a fi
 - ``host``   host-side kprobes through the gdbstub (``harness.engine``), fetch args
              evaluated on the host exactly as the kernel does (``harness.fetchargs``);
 - ``events`` the guest's own tracefs ``kprobe_events``;
+- ``plugin`` host-side kprobes in QEMU's TCG plugin (``harness.plugin_engine``), fetch
+             args compiled and run in C at each hit, evaluated on the host afterwards;
 - ``module`` the harness's kernel module ``kph_kprobes.ko`` (``probes/kmod/``), real
              kprobes/kretprobes registered by a module with pre, post, entry and return
              handlers.
@@ -52,7 +54,10 @@ def make_backend(name: str, vm: Any) -> ProbeBackend:
     if name == "module":
         from .module import ModuleBackend
         return ModuleBackend(vm)
-    raise ValueError(f"unknown backend {name!r}: use host, events or module")
+    if name == "plugin":
+        from .plugin import PluginBackend
+        return PluginBackend(vm)
+    raise ValueError(f"unknown backend {name!r}: use host, plugin, events or module")
 
 
-BACKENDS = ("host", "events", "module")
+BACKENDS = ("host", "events", "module", "plugin")

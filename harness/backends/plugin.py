@@ -1,0 +1,240 @@
+"""kprobe_events specs placed host-side in QEMU's TCG plugin (``harness.plugin_engine``).
+
+The plugin counterpart of ``harness.backends.host``: same specs, same ``Hit`` records,
+same text, so ``kph diff`` compares it with the guest (or with the gdbstub engine) field
+by field. Each spec's fetch args are compiled (``harness.fetchprog``) and run in C at
+every hit, which records the registers, ``current``'s pid and comm, and every memory read
+the program made; no hit waits for the host. ``collect()`` evaluates each record with
+``harness.fetchargs.evaluate`` over exactly those reads and prints it with
+``format_value``, under the kernel's conventions the gdbstub backend mirrors too:
+``%ip`` is the probe address + 1 (int3 convention, emulated by ftrace-based and
+optimized probes), a return probe prints its real return address ``<-`` the function,
+and a trace prints each pid under the comm it had at its last hit (``saved_cmdlines``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+from ..errors import HarnessError, ProbeRejectedError
+from ..fetchargs import evaluate, format_value
+from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
+from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
+from ..probespec import ProbeSpec
+from ..records import Counters, Hit, Outcome
+from ..uprobes import Uprobe
+
+log = logging.getLogger(__name__)
+
+INT3_INSN_SIZE = 1
+EINVAL = 22
+
+
+class _RecordCtx:
+    """``harness.fetchargs.FetchContext`` over one plugin record."""
+
+    def __init__(self, backend: "PluginBackend", rec: RawRecord, ip: int,
+                 up: Uprobe | None = None) -> None:
+        self.rec, self.ip, self.backend, self.up = rec, ip, backend, up
+        self.mem = CaptureContext(parse_blocks(rec.body, rec.nblocks))
+        self._regs = dict(zip(REGS, rec.regs))
+
+    def reg(self, name: str) -> int:
+        if name == "ip":
+            return self.ip
+        return self._regs[name]
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self.mem.read(addr, size)
+
+    read_user = read
+
+    def comm(self) -> str:
+        return self.rec.comm.decode("utf-8", "replace") if self.rec.flags & RF_COMM else ""
+
+    def retval(self) -> int:
+        return self._regs["ax"]
+
+    def symbol_addr(self, name: str) -> int:
+        return self.backend.engine.symbols.lookup(name).addr
+
+    def symbolize(self, addr: int) -> str | None:
+        syms = self.backend.engine.symbols
+        return syms.format(addr) if syms.symbolize(addr) else None
+
+    def file_offset_vaddr(self, offset: int) -> int:
+        if self.up is None or self.up.vaddr is None or self.up.offset is None:
+            raise ValueError("@+OFFS is for uprobes only")
+        return self.up.vaddr - self.up.offset + offset
+
+
+class PluginBackend:
+    """kprobe_events specs as compiled probes in the QEMU plugin of ``vm.host``."""
+
+    side = "plugin"
+
+    def __init__(self, vm: Any, *, comm_rule: str = "saved_cmdlines") -> None:
+        self.vm = vm
+        self.engine = vm.host
+        if getattr(self.engine, "kind", "") != "plugin":
+            raise HarnessError(f"{vm.name}'s host-side engine is not the plugin; boot it "
+                               "with Machine.boot(host='plugin')")
+        self.comm_rule = comm_rule
+        self.recording = False
+        self._specs: dict[int, tuple[ProbeSpec, str]] = {}
+        self._uprobes: dict[int, Uprobe] = {}
+        self._probes: dict[str, list[Any]] = {}
+        self._hits: list[Hit] = []
+        self.capture_misses = 0
+        self.dropped = 0
+
+    def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        out = []
+        for spec in specs:
+            name = f"{spec.group}/{spec.event}"
+            try:
+                if spec.is_uprobe:
+                    p, up = self._add_uprobe(spec)
+                    self._uprobes[p.id] = up
+                    self._specs[p.id] = (spec, name)
+                    self._probes.setdefault(name, []).append(p)
+                    out.append(Outcome(name, True, mode="plugin"))
+                    continue
+                if spec.module:
+                    self.vm.refresh_module_symbols()
+                addr = self.engine.resolve(spec.symbol_name, spec.offset,
+                                           spec.addr if spec.symbol_name is None else None)
+                self.engine.check_address(addr, kretprobe=spec.is_return)
+                prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
+                p = self.engine.add_spec_probe(addr, ret=spec.is_return, program=prog,
+                                               maxactive=spec.maxactive, enabled=False)
+            except ProbeRejectedError as exc:
+                out.append(Outcome.rejected(name, exc.errno, str(exc)))
+                continue
+            self._specs[p.id] = (spec, name)
+            self._probes.setdefault(name, []).append(p)
+            out.append(Outcome(name, True, mode="plugin"))
+        return out
+
+    def _add_uprobe(self, spec: ProbeSpec) -> tuple[Any, Uprobe]:
+        """A ``uprobe_events`` line: the same checks as the gdbstub engine's
+        (``harness.uprobes.UprobeManager.prepare``: ELF, executable text, inode, no PIE),
+        then a plugin probe at the program's address, for processes whose executable is
+        that file (``current->mm->exe_file->f_inode->i_ino``, offsets from BTF)."""
+        from types import SimpleNamespace
+
+        from ..uprobes import UprobeManager
+
+        assert spec.path is not None
+        eng = self.engine
+        up = Uprobe(spec.path, spec.offset if spec.symbol is None else None, symbol=spec.symbol)
+        mgr = UprobeManager(SimpleNamespace(stub=None, vm=self.vm, stats=eng.stats,
+                                            symbols=eng.symbols))
+        mgr.prepare(up)
+        assert up.vaddr is not None and up.ino is not None
+        btf = self.vm.btf
+        chain = (btf.offset("task_struct", "mm"), btf.offset("mm_struct", "exe_file"),
+                 btf.offset("file", "f_inode"), btf.offset("inode", "i_ino"))
+        tramp = eng.trampoline
+        if spec.is_return:
+            # the byte after the gdbstub engine's trampoline (the end of the program's
+            # executable segment), so the two engines never share it
+            tramp = mgr.elf(up.path).trampoline() + 1
+            if tramp % 4096 == 0:
+                raise ProbeRejectedError(f"{up.path}: no room for a uretprobe trampoline "
+                                         "after its text (-EINVAL)", EINVAL)
+        prog = compile_spec(spec.args, file_offset_vaddr=lambda off: up.vaddr - up.offset + off)
+        p = eng.add_spec_probe(up.vaddr, ret=spec.is_return, program=prog, enabled=False,
+                               user=(tramp, chain, up.ino))
+        return p, up
+
+    def enable(self) -> None:
+        self._hits.clear()
+        self.engine.records()              # what came before does not count
+        self._dropped0 = self.engine.link.dropped
+        for ps in self._probes.values():
+            for p in ps:
+                self.engine.enable_probe(p, True)
+        self.recording = True
+
+    def disable(self) -> None:
+        for ps in self._probes.values():
+            for p in ps:
+                self.engine.enable_probe(p, False)
+        self.recording = False
+        self._take()
+        #: Records the plugin had to drop (a ring full: the host drained too slowly).
+        self.dropped = self.engine.link.dropped - getattr(self, "_dropped0", 0)
+        if self.dropped:
+            log.warning("the plugin dropped %d record(s): its ring was full", self.dropped)
+
+    def _take(self) -> None:
+        for rec in self.engine.records():
+            if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
+                continue
+            self._hits.append(self._hit(rec, len(self._hits)))
+
+    def _hit(self, rec: RawRecord, seq: int) -> Hit:
+        spec, name = self._specs[rec.probe_id]
+        syms = self.engine.symbols
+        up = self._uprobes.get(rec.probe_id)
+        if up is not None:
+            # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
+            # address first; %ip is the probed address itself (handle_swbp() sets it)
+            ip = rec.ret_addr if rec.type == REC_RET else rec.func
+            ip_text = f"0x{ip:x}"
+            ret_from: str | None = f"0x{rec.func:x}" if rec.type == REC_RET else None
+        elif rec.type == REC_RET:
+            ip = rec.ret_addr
+            ip_text = syms.format(ip) if syms.symbolize(ip) else f"0x{ip:08x}"
+            hit = syms.symbolize(rec.func)
+            ret_from = hit[0].name if hit else f"0x{rec.func:x}"
+        else:
+            ip = rec.func + INT3_INSN_SIZE
+            ip_text = syms.format(rec.func)
+            ret_from = None
+        ctx = _RecordCtx(self, rec, ip, up)
+        if rec.flags & (RF_TRUNC | RF_BADPROG):
+            log.warning("%s: record %d %s", name, rec.seq,
+                        "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin")
+        values = evaluate(spec, ctx)
+        self.capture_misses += ctx.mem.misses
+        args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
+        return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
+                   cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
+                   ip=ip_text, ret_from=ret_from, args=args, mode="plugin")
+
+    def collect(self) -> list[Hit]:
+        """The hits, each pid under the comm of its last hit (see the module docstring)."""
+        if self.recording:
+            self._take()
+        if self.comm_rule == "at_hit":
+            return list(self._hits)
+        last: dict[int, str] = {}
+        for h in self._hits:
+            if h.pid is not None:
+                last[h.pid] = h.comm
+        return [dataclasses.replace(h, comm=last.get(h.pid, h.comm)) if h.pid is not None else h
+                for h in self._hits]
+
+    def counters(self) -> dict[str, Counters]:
+        out = {}
+        for name, ps in self._probes.items():
+            nhit = nmissed = 0
+            for p in ps:
+                h, m, _ = self.engine.probe_stats(p)
+                nhit, nmissed = nhit + h, nmissed + m
+            if any(self._specs[p.id][0].is_return for p in ps):
+                nhit = sum(1 for h in self._hits if h.probe == name)
+            out[name] = Counters(name, nhit, nmissed)
+        return out
+
+    def close(self) -> None:
+        for ps in self._probes.values():
+            for p in ps:
+                try:
+                    self.engine.remove_probe(p)
+                except HarnessError as exc:
+                    log.warning("removing plugin probe %d failed: %s", p.id, exc)
+        self._probes.clear()

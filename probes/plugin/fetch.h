@@ -1,0 +1,73 @@
+/*
+ * kph fetch programs: what the plugin captures at a spec probe's hit.
+ *
+ * A probe's fetch args arrive compiled by harness/fetchprog.py: the kernel's fetch_insn
+ * list of each argument (kernel/trace/trace_probe.h, as harness/probespec.py builds it),
+ * one 16-byte kph_insn per instruction, each argument ending in KOP_END. The plugin
+ * does not format anything: it runs each program the way process_fetch_insn()
+ * (kernel/trace/trace_kprobe.c, Linux 6.1) walks it and keeps every memory read it makes,
+ * bytes or fault, in the record. The harness then runs harness.fetchargs.evaluate() over
+ * exactly those reads, so values, strings and faults come out of the same code as the
+ * gdbstub engine's, and the guest memory was read at the hit, by the vCPU that hit.
+ *
+ * Layout of a captured block (8-byte aligned):
+ *   u64 addr; u32 len; u16 kind (KBLK_*); u16 pad; u8 data[len] (KBLK_DATA, KBLK_STR*)
+ */
+#ifndef KPH_FETCH_H
+#define KPH_FETCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    uint8_t op;
+    uint8_t a;          /* register index (KREG_*) */
+    uint16_t pad;
+    uint32_t b;         /* size, count */
+    uint64_t imm;       /* offset, immediate, n */
+} kph_insn;
+
+enum {
+    KOP_END = 0,
+    /* stage 1: where the value comes from */
+    KOP_REG = 1, KOP_STACK, KOP_STACKP, KOP_RETVAL, KOP_IMM, KOP_COMM, KOP_DATA, KOP_ARG,
+    KOP_USTACK, KOP_FOFFS,
+    /* stage 2: dereferences */
+    KOP_DEREF = 16, KOP_UDEREF,
+    /* stage 3: stores */
+    KOP_ST_RAW = 32, KOP_ST_MEM, KOP_ST_UMEM, KOP_ST_STRING, KOP_ST_USTRING, KOP_ST_SYMSTR,
+    KOP_ST_STRING_UPROBE,
+    /* stages 4 and 5 */
+    KOP_MOD_BF = 48, KOP_LP_ARRAY,
+};
+
+/* struct pt_regs order (arch/x86/include/asm/ptrace.h): the record's register array. */
+enum {
+    KREG_R15, KREG_R14, KREG_R13, KREG_R12, KREG_BP, KREG_BX, KREG_R11, KREG_R10, KREG_R9,
+    KREG_R8, KREG_AX, KREG_CX, KREG_DX, KREG_SI, KREG_DI, KREG_ORIG_AX, KREG_IP, KREG_CS,
+    KREG_FLAGS, KREG_SP, KREG_SS, KREG_NUM
+};
+
+enum { KBLK_DATA = 1, KBLK_FAULT = 2, KBLK_STR = 3, KBLK_STR_LIMIT = 4 };
+
+#define KPH_MAX_STRING 4096      /* MAX_STRING_SIZE = PATH_MAX (trace_probe.h) */
+#define KPH_THREAD_SIZE 16384    /* x86_64 without KASAN */
+
+/* Read guest virtual memory; 0 on success, -1 when any byte cannot be read. */
+typedef int (*kph_read_fn)(void *ctx, uint64_t addr, void *buf, size_t len);
+
+typedef struct {
+    uint8_t *buf;       /* where blocks go */
+    size_t cap, len;
+    uint32_t nblocks;
+    int truncated;      /* a block did not fit */
+    kph_read_fn read;
+    void *read_ctx;
+} kph_capture;
+
+/* Run every argument program in prog[0..n) against regs; append the reads to cap.
+ * Returns the number of arguments run, or -1 for a malformed program. */
+int kph_capture_args(kph_capture *cap, const kph_insn *prog, size_t n,
+                     const uint64_t regs[KREG_NUM]);
+
+#endif

@@ -1,0 +1,1981 @@
+/*
+ * kph_plugin: host-side kprobes inside QEMU, as a TCG plugin (kprobe-harness issue 15).
+ *
+ * Loaded with `-plugin kph_plugin.so,ctl=FD` (FD: a listening UNIX socket the harness
+ * created in the machine's private run directory). Inert until the harness connects and
+ * adds probes; when that connection ends the plugin goes inert again (no new hits),
+ * but keeps servicing return addresses it hijacked, so the guest never returns into the
+ * trampoline unserviced.
+ *
+ * The harness side is harness/plugin.py (protocol, ring) and harness/plugin_engine.py
+ * (kprobe semantics); harness/fetchprog.py compiles fetch args for fetch.c.
+ *
+ * How a probe works: at translation, every instruction whose address has a probe gets an
+ * instruction callback, which runs on that vCPU's thread before the instruction, while
+ * the other vCPUs keep running. Probes added later must reach code translated before:
+ * the plugin writes the probed instruction's first byte back unchanged through
+ * qemu_plugin_write_memory_vaddr(), which goes through the physical-memory write path
+ * and invalidates every translation block holding that byte (tb_invalidate_phys_range).
+ * That write needs a vCPU context, so a vCPU does it at its next callback: an interrupt
+ * or exception (discontinuity callback), leaving idle, or any probe hit.
+ *
+ * Spec probes (kprobe_events lines) run their compiled fetch program (fetch.c) and
+ * append a record to the vCPU's ring, a shared memory area the harness drains; there
+ * is no round trip. Kretprobes follow kernel/kprobes.c (Linux 6.1):
+ * pre_handler_kretprobe() takes an instance from a pool of maxactive (nmissed when it is
+ * empty), the return address is replaced on the stack by the trampoline, and at the
+ * trampoline the instances of that stack slot are handled newest first, as
+ * rethook_trampoline_handler() walks a task's rethook nodes, then the vCPU jumps to the
+ * real return address (qemu_plugin_set_pc).
+ *
+ * Why one file of ~1,900 lines: every part shares the lock-free site table, the
+ * per-vCPU state and the callback contexts QEMU allows (set_pc only where registered
+ * with RW_REGS_PC, memory writes only from a vCPU); splitting it would mean a header
+ * exposing all of them. It is in sections, in this order: site table, invalidation,
+ * registers and memory, ring, kretprobes, handler round trips, callbacks (where a hit
+ * is handled, post and fault delivery, translation), full flush, control channel,
+ * install. fetch.c (the fetch programs) has no QEMU in it and is tested on its own.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "qemu-plugin.h"
+#include "fetch.h"
+
+KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
+
+#define KPH_PROTO 1
+#define MAX_VCPUS 64
+#define TABLE_SIZE 16384            /* power of two; sites are never removed */
+#define MAX_PROBES 8192
+#define MAX_PER_SITE 64
+#define MAX_PROG 1024               /* kph_insn per probe */
+#define REC_MAX (64 * 1024)
+#define REC_HDR 240
+#define MAX_PENDING 1024
+#define LIVE_SIZE 4096              /* buckets of live kretprobe instances */
+
+/* ---- wire protocol (harness/plugin.py mirrors these) ---- */
+enum {
+    CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
+    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10,
+};
+enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4 };
+/* handler round trips on a vCPU's channel: events to the harness, its commands back */
+enum { EV_PRE = 1, EV_POST = 2, EV_FAULT = 3, EV_RET_ENTRY = 4, EV_RET = 5, EV_MISS = 6 };
+enum { C_READ = 1, C_WRITE = 2, C_READREG = 3, C_DONE = 4 };
+enum { ACT_CONTINUE = 0, ACT_SETPC = 1, ACT_POST = 2, ACT_DISCARD = 3, ACT_HANDLED = 4 };
+#define EV_HDR 256
+enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
+enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16 };
+enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
+enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_EXT = 16,
+       ADD_FLUSH = 32 };
+#define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
+
+typedef struct probe {
+    uint32_t id, kind;
+    uint64_t addr;
+    atomic_int enabled;
+    atomic_int dead;
+    kph_insn *prog;
+    size_t nprog;
+    atomic_uint_fast64_t nhit, nmissed;
+    /* kretprobe instances, under rp_lock */
+    uint32_t maxactive, nfree, flags;
+    /* uprobes: where its returns go, and which processes it is for: the chain
+     * current->mm->exe_file->f_inode->i_ino must end in `expect` (kernel/events/
+     * uprobes.c places a uprobe on an inode: every mm mapping that file) */
+    uint64_t tramp;
+    uint32_t nfilter;
+    uint64_t filter[4];
+    uint64_t expect;
+    uint64_t mm_off;
+    struct inst *insts;
+    struct inst **freelist;
+} probe;
+
+typedef struct inst {
+    probe *rp;
+    uint64_t slot, ret_addr, task;
+    uint64_t mm;                    /* user return probes: the address space of the slot */
+    struct inst *next;              /* same bucket of the live table */
+} inst;
+
+typedef struct {
+    int n;
+    probe *p[];
+} plist;
+
+typedef struct site {
+    uint64_t addr;
+    _Atomic(plist *) list;
+    int tramp;
+    uint32_t len;                   /* the instruction's length, seen at translation */
+} site;
+
+typedef struct {
+    /* the record being built, and scratch buffers for the API */
+    uint8_t rec[REC_MAX];
+    GByteArray *gb;
+    uint64_t regs[KREG_NUM];
+    uint64_t task;
+    int32_t pid;
+    char comm[16];
+    uint32_t tflags;
+    atomic_int idle;
+    /* Python handlers: this vCPU's channel, and a post_handler waiting for the next
+     * instruction (the one after the probed instruction at post_addr) */
+    atomic_int chan;
+    pthread_mutex_t chan_lock;
+    int in_rt;
+    int post_armed;
+    int discon_pending;             /* 1 interrupt, 2 exception, while a post is pending */
+    uint64_t post_addr;
+    uint64_t new_ip;
+    uint8_t ev[EV_HDR + 4 * MAX_PER_SITE];
+} vcpu_t;
+
+/* ring layout: header, per-vCPU control blocks, per-vCPU data areas */
+#define RING_MAGIC 0x4b504852u      /* "RHPK" */
+#define RING_CTL_OFF 4096
+#define RING_CTL_SIZE 128
+typedef struct {
+    _Atomic uint64_t head;          /* producer */
+    _Atomic uint64_t dropped;
+    _Atomic uint64_t records;
+    uint64_t pad[5];
+    _Atomic uint64_t tail;          /* consumer (the harness) */
+} ring_ctl;
+
+static qemu_plugin_id_t g_id;
+static int g_nvcpus;
+static vcpu_t *g_vcpu[MAX_VCPUS];
+static atomic_int g_live;           /* a harness is connected and probes may fire */
+static int g_ctl_fd = -1;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;   /* control-side changes */
+static _Atomic(site *) g_table[TABLE_SIZE];
+static probe *g_probes[MAX_PROBES];
+static int g_nprobes;
+static uint64_t g_tramp;
+static site *g_tramp_site;
+static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
+static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists */
+static atomic_uint_fast64_t g_seq;
+static atomic_uint_fast64_t g_tramp_missing;
+/* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
+ * path (next instruction, next block, interrupt), full flushes */
+static atomic_uint_fast64_t g_n_irq, g_n_exc, g_n_post_insn, g_n_post_tb, g_n_post_irq, g_n_flush;
+static atomic_uint_fast64_t g_n_filtered;   /* uprobe hits of another program */
+
+/* registers, by pt_regs index, and the two GS bases */
+static struct qemu_plugin_register *g_reg[KREG_NUM];
+static struct qemu_plugin_register *g_gs_base, *g_kgs_base;
+/* system registers a handler may read (regs.read_sys), by index */
+#define NSYS 9
+static const char *const sys_names[NSYS] = {
+    "cr0", "cr2", "cr3", "cr4", "cr8", "efer", "fs_base", "gs_base", "k_gs_base",
+};
+static struct qemu_plugin_register *g_sys[NSYS];
+/* post_handlers: once one exists, every translation block starts with a conditional
+ * callback that fires on a vCPU whose scoreboard entry says a post is pending */
+static atomic_int g_post_mode;
+static atomic_int g_n_post;         /* live probes with a post or fault handler */
+static int g_post_off;              /* control thread: the last one went */
+static struct qemu_plugin_scoreboard *g_sb;
+static atomic_int g_regs_ready;
+
+/* the ring */
+typedef struct {
+    uint8_t *base;
+    uint64_t size;                  /* per vCPU, power of two */
+    uint64_t data_off;
+    int n;
+} ring_t;
+/* A session's ring; a new session's replaces it and the old mapping is kept (a callback
+ * may still be writing into it), so nothing is ever unmapped under a vCPU. */
+static _Atomic(ring_t *) g_ring;
+
+/* kretprobes */
+static pthread_mutex_t rp_lock = PTHREAD_MUTEX_INITIALIZER;
+static inst *g_live_tab[LIVE_SIZE];
+
+/* invalidation */
+static pthread_mutex_t inval_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t inval_cond = PTHREAD_COND_INITIALIZER;
+static uint64_t inval_addr[MAX_PENDING];
+static int inval_n;
+static atomic_int inval_pending;
+static uint64_t inval_requested, inval_done;
+static atomic_uint_fast64_t inval_count, inval_ns_total;
+static uint64_t inval_t0;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + ts.tv_nsec;
+}
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...)
+{
+    char buf[256];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    qemu_plugin_outs(buf);
+}
+
+static vcpu_t *vc(unsigned int i)
+{
+    return i < MAX_VCPUS ? g_vcpu[i] : NULL;
+}
+
+/* ---------------------------------------------------------------- site table */
+
+static unsigned int slot_of(uint64_t addr)
+{
+    return (unsigned int)((addr * 0x9E3779B97F4A7C15ull) >> 50) & (TABLE_SIZE - 1);
+}
+
+static site *site_find(uint64_t addr)
+{
+    unsigned int i = slot_of(addr), n;
+
+    for (n = 0; n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
+        site *s = atomic_load_explicit(&g_table[i], memory_order_acquire);
+        if (!s) {
+            return NULL;
+        }
+        if (s->addr == addr) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* Under g_lock. */
+static site *site_get(uint64_t addr)
+{
+    unsigned int i = slot_of(addr), n;
+
+    for (n = 0; n < TABLE_SIZE; n++, i = (i + 1) & (TABLE_SIZE - 1)) {
+        site *s = atomic_load_explicit(&g_table[i], memory_order_acquire);
+        if (!s) {
+            s = calloc(1, sizeof(*s));
+            if (!s) {
+                return NULL;
+            }
+            s->addr = addr;
+            atomic_store_explicit(&g_table[i], s, memory_order_release);
+            return s;
+        }
+        if (s->addr == addr) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* Replace a site's probe list (old lists are leaked: a callback may still read one). */
+static int site_set(site *s, probe **ps, int n)
+{
+    plist *l = malloc(sizeof(*l) + sizeof(probe *) * (n ? n : 1));
+
+    if (!l) {
+        return -1;
+    }
+    l->n = n;
+    memcpy(l->p, ps, sizeof(probe *) * n);
+    atomic_store_explicit(&s->list, l, memory_order_release);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- invalidation */
+
+static void request_invalidate(uint64_t addr)
+{
+    pthread_mutex_lock(&inval_lock);
+    if (inval_n < MAX_PENDING) {
+        inval_addr[inval_n++] = addr;
+    }
+    if (!atomic_load(&inval_pending)) {
+        inval_t0 = now_ns();
+    }
+    inval_requested++;
+    atomic_store(&inval_pending, 1);
+    pthread_mutex_unlock(&inval_lock);
+}
+
+/* In a vCPU context: rewrite the first byte of each pending address with itself, which
+ * invalidates the translations that hold it. */
+static void service_reset(void);
+
+static void service_invalidations(vcpu_t *v)
+{
+    uint64_t addrs[MAX_PENDING], upto;
+    int n, i;
+
+    service_reset();
+    if (!atomic_load_explicit(&inval_pending, memory_order_relaxed)) {
+        return;
+    }
+    if (pthread_mutex_trylock(&inval_lock) != 0) {
+        return;
+    }
+    n = inval_n;
+    memcpy(addrs, inval_addr, sizeof(uint64_t) * n);
+    inval_n = 0;
+    upto = inval_requested;
+    atomic_store(&inval_pending, 0);
+    pthread_mutex_unlock(&inval_lock);
+    for (i = 0; i < n; i++) {
+        g_byte_array_set_size(v->gb, 0);
+        if (qemu_plugin_read_memory_vaddr(addrs[i], v->gb, 1)) {
+            qemu_plugin_write_memory_vaddr(addrs[i], v->gb);
+        }
+    }
+    pthread_mutex_lock(&inval_lock);
+    if (upto > inval_done) {
+        inval_done = upto;
+    }
+    atomic_fetch_add(&inval_count, n);
+    atomic_fetch_add(&inval_ns_total, now_ns() - inval_t0);
+    pthread_cond_broadcast(&inval_cond);
+    pthread_mutex_unlock(&inval_lock);
+}
+
+static int all_idle(void)
+{
+    int i;
+
+    for (i = 0; i < g_nvcpus; i++) {
+        if (g_vcpu[i] && !atomic_load(&g_vcpu[i]->idle)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Control thread: wait until the invalidations requested so far are done. */
+static int wait_invalidated(int timeout_ms)
+{
+    struct timespec dl;
+    uint64_t want;
+    int rc = INVAL_DONE;
+
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&inval_lock);
+    want = inval_requested;
+    while (inval_done < want) {
+        struct timespec step;
+
+        /* An idle vCPU runs nothing before it leaves idle, and then it invalidates
+         * first; so a machine whose vCPUs all idle is as good as invalidated. */
+        if (all_idle()) {
+            rc = INVAL_IDLE;
+            break;
+        }
+        clock_gettime(CLOCK_REALTIME, &step);
+        step.tv_nsec += 2000000L;
+        if (step.tv_nsec >= 1000000000L) {
+            step.tv_sec++;
+            step.tv_nsec -= 1000000000L;
+        }
+        if (step.tv_sec > dl.tv_sec || (step.tv_sec == dl.tv_sec && step.tv_nsec > dl.tv_nsec)) {
+            step = dl;
+        }
+        if (pthread_cond_timedwait(&inval_cond, &inval_lock, &step) == ETIMEDOUT) {
+            struct timespec t;
+
+            clock_gettime(CLOCK_REALTIME, &t);
+            if (t.tv_sec > dl.tv_sec || (t.tv_sec == dl.tv_sec && t.tv_nsec >= dl.tv_nsec)) {
+                rc = inval_done < want ? INVAL_PENDING : INVAL_DONE;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&inval_lock);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- registers and memory */
+
+static uint64_t reg_read(vcpu_t *v, struct qemu_plugin_register *h)
+{
+    uint64_t val = 0;
+
+    if (!h) {
+        return 0;
+    }
+    g_byte_array_set_size(v->gb, 0);
+    if (!qemu_plugin_read_register(h, v->gb)) {
+        return 0;
+    }
+    memcpy(&val, v->gb->data, v->gb->len < 8 ? v->gb->len : 8);
+    return val;
+}
+
+static int mem_read(void *ctx, uint64_t addr, void *buf, size_t len)
+{
+    vcpu_t *v = ctx;
+
+    g_byte_array_set_size(v->gb, 0);
+    if (!qemu_plugin_read_memory_vaddr(addr, v->gb, len) || v->gb->len < len) {
+        return -1;
+    }
+    memcpy(buf, v->gb->data, len);
+    return 0;
+}
+
+static int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len)
+{
+    g_byte_array_set_size(v->gb, len);
+    memcpy(v->gb->data, buf, len);
+    return qemu_plugin_write_memory_vaddr(addr, v->gb) ? 0 : -1;
+}
+
+/* The pt_regs of this hit, and `current` with its pid and comm (read through the
+ * per-cpu current_task at the kernel's GS base: in user mode that base waits in
+ * MSR_KERNEL_GS_BASE until swapgs).
+ *
+ * `pc` is where the vCPU is: in an instruction callback TCG has not stored rip for
+ * instructions past the block's first, so the caller says (from translation time);
+ * 0 means rip is current (discontinuity callbacks). The same goes for the arithmetic
+ * flags, which TCG computes lazily and the plugin API cannot reach: in an instruction
+ * callback `flags` holds IF and the other system bits, not ZF/SF/CF/... (README). */
+static void read_context(vcpu_t *v, uint64_t pc)
+{
+    int i;
+    uint64_t base;
+
+    for (i = 0; i < KREG_NUM; i++) {
+        if (i != KREG_IP || !pc) {
+            v->regs[i] = reg_read(v, g_reg[i]);
+        }
+    }
+    if (pc) {
+        v->regs[KREG_IP] = pc;
+    }
+    v->regs[KREG_ORIG_AX] = ~0ull;
+    v->tflags = 0;
+    v->task = 0;
+    v->pid = 0;
+    memset(v->comm, 0, sizeof(v->comm));
+    if (!g_cur_task_off) {
+        return;
+    }
+    base = reg_read(v, (v->regs[KREG_CS] & 3) == 3 ? g_kgs_base : g_gs_base);
+    if (mem_read(v, base + g_cur_task_off, &v->task, 8) != 0) {
+        return;
+    }
+    v->tflags |= RF_TASK;
+    if (g_pid_off && mem_read(v, v->task + g_pid_off, &v->pid, 4) == 0) {
+        v->tflags |= RF_PID;
+    }
+    if (g_comm_off && mem_read(v, v->task + g_comm_off, v->comm, 16) == 0) {
+        v->tflags |= RF_COMM;
+    }
+}
+
+/* ---------------------------------------------------------------- ring */
+
+static ring_ctl *ring_ctl_of(ring_t *r, int i)
+{
+    return (ring_ctl *)(r->base + RING_CTL_OFF + (size_t)i * RING_CTL_SIZE);
+}
+
+/* Append one record (size a multiple of 8) to vCPU i's ring; drop it when full. */
+static void ring_put(int i, const uint8_t *rec, uint32_t size)
+{
+    ring_t *r = atomic_load_explicit(&g_ring, memory_order_acquire);
+    ring_ctl *c;
+    uint8_t *data;
+    uint64_t head, tail, pos, g_ring_size;
+
+    if (!r || i >= r->n) {
+        return;
+    }
+    g_ring_size = r->size;
+    c = ring_ctl_of(r, i);
+    data = r->base + r->data_off + (size_t)i * g_ring_size;
+    head = atomic_load_explicit(&c->head, memory_order_relaxed);
+    tail = atomic_load_explicit(&c->tail, memory_order_acquire);
+    pos = head & (g_ring_size - 1);
+    if (pos + size > g_ring_size) {
+        uint32_t pad = (uint32_t)(g_ring_size - pos);
+        uint16_t type = REC_PAD;
+
+        if (head + pad + size - tail > g_ring_size) {
+            atomic_fetch_add(&c->dropped, 1);
+            return;
+        }
+        memcpy(data + pos, &pad, 4);
+        memcpy(data + pos + 4, &type, 2);
+        head += pad;
+        pos = 0;
+    }
+    if (head + size - tail > g_ring_size) {
+        atomic_fetch_add(&c->dropped, 1);
+        return;
+    }
+    memcpy(data + pos, rec, size);
+    atomic_fetch_add_explicit(&c->records, 1, memory_order_relaxed);
+    atomic_store_explicit(&c->head, head + size, memory_order_release);
+}
+
+/* Build and append a record: header (240 bytes), then the captured blocks. */
+static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func,
+                 uint64_t ret_addr)
+{
+    kph_capture cap = {
+        .buf = v->rec + REC_HDR, .cap = REC_MAX - REC_HDR, .read = mem_read, .read_ctx = v,
+    };
+    uint8_t *h = v->rec;
+    uint32_t size, flags = v->tflags;
+    uint16_t vc16 = (uint16_t)vcpu;
+    uint64_t seq = atomic_fetch_add(&g_seq, 1);
+
+    if (p->nprog && kph_capture_args(&cap, p->prog, p->nprog, v->regs) < 0) {
+        flags |= RF_BADPROG;
+    }
+    if (cap.truncated) {
+        flags |= RF_TRUNC;
+    }
+    size = (uint32_t)(REC_HDR + cap.len);
+    memcpy(h + 0, &size, 4);
+    memcpy(h + 4, &type, 2);
+    memcpy(h + 6, &vc16, 2);
+    memcpy(h + 8, &p->id, 4);
+    memcpy(h + 12, &cap.nblocks, 4);
+    memcpy(h + 16, &seq, 8);
+    memcpy(h + 24, v->regs, 8 * KREG_NUM);              /* 24 .. 192 */
+    memcpy(h + 192, &v->task, 8);
+    memcpy(h + 200, &func, 8);
+    memcpy(h + 208, &ret_addr, 8);
+    memcpy(h + 216, &v->pid, 4);
+    memcpy(h + 220, &flags, 4);
+    memcpy(h + 224, v->comm, 16);                       /* .. 240 */
+    ring_put(vcpu, v->rec, size);
+}
+
+/* ---------------------------------------------------------------- kretprobes */
+
+static unsigned int live_bucket(uint64_t slot)
+{
+    return (unsigned int)((slot >> 3) * 0x9E3779B97F4A7C15ull >> 52) & (LIVE_SIZE - 1);
+}
+
+static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr,
+                      const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
+                      int ip_by_register);
+
+/* current->mm (user return probes key their instances by it: two processes may hold
+ * the same stack slot address). 0 when unknown. */
+static uint64_t task_mm(vcpu_t *v, uint64_t mm_off)
+{
+    uint64_t mm = 0;
+
+    if (!(v->tflags & RF_TASK) || mem_read(v, v->task + mm_off, &mm, 8) != 0) {
+        return 0;
+    }
+    return mm;
+}
+
+/* Does this hit belong to the probe (a uprobe's exe-inode filter)? */
+static int filter_ok(vcpu_t *v, probe *p)
+{
+    uint64_t val;
+    uint32_t i;
+
+    if (!p->nfilter) {
+        return 1;
+    }
+    if (!(v->tflags & RF_TASK)) {
+        return 0;
+    }
+    val = v->task;
+    for (i = 0; i < p->nfilter; i++) {
+        if (!val || mem_read(v, val + p->filter[i], &val, 8) != 0) {
+            return 0;
+        }
+    }
+    return val == p->expect;
+}
+
+/* pre_handler_kretprobe(): take an instance or count nmissed, run the entry_handler
+ * (non-zero: no return probe for this call), hijack [sp]. */
+static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
+{
+    uint64_t slot = v->regs[KREG_SP], ret;
+    inst *ri;
+    unsigned int b;
+
+    pthread_mutex_lock(&rp_lock);
+    if (p->nfree == 0) {
+        pthread_mutex_unlock(&rp_lock);
+        atomic_fetch_add(&p->nmissed, 1);
+        if (p->kind == PK_KRET) {   /* the harness keeps rp->nmissed as the kernel does */
+            round_trip(v, vcpu, EV_MISS, p->addr, &p->id, 1, 0, 0, 0, 0);
+        }
+        return;
+    }
+    ri = p->freelist[--p->nfree];
+    if (p->kind == PK_KRET) {
+        uint32_t idx = (uint32_t)(ri - p->insts);
+        int act;
+
+        pthread_mutex_unlock(&rp_lock);
+        act = round_trip(v, vcpu, EV_RET_ENTRY, p->addr, &p->id, 1, idx, 0, slot, 0);
+        pthread_mutex_lock(&rp_lock);
+        if (act == ACT_DISCARD) {
+            p->freelist[p->nfree++] = ri;
+            pthread_mutex_unlock(&rp_lock);
+            return;
+        }
+    }
+    if (mem_read(v, slot, &ret, 8) != 0 || mem_write(v, slot, &p->tramp, 8) != 0) {
+        p->freelist[p->nfree++] = ri;
+        pthread_mutex_unlock(&rp_lock);
+        atomic_fetch_add(&p->nmissed, 1);
+        return;
+    }
+    ri->slot = slot;
+    ri->ret_addr = ret;
+    ri->task = v->task;
+    ri->mm = p->mm_off ? task_mm(v, p->mm_off) : 0;
+    b = live_bucket(slot);
+    ri->next = g_live_tab[b];
+    g_live_tab[b] = ri;
+    pthread_mutex_unlock(&rp_lock);
+    atomic_fetch_add(&p->nhit, 1);
+}
+
+/* The guest returned into a trampoline: [sp - 8] was the hijacked slot (in a user
+ * trampoline, of this process's mm: handle_trampoline(), kernel/events/uprobes.c, finds
+ * the task's return instances). */
+static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
+{
+    inst *done[MAX_PER_SITE];
+    int n = 0, i;
+    uint64_t slot, real = 0, mm = 0;
+    unsigned int b;
+
+    read_context(v, tramp);
+    slot = v->regs[KREG_SP] - 8;
+    b = live_bucket(slot);
+    if (tramp != g_tramp && g_mm_off) {
+        mm = task_mm(v, g_mm_off);
+    }
+    pthread_mutex_lock(&rp_lock);
+    /* Newest first; an instance whose saved address is the trampoline itself was taken
+     * by a later kretprobe on the same frame: go on to the one below it. */
+    for (;;) {
+        inst **pp = &g_live_tab[b], *ri = NULL;
+
+        while (*pp) {
+            if ((*pp)->slot == slot && (*pp)->mm == mm) {
+                ri = *pp;
+                *pp = ri->next;
+                break;
+            }
+            pp = &(*pp)->next;
+        }
+        if (!ri) {
+            break;
+        }
+        if (n < MAX_PER_SITE) {
+            done[n++] = ri;
+        }
+        if (ri->ret_addr != tramp) {
+            real = ri->ret_addr;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&rp_lock);
+    if (!real) {
+        /* Nothing of ours: let the guest run into whatever is there (and count it). */
+        atomic_fetch_add(&g_tramp_missing, 1);
+        return;
+    }
+    /* rethook_trampoline_handler(): handlers see ip = the real return address. */
+    v->regs[KREG_IP] = real;
+    for (i = 0; i < n; i++) {
+        probe *p = done[i]->rp;
+
+        if (p->kind == PK_KRET) {
+            /* the harness runs the handler unless the kretprobe is gone (orphan) */
+            uint32_t idx = (uint32_t)(done[i] - p->insts);
+
+            round_trip(v, vcpu, EV_RET, p->addr, &p->id, 1, idx, real, slot, 0);
+            v->regs[KREG_IP] = real;
+        } else if (atomic_load(&g_live) && atomic_load(&p->enabled) && !atomic_load(&p->dead)) {
+            emit(v, vcpu, p, REC_RET, p->addr, real);
+        }
+    }
+    pthread_mutex_lock(&rp_lock);
+    for (i = 0; i < n; i++) {
+        probe *p = done[i]->rp;
+        p->freelist[p->nfree++] = done[i];
+    }
+    pthread_mutex_unlock(&rp_lock);
+    qemu_plugin_set_pc(real);
+}
+
+/* ---------------------------------------------------------------- handler round trips */
+
+static int read_full(int fd, void *buf, size_t len);
+static int write_full(int fd, const void *buf, size_t len);
+
+/* A command header from the harness. A handler usually answers within microseconds:
+ * poll for a short while before sleeping in read(), which saves the wake-up of this
+ * (vCPU) thread on the way back. */
+#define SPIN_NS 40000
+/* A handler that has not answered in this long is taken for a dead harness: the vCPU
+ * goes on (a guest cannot wait forever on a host that hangs). */
+#define HANDLER_TIMEOUT_MS 120000
+static int read_cmd(int fd, uint32_t h[2])
+{
+    uint64_t t0 = now_ns();
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int r;
+
+    do {
+        ssize_t got = recv(fd, h, 8, MSG_DONTWAIT | MSG_PEEK);
+
+        if (got == 8 || got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+            break;
+        }
+    } while (now_ns() - t0 < SPIN_NS);
+    do {
+        r = poll(&pfd, 1, HANDLER_TIMEOUT_MS);
+    } while (r < 0 && errno == EINTR);
+    if (r == 0) {
+        say("kph_plugin: a handler did not answer in 120 s; its vCPU goes on\n");
+        return -1;
+    }
+    return read_full(fd, h, 8);
+}
+
+/* Channel ownership, under v->chan_lock: a vCPU in a round trip owns the descriptor it
+ * took; the control thread replacing or dropping it then only shuts it down (which
+ * wakes the vCPU without freeing the number under it) and the vCPU closes it; otherwise
+ * the control thread closes it itself. */
+static int chan_take(vcpu_t *v)
+{
+    int fd;
+
+    pthread_mutex_lock(&v->chan_lock);
+    fd = atomic_load(&v->chan);
+    v->in_rt = fd >= 0;
+    pthread_mutex_unlock(&v->chan_lock);
+    return fd;
+}
+
+static void chan_release(vcpu_t *v, int fd)
+{
+    pthread_mutex_lock(&v->chan_lock);
+    v->in_rt = 0;
+    if (atomic_load(&v->chan) != fd) {
+        close(fd);                  /* replaced or dropped while in use */
+    }
+    pthread_mutex_unlock(&v->chan_lock);
+}
+
+/* The channel failed: this vCPU goes on as if every handler returned 0. */
+static void chan_dead(vcpu_t *v, int fd)
+{
+    pthread_mutex_lock(&v->chan_lock);
+    v->in_rt = 0;
+    if (atomic_load(&v->chan) == fd) {
+        atomic_store(&v->chan, -1);
+    }
+    close(fd);
+    pthread_mutex_unlock(&v->chan_lock);
+}
+
+/* Control thread: put `fd` (or -1) in place of v's channel. */
+static void chan_set(vcpu_t *v, int fd)
+{
+    int old;
+
+    pthread_mutex_lock(&v->chan_lock);
+    old = atomic_exchange(&v->chan, fd);
+    if (old >= 0) {
+        if (v->in_rt) {
+            shutdown(old, SHUT_RDWR);
+        } else {
+            close(old);
+        }
+    }
+    pthread_mutex_unlock(&v->chan_lock);
+}
+
+static void write_regs(vcpu_t *v, uint64_t mask, const uint64_t *vals, int with_ip)
+{
+    int k;
+
+    for (k = 0; k < KREG_NUM; k++) {
+        if (!(mask & (1ull << k)) || k == KREG_ORIG_AX || (k == KREG_IP && !with_ip) || !g_reg[k]) {
+            continue;
+        }
+        g_byte_array_set_size(v->gb, 8);
+        memcpy(v->gb->data, &vals[k], 8);
+        qemu_plugin_write_register(g_reg[k], v->gb);
+        v->regs[k] = vals[k];
+    }
+}
+
+/* Send one event and serve the harness's commands until it says what to do. The ip a
+ * handler chose is left in v->new_ip (the caller decides whether it applies); other
+ * registers it changed are written here, ip too when `ip_by_register` (discontinuity
+ * callbacks, where the PC is a plain register). Returns the action, or -1 when the
+ * channel is gone. */
+static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr,
+                      const uint32_t *ids, uint32_t n, uint32_t extra, uint64_t a, uint64_t b,
+                      int ip_by_register)
+{
+    int fd = chan_take(v);
+    uint8_t *e = v->ev;
+    uint32_t vcpu32 = vcpu;
+
+    if (fd < 0) {
+        return -1;
+    }
+    if (n > MAX_PER_SITE) {
+        n = MAX_PER_SITE;
+    }
+    memset(e, 0, EV_HDR);
+    memcpy(e + 0, &type, 4);
+    memcpy(e + 4, &vcpu32, 4);
+    memcpy(e + 8, &n, 4);
+    memcpy(e + 12, &extra, 4);
+    memcpy(e + 16, &addr, 8);
+    memcpy(e + 24, v->regs, 8 * KREG_NUM);              /* .. 192 */
+    memcpy(e + 192, &v->task, 8);
+    memcpy(e + 200, &v->pid, 4);
+    memcpy(e + 204, &v->tflags, 4);
+    memcpy(e + 208, v->comm, 16);
+    memcpy(e + 224, &a, 8);
+    memcpy(e + 232, &b, 8);
+    /* up to 4 ids ride in the header's last 16 bytes; more follow it */
+    memcpy(e + 240, ids, 4 * (n < 4 ? n : 4));
+    if (n > 4) {
+        memcpy(e + EV_HDR, ids + 4, 4 * (n - 4));
+    }
+    v->new_ip = v->regs[KREG_IP];
+    if (write_full(fd, e, EV_HDR + 4 * (n > 4 ? n - 4 : 0)) != 0) {
+        chan_dead(v, fd);
+        return -1;
+    }
+    for (;;) {
+        uint32_t h[2], st;
+        uint64_t addr64;
+
+        if (read_cmd(fd, h) != 0) {
+            chan_dead(v, fd);
+            return -1;
+        }
+        switch (h[0]) {
+        case C_READ: {
+            uint32_t len;
+            uint8_t *buf = v->rec;
+
+            if (h[1] != 12 || read_full(fd, &addr64, 8) != 0 || read_full(fd, &len, 4) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            if (len > REC_MAX - 8) {
+                len = REC_MAX - 8;
+            }
+            st = len && mem_read(v, addr64, buf + 8, len) == 0 ? 0 : EFAULT;
+            memcpy(buf, &st, 4);
+            if (st) {
+                len = 0;
+            }
+            memcpy(buf + 4, &len, 4);
+            if (write_full(fd, buf, 8 + len) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_WRITE: {
+            uint32_t len = h[1] - 8, out[2] = {0, 0};
+
+            if (h[1] < 8 || h[1] - 8 > REC_MAX || read_full(fd, &addr64, 8) != 0 ||
+                read_full(fd, v->rec, len) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            out[0] = len && mem_write(v, addr64, v->rec, len) == 0 ? 0 : EFAULT;
+            if (write_full(fd, out, 8) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_READREG: {
+            uint32_t idx;
+            uint8_t out[16] = {0};
+            uint64_t val;
+
+            if (h[1] != 4 || read_full(fd, &idx, 4) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            st = idx < NSYS && g_sys[idx] ? 0 : EINVAL;
+            val = st ? 0 : reg_read(v, g_sys[idx]);
+            memcpy(out, &st, 4);
+            st = 8;
+            memcpy(out + 4, &st, 4);
+            memcpy(out + 8, &val, 8);
+            if (write_full(fd, out, 16) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            break;
+        }
+        case C_DONE: {
+            /* u32 action, u32 pad, u64 mask, u64 vals[21] */
+            uint8_t d[16 + 8 * KREG_NUM];
+            uint32_t action;
+            uint64_t mask, vals[KREG_NUM];
+
+            if (h[1] != sizeof(d) || read_full(fd, d, sizeof(d)) != 0) {
+                chan_dead(v, fd);
+                return -1;
+            }
+            memcpy(&action, d, 4);
+            memcpy(&mask, d + 8, 8);
+            memcpy(vals, d + 16, sizeof(vals));
+            write_regs(v, mask, vals, ip_by_register);
+            if (mask & (1ull << KREG_IP)) {
+                v->new_ip = vals[KREG_IP];
+            }
+            chan_release(v, fd);
+            return (int)action;
+        }
+        default:
+            chan_dead(v, fd);
+            return -1;
+        }
+    }
+}
+
+static void arm_post(unsigned int vcpu, vcpu_t *v, uint64_t addr)
+{
+    v->post_armed = 1;
+    v->post_addr = addr;
+    if (g_sb) {
+        qemu_plugin_u64_set((qemu_plugin_u64){g_sb, 0}, vcpu, 1);
+    }
+}
+
+static void disarm_post(unsigned int vcpu, vcpu_t *v)
+{
+    v->post_armed = 0;
+    v->discon_pending = 0;
+    if (g_sb) {
+        qemu_plugin_u64_set((qemu_plugin_u64){g_sb, 0}, vcpu, 0);
+    }
+}
+
+/* The instruction after a probed one is about to run: the post_handlers see the
+ * registers after the probed instruction (kprobe_post_process(), 6.1). */
+static void deliver_post(unsigned int vcpu, vcpu_t *v, uint64_t pc)
+{
+    int act;
+    uint64_t at = v->post_addr;
+
+    disarm_post(vcpu, v);
+    read_context(v, pc);
+    act = round_trip(v, vcpu, EV_POST, at, NULL, 0, 0, 0, 0, 0);
+    if (act == ACT_SETPC && v->new_ip != v->regs[KREG_IP]) {
+        qemu_plugin_set_pc(v->new_ip);
+    }
+}
+
+/* ---------------------------------------------------------------- callbacks */
+
+static void on_site(unsigned int vcpu, void *ud)
+{
+    site *s = ud;
+    vcpu_t *v = vc(vcpu);
+    plist *l;
+    int i, have = 0;
+
+    if (!v) {
+        return;
+    }
+    service_invalidations(v);
+    if (s->tramp) {
+        on_trampoline(vcpu, v, s->addr);
+        return;
+    }
+    if (!atomic_load_explicit(&g_live, memory_order_relaxed)) {
+        return;
+    }
+    l = atomic_load_explicit(&s->list, memory_order_acquire);
+    if (!l) {
+        return;
+    }
+    if (v->post_armed && !atomic_load_explicit(&g_post_mode, memory_order_relaxed)) {
+        disarm_post(vcpu, v);       /* its probe went, and post mode with it */
+    }
+    if (v->post_armed) {
+        /* A probe hit while this vCPU is between a pre and its post_handler: the
+         * kernel's reenter_kprobe() counts it missed (kprobes_inc_nmissed_count()). */
+        uint32_t ids[MAX_PER_SITE], n = 0;
+
+        for (i = 0; i < l->n; i++) {
+            if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
+                atomic_fetch_add(&l->p[i]->nmissed, 1);
+                if (l->p[i]->kind >= PK_KPROBE) {
+                    ids[n++] = l->p[i]->id;
+                }
+            }
+        }
+        if (n) {
+            read_context(v, s->addr);
+            round_trip(v, vcpu, EV_MISS, s->addr, ids, n, 0, 0, 0, 0);
+        }
+        return;
+    }
+    /* Aggregate probes run newest first (add_new_kprobe() links at the head); a run of
+     * Python kprobes is one round trip, and a pre_handler that returns non-zero ends the
+     * chain (aggr_pre_handler()). */
+    for (i = 0; i < l->n; i++) {
+        probe *p = l->p[i];
+
+        if (!atomic_load_explicit(&p->enabled, memory_order_relaxed) ||
+            atomic_load_explicit(&p->dead, memory_order_relaxed)) {
+            continue;
+        }
+        if (!have) {
+            read_context(v, s->addr);
+            have = 1;
+        }
+        if (!filter_ok(v, p)) {
+            atomic_fetch_add_explicit(&g_n_filtered, 1, memory_order_relaxed);
+            continue;               /* another program at this user address */
+        }
+        if (p->kind == PK_SPEC_P) {
+            atomic_fetch_add(&p->nhit, 1);
+            emit(v, vcpu, p, REC_HIT, p->addr, 0);
+        } else if (p->kind == PK_SPEC_R || p->kind == PK_KRET) {
+            kret_entry(vcpu, v, p);
+        } else if (p->kind == PK_KPROBE) {
+            uint32_t ids[MAX_PER_SITE];
+            uint32_t n = 0;
+            int act;
+
+            while (i < l->n && l->p[i]->kind == PK_KPROBE) {
+                if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
+                    ids[n++] = l->p[i]->id;
+                    atomic_fetch_add(&l->p[i]->nhit, 1);
+                }
+                i++;
+            }
+            i--;
+            act = round_trip(v, vcpu, EV_PRE, s->addr, ids, n, 0, 0, 0, 0);
+            if (act == ACT_SETPC) {
+                /* the path was changed: no instruction, no post_handler */
+                qemu_plugin_set_pc(v->new_ip);
+            }
+            if (act == ACT_POST) {
+                arm_post(vcpu, v, s->addr);
+            }
+        }
+    }
+}
+
+/* The next instruction of the same translation block after a probed one. */
+static void on_after(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+    site *s = ud;
+
+    if (v && v->post_armed && !v->discon_pending && v->post_addr == s->addr) {
+        atomic_fetch_add(&g_n_post_insn, 1);
+        deliver_post(vcpu, v, s->addr + s->len);
+    }
+}
+
+static void discon_post(unsigned int vcpu, vcpu_t *v, uint64_t entry);
+
+/* The first instruction of any block, when this vCPU has a post pending (the probed
+ * instruction ended its block: a branch, call, ret, or the block's size limit). */
+static void on_tb_start(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+
+    if (v && v->post_armed) {
+        uint64_t pc = (uint64_t)(uintptr_t)ud;             /* the block's first address */
+
+        if (v->discon_pending) {
+            discon_post(vcpu, v, pc);
+        } else {
+            atomic_fetch_add(&g_n_post_tb, 1);
+            deliver_post(vcpu, v, pc);
+        }
+    }
+}
+
+static int site_has_post(site *s)
+{
+    plist *l = atomic_load_explicit(&s->list, memory_order_acquire);
+    int i;
+
+    for (i = 0; l && i < l->n; i++) {
+        if (l->p[i]->kind == PK_KPROBE && (l->p[i]->flags & ADD_POST)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int site_needs_pc(site *s)
+{
+    plist *l = atomic_load_explicit(&s->list, memory_order_acquire);
+    int i;
+
+    for (i = 0; l && i < l->n; i++) {
+        if (l->p[i]->kind == PK_KPROBE || l->p[i]->kind == PK_KRET) {
+            return 1;
+        }
+    }
+    return s->tramp;
+}
+
+static void on_tb_trans(struct qemu_plugin_tb *tb, void *ud)
+{
+    size_t n = qemu_plugin_tb_n_insns(tb), i;
+    site *prev_post = NULL;
+
+    (void)ud;
+    if (atomic_load_explicit(&g_post_mode, memory_order_relaxed) && g_sb) {
+        qemu_plugin_register_vcpu_tb_exec_cond_cb(tb, on_tb_start, QEMU_PLUGIN_CB_RW_REGS_PC,
+                                                  QEMU_PLUGIN_COND_NE,
+                                                  (qemu_plugin_u64){g_sb, 0}, 0,
+                                                  (void *)(uintptr_t)qemu_plugin_tb_vaddr(tb));
+    }
+    for (i = 0; i < n; i++) {
+        struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
+        uint64_t a = qemu_plugin_insn_vaddr(insn);
+        site *s = site_find(a);
+        plist *l;
+
+        if (prev_post) {
+            /* before this instruction's own probes: post of the one before comes first */
+            qemu_plugin_register_vcpu_insn_exec_cb(insn, on_after, QEMU_PLUGIN_CB_RW_REGS_PC,
+                                                   prev_post);
+            prev_post = NULL;
+        }
+        if (!s) {
+            continue;
+        }
+        l = atomic_load_explicit(&s->list, memory_order_acquire);
+        if (s->tramp || (l && l->n)) {
+            /* set_pc() and register writes need RW_REGS_PC; spec probes only read. */
+            qemu_plugin_register_vcpu_insn_exec_cb(
+                insn, on_site, site_needs_pc(s) ? QEMU_PLUGIN_CB_RW_REGS_PC : QEMU_PLUGIN_CB_R_REGS, s);
+            if (site_has_post(s)) {
+                s->len = (uint32_t)qemu_plugin_insn_size(insn);
+                prev_post = s;
+            }
+        }
+    }
+}
+
+/* An exception or interrupt while a post_handler is pending. On x86 QEMU calls the
+ * discontinuity callback before it delivers the event (the registers are still those
+ * of the interrupted code, and rip is that of the block's start), so it is only noted
+ * here; the next block to start on this vCPU is the handler's entry, with the hardware
+ * frame (rip, cs, rflags, rsp, ss, after an error code for some exceptions) pushed:
+ * - an exception can only come from the probed instruction itself (the post is delivered
+ *   before the next instruction): the harness runs the fault_handlers there, with the
+ *   faulting registers from the frame and the vector from the entry point (1 =
+ *   handled: frame undone, the vCPU resumes at regs.ip: the meaning the 2005 texts give
+ *   kprobe::fault_handler, which 5.14 removed and harness/engine.py keeps host-side),
+ *   and no post_handler (the guest's own int3 there, vector 3, is the guest's);
+ * - an interrupt came after the probed instruction completed: the post_handlers run with
+ *   the registers it left, rip/rflags/rsp from the frame. */
+static void discon_post(unsigned int vcpu, vcpu_t *v, uint64_t entry)
+{
+    uint64_t at = v->post_addr;
+    int kind = v->discon_pending, act;
+
+    disarm_post(vcpu, v);
+    read_context(v, entry);
+    if (kind == 2) {
+        act = round_trip(v, vcpu, EV_FAULT, at, NULL, 0, 0, 0, entry, 0);
+    } else {
+        atomic_fetch_add(&g_n_post_irq, 1);
+        act = round_trip(v, vcpu, EV_POST, at, NULL, 0, 1, 0, entry, 0);
+    }
+    if (act == ACT_SETPC || act == ACT_HANDLED) {
+        qemu_plugin_set_pc(v->new_ip);
+    }
+}
+
+static void on_discon(unsigned int vcpu, enum qemu_plugin_discon_type type, uint64_t from,
+                      uint64_t to, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+
+    (void)ud;
+    if (!v) {
+        return;
+    }
+    atomic_fetch_add_explicit(type == QEMU_PLUGIN_DISCON_INTERRUPT ? &g_n_irq : &g_n_exc, 1,
+                              memory_order_relaxed);
+    service_invalidations(v);
+    if (v->post_armed && !v->discon_pending) {
+        v->discon_pending = type == QEMU_PLUGIN_DISCON_INTERRUPT ? 1 : 2;
+    }
+}
+
+static void on_idle(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+
+    (void)ud;
+    if (v) {
+        service_invalidations(v);
+        atomic_store(&v->idle, 1);
+    }
+}
+
+static void on_resume(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v = vc(vcpu);
+
+    (void)ud;
+    if (v) {
+        atomic_store(&v->idle, 0);
+        service_invalidations(v);
+    }
+}
+
+static const char *const reg_names[KREG_NUM] = {
+    "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx",
+    "rsi", "rdi", NULL, "rip", "cs", "eflags", "rsp", "ss",
+};
+
+static void on_vcpu_init(unsigned int vcpu, void *ud)
+{
+    vcpu_t *v;
+
+    (void)ud;
+    if (vcpu >= MAX_VCPUS) {
+        return;
+    }
+    v = calloc(1, sizeof(*v));
+    if (!v) {
+        return;
+    }
+    v->gb = g_byte_array_new();
+    atomic_store(&v->chan, -1);
+    pthread_mutex_init(&v->chan_lock, NULL);
+    if (!atomic_load(&g_regs_ready)) {
+        GArray *regs = qemu_plugin_get_registers();
+        unsigned int i, esz = regs ? g_array_get_element_size(regs) : 0;
+        int k;
+
+        for (i = 0; regs && i < regs->len; i++) {
+            qemu_plugin_reg_descriptor *d = (void *)(regs->data + (size_t)i * esz);
+
+            for (k = 0; k < KREG_NUM; k++) {
+                if (reg_names[k] && !strcmp(d->name, reg_names[k])) {
+                    g_reg[k] = d->handle;
+                }
+            }
+            for (k = 0; k < NSYS; k++) {
+                if (!strcmp(d->name, sys_names[k])) {
+                    g_sys[k] = d->handle;
+                }
+            }
+            if (!strcmp(d->name, "gs_base")) {
+                g_gs_base = d->handle;
+            } else if (!strcmp(d->name, "k_gs_base")) {
+                g_kgs_base = d->handle;
+            }
+        }
+        if (regs) {
+            g_array_free(regs, 1);
+        }
+        atomic_store(&g_regs_ready, 1);
+    }
+    g_vcpu[vcpu] = v;
+}
+
+/* ---------------------------------------------------------------- full flush */
+
+/* The other way to reach translated code: qemu_plugin_reset() drops every callback and
+ * flushes the whole translation cache; the callbacks are registered again when it is
+ * done. Kept to measure it against the one-byte write (bench/plugin_invalidation.py). */
+static pthread_mutex_t reset_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t reset_cond = PTHREAD_COND_INITIALIZER;
+static int reset_done_flag;
+
+static void register_callbacks(void);
+
+static void on_reset_done(void *ud)
+{
+    (void)ud;
+    register_callbacks();
+    pthread_mutex_lock(&reset_lock);
+    reset_done_flag = 1;
+    pthread_cond_broadcast(&reset_cond);
+    pthread_mutex_unlock(&reset_lock);
+}
+
+/* qemu_plugin_reset() flushes the translation cache only when called with a current
+ * vCPU (plugin_reset_uninstall(), plugins/core.c: without one it just drops the
+ * callbacks): so a vCPU calls it, at its next callback, like an invalidation. */
+static atomic_int reset_wanted;
+
+static void service_reset(void)
+{
+    int one = 1;
+
+    if (atomic_load_explicit(&reset_wanted, memory_order_relaxed) &&
+        atomic_compare_exchange_strong(&reset_wanted, &one, 0)) {
+        atomic_fetch_add(&g_n_flush, 1);
+        qemu_plugin_reset(g_id, on_reset_done, NULL);
+    }
+}
+
+static int reset_all(int timeout_ms)
+{
+    struct timespec dl;
+    int rc = INVAL_DONE;
+
+    pthread_mutex_lock(&reset_lock);
+    reset_done_flag = 0;
+    pthread_mutex_unlock(&reset_lock);
+    atomic_store(&reset_wanted, 1);
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += timeout_ms / 1000;
+    pthread_mutex_lock(&reset_lock);
+    while (!reset_done_flag) {
+        struct timespec step, t;
+
+        if (all_idle()) {
+            /* the first vCPU to leave idle resets before it runs anything */
+            rc = INVAL_IDLE;
+            break;
+        }
+        clock_gettime(CLOCK_REALTIME, &step);
+        step.tv_nsec += 2000000L;
+        if (step.tv_nsec >= 1000000000L) {
+            step.tv_sec++;
+            step.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&reset_cond, &reset_lock, &step);
+        clock_gettime(CLOCK_REALTIME, &t);
+        if (!reset_done_flag && (t.tv_sec > dl.tv_sec || (t.tv_sec == dl.tv_sec && t.tv_nsec >= dl.tv_nsec))) {
+            rc = INVAL_PENDING;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&reset_lock);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- control channel */
+
+static int read_full(int fd, void *buf, size_t len)
+{
+    uint8_t *p = buf;
+
+    while (len) {
+        ssize_t r = read(fd, p, len);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            return -1;
+        }
+        p += r;
+        len -= (size_t)r;
+    }
+    return 0;
+}
+
+static int write_full(int fd, const void *buf, size_t len)
+{
+    const uint8_t *p = buf;
+
+    while (len) {
+        ssize_t r = send(fd, p, len, MSG_NOSIGNAL);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r <= 0) {
+            return -1;
+        }
+        p += r;
+        len -= (size_t)r;
+    }
+    return 0;
+}
+
+static int reply(int fd, uint32_t status, const void *data, uint32_t len)
+{
+    uint32_t h[2] = {status, len};
+
+    if (write_full(fd, h, 8) != 0) {
+        return -1;
+    }
+    return len ? write_full(fd, data, len) : 0;
+}
+
+/* Read one request: header {u32 type, u32 len}, the payload, and at most one descriptor. */
+static int recv_req(int fd, uint32_t *type, uint8_t **payload, uint32_t *len, int *rfd)
+{
+    uint32_t h[2];
+    struct msghdr msg = {0};
+    struct iovec iov = {h, sizeof(h)};
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr *cm;
+    ssize_t r;
+
+    *rfd = -1;
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf;
+    msg.msg_controllen = sizeof(cbuf);
+    do {
+        r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    } while (r < 0 && errno == EINTR);
+    if (r <= 0) {
+        return -1;
+    }
+    for (cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            memcpy(rfd, CMSG_DATA(cm), sizeof(int));
+        }
+    }
+    if ((size_t)r < sizeof(h) && read_full(fd, (uint8_t *)h + r, sizeof(h) - (size_t)r) != 0) {
+        return -1;
+    }
+    *type = h[0];
+    *len = h[1];
+    if (*len > (16u << 20)) {
+        return -1;
+    }
+    *payload = malloc(*len ? *len : 1);
+    if (!*payload) {
+        return -1;
+    }
+    if (*len && read_full(fd, *payload, *len) != 0) {
+        free(*payload);
+        return -1;
+    }
+    return 0;
+}
+
+/* Under g_lock: take a probe out of its site. */
+static void unlink_probe(probe *p)
+{
+    site *s = site_find(p->addr);
+    plist *l;
+    probe *keep[MAX_PER_SITE];
+    int i, n = 0;
+
+    if (atomic_exchange(&p->dead, 1)) {
+        return;
+    }
+    atomic_store(&p->enabled, 0);
+    if (p->kind == PK_KPROBE && (p->flags & ADD_POST) && atomic_fetch_sub(&g_n_post, 1) == 1) {
+        g_post_off = 1;             /* the caller turns post mode off (a flush) */
+    }
+    if (!s) {
+        return;
+    }
+    l = atomic_load(&s->list);
+    for (i = 0; l && i < l->n; i++) {
+        if (l->p[i] != p && n < MAX_PER_SITE) {
+            keep[n++] = l->p[i];
+        }
+    }
+    site_set(s, keep, n);
+}
+
+static probe *probe_by_id(uint32_t id)
+{
+    int i;
+
+    for (i = 0; i < g_nprobes; i++) {
+        if (g_probes[i] && g_probes[i]->id == id && !atomic_load(&g_probes[i]->dead)) {
+            return g_probes[i];
+        }
+    }
+    return NULL;
+}
+
+/* Control thread: the last post_handler went; blocks stop testing for a pending post
+ * (one more flush). A vCPU still armed disarms at its next probe hit. */
+static void post_mode_check(void)
+{
+    if (g_post_off) {
+        g_post_off = 0;
+        if (atomic_load(&g_n_post) == 0 && atomic_load(&g_post_mode)) {
+            atomic_store(&g_post_mode, 0);
+            reset_all(5000);
+        }
+    }
+}
+
+/* A new harness session starts clean: earlier probes are gone (instances in flight are
+ * still serviced at the trampoline). */
+static void reset_session(void)
+{
+    int i;
+
+    pthread_mutex_lock(&g_lock);
+    for (i = 0; i < g_nprobes; i++) {
+        if (g_probes[i] && !atomic_load(&g_probes[i]->dead)) {
+            unlink_probe(g_probes[i]);
+            request_invalidate(g_probes[i]->addr);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    post_mode_check();
+}
+
+static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
+{
+    uint64_t size, total;
+    uint32_t n;
+    void *m;
+
+    ring_t *r;
+
+    if (len < 12 || fd < 0) {
+        return EINVAL;
+    }
+    memcpy(&size, pl, 8);
+    memcpy(&n, pl + 8, 4);
+    if (n == 0 || n > MAX_VCPUS || size < 65536 || (size & (size - 1))) {
+        return EINVAL;
+    }
+    total = RING_CTL_OFF + 4096 * ((n * RING_CTL_SIZE + 4095) / 4096) + size * n;
+    m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        return errno;
+    }
+    r = calloc(1, sizeof(*r));
+    if (!r) {
+        munmap(m, total);
+        return ENOMEM;
+    }
+    r->base = m;
+    r->size = size;
+    r->n = (int)n;
+    r->data_off = RING_CTL_OFF + 4096 * ((n * RING_CTL_SIZE + 4095) / 4096);
+    atomic_store_explicit(&g_ring, r, memory_order_release);
+    return 0;
+}
+
+/* CMD_ADD: u32 id, u32 kind, u64 addr, u32 maxactive, u32 enabled, u32 nprog, u32 pad,
+ * kph_insn prog[nprog]. Reply: u32 invalidation state. */
+static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
+{
+    uint32_t id, kind, maxactive, enabled, nprog, st, i;
+    uint64_t addr;
+    probe *p, *list[MAX_PER_SITE];
+    site *s;
+    plist *l;
+    int n = 0;
+
+    if (len < 32) {
+        return reply(fd, EINVAL, NULL, 0);
+    }
+    memcpy(&id, pl, 4);
+    memcpy(&kind, pl + 4, 4);
+    memcpy(&addr, pl + 8, 8);
+    memcpy(&maxactive, pl + 16, 4);
+    memcpy(&enabled, pl + 20, 4);
+    memcpy(&nprog, pl + 24, 4);
+    if (kind < PK_SPEC_P || kind > PK_KRET || nprog > MAX_PROG ||
+        len != 32 + nprog * sizeof(kph_insn) + ((enabled & ADD_EXT) ? ADD_EXT_SIZE : 0) ||
+        ((kind == PK_SPEC_R || kind == PK_KRET) && (maxactive == 0 || maxactive > 4096)) ||
+        addr == g_tramp) {
+        return reply(fd, EINVAL, NULL, 0);
+    }
+    p = calloc(1, sizeof(*p));
+    if (!p) {
+        return reply(fd, ENOMEM, NULL, 0);
+    }
+    p->id = id;
+    p->kind = kind;
+    p->addr = addr;
+    p->nprog = nprog;
+    if (nprog) {
+        p->prog = malloc(nprog * sizeof(kph_insn));
+        memcpy(p->prog, pl + 32, nprog * sizeof(kph_insn));
+    }
+    p->flags = enabled;
+    p->tramp = g_tramp;
+    if (enabled & ADD_EXT) {
+        const uint8_t *x = pl + 32 + nprog * sizeof(kph_insn);
+
+        memcpy(&p->tramp, x, 8);
+        memcpy(&p->nfilter, x + 8, 4);
+        memcpy(p->filter, x + 16, 32);
+        memcpy(&p->expect, x + 48, 8);
+        if (p->nfilter > 4 || !p->tramp) {
+            free(p->prog);
+            free(p);
+            return reply(fd, EINVAL, NULL, 0);
+        }
+        if (p->nfilter) {
+            p->mm_off = p->filter[0];       /* the chain starts at task->mm */
+            g_mm_off = p->filter[0];
+        }
+    }
+    if (kind == PK_KPROBE && (enabled & ADD_POST) && atomic_fetch_add(&g_n_post, 1) == 0 &&
+        !atomic_load(&g_post_mode)) {
+        /* The first post_handler: from now on every block gets the conditional
+         * callback, and blocks translated before are flushed once to get it too.
+         * (It costs every block an inline test: ~20% on a busy guest; it goes when the
+         * last post_handler does.) */
+        if (!g_sb) {
+            g_sb = qemu_plugin_scoreboard_new(sizeof(uint64_t));
+        }
+        atomic_store(&g_post_mode, 1);
+        reset_all(5000);
+    }
+    if (kind == PK_SPEC_R || kind == PK_KRET) {
+        p->maxactive = p->nfree = maxactive;
+        p->insts = calloc(maxactive, sizeof(inst));
+        p->freelist = calloc(maxactive, sizeof(inst *));
+        for (i = 0; i < maxactive; i++) {
+            p->insts[i].rp = p;
+            p->freelist[i] = &p->insts[i];
+        }
+    }
+    atomic_store(&p->enabled, (enabled & ADD_ENABLED) ? 1 : 0);
+    pthread_mutex_lock(&g_lock);
+    if (g_nprobes >= MAX_PROBES || !(s = site_get(addr))) {
+        pthread_mutex_unlock(&g_lock);
+        return reply(fd, ENOSPC, NULL, 0);
+    }
+    list[n++] = p;                  /* newest first */
+    l = atomic_load(&s->list);
+    for (i = 0; l && i < (uint32_t)l->n && n < MAX_PER_SITE; i++) {
+        list[n++] = l->p[i];
+    }
+    site_set(s, list, n);
+    g_probes[g_nprobes++] = p;
+    if ((kind == PK_SPEC_R || kind == PK_KRET) && p->tramp != g_tramp) {
+        site *t = site_get(p->tramp);   /* a uretprobe's trampoline in its program */
+
+        if (t) {
+            t->tramp = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (enabled & ADD_FLUSH) {
+        /* User code: the probed file's page has no one virtual address to write through
+         * (the current process may not map it); flush everything instead. */
+        st = (uint32_t)reset_all(5000);
+    } else if (enabled & ADD_NO_INVALIDATE) {
+        st = INVAL_SKIPPED;         /* tests: show what a probe without it misses */
+    } else {
+        request_invalidate(addr);
+        st = (uint32_t)wait_invalidated(2000);
+    }
+    return reply(fd, 0, &st, 4);
+}
+
+static int serve(int fd)
+{
+    for (;;) {
+        uint32_t type, len, st = 0;
+        uint8_t *pl = NULL;
+        int rfd = -1, rc = 0;
+
+        if (recv_req(fd, &type, &pl, &len, &rfd) != 0) {
+            return -1;
+        }
+        switch (type) {
+        case CMD_HELLO: {
+            uint32_t out[4] = {KPH_PROTO, (uint32_t)g_nvcpus, KPH_QEMU_PLUGIN_API,
+                               (uint32_t)atomic_load(&g_regs_ready)};
+            reset_session();
+            atomic_store(&g_live, 1);
+            rc = reply(fd, 0, out, sizeof(out));
+            break;
+        }
+        case CMD_RING:
+            rc = reply(fd, (uint32_t)cmd_ring(pl, len, rfd), NULL, 0);
+            if (rfd >= 0) {
+                close(rfd);
+            }
+            break;
+        case CMD_CONFIG:
+            /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline */
+            if (len != 32) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            pthread_mutex_lock(&g_lock);
+            memcpy(&g_cur_task_off, pl, 8);
+            memcpy(&g_pid_off, pl + 8, 8);
+            memcpy(&g_comm_off, pl + 16, 8);
+            {
+                uint64_t t;
+                memcpy(&t, pl + 24, 8);
+                if (t && (!g_tramp || t == g_tramp)) {
+                    g_tramp = t;
+                    g_tramp_site = site_get(t);
+                    if (g_tramp_site && !g_tramp_site->tramp) {
+                        g_tramp_site->tramp = 1;
+                        pthread_mutex_unlock(&g_lock);
+                        request_invalidate(t);
+                        wait_invalidated(2000);
+                        pthread_mutex_lock(&g_lock);
+                    }
+                } else if (t && t != g_tramp) {
+                    st = EBUSY;     /* instances may be in flight at the old one */
+                }
+            }
+            pthread_mutex_unlock(&g_lock);
+            rc = reply(fd, st, NULL, 0);
+            break;
+        case CMD_ADD:
+            rc = cmd_add(fd, pl, len);
+            break;
+        case CMD_CHANNEL: {
+            /* u32 vcpu, one descriptor: that vCPU's handler channel */
+            uint32_t i32 = 0;
+            vcpu_t *v;
+
+            if (len >= 4) {
+                memcpy(&i32, pl, 4);
+            }
+            v = vc(i32);
+            if (!v || rfd < 0) {
+                if (rfd >= 0) {
+                    close(rfd);
+                }
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            chan_set(v, rfd);
+            rc = reply(fd, 0, NULL, 0);
+            break;
+        }
+        case CMD_REMOVE:
+        case CMD_ENABLE: {
+            uint32_t id = 0, on = 0;
+            probe *p;
+
+            if (len < 4) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            memcpy(&id, pl, 4);
+            if (len >= 8) {
+                memcpy(&on, pl + 4, 4);
+            }
+            pthread_mutex_lock(&g_lock);
+            p = probe_by_id(id);
+            if (!p) {
+                st = ENOENT;
+            } else if (type == CMD_REMOVE) {
+                unlink_probe(p);
+            } else {
+                atomic_store(&p->enabled, on ? 1 : 0);
+            }
+            pthread_mutex_unlock(&g_lock);
+            if (p && type == CMD_REMOVE) {
+                /* Drop the callback from translations too: no cost left behind. */
+                request_invalidate(p->addr);
+                wait_invalidated(2000);
+                post_mode_check();
+            }
+            rc = reply(fd, st, NULL, 0);
+            break;
+        }
+        case CMD_STATS: {
+            uint64_t out[3] = {0};
+            uint32_t id = 0;
+            probe *p = NULL;
+            int i;
+
+            if (len >= 4) {
+                memcpy(&id, pl, 4);
+            }
+            pthread_mutex_lock(&g_lock);
+            for (i = 0; i < g_nprobes; i++) {
+                if (g_probes[i] && g_probes[i]->id == id) {
+                    p = g_probes[i];
+                }
+            }
+            pthread_mutex_unlock(&g_lock);
+            if (!p) {
+                rc = reply(fd, ENOENT, NULL, 0);
+                break;
+            }
+            out[0] = atomic_load(&p->nhit);
+            out[1] = atomic_load(&p->nmissed);
+            pthread_mutex_lock(&rp_lock);
+            out[2] = p->maxactive - p->nfree;
+            pthread_mutex_unlock(&rp_lock);
+            rc = reply(fd, 0, out, sizeof(out));
+            break;
+        }
+        case CMD_GSTATS: {
+            uint64_t out[11];
+
+            out[0] = atomic_load(&inval_count);
+            out[1] = atomic_load(&inval_ns_total);
+            out[2] = atomic_load(&g_tramp_missing);
+            out[3] = atomic_load(&g_seq);
+            out[4] = atomic_load(&g_n_irq);
+            out[5] = atomic_load(&g_n_exc);
+            out[6] = atomic_load(&g_n_post_insn);
+            out[7] = atomic_load(&g_n_post_tb);
+            out[8] = atomic_load(&g_n_post_irq);
+            out[9] = atomic_load(&g_n_flush);
+            out[10] = atomic_load(&g_n_filtered);
+            rc = reply(fd, 0, out, sizeof(out));
+            break;
+        }
+        case CMD_INVALIDATE: {
+            uint64_t a;
+
+            uint32_t mode = 0;
+
+            if (len != 8 && len != 12) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            memcpy(&a, pl, 8);
+            if (len == 12) {
+                memcpy(&mode, pl + 8, 4);
+            }
+            if (mode == 1) {
+                st = (uint32_t)reset_all(5000);
+            } else {
+                request_invalidate(a);
+                st = (uint32_t)wait_invalidated(2000);
+            }
+            rc = reply(fd, 0, &st, 4);
+            break;
+        }
+        default:
+            rc = reply(fd, ENOSYS, NULL, 0);
+        }
+        free(pl);
+        if (rc != 0) {
+            return -1;
+        }
+    }
+}
+
+static void *ctl_thread(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        int fd = accept4(g_ctl_fd, NULL, NULL, SOCK_CLOEXEC);
+
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED) {
+                continue;
+            }
+            say("kph_plugin: control socket closed; plugin inert\n");
+            atomic_store(&g_live, 0);
+            return NULL;
+        }
+        serve(fd);
+        /* The harness went away: no new hits until the next session, and its probes go
+         * (their translations are invalidated, as for a removal). Returns in flight are
+         * still serviced at the trampoline. */
+        atomic_store(&g_live, 0);
+        close(fd);
+        for (int i = 0; i < MAX_VCPUS; i++) {
+            if (g_vcpu[i]) {
+                chan_set(g_vcpu[i], -1);    /* a vCPU waiting on a handler goes on */
+            }
+        }
+        reset_session();
+    }
+}
+
+static void register_callbacks(void)
+{
+    qemu_plugin_register_vcpu_tb_trans_cb(g_id, on_tb_trans, NULL);
+    qemu_plugin_register_vcpu_discon_cb(g_id, QEMU_PLUGIN_DISCON_INTERRUPT | QEMU_PLUGIN_DISCON_EXCEPTION,
+                                        on_discon, NULL);
+    qemu_plugin_register_vcpu_idle_cb(g_id, on_idle, NULL);
+    qemu_plugin_register_vcpu_resume_cb(g_id, on_resume, NULL);
+}
+
+KPH_EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info, int argc,
+                                   char **argv)
+{
+    pthread_t th;
+    sigset_t all, old;
+    int i;
+
+    g_id = id;
+    if (!info->system_emulation || strcmp(info->target_name, "x86_64") != 0) {
+        say("kph_plugin: needs qemu-system-x86_64\n");
+        return -1;
+    }
+    g_nvcpus = info->system.max_vcpus;
+    if (g_nvcpus > MAX_VCPUS) {
+        say("kph_plugin: too many vCPUs\n");
+        return -1;
+    }
+    for (i = 0; i < argc; i++) {
+        if (!strncmp(argv[i], "ctl=", 4)) {
+            g_ctl_fd = atoi(argv[i] + 4);
+        }
+    }
+    if (g_ctl_fd < 0) {
+        say("kph_plugin: no ctl=FD argument\n");
+        return -1;
+    }
+    qemu_plugin_register_vcpu_init_cb(id, on_vcpu_init, NULL);
+    register_callbacks();
+    /* The control thread takes no signal meant for QEMU's own threads. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    i = pthread_create(&th, NULL, ctl_thread, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (i != 0) {
+        say("kph_plugin: cannot start the control thread\n");
+        return -1;
+    }
+    pthread_detach(th);
+    return 0;
+}

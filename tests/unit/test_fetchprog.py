@@ -1,0 +1,228 @@
+"""harness.fetchprog: the plugin's captures answer exactly what evaluate() reads.
+
+For each spec, ``evaluate`` runs twice over one memory model: once reading the model
+directly (what the gdbstub engine does at a stop), once from what ``simulate`` (the C
+interpreter's reference) captured. The values must be identical and no read may miss.
+Then ``probes/plugin/fetch.c`` itself, compiled into a small driver, must capture
+byte for byte what ``simulate`` captures.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import fetchprog
+from harness.fetchargs import FaultError, evaluate
+from harness.probespec import parse
+
+PAGE = 4096
+USER = 0x7ffd_1000_0000
+KSTACK = 0xffffc900_0040_8000          # sp sits near the top of a 16 KiB stack
+KDATA = 0xffff8880_0123_4000
+UNMAPPED = 0xffff8880_0999_0000
+
+SPECS = [
+    "p:e1 do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32",
+    "p:e2 do_sys_openat2 a1=$arg1:s32 a2=$arg2:x64 a3=$arg3:x64 a7=$arg7:x64",
+    "r:r1 do_sys_openat2 ret=$retval:s64",
+    "p:ip do_sys_openat2 ip=%ip:x64 sp=$stack:x64",
+    "p:c do_sys_openat2 comm=$comm c2=$comm:string",
+    "p:s do_sys_openat2 s0=$stack0:x64 s1=$stack1:x64 s9=$stack9:u32",
+    "p:sym do_sys_openat2 caller=$stack0:symbol",
+    "p:k do_sys_openat2 how_flags=+0(%dx):x64 how_mode=+8(%dx):x64",
+    "p:ks do_sys_openat2 s=+0(%si):string",
+    "p:ua do_sys_openat2 head=+0(%si):u8[4]",
+    "p:bf do_sys_openat2 lo=%dx:b4@0/32 mid=%dx:b8@4/32 mem=+0(%dx):b3@5/16",
+    "p:g do_sys_openat2 node=@init_uts_ns+65:string",
+    "p:imm do_sys_openat2 n=\\42 s=\\\"kph\\\"",
+    "p:dd do_sys_openat2 x=+8(+0(%dx)):x64 y=+0(+0(+0(%dx))):u16",
+    "p:strs do_sys_openat2 a=+0(%r8):string[3] b=+0(%r9):string[2]",
+    "p:arr do_sys_openat2 v=+0(%dx):x32[5] w=+16(%dx):s8[3]",
+    "p:fault do_sys_openat2 bad=+0(%cx):x64 bads=+0(%cx):string badu=+0(%cx):ustring",
+    "p:crosspage do_sys_openat2 long=+0(%bx):string",
+    "p:symstr do_sys_openat2 f=$stack0:symstr after=+0(%si):ustring",
+    "p:many do_sys_openat2 a=+0(%si):ustring b=+0(%bx):string c=+0(%si):string",
+    "p:emptyu do_sys_openat2 e=+0(%r10):ustring k=+0(%r10):string",
+]
+
+
+class Memory:
+    """A sparse guest memory: mapped pages with contents; everything else faults."""
+
+    def __init__(self, seed: int) -> None:
+        rnd = random.Random(seed)
+        self.pages: dict[int, bytearray] = {}
+        for base in (USER, USER + PAGE, KSTACK - PAGE, KSTACK, KDATA, KDATA + PAGE,
+                     0xffffffff82000000 & ~(PAGE - 1)):
+            self.pages[base] = bytearray(rnd.randrange(256) for _ in range(PAGE))
+        # a user path, a kernel string, pointers to them, a string running into a hole
+        self.put(USER + 0x10, b"/proc/version\0")
+        self.put(USER + 0x100, b"\0")
+        self.put(KDATA + 0x20, b"kernel-string\0")
+        self.put(KDATA + PAGE - 6, b"crosses-a-page\0")
+        self.put(USER + 2 * PAGE - 40, b"A" * 40)          # then an unmapped page
+        self.put(KDATA + 0x200, struct.pack("<QQQ", KDATA + 0x20, USER + 0x10, UNMAPPED))
+        self.put(KDATA + 0x300, struct.pack("<QQ", USER + 0x10, KDATA + 0x20))
+        self.put(KDATA + 0x400, struct.pack("<QQ", KDATA + 0x200, 0x1234))
+        self.put(0xffffffff82000000 + 65, b"(none)\0")
+        self.put(KSTACK + 0x40, struct.pack("<Q", 0xffffffff8134a3a0))
+
+    def put(self, addr: int, data: bytes) -> None:
+        for i, byte in enumerate(data):
+            a = addr + i
+            self.pages[a & ~(PAGE - 1)][a & (PAGE - 1)] = byte
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        out = bytearray()
+        for a in range(addr, addr + size):
+            page = self.pages.get(a & ~(PAGE - 1))
+            if page is None:
+                return None
+            out.append(page[a & (PAGE - 1)])
+        return bytes(out)
+
+
+REGS = {"di": (-100) & ((1 << 64) - 1), "si": USER + 0x10, "dx": KDATA + 0x400, "cx": UNMAPPED,
+        "bx": KDATA + PAGE - 6, "r8": KDATA + 0x1f8, "r9": KDATA + 0x300, "r10": USER + 0x100,
+        "sp": KSTACK + 0x40, "ax": 3, "ip": 0xffffffff8134a350, "cs": 0x10, "flags": 0x246,
+        "r11": 7, "r12": 8, "r13": 9, "r14": 10, "r15": 11, "bp": KSTACK + 0x80}
+SYMBOLS = {"init_uts_ns": 0xffffffff82000000}
+
+
+class _Ctx:
+    def __init__(self, read) -> None:
+        self._read = read
+
+    def reg(self, name: str) -> int:
+        return REGS.get(name, 0) if name != "orig_ax" else (1 << 64) - 1
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._read(addr, size)
+
+    read_user = read
+
+    def comm(self) -> str:
+        return "cat"
+
+    def retval(self) -> int:
+        return REGS["ax"]
+
+    def symbol_addr(self, name: str) -> int:
+        return SYMBOLS[name]
+
+    def symbolize(self, addr: int) -> str | None:
+        return f"sym+{addr & 0xff:#x}/0x100"
+
+
+def _direct(mem: Memory):
+    def read(addr: int, size: int) -> bytes:
+        data = mem.read(addr, size)
+        if data is None:
+            raise FaultError(addr, size)
+        return data
+    return read
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("text", SPECS)
+def test_capture_answers_every_read(text, seed):
+    spec = parse(text)
+    mem = Memory(seed)
+    want = evaluate(spec, _Ctx(_direct(mem)))
+    blocks = []
+    for a in spec.args:
+        blocks += fetchprog.simulate(a.code, REGS, mem.read, resolve=SYMBOLS.__getitem__)
+    cap = fetchprog.CaptureContext(blocks)
+    got = evaluate(spec, _Ctx(cap.read))
+    assert cap.misses == 0
+    assert got == want
+
+
+def test_compile_resolves_symbols_and_ends_each_arg():
+    spec = parse("p:g do_sys_openat2 node=@init_uts_ns+65:string x=%di:u8")
+    prog = fetchprog.compile_spec(spec.args, resolve=SYMBOLS.__getitem__)
+    insns = [struct.unpack_from("<BBHIQ", prog, i) for i in range(0, len(prog), 16)]
+    ops = [i[0] for i in insns]
+    assert ops.count(fetchprog.KOP["end"]) == 2
+    assert insns[0][0] == fetchprog.KOP["imm"] and insns[0][4] == SYMBOLS["init_uts_ns"] + 65
+
+
+def test_capture_refuses_what_it_did_not_see():
+    cap = fetchprog.CaptureContext([fetchprog.Block(0x1000, fetchprog.DATA, b"12345678", 8)])
+    assert cap.read(0x1000, 4) == b"1234"
+    with pytest.raises(fetchprog.CaptureMiss):
+        cap.read(0x2000, 8)
+    assert cap.misses == 1
+
+
+# ---------------------------------------------------------------- the C interpreter
+
+PLUGIN = Path(__file__).resolve().parents[2] / "probes" / "plugin"
+DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "fetch.h"
+/* stdin: u32 npages, pages {u64 base, u8[4096]}, u64 regs[21], u32 nprog, kph_insn[nprog] */
+static uint64_t base[64]; static unsigned char page[64][4096]; static unsigned npages;
+static int rd(void *c, uint64_t a, void *buf, size_t n) {
+    (void)c;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t x = a + i; unsigned k;
+        for (k = 0; k < npages && base[k] != (x & ~4095ull); k++) ;
+        if (k == npages) return -1;
+        ((unsigned char *)buf)[i] = page[k][x & 4095];
+    }
+    return 0;
+}
+int main(void) {
+    uint64_t regs[KREG_NUM]; uint32_t n; static kph_insn prog[1024]; static uint8_t out[1 << 20];
+    if (fread(&npages, 4, 1, stdin) != 1) return 2;
+    for (unsigned k = 0; k < npages; k++) { fread(&base[k], 8, 1, stdin); fread(page[k], 4096, 1, stdin); }
+    fread(regs, 8, KREG_NUM, stdin); fread(&n, 4, 1, stdin); fread(prog, 16, n, stdin);
+    kph_capture c = {.buf = out, .cap = sizeof(out), .read = rd};
+    int r = kph_capture_args(&c, prog, n, regs);
+    fwrite(&r, 4, 1, stdout); fwrite(&c.nblocks, 4, 1, stdout); fwrite(out, 1, c.len, stdout);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler: apt-get install gcc (./setup.sh installs it)")
+    d = tmp_path_factory.mktemp("fetchc")
+    (d / "driver.c").write_text(DRIVER)
+    exe = d / "driver"
+    subprocess.run([cc, "-O2", "-Wall", "-Werror", "-I", str(PLUGIN), "-o", str(exe),
+                    str(d / "driver.c"), str(PLUGIN / "fetch.c")], check=True, timeout=60)
+    return exe
+
+
+@pytest.mark.parametrize("text", SPECS)
+def test_c_interpreter_captures_what_the_reference_does(driver, text):
+    spec = parse(text)
+    mem = Memory(7)
+    prog = fetchprog.compile_spec(spec.args, resolve=SYMBOLS.__getitem__)
+    inp = struct.pack("<I", len(mem.pages))
+    for b, data in sorted(mem.pages.items()):
+        inp += struct.pack("<Q", b) + bytes(data)
+    inp += b"".join(struct.pack("<Q", REGS.get(n, 0) if n != "orig_ax" else (1 << 64) - 1)
+                    for n in fetchprog.REGS)
+    inp += struct.pack("<I", len(prog) // 16) + prog
+    out = subprocess.run([str(driver)], input=inp, capture_output=True, check=True,
+                         timeout=30).stdout
+    nargs, nblocks = struct.unpack_from("<iI", out)
+    assert nargs == len(spec.args)
+    c_blocks = fetchprog.parse_blocks(out, nblocks, 8)
+    ref = []
+    for a in spec.args:
+        ref += fetchprog.simulate(a.code, REGS, mem.read, resolve=SYMBOLS.__getitem__)
+    assert c_blocks == ref

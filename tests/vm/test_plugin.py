@@ -1,0 +1,176 @@
+"""The QEMU plugin engine (harness.plugin_engine, probes/plugin/) against the default image."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from harness import Machine, fetchprog
+from harness.diff import compare
+from harness.probespec import parse
+from harness.runner import run_differential, run_single, trampoline_text
+
+pytestmark = pytest.mark.vm
+
+OPEN = "cat /proc/version >/dev/null"
+
+
+@pytest.fixture
+def pvm(default_image):
+    with Machine.boot(default_image, host="plugin") as m:
+        yield m
+
+
+def _open_probe(vm, **kw):
+    addr = vm.symbols.lookup("do_sys_openat2").addr
+    prog = fetchprog.compile_spec(parse("p:o do_sys_openat2 dfd=%di:s32").args)
+    return vm.host.add_spec_probe(addr, ret=False, program=prog, **kw)
+
+
+def test_plugin_is_loaded_inert(pvm):
+    """Loaded into QEMU, but nothing is recorded (nothing is even instrumented) until the
+    harness adds a probe."""
+    assert any(a.startswith("-plugin") for a in pvm.command_line())
+    assert pvm.run(OPEN).ok
+    eng = pvm.host
+    assert eng.kind == "plugin" and eng.records() == []
+    assert eng.global_stats()["records"] == 0
+
+
+def test_probe_on_translated_code_takes_effect(pvm):
+    """do_sys_openat2 is translated (run three times) before the probe is added: without
+    the invalidation no hit is seen; with it, every open is."""
+    for _ in range(3):
+        pvm.run(OPEN)
+    eng = pvm.host
+    stale = _open_probe(pvm, invalidate=False)
+    assert stale.invalidation == "skipped"
+    pvm.run(OPEN)
+    assert eng.records() == [], "the translated code already had the probe: the test proves nothing"
+    eng.remove_probe(stale)
+    p = _open_probe(pvm)
+    assert p.invalidation in ("done", "all vCPUs idle")
+    pvm.run(OPEN)
+    recs = eng.records()
+    assert b"cat" in [r.comm for r in recs]
+    assert eng.global_stats()["invalidations"] >= 1
+
+
+def test_invalidation_reaches_a_busy_vcpu_within_a_tick(pvm):
+    """A vCPU looping in the guest takes a timer interrupt at least every 4 ms (HZ=250):
+    the plugin's discontinuity callback invalidates there."""
+    eng = pvm.host
+    addr = pvm.symbols.lookup("do_sys_openat2").addr
+    busy = threading.Thread(target=pvm.run, args=(
+        "i=0; while [ $i -lt 30000 ]; do i=$((i+1)); done",), kwargs={"timeout": 60})
+    busy.start()
+    try:
+        time.sleep(0.3)
+        took = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert eng.invalidate(addr) == "done"
+            took.append(time.monotonic() - t0)
+    finally:
+        busy.join(60)
+    assert max(took) < 0.5, took
+
+
+def test_remove_probe_stops_hits(pvm):
+    eng = pvm.host
+    p = _open_probe(pvm)
+    pvm.run(OPEN)
+    assert any(r.comm == b"cat" for r in eng.records())
+    eng.remove_probe(p)
+    pvm.run(OPEN)
+    assert eng.records() == []
+
+
+def test_disabled_probe_records_nothing(pvm):
+    eng = pvm.host
+    p = _open_probe(pvm, enabled=False)
+    pvm.run(OPEN)
+    assert eng.records() == []
+    eng.enable_probe(p, True)
+    pvm.run(OPEN)
+    assert any(r.comm == b"cat" for r in eng.records())
+    assert eng.probe_stats(p)[0] >= 1
+
+
+def test_closed_session_leaves_the_plugin_inert_and_returns_serviced(pvm):
+    """A kretprobe hijacks a sleeper's return address; the harness's session then ends
+    (as if the harness died): the sleeper still returns through the plugin's trampoline,
+    the guest goes on, and a new session starts with no probe of the old one."""
+    eng = pvm.host
+    addr = pvm.symbols.lookup("do_nanosleep").addr
+    prog = fetchprog.compile_spec(parse("r:ns do_nanosleep ret=$retval:s32").args)
+    eng.add_spec_probe(addr, ret=True, program=prog, maxactive=4)
+    sleeper = threading.Thread(target=pvm.run, args=("sleep 1",), kwargs={"timeout": 30})
+    sleeper.start()
+    time.sleep(0.4)
+    eng.close()
+    sleeper.join(30)
+    assert not sleeper.is_alive()
+    assert pvm.run("echo alive").stdout == "alive\n"
+    fresh = pvm.host                       # a new session on the same plugin
+    assert fresh is not eng
+    assert fresh.global_stats()["trampoline_unmatched"] == 0
+    pvm.run("sleep 0.1; " + OPEN)
+    assert fresh.records() == []
+
+
+def test_spec_probes_diff_with_the_guest(pvm):
+    """The plugin's records and the guest's trace agree hit by hit (the differential
+    suite runs all its cases this way with --kph-host plugin)."""
+    specs = [parse("p:o do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32"),
+             parse("r:or do_sys_openat2 ret=$retval:s64")]
+    runs = run_differential(pvm, specs, "cat /proc/version /nope; true")
+    res = compare(*runs, trampoline=trampoline_text(pvm))
+    assert res.equivalent, res
+    assert runs[0].side == "plugin" and res.total_matched >= 4
+    paths = [h.arg("path") for h in runs[0].hits if h.probe == "kprobes/o" and h.comm == "cat"]
+    assert paths == ['"/proc/version"', '"/nope"']
+    rets = [h.arg("ret") for h in runs[0].hits if h.probe == "kprobes/or" and h.comm == "cat"]
+    assert rets[1] == "-2"
+
+
+def test_run_single_plugin_backend(pvm):
+    res = run_single(pvm, "plugin", [parse("p:rd vfs_read count=%dx:u64")], "head -c 20 /proc/version")
+    assert res.side == "plugin"
+    assert any(h.comm == "head" and h.arg("count") for h in res.hits)
+    assert res.counters["kprobes/rd"].nhit >= 1
+
+
+def test_kph_diff_host_both_agrees_three_ways(capsys):
+    """``kph diff --host both``: gdbstub, plugin and guest on one execution, every pair."""
+    from harness.cli import main
+
+    rc = main(["diff", "--host", "both", "p:o do_sys_openat2 path=+0(%si):ustring",
+               "r:or do_sys_openat2 ret=$retval:s64", "--run", "cat /proc/version /nope; true"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "host vs events" in out and "plugin vs events" in out and "host vs plugin" in out
+    assert out.rstrip().endswith("three worlds: EQUIVALENT")
+
+
+def test_kph_probe_host_plugin(capsys):
+    from harness.cli import main
+
+    rc = main(["probe", "--host", "plugin", "p:o do_sys_openat2 path=+0(%si):ustring",
+               "--run", "cat /proc/version"])
+    out = capsys.readouterr().out
+    assert rc == 0 and 'path="/proc/version"' in out
+
+
+def test_maxactive_1_on_two_vcpus_misses_as_the_guest_counts(default_image):
+    """-smp 2, two pinned sleepers in do_nanosleep at once, ``r1:``: the plugin's nmissed
+    is the guest kretprobe's own (kprobe_profile), compared exactly by the diff."""
+    with Machine.boot(default_image, host="plugin", smp=2) as vm:
+        runs = run_differential(vm, [parse("r1:ns do_nanosleep ret=$retval:s32")],
+                                "taskset 1 sleep 1 & taskset 2 sleep 1 & wait")
+        res = compare(*runs, trampoline=trampoline_text(vm))
+    assert res.equivalent, res
+    assert runs[0].side == "plugin"
+    assert runs[0].counters["kprobes/ns"].nmissed == runs[1].counters["kprobes/ns"].nmissed == 1
+    assert {h.cpu for h in runs[0].hits if h.comm == "sleep"} <= {0, 1}
