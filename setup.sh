@@ -12,19 +12,29 @@ say() { printf '==> %s\n' "$*" >&2; }
 
 PKGS="qemu-system-x86 qemu-utils gdb busybox-static cpio qemu-guest-agent python3-venv
       python3-pip make gcc libc6-dev chromium"
+# Another apt (a second setup.sh, unattended-upgrades) may hold apt's locks: wait for them.
+APT_WAIT="-o DPkg::Lock::Timeout=600"
+apt_update() {
+  for _ in $(seq 120); do
+    $SUDO apt-get update -q $APT_WAIT >/dev/null 2>/tmp/kph-apt-update.$$ && { rm -f /tmp/kph-apt-update.$$; return 0; }
+    grep -q "Could not get lock" /tmp/kph-apt-update.$$ || { cat /tmp/kph-apt-update.$$ >&2; rm -f /tmp/kph-apt-update.$$; return 1; }
+    sleep 5
+  done
+  echo "error: apt's lists stayed locked for 10 minutes" >&2; return 1
+}
 say "apt: updating package lists"
-$SUDO apt-get update -q >/dev/null
+apt_update
 missing=$(for p in $PKGS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' || echo "$p"; done)
 if [ -n "$missing" ]; then
   say "apt: installing" $missing
-  $SUDO apt-get install -y -q --no-install-recommends $missing >/dev/null
+  $SUDO apt-get install -y -q $APT_WAIT --no-install-recommends $missing >/dev/null
 fi
 
 abi=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{sub("linux-image-","",$2); print $2; exit}')
 [ -n "$abi" ] || { echo "error: apt knows no linux-image-cloud-amd64; check /etc/apt/sources.list.d" >&2; exit 2; }
 if ! dpkg-query -W -f='${Status}\n' "linux-headers-$abi" 2>/dev/null | grep -q '^install ok installed'; then
   say "apt: installing linux-headers-$abi (for the in-guest kprobes module)"
-  $SUDO apt-get install -y -q --no-install-recommends "linux-headers-$abi" >/dev/null
+  $SUDO apt-get install -y -q $APT_WAIT --no-install-recommends "linux-headers-$abi" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

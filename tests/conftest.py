@@ -2,6 +2,7 @@
 with the reason (never skip)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
@@ -28,17 +29,18 @@ def _our_qemu_children() -> list[str]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _alone_when_marked(request):
-    """Tests marked ``alone`` run while no other xdist worker runs a test: every test
-    holds a shared lock for the run, an ``alone`` test an exclusive one. Why: QEMU's
-    reverse-continue stalls for good when the host's CPUs are saturated (README, "Record
-    and replay"), and under ``-n 2`` the other worker saturates them."""
+@contextlib.contextmanager
+def run_lock(exclusive: bool = False):
+    """The lock that makes ``alone`` tests run while no other xdist worker runs anything:
+    every test (and every heavy module fixture, via this context manager) holds it shared,
+    an ``alone`` test exclusively. Why: QEMU's reverse-continue stalls for good when the
+    host's CPUs are saturated (README, "Record and replay"), and under ``-n 2`` the other
+    worker saturates them."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not uid:
         yield
         return
-    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     with open(Path(tempfile.gettempdir()) / f"kph-tests-{uid}.lock", "a") as f:
         deadline = time.monotonic() + ALONE_WAIT
         while True:
@@ -53,6 +55,19 @@ def _alone_when_marked(request):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def tests_run_lock():
+    """``run_lock`` for fixtures of a wider scope than a test (they run before autouse
+    function fixtures, so outside the lock each test takes)."""
+    return run_lock
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request):
+    with run_lock(exclusive=request.node.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -26,17 +26,17 @@ SLICE = "test_differential and (entry or return or mid-function)"
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+def worker(tmp_path_factory, tests_run_lock):
     """(sshd, the --tx spec of a prepared worker, its KPH_CACHE)."""
     base = tmp_path_factory.mktemp("remote")
     sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-{os.getpid()}"))   # short: socket paths
     sshd.start()
     try:
         cache = base / "cache"
-        r = subprocess.run([sys.executable, "-m", "harness.cli", "-q", "worker", "prepare",
-                            HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(cache),
-                            "--ssh-config", str(sshd.ssh_config)],
-                           capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        # A whole setup.sh runs here: hold the run lock like a test does, so that an
+        # ``alone`` test does not run beside it (module fixtures come before autouse ones).
+        with tests_run_lock():
+            r = _prepare(sshd, base, cache)
         assert r.returncode == 0, r.stderr[-3000:]
         tx = r.stdout.split("--tx ", 1)[1].strip()
         yield sshd, tx, cache
@@ -44,6 +44,13 @@ def worker(tmp_path_factory):
         sshd.stop()
         import shutil
         shutil.rmtree(sshd.dir, ignore_errors=True)
+
+
+def _prepare(sshd, base, cache):
+    return subprocess.run([sys.executable, "-m", "harness.cli", "-q", "worker", "prepare",
+                           HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(cache),
+                           "--ssh-config", str(sshd.ssh_config)],
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
 
 
 def _pytest(args, timeout=900):
