@@ -159,6 +159,13 @@ class SymbolTable:
         self._rows = [r for r in self._rows if r[4] != name] + new
         self._rebuild()
 
+    def drop_module(self, name: str) -> None:
+        """Forget module ``name`` (it is no longer loaded in the guest)."""
+        if any(r[4] == name for r in self._rows):
+            self._rows = [r for r in self._rows if r[4] != name]
+            self._sections = {k: v for k, v in self._sections.items() if k != name}
+            self._rebuild()
+
     def add_module_sections(self, name: str, sections: dict[str, int]) -> None:
         """Record ``/sys/module/NAME/sections/*`` bases; a module symbol then ends at the
         next section at the latest, as ``find_kallsyms_symbol()`` ends at the text's end."""
@@ -193,6 +200,7 @@ class SymbolTable:
                 if j != i and self._rank(i) < self._rank(j):
                     by_mod[(self._mods[i], name)] = i
         self._by_name, self._by_mod = by_name, by_mod
+        self._counts: dict[str, int] | None = None
         self._modules = frozenset(m for m in self._mods if m is not None)
         stext, etext = by_name.get("_stext"), by_name.get("_etext")
         self._text_range = (None if stext is None or etext is None
@@ -231,6 +239,20 @@ class SymbolTable:
         if i is None:
             raise SymbolNotFoundError(name, hint=self._suggest(sym, mod if sep else None))
         return self._sym(i)
+
+    def count(self, name: str) -> int:
+        """How many entries are called ``name`` (core and modules), as 6.1's
+        ``number_of_same_symbols()`` counts them for an unqualified kprobe target."""
+        if self._counts is None:
+            counts: dict[str, int] = {}
+            for n in self._names:
+                counts[n] = counts.get(n, 0) + 1
+            self._counts = counts
+        return self._counts.get(name, 0)
+
+    def modules(self) -> frozenset[str]:
+        """The modules this table has symbols of."""
+        return self._modules
 
     def get(self, name: str) -> Symbol | None:
         """Like ``lookup`` but None when absent, without computing suggestions (which
@@ -545,7 +567,8 @@ def _containing(addr: int, symbols: SymbolTable) -> tuple[Symbol, int]:
     found = symbols.symbolize(addr)
     if found is None:
         raise ProbeRejectedError(f"no kernel symbol holds {addr:#x}, so _kprobe_addr() "
-                                 "cannot make it symbol+offset", errno.ENOENT, addr)
+                                 "cannot make it symbol+offset", errno.ENOENT, addr,
+                                 reason=f"no symbol holds {addr:#x}")
     return found
 
 
@@ -581,7 +604,8 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
         where += f" (given as +{symbol_offset:#x})"
     if off > max_prefix:
         raise ProbeRejectedError(f"{where}: the harness does not decode more than "
-                                 f"{max_prefix} bytes of a function", errno.EILSEQ, addr)
+                                 f"{max_prefix} bytes of a function", errno.EILSEQ, addr,
+                                 reason=f"not decoded that far: {where}")
     code = bytearray()
 
     def prefix() -> bytearray:
@@ -592,13 +616,15 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
     if kretprobe and not arch.adjust_kprobe_addr(sym.addr, off,
                                                  prefix() if off == 4 else b"")[1]:
         raise ProbeRejectedError(f"{where} is not a function entry; a kretprobe must be at "
-                                 "+0 (kprobe_on_func_entry)", errno.EINVAL, addr)
+                                 "+0 (kprobe_on_func_entry)", errno.EINVAL, addr,
+                                 reason=f"not a function entry: {where}")
     if not symbols.is_text(addr):
         what = ("BPF or trampoline code" if sym.module in _PSEUDO_MODULES
                 else "text outside _stext.._etext (init text is freed after boot)"
                 if sym.is_text else f"a {sym.type!r} symbol, not text")
         raise ProbeRejectedError(f"{where} ({addr:#x}) is {what}; kprobes go only in core "
-                                 "kernel text or module text", errno.EINVAL, addr)
+                                 "kernel text or module text", errno.EINVAL, addr,
+                                 reason=f"not kernel text: {where}")
     listed, via = blacklist.find(addr), ""
     if listed is None and "." in sym.name:
         stem = sym.name.split(".", 1)[0]
@@ -612,10 +638,12 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
         raise ProbeRejectedError(
             f"{where} is on the kprobe blacklist{via} (NOKPROBE_SYMBOL,"
             f" noinstr or entry code; /sys/kernel/debug/kprobes/blacklist); probe a caller "
-            f"of {listed} instead, or a function it calls", errno.EINVAL, addr)
+            f"of {listed} instead, or a function it calls", errno.EINVAL, addr,
+            reason=f"blacklisted: {listed}")
     if sym.name.startswith(("__cfi_", "__pfx_")):
         raise ProbeRejectedError(f"{where} is a CFI/padding preamble, not a function "
-                                 "(is_cfi_preamble_symbol)", errno.EINVAL, addr)
+                                 "(is_cfi_preamble_symbol)", errno.EINVAL, addr,
+                                 reason=f"CFI preamble: {where}")
     _check_insn(addr, sym, where, prefix(), recover, arch)
 
 
@@ -635,14 +663,16 @@ def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
         if insn is None:
             raise ProbeRejectedError(
                 f"cannot decode {bytes(code[i:i + 8]).hex(' ')} at {sym.name}+{i:#x}, so "
-                f"can_probe() never reaches {where}", errno.EILSEQ, addr)
+                f"can_probe() never reaches {where}", errno.EILSEQ, addr,
+                reason=f"not an instruction boundary: {where}")
         last, pos = insn, pos + insn.size
     if last is not None and pos != addr:
         start = last.addr - sym.addr
         raise ProbeRejectedError(
             f"{where} is not an instruction boundary (can_probe): it is inside '{last}' "
             f"({last.size} bytes); the nearest boundaries are {sym.name}+{start:#x} and "
-            f"{sym.name}+{pos - sym.addr:#x}", errno.EILSEQ, addr)
+            f"{sym.name}+{pos - sym.addr:#x}", errno.EILSEQ, addr,
+            reason=f"not an instruction boundary: {where}")
     # __copy_instruction(): what arch_copy_kprobe() refuses with EINVAL.
     if insn is None:
         why = "cannot be decoded"
@@ -655,4 +685,4 @@ def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
     else:
         return
     raise ProbeRejectedError(f"the instruction at {where} {why} (__copy_instruction)",
-                             errno.EINVAL, addr)
+                             errno.EINVAL, addr, reason=f"cannot copy the instruction at {where}")
