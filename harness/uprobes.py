@@ -250,7 +250,18 @@ class UprobeManager:
         return self._elf[path]
 
     def prepare(self, up: Uprobe) -> None:
-        """Resolve ``up`` with the guest running (agent calls): ELF, inode, pid's mapping."""
+        """Resolve ``up`` with the guest running (agent calls): ELF, inode, pid's mapping.
+
+        The file is checked first, as ``__trace_uprobe_create()`` does before anything else
+        of a line (``kern_path(LOOKUP_FOLLOW)``, then ``d_is_reg()``): ENOENT "Failed to find
+        the given file", EINVAL "Not a regular file" (a directory such as /sys, a device)."""
+        st = self.vm.run(f"stat -L -c %F {shlex.quote(up.path)}", timeout=30)
+        if st.status != 0:
+            raise ProbeRejectedError(f"{up.path}: Failed to find the given file (-ENOENT)",
+                                     ENOENT, reason="Failed to find the given file")
+        if not st.stdout.strip().startswith("regular"):
+            raise ProbeRejectedError(f"{up.path} is a {st.stdout.strip()}: Not a regular file "
+                                     "(-EINVAL)", EINVAL, reason="Not a regular file")
         img = self.elf(up.path)
         if up.symbol is not None:
             try:

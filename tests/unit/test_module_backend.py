@@ -172,8 +172,18 @@ def test_decode_and_format(text, items, shown):
 # ---------------------------------------------------------------- hits, as the trace prints
 
 class FakeVM:
+    """Symbols, and a guest whose commands print nothing (no other trace events, no
+    module loaded)."""
+
     def __init__(self):
         self.symbols = SymbolTable.from_kallsyms(KALLSYMS)
+
+    def run(self, cmd, **kw):
+        import types
+        return types.SimpleNamespace(stdout="", out=b"", status=0)
+
+    def refresh_module_symbols(self):
+        return []
 
 
 def test_hits_from_records():
