@@ -47,7 +47,7 @@ from .errors import HarnessError, ProbeRejectedError, VMLostError
 from .gdbstub import GdbStub, Stop
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
-from .symbols import check_probe_address
+from .symbols import ReservedText, check_probe_address
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class HostEngine:
         # first holds the real return address (two kretprobes on one function share it).
         self._live: dict[int, list[KretprobeInstance]] = {}
         self._flush_kp: Kprobe | None = None
+        self._reserved: ReservedText | None = None
         self._emul: dict[int, Emulation | None] = {}
         self._emul_bytes: dict[int, bytes] = {}
         tramp = trampoline if trampoline is not None else os.environ.get("KPH_TRAMPOLINE",
@@ -576,8 +577,11 @@ class HostEngine:
         if p.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
         addr = self._resolve(p.symbol_name, p.offset, p.addr)
+        if self._reserved is None:      # jump label, static call and BUG() sites
+            self._reserved = ReservedText.from_memory(self.symbols, self.stub.read_memory)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self.stub.read_memory, kretprobe=kretprobe)
+                            read=self.stub.read_memory, kretprobe=kretprobe,
+                            reserved=self._reserved)
         if addr == self.trampoline:
             raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)

@@ -572,10 +572,67 @@ def _containing(addr: int, symbols: SymbolTable) -> tuple[Symbol, int]:
     return found
 
 
+class ReservedText:
+    """Kernel text a kprobe may not go in because the kernel patches it itself, as
+    ``check_kprobe_address_safe()`` (kernel/kprobes.c, 6.1) asks: ``jump_label_text_reserved()``
+    (a ``static_branch`` site: the 2- or 5-byte jmp/nop at each ``__jump_table`` entry's code,
+    its length decoded as ``arch_jump_entry_size()`` does), ``static_call_text_reserved()``
+    (``CALL_INSN_SIZE`` bytes at each ``.static_call_sites`` entry) and ``find_bug()`` (the
+    ``ud2`` of each ``__bug_table`` entry). vmlinux's tables only: module tables live in
+    ``struct module`` and are not read (a module's jump label or static call site is not
+    refused host-side).
+
+    Entries are self-relative ``s32``s (``jump_entry_code()``, ``static_call_addr()``,
+    ``bug_addr()``): 16-byte ``struct jump_entry``, 8-byte ``struct static_call_site``, 12-byte
+    ``struct bug_entry`` (``CONFIG_DEBUG_BUGVERBOSE``, relative pointers).
+    """
+
+    _TABLES = (("__start___jump_table", "__stop___jump_table", 16),
+               ("__start_static_call_sites", "__stop_static_call_sites", 8),
+               ("__start___bug_table", "__stop___bug_table", 12))
+
+    def __init__(self, jump: list[int], static_calls: list[int], bugs: set[int]) -> None:
+        self.jump = sorted(jump)
+        self.static_calls = sorted(static_calls)
+        self.bugs = bugs
+
+    @classmethod
+    def from_memory(cls, symbols: SymbolTable, read: ReadFn) -> ReservedText:
+        """Read the three tables of vmlinux (``read(addr, n)``: guest memory)."""
+        found: list[list[int]] = []
+        for start, stop, size in cls._TABLES:
+            a, b = symbols.get(start), symbols.get(stop)
+            sites: list[int] = []
+            if a is not None and b is not None and b.addr > a.addr:
+                data = read(a.addr, b.addr - a.addr)
+                for i in range(0, len(data) - size + 1, size):
+                    rel = int.from_bytes(data[i:i + 4], "little", signed=True)
+                    sites.append((a.addr + i + rel) & ((1 << 64) - 1))
+            found.append(sites)
+        return cls(found[0], found[1], set(found[2]))
+
+    def find(self, addr: int, read: ReadFn) -> str | None:
+        """What reserves ``addr``, or None."""
+        i = bisect.bisect_left(self.jump, addr - 4)
+        while i < len(self.jump) and self.jump[i] <= addr:
+            code = self.jump[i]
+            insn = instruction_at(read(code, 16), code)
+            if insn is not None and code + insn.size > addr:
+                return "a jump label site (jump_label_text_reserved)"
+            i += 1
+        i = bisect.bisect_left(self.static_calls, addr - 4)
+        if i < len(self.static_calls) and self.static_calls[i] <= addr:
+            return "a static call site (static_call_text_reserved)"
+        if addr in self.bugs:
+            return "a BUG() site (find_bug)"
+        return None
+
+
 def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist,
                         read: ReadFn, kretprobe: bool = False,
                         symbol_offset: int | None = None, recover: RecoverFn | None = None,
-                        arch: X86_64 = ARCH, max_prefix: int = MAX_FUNC_PREFIX) -> None:
+                        arch: X86_64 = ARCH, max_prefix: int = MAX_FUNC_PREFIX,
+                        reserved: ReservedText | None = None) -> None:
     """Refuse ``addr`` as Linux 6.1 ``register_k[ret]probe()`` would, with its errno.
 
     In the kernel's order: ``_kprobe_addr()``, ENOENT if no symbol holds ``addr``; for a
@@ -592,7 +649,8 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
 
     ``read`` is called once, for ``sym.addr`` to ``addr+15``. INT3s of armed probes decode
     as 1-byte ``int3`` unless ``recover`` gives back the original bytes, as
-    ``recover_probed_instruction()`` does.
+    ``recover_probed_instruction()`` does. With ``reserved``, jump label, static call and
+    BUG() sites of vmlinux are refused with EINVAL too (:class:`ReservedText`).
 
     :param symbol_offset: OFFS of a ``SYM+OFFS`` probe, for messages only: the kernel
         re-derives the offset from the address (``foo+0x140`` past ``foo`` is ``bar+0x0``).
@@ -640,6 +698,10 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
             f" noinstr or entry code; /sys/kernel/debug/kprobes/blacklist); probe a caller "
             f"of {listed} instead, or a function it calls", errno.EINVAL, addr,
             reason=f"blacklisted: {listed}")
+    why = reserved.find(addr, read) if reserved is not None else None
+    if why is not None:
+        raise ProbeRejectedError(f"{where} is {why}: the kernel patches it itself",
+                                 errno.EINVAL, addr, reason=f"{why.split(' (')[0]}: {where}")
     if sym.name.startswith(("__cfi_", "__pfx_")):
         raise ProbeRejectedError(f"{where} is a CFI/padding preamble, not a function "
                                  "(is_cfi_preamble_symbol)", errno.EINVAL, addr,
