@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import HarnessError, ProbeRejectedError
 from ..fetchargs import FaultError, escape_bytes, evaluate, format_value
-from ..kprobes import Kprobe, Kretprobe, PtRegs
+from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..uprobes import Uprobe
@@ -93,11 +93,14 @@ class HostBackend:
     side = "host"
 
     def __init__(self, vm: Any, *, hook: FetchHook | None = None,
-                 comm_rule: str = "saved_cmdlines") -> None:
+                 comm_rule: str = "saved_cmdlines", armed: bool = True) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
-        (what a kernel module reading ``current->comm`` records)."""
+        (what a kernel module reading ``current->comm`` records). ``armed=False`` registers
+        every kprobe with ``KPROBE_FLAG_DISABLED`` (as ``kprobe_events`` does until the event
+        is enabled): every registration rule applies, no breakpoint is inserted."""
         self.vm = vm
+        self.armed = armed
         self.comm_rule = comm_rule
         self.engine = vm.host
         self.hook = hook
@@ -115,12 +118,12 @@ class HostBackend:
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
         layer = self.layer
-        layer.sync_modules(specs)
+        layer.prepare(specs)
         out = []
         for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
             adm = layer.admit(spec)
-            reason = ""
+            reason = adm.reason
             if adm.refusal is None and not adm.pending:
                 try:
                     p = self._make(adm.spec, name)
@@ -163,6 +166,8 @@ class HostBackend:
             return up
         where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
                                  if spec.symbol_name else {"addr": spec.addr})
+        if not self.armed:
+            where["flags"] = ProbeFlags.DISABLED
         if spec.is_return:
             self._returns.setdefault(name, 0)
             return Kretprobe(**where, maxactive=spec.maxactive,

@@ -421,7 +421,7 @@ class ModuleBackend:
         self.load()
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
-        self.layer.sync_modules(specs)
+        self.layer.prepare(specs)
         out: list[Outcome] = []
         batch: list[tuple[int, ProbeSpec]] = []
         for i, spec in enumerate(specs):
@@ -455,7 +455,8 @@ class ModuleBackend:
                     adm = layer.registered(spec, _errno.ENOENT)
             if adm.refusal is not None:
                 r = adm.refusal
-                results.append(Outcome.rejected(name, r.errno, r.message, index=index))
+                results.append(Outcome.rejected(name, r.errno, r.message, index=index,
+                                                reason=adm.reason))
                 continue
             if adm.pending:
                 layer.accept_pending(spec)

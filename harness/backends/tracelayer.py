@@ -9,8 +9,12 @@ the kernel's order (``__trace_kprobe_create()`` then ``register_trace_kprobe()``
    ``d_is_reg()``: EINVAL "Not a regular file"), before anything else of the line;
 2. an unqualified ``SYM``: ``number_of_same_symbols()`` over vmlinux and the loaded modules;
 3. the event name: EEXIST and its three texts, or appending (:class:`harness.dynevent.EventTable`);
-4. ``traceprobe_update_arg()``: ``@SYM`` resolved once (:func:`harness.dynevent.resolve_fetch_symbols`);
-5. ``register_kprobe()`` (the backend's own), whose -ENOENT the kernel forgives for a raw
+4. ``within_notrace_func()``: a function without an ftrace location (``notrace``, or built
+   without ``-pg`` such as kernel/trace/) is EINVAL, as Debian's 6.1 has
+   ``CONFIG_KPROBE_EVENTS_ON_NOTRACE`` off; the guest's ``available_filter_functions`` says
+   which functions have one (a ``.isra.0`` piece counts as its stem's);
+5. ``traceprobe_update_arg()``: ``@SYM`` resolved once (:func:`harness.dynevent.resolve_fetch_symbols`);
+6. ``register_kprobe()`` (the backend's own), whose -ENOENT the kernel forgives for a raw
    address and for ``MOD:SYM`` of a module not loaded (the event stays, unregistered).
 
 Module symbols are taken from the running guest whenever a line names one, or a name the
@@ -26,7 +30,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..dynevent import (EventTable, Refusal, arg_column, other_event_names,
+from ..dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
 from ..probespec import ProbeSpec, split_symbol_offset
 
@@ -48,6 +52,7 @@ class Admission:
     spec: ProbeSpec
     refusal: Refusal | None = None
     pending: str = ""
+    reason: str = ""
 
 
 def uprobe_file_refusal(vm: Any, spec: ProbeSpec) -> Refusal | None:
@@ -78,11 +83,11 @@ class TraceLayer:
 
     def __init__(self, vm: Any) -> None:
         self.vm = vm
-        listing = vm.run(f"cd {TRACING_EVENTS} && ls -d */*/ 2>/dev/null || true",
-                         timeout=60).stdout
-        self.table = EventTable(other=other_event_names(listing), identity=self._inode)
+        self.table = EventTable(identity=self._inode)
+        self._events_read = False
         self._inodes: dict[str, object] = {}
         self._loaded: frozenset[str] | None = None
+        self._traced: dict[str, bool] = {}      # function name -> has an ftrace location
 
     @property
     def symbols(self) -> Any:
@@ -107,6 +112,65 @@ class TraceLayer:
                     need = True
         if need:
             self.refresh_modules()
+
+    def prepare(self, specs: Sequence[ProbeSpec]) -> None:
+        """Before admitting ``specs``: module symbols, and which probed functions have an
+        ftrace location (two guest commands at most, for the whole batch)."""
+        self.sync_modules(specs)
+        self._ftrace_locations(specs)
+
+    def _function_of(self, spec: ProbeSpec) -> tuple[str, str | None] | None:
+        """``trace_kprobe_address()`` then the function holding it: (name, its stem when
+        the name is a compiler-made piece such as ``foo.isra.0``), or None."""
+        if spec.symbol is not None:
+            base = self.lookup(spec.symbol_name or "")
+            if not base:
+                return None
+            addr = base + spec.offset
+        else:
+            addr = spec.addr or 0
+        hit = self.symbols.symbolize(addr)
+        if hit is None:
+            return None
+        name = hit[0].name
+        return name, (name.split(".", 1)[0] if "." in name else None)
+
+    def _ftrace_locations(self, specs: Sequence[ProbeSpec]) -> None:
+        """Which of the functions these lines probe have an ftrace location: one guest
+        command over ``available_filter_functions``."""
+        names = set()
+        for spec in specs:
+            if spec.is_uprobe or spec.kind == "-":
+                continue
+            fn = self._function_of(spec)
+            if fn is not None:
+                names.update(n for n in fn if n)
+        names -= set(self._traced)
+        if not names:
+            return
+        r = self.vm.run("cat > /tmp/kph.ftn; sed 's/ .*//' /sys/kernel/tracing/"
+                        "available_filter_functions | grep -Fx -f /tmp/kph.ftn; "
+                        "rm -f /tmp/kph.ftn", stdin="\n".join(sorted(names)).encode() + b"\n",
+                        timeout=60)
+        have = set(r.stdout.split())
+        for n in names:
+            self._traced[n] = n in have
+
+    def notrace(self, spec: ProbeSpec) -> bool:
+        """``within_notrace_func()`` (kernel/trace/trace_kprobe.c) for a kprobe line."""
+        fn = self._function_of(spec)
+        if fn is None:
+            return False
+        name, stem = fn
+        if name not in self._traced:
+            self._ftrace_locations([spec])
+        if self._traced.get(name, True):
+            return False
+        if stem is not None and self.lookup(stem):
+            if stem not in self._traced:
+                self._traced[stem] = True
+            return not self._traced[stem]
+        return True
 
     def refresh_modules(self) -> frozenset[str]:
         loaded = frozenset(self.vm.refresh_module_symbols())
@@ -134,11 +198,19 @@ class TraceLayer:
             ref = target_refusal(spec, self.symbols.count)
             if ref is not None:
                 return Admission(spec, ref)
+        if not self._events_read:       # the guest's trace events, read once, lazily
+            listing = self.vm.run(f"cd {TRACING_EVENTS} && ls -d */*/ 2>/dev/null || true",
+                                  timeout=60).stdout
+            self.table.other |= other_event_names(listing)
+            self._events_read = True
         ref = self.table.check(spec)
         if ref is not None:
             return Admission(spec, ref)
         if spec.is_uprobe:
             return Admission(spec)
+        if self.notrace(spec):
+            return Admission(spec, Refusal(_errno.EINVAL, FAIL_REG_PROBE, arg_column(spec, 1)),
+                             reason="no ftrace location (notrace): within_notrace_func()")
         resolved = resolve_fetch_symbols(spec, self.lookup)
         if isinstance(resolved, Refusal):
             after = registration_refusal(spec, resolved.errno, self.module_loaded)
