@@ -61,7 +61,7 @@ def verdict(res: DiffResult) -> str:
                                                   for k in refused))
     pending = res.pending
     if pending:
-        parts.append("accepted but not registered on both sides, so never fired: " + "; ".join(
+        parts.append("accepted, but nothing armed that could fire: " + "; ".join(
             f"{k} ({res.outcomes[k][0].pending})" for k in pending))  # type: ignore[union-attr]
     return "; ".join(parts) if parts else "nothing was placed"
 

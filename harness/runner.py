@@ -81,14 +81,22 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         h_out = h.register(specs)
         g_out = g.register(specs)
         vm.host.invalidate_code()
+        # Both sides' probes are live over the same window, so that return-probe pools
+        # (and their nmissed) see the same calls: events and host probes are enabled
+        # together; the module's are live from its registration to its unloading, so the
+        # host arms right after registering it and disarms after reading its counters.
+        if guest == "module":
+            h.arm()
         g.enable()
         h.enable()
         r = vm.run(workload, timeout=timeout)
-        h.disable()
+        h.disable(disarm=guest != "module")
         g.disable()
+        g_hits, g_counters = g.collect(), g.counters()
+        h.disarm()
         host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
                          r.stderr)
-        guest_res = RunResult(g.side, g_out, g.collect(), g.counters(), r.status,
+        guest_res = RunResult(g.side, g_out, g_hits, g_counters, r.status,
                               r.stdout + r.stderr, r.stderr)
         return host, guest_res
     finally:

@@ -91,7 +91,7 @@ class EventsBackend:
             enable = f"events/{spec.group}/{spec.event}/enable"
             script.append(
                 f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
-                f"if echo 1 > {enable} 2>/tmp/kph.err; then echo '@ok'; "
+                f"if echo 1 > {enable} 2>/tmp/kph.err; then echo 0 > {enable}; echo '@ok'; "
                 "else echo \"@err $(cat /tmp/kph.err)\"; echo 'error: enabling it failed'; "
                 f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
                 "fi; else echo \"@err $(cat /tmp/kph.err)\"; "
@@ -159,13 +159,20 @@ class EventsBackend:
         return Outcome(o.probe, True, mode=modes[addr], index=o.index)
 
     def enable(self) -> None:
-        # Through the agent's file API, not a shell: the only process that opens
-        # tracing_on is then qemu-ga, whose hits the diff leaves out on both sides.
+        """Enable our events, then tracing. Through the agent's file API, not a shell: the
+        only process touching tracefs is then qemu-ga, whose hits the diff leaves out on
+        both sides, and no harness process exits through a probed do_exit while the
+        events are enabled. (register() enables each event once to see it can be, then
+        disables it again, as kprobe_events leaves a new event.)"""
+        for name in self.specs:
+            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self.vm.write_file(f"{TRACING}/trace", b"\n")
         self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
 
     def disable(self) -> None:
         self.vm.write_file(f"{TRACING}/tracing_on", b"0\n")
+        for name in self.specs:
+            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
 
     def _raw_pages(self, cpu: int) -> list[bytes]:
         """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read. The agent opens files

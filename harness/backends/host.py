@@ -19,7 +19,7 @@ from ..fetchargs import FaultError, escape_bytes, evaluate, format_value
 from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
-from ..uprobes import Uprobe
+from ..uprobes import Uprobe, UprobeNeverFires
 from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,17 @@ class HostBackend:
                  comm_rule: str = "saved_cmdlines", armed: bool = True) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
-        (what a kernel module reading ``current->comm`` records). ``armed=False`` registers
-        every kprobe with ``KPROBE_FLAG_DISABLED`` (as ``kprobe_events`` does until the event
-        is enabled): every registration rule applies, no breakpoint is inserted."""
+        (what a kernel module reading ``current->comm`` records).
+
+        kprobes are registered with ``KPROBE_FLAG_DISABLED``, as ``kprobe_events`` registers
+        them until the event is enabled, and armed by :meth:`arm` (:meth:`enable` arms
+        too): a return probe's instance pool is then in use over the same window as the
+        guest's (the harness's own guest commands between registering and enabling exit
+        through ``do_exit`` too). ``armed=False`` never arms them: every registration rule
+        applies, no breakpoint is inserted."""
         self.vm = vm
         self.armed = armed
+        self._armed_now = False
         self.comm_rule = comm_rule
         self.engine = vm.host
         self.hook = hook
@@ -133,9 +139,16 @@ class HostBackend:
                         self.engine.register_kretprobe(p)
                     else:
                         self.engine.register_kprobe(p)
+                except UprobeNeverFires as exc:
+                    # uprobe_events takes it; uprobe_register() installs it nowhere
+                    layer.accept_pending(spec)
+                    out.append(Outcome(name, True, mode="host", index=i,
+                                       pending=f"kept, never installed: {exc.reason}"))
+                    continue
                 except ProbeRejectedError as exc:
                     if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
-                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i))
+                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
+                                                    reason=exc.reason))
                         continue
                     adm, reason = layer.registered(spec, exc.errno), exc.reason
                 else:
@@ -166,8 +179,7 @@ class HostBackend:
             return up
         where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
                                  if spec.symbol_name else {"addr": spec.addr})
-        if not self.armed:
-            where["flags"] = ProbeFlags.DISABLED
+        where["flags"] = ProbeFlags.DISABLED            # until arm()
         if spec.is_return:
             self._returns.setdefault(name, 0)
             return Kretprobe(**where, maxactive=spec.maxactive,
@@ -220,12 +232,31 @@ class HostBackend:
         hit = self.engine.symbols.symbolize(addr)
         return hit[0].name if hit else f"0x{addr:x}"
 
+    def arm(self) -> None:
+        """Enable every kprobe (``enable_kprobe()``), as writing 1 to an event's enable."""
+        if self.armed and not self._armed_now:
+            for _, p in self._probes:
+                if not isinstance(p, Uprobe):
+                    self.engine.enable_kprobe(p)
+            self._armed_now = True
+
+    def disarm(self) -> None:
+        if self._armed_now:
+            for _, p in self._probes:
+                if not isinstance(p, Uprobe):
+                    self.engine.disable_kprobe(p)
+            self._armed_now = False
+
     def enable(self) -> None:
+        self.arm()
         self._hits.clear()
         self.recording = True
 
-    def disable(self) -> None:
+    def disable(self, *, disarm: bool = True) -> None:
+        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
         self.recording = False
+        if disarm:
+            self.disarm()
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file
