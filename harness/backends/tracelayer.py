@@ -146,7 +146,7 @@ class TraceLayer:
             if fn is not None:
                 names.update(n for n in fn if n)
         names -= set(self._traced)
-        if not names:
+        if not names or not self._notrace_applies():
             return
         r = self.vm.run("cat > /tmp/kph.ftn; sed 's/ .*//' /sys/kernel/tracing/"
                         "available_filter_functions | grep -Fx -f /tmp/kph.ftn; "
@@ -156,8 +156,25 @@ class TraceLayer:
         for n in names:
             self._traced[n] = n in have
 
+    def _notrace_applies(self) -> bool:
+        """``within_notrace_func()`` exists with ``CONFIG_DYNAMIC_FTRACE`` and without
+        ``CONFIG_KPROBE_EVENTS_ON_NOTRACE``: read from the image's config when there is one
+        (a kernel without it, ``--kernel``, is taken to be built like Debian's)."""
+        if not hasattr(self, "_notrace_rule"):
+            cfg = ""
+            image = getattr(self.vm, "image", None)
+            try:
+                cfg = image.config.read_text() if image is not None else ""
+            except OSError:
+                pass
+            self._notrace_rule = (not cfg or ("CONFIG_DYNAMIC_FTRACE=y" in cfg and
+                                              "CONFIG_KPROBE_EVENTS_ON_NOTRACE=y" not in cfg))
+        return self._notrace_rule
+
     def notrace(self, spec: ProbeSpec) -> bool:
         """``within_notrace_func()`` (kernel/trace/trace_kprobe.c) for a kprobe line."""
+        if not self._notrace_applies():
+            return False
         fn = self._function_of(spec)
         if fn is None:
             return False
