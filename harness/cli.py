@@ -267,6 +267,11 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not lines:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
+    for ln in lines:
+        if ln.lstrip().startswith("-"):
+            raise SetupError(f"{ln!r} deletes probes; kph places the probe definitions it is "
+                             "given", "leave '-:' lines out (the guest's events are removed "
+                             "after the run)")
     if args.kernel is not None:
         return [parse(ln) for ln in lines]      # no symbols before boot: checked host-side
     from .images import default_image

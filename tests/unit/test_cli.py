@@ -85,3 +85,11 @@ def test_verdicts_name_refusals_and_stderr():
     res = compare(run("host", [Outcome.rejected("kprobes/x", 2, index=0)]),
                   run("events", [Outcome.rejected("kprobes/x", 22, index=0)]))
     assert not res.equivalent and res.first.field == "registration"
+
+
+def test_deletion_lines_are_a_usage_error(tmp_path):
+    f = tmp_path / "specs"
+    f.write_text("p:kprobes/testevent kernel_clone\n-:kprobes/testevent\n")
+    r = _kph("diff", "-f", str(f), "--run", "true", "--kernel", "/nonexistent")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "deletes probes" in r.stderr and len(r.stderr.strip().splitlines()) == 1
