@@ -325,8 +325,9 @@ def _progress(msg: str) -> None:
 
 
 def _load_specs(args: argparse.Namespace) -> list[Any]:
-    """Parse every spec; check targets against the image's symbols before booting."""
-    from .errors import ProbeSpecError
+    """Parse every spec, with the image's symbols where the kernel's parser uses them
+    (``kprobe_on_func_entry()``, ``number_of_same_symbols()``), before booting: what the
+    kernel refuses while parsing a line is refused here, in its order and words."""
     from .probespec import parse
 
     lines = list(args.specs)
@@ -338,23 +339,53 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not lines:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
-    specs = [parse(ln) for ln in lines]
-    if args.kernel is None:
-        from .images import default_image
-        from .symbols import load_kallsyms_cached
+    for ln in lines:
+        if ln.lstrip().startswith("-"):
+            raise SetupError(f"{ln!r} deletes probes; kph places the probe definitions it is "
+                             "given", "leave '-:' lines out (the guest's events are removed "
+                             "after the run)")
+    if args.kernel is not None:
+        return [parse(ln) for ln in lines]      # no symbols before boot: checked host-side
+    from .images import default_image
+    from .symbols import load_kallsyms_cached
 
-        syms = load_kallsyms_cached(default_image(args.image).kallsyms)
-        for spec in specs:
-            if spec.symbol and not spec.module and not spec.is_uprobe:
-                try:
-                    syms.lookup(spec.symbol)
-                except KeyError:
-                    col = spec.text.find(spec.symbol, spec.text.find(" "))
-                    raise ProbeSpecError("Invalid probed address or symbol", spec.text, col) from None
-            elif spec.addr is not None and syms.symbolize(spec.addr) is None:
-                col = spec.text.split(" ")[0].__len__() + 1
-                raise ProbeSpecError("Invalid probed address or symbol", spec.text, col)
-    return specs
+    syms = load_kallsyms_cached(default_image(args.image).kallsyms)
+
+    def on_func_entry(name: str, offset: int) -> bool | None:
+        # _kprobe_addr() re-derives the offset from the symbol holding SYM+OFFS.
+        sym = syms.get(name)
+        hit = syms.symbolize(sym.addr + offset) if sym is not None else None
+        return None if hit is None else hit[1] == 0
+    return [parse(ln, on_func_entry=on_func_entry, count_symbol=syms.count) for ln in lines]
+
+
+def _check_output(option: str, path: str | None) -> None:
+    """An output file must be writable before any VM boots (a one-line usage error)."""
+    import os
+    from pathlib import Path
+
+    if not path:
+        return
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    why = ("it is a directory" if p.is_dir() else
+           f"the directory {parent} does not exist" if not parent.is_dir() else
+           f"the directory {parent} is not writable" if not os.access(parent, os.W_OK) else
+           "the file is not writable" if p.exists() and not os.access(p, os.W_OK) else None)
+    if why:
+        raise SetupError(f"cannot write {option} {path}: {why}",
+                         f"give {option} a file in an existing, writable directory")
+
+
+def _workload_ran(r: Any, workload: str) -> None:
+    """126/127 from the workload's shell: the command was not run (not found, not
+    executable). That is a usage error, not a result."""
+    if r.workload_status in (126, 127):
+        said = " | ".join(ln for ln in r.workload_stderr.strip().splitlines() if ln.strip())
+        raise SetupError(f"the workload {workload!r} did not run (exit {r.workload_status}"
+                         + (f": {said})" if said else ")"),
+                         "check the command exists in the guest image (busybox applets, "
+                         "/usr/bin/kph-*)")
 
 
 def _machine(args: argparse.Namespace) -> Any:
@@ -373,8 +404,10 @@ def _refusals(outcomes: list[Any]) -> int:
     for o in outcomes:
         if not o.accepted:
             bad += 1
+            why = o.message if not o.reason or o.reason == o.message else \
+                f"{o.message}: {o.reason}" if o.message else o.reason
             print(f"error: probe {o.probe} refused: {_e.errorcode.get(o.errno, o.errno)} "
-                  f"({o.message})", file=sys.stderr)
+                  f"({why})", file=sys.stderr)
     return bad
 
 
@@ -386,6 +419,7 @@ def _probe(args: argparse.Namespace) -> int:
     backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
     with _machine(args) as vm:
         res = run_single(vm, backend, specs, args.run, timeout=args.timeout)
+    _workload_ran(res, args.run)
     if _refusals(res.outcomes):
         return EXIT_USAGE
     if args.json:
@@ -395,8 +429,9 @@ def _probe(args: argparse.Namespace) -> int:
             print(h.line())
     counts = ", ".join(f"{p} {c.nhit} hits/{c.nmissed} missed" for p, c in res.counters.items())
     if not args.quiet:
-        print(f"{backend}: {len(res.hits)} events; {counts}; workload exit "
-              f"{res.workload_status}", file=sys.stderr)
+        print(f"{backend}: {len(res.hits)} events; {counts}; workload "
+              f"{report.workload_status(res.workload_status, res.workload_stderr)}",
+              file=sys.stderr)
     return EXIT_OK
 
 
@@ -405,6 +440,8 @@ def _diff(args: argparse.Namespace) -> int:
     from .diff import compare
     from .runner import run_differential, trampoline_text
 
+    _check_output("--json", args.json)
+    _check_output("--html", args.html)
     specs = _load_specs(args)
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
@@ -414,8 +451,10 @@ def _diff(args: argparse.Namespace) -> int:
     with _machine(args) as vm:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
         tramp = trampoline_text(vm)
+    _workload_ran(runs[0], args.run)
     res = compare(*runs, trampoline=tramp)
-    sys.stdout.write(report.text(res, workload=args.run, status=runs[0].workload_status))
+    sys.stdout.write(report.text(res, workload=args.run, status=runs[0].workload_status,
+                                 stderr=runs[0].workload_stderr))
     if args.json:
         with open(args.json, "w") as f:
             f.write(report.to_json(res, runs))
@@ -552,6 +591,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.demo_cmd != "trap-flow":
         raise SetupError("kph demo needs a demo name", "try `kph demo trap-flow`")
+    _check_output("--html", args.html)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     for v in variants:
         if v not in ("int3", "ftrace", "optimized", "kretprobe", "uprobe", "uretprobe"):

@@ -101,6 +101,24 @@ class DiffResult:
     def total_matched(self) -> int:
         return sum(self.matched.values())
 
+    @property
+    def armed(self) -> list[str]:
+        """Lines both sides accepted and registered (their hits were compared)."""
+        return [k for k, (x, y) in self.outcomes.items()
+                if x and y and x.accepted and y.accepted and not x.pending]
+
+    @property
+    def both_refused(self) -> list[str]:
+        """Lines both sides refused with the same errno: agreement, on a refusal."""
+        return [k for k, (x, y) in self.outcomes.items()
+                if x and y and not x.accepted and not y.accepted and x.errno == y.errno]
+
+    @property
+    def pending(self) -> list[str]:
+        """Lines both sides accepted without registering a probe (they cannot fire)."""
+        return [k for k, (x, y) in self.outcomes.items()
+                if x and y and x.accepted and y.accepted and x.pending]
+
 
 def _relevant(hits: list[Hit]) -> list[Hit]:
     return [h for h in hits if h.comm not in AGENT_COMMS]
@@ -131,18 +149,18 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
         prefix), for the ``trampoline`` normalization.
     """
     res = DiffResult(a.side, b.side)
-    oa = {o.probe: o for o in a.outcomes}
-    ob = {o.probe: o for o in b.outcomes}
-    for probe in list(dict.fromkeys([*oa, *ob])):
-        x, y = oa.get(probe), ob.get(probe)
-        res.outcomes[probe] = (x, y)
+    oa, ob = _by_line(a.outcomes), _by_line(b.outcomes)
+    for label, key in _labels([*oa.values(), *ob.values()]).items():
+        x, y = oa.get(key), ob.get(key)
+        res.outcomes[label] = (x, y)
+        probe = (x or y).probe      # type: ignore[union-attr]
         if y is not None and y.mode:
-            res.modes[probe] = y.mode
+            res.modes.setdefault(probe, y.mode)
         acc_x = x is not None and x.accepted
         acc_y = y is not None and y.accepted
         if acc_x != acc_y or (not acc_x and x is not None and y is not None and x.errno != y.errno):
             res.divergences.append(Divergence(
-                probe, "registration", -1, _outcome_text(x), _outcome_text(y)))
+                label, "registration", -1, _outcome_text(x), _outcome_text(y)))
     ha, hb = _relevant(a.hits), _relevant(b.hits)
     res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb))
     per_a: dict[str, list[Hit]] = {}
@@ -151,7 +169,7 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
         per_a.setdefault(h.probe, []).append(h)
     for h in hb:
         per_b.setdefault(h.probe, []).append(h)
-    for probe in dict.fromkeys([*per_a, *per_b, *(p for p, (x, y) in res.outcomes.items()
+    for probe in dict.fromkeys([*per_a, *per_b, *(x.probe for x, y in res.outcomes.values()
                                                    if x and y and x.accepted and y.accepted)]):
         la, lb = per_a.get(probe, []), per_b.get(probe, [])
         if res.modes.get(probe) == "uprobe" and len({h.pid for h in la}) > 1:
@@ -198,6 +216,26 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             res.divergences.append(Divergence(probe, "nmissed", -1, str(ca.nmissed), str(cb.nmissed)))
     res.applied["nhit"] = len(set(a.counters) & set(b.counters))
     return res
+
+
+def _by_line(outcomes: list[Outcome]) -> dict[object, Outcome]:
+    """Outcomes keyed by spec line (``index``), or by probe for sides that do not say."""
+    return {(o.index if o.index >= 0 else o.probe): o for o in outcomes}
+
+
+def _labels(outcomes: list[Outcome]) -> dict[str, object]:
+    """A name per line: the probe, with ``#N`` for the N-th line of an event that several
+    lines define (``p:kprobes/e f1`` + ``p:kprobes/e f2``: ``kprobes/e``, ``kprobes/e#2``)."""
+    keys: dict[object, str] = {}
+    for o in outcomes:
+        keys.setdefault(o.index if o.index >= 0 else o.probe, o.probe)
+    seen: dict[str, int] = {}
+    out: dict[str, object] = {}
+    for key, probe in sorted(keys.items(), key=lambda kv: (not isinstance(kv[0], int),
+                                                            kv[0] if isinstance(kv[0], int) else 0)):
+        n = seen[probe] = seen.get(probe, 0) + 1
+        out[probe if n == 1 else f"{probe}#{n}"] = key
+    return out
 
 
 def _outcome_text(o: Outcome | None) -> str:

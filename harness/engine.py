@@ -61,12 +61,13 @@ from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
-from .symbols import check_probe_address, kprobe_addr
+from .symbols import ReservedText, check_probe_address, kprobe_addr
 from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
 
 EINVAL, ENOENT = 22, 2
+INT3_INSN_SIZE = 1
 DEFAULT_TRAMPOLINE = "_etext"
 #: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
 EXCEPTION_ENTRIES = {
@@ -109,7 +110,11 @@ class HostEngine(HandlerErrors):
         self._aggr: dict[int, list[Kprobe]] = {}
         self._bp: dict[int, int] = {}
         self._free: dict[int, list[KretprobeInstance]] = {}
-        self._live: dict[int, KretprobeInstance] = {}
+        # stack slot -> the instances hooked on that frame's return, in hook order: the
+        # first holds the real return address (two kretprobes on one function share it).
+        self._live: dict[int, list[KretprobeInstance]] = {}
+        self._flush_kp: Kprobe | None = None
+        self._reserved: ReservedText | None = None
         self._emul: dict[int, Emulation | None] = {}
         self._emul_bytes: dict[int, bytes] = {}
         tramp = trampoline if trampoline is not None else os.environ.get("KPH_TRAMPOLINE",
@@ -271,12 +276,18 @@ class HostEngine(HandlerErrors):
     def _on_probe(self, addr: int, th: int) -> int:
         probes = [p for p in self._aggr[addr] if not p.disabled]
         self.stats["hits"] += 1
-        regs = self._regs(th, {"ip": addr})
+        # Every x86 path hands the pre_handler regs->ip = addr + 1: the int3 trap leaves it
+        # there (kprobe_int3_handler(), arch/x86/kernel/kprobes/core.c), ftrace sets it
+        # ("Kprobe handler expects regs->ip = ip + 1 as breakpoint hit",
+        # kprobe_ftrace_handler(), ftrace.c), so does optimized_callback() (opt.c).
+        regs = self._regs(th, {"ip": addr + INT3_INSN_SIZE})
         for p in probes:
             p.nhit += 1
         for p in probes:
             if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
-                # aggr_pre_handler: the path was changed; no single-step, no post_handler
+                # aggr_pre_handler: the path was changed; no single-step, no post_handler;
+                # the guest resumes at whatever regs.ip the handler left (addr + 1 if it
+                # left it alone, as in the kernel).
                 self._flush(regs, th, keep_ip=False)
                 return regs.ip
         # An ip changed by a pre_handler that returned 0 is overwritten by the kernel's
@@ -426,10 +437,20 @@ class HostEngine(HandlerErrors):
                 free.append(ri)
                 return 0
             slot = regs.sp
+            cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+            chain = self._live.get(slot)
+            if chain and cur != self.trampoline:
+                # A frame that is gone left these (its task died and its stack was reused
+                # before rethook_flush_task() ran): one slot holds one live return address.
+                self._recycle(self._live.pop(slot))
+                chain = None
             ri.stack_slot = slot
-            ri.ret_addr = int.from_bytes(self.stub.read_memory(slot, 8), "little")
-            self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
-            self._live[slot] = ri
+            # Another kretprobe hooked this very return already: share its real address, as
+            # rethook_trampoline_handler() hands every handler of the frame the correct one.
+            ri.ret_addr = chain[0].ret_addr if chain else cur
+            if not chain:
+                self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
+            self._live.setdefault(slot, []).append(ri)
             rp.nhit += 1
             return 0
         return pre_handler_kretprobe
@@ -447,6 +468,16 @@ class HostEngine(HandlerErrors):
             return int.from_bytes(self.stub.read_memory(task + off, 4), "little", signed=True)
         except HarnessError:
             return None
+
+    def task_comm_bytes(self, task: int | None) -> bytes | None:
+        """``task->comm`` as the kernel stores it, up to its NUL."""
+        if task is None or self._comm_off is None:
+            return None
+        try:
+            raw = self.stub.read_memory(task + self._comm_off, 16)
+        except HarnessError:
+            return None
+        return raw.split(b"\0", 1)[0]
 
     def task_comm(self, task: int | None) -> str | None:
         """``task->comm``."""
@@ -471,29 +502,72 @@ class HostEngine(HandlerErrors):
 
     def _on_trampoline(self, th: int) -> int:
         regs = self._regs(th, {})
-        ri = self._live.pop((regs.sp - 8) & ((1 << 64) - 1), None)
-        if ri is None:
+        chain = self._live.pop((regs.sp - 8) & ((1 << 64) - 1), None)
+        if not chain:
             raise VMLostError(f"the guest reached the kretprobe trampoline {self.trampoline:#x} "
                               f"with sp={regs.sp:#x}, which matches no pending return")
         self.stats["returns"] += 1
-        rp = ri.rp
         # rethook_trampoline_handler() sets ip to the real return address before calling
-        # handlers ("if the user handler calls stack_trace_save_regs() with this regs").
-        regs.set("ip", ri.ret_addr)
+        # handlers ("if the user handler calls stack_trace_save_regs() with this regs"),
+        # then runs the frame's handlers from the last hooked (the top of the task's
+        # rethook list) down to the first.
+        regs.set("ip", chain[0].ret_addr)
         regs.clear_dirty()
-        if not ri.orphan and rp.handler is not None:
-            self._handler(rp.handler, ri, regs)
+        for ri in reversed(chain):
+            if not ri.orphan and ri.rp.handler is not None:
+                self._handler(ri.rp.handler, ri, regs)
         self._flush(regs, th, keep_ip=False)
-        if not ri.orphan:
-            self._free[id(rp)].append(ri)
+        self._recycle(chain)
+        self._sync_flush_hook()
         if not self._live and not any(r.registered for r in self._kretprobes()):
             self._drop_trampoline()
-        return ri.ret_addr
+        return chain[0].ret_addr
+
+    def _recycle(self, chain: list[KretprobeInstance]) -> None:
+        """Give instances back to their kretprobe's pool (``rethook_recycle()``); those of
+        an unregistered kretprobe are dropped."""
+        for ri in chain:
+            if not ri.orphan:
+                self._free[id(ri.rp)].append(ri)
+
+    def _sync_flush_hook(self) -> None:
+        """A host kprobe on ``rethook_flush_task(tk)`` while return instances may be pending.
+
+        6.1 recycles a dead task's instances there (``delayed_put_task_struct()``,
+        kernel/exit.c): a probed function that never returns (``do_exit``) does not drain
+        the pool, and the instances of a freed stack are never read again."""
+        need = bool(self._live) or any(r.registered for r in self._kretprobes())
+        if need and self._flush_kp is None:
+            sym = self.symbols.get("rethook_flush_task")
+            if sym is None:
+                return
+            kp = Kprobe(addr=sym.addr, pre_handler=lambda p, regs: self._on_flush_task(regs.di))
+            kp._kph_internal = True  # type: ignore[attr-defined]
+            self._register(kp)
+            self._flush_kp = kp
+        elif not need and self._flush_kp is not None:
+            self._unregister(self._flush_kp)
+            self._flush_kp = None
+
+    def _on_flush_task(self, task: int) -> int:
+        for slot, chain in list(self._live.items()):
+            if chain[0].task == task:
+                del self._live[slot]
+                self._recycle(chain)
+                self.stats["kretprobe_flushed"] += len(chain)
+        return 0
+
+    def kretprobe_find_ret_addr(self, slot: int) -> int | None:
+        """The real return address hijacked at stack ``slot`` (``kretprobe_find_ret_addr()``,
+        what unwinders call when they meet the trampoline), or None."""
+        chain = self._live.get(slot)
+        return chain[0].ret_addr if chain else None
 
     def _kretprobes(self) -> Iterable[Kretprobe]:
         seen = {}
-        for ri in list(self._live.values()):
-            seen[id(ri.rp)] = ri.rp
+        for chain in list(self._live.values()):
+            for ri in chain:
+                seen[id(ri.rp)] = ri.rp
         for probes in self._aggr.values():
             for p in probes:
                 rp = getattr(p, "_kph_rp", None)
@@ -532,8 +606,11 @@ class HostEngine(HandlerErrors):
         # (arch/x86/kernel/kprobes/core.c): on IBT kernels (6.12, 7.3) a function starts
         # with ENDBR64, and sym+0 (or +4) is placed at +4.
         addr, _ = kprobe_addr(addr, symbols=self.symbols, read=self.stub.read_memory)
+        if self._reserved is None:      # jump label, static call and BUG() sites
+            self._reserved = ReservedText.from_memory(self.symbols, self.stub.read_memory)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self.stub.read_memory, kretprobe=kretprobe)
+                            read=self.stub.read_memory, kretprobe=kretprobe,
+                            reserved=self._reserved)
         if addr == self.trampoline:
             raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)
@@ -568,6 +645,7 @@ class HostEngine(HandlerErrors):
     # -- public API (kernel names) --------------------------------------------------------
     def register_kprobe(self, p: Kprobe) -> Kprobe:
         """Arm ``p``; raise ProbeRejectedError with the kernel's errno if it cannot go there."""
+        self._fresh_module_symbols([p])
         self._call(lambda: self._register(p))
         return p
 
@@ -576,6 +654,8 @@ class HostEngine(HandlerErrors):
 
     def register_kprobes(self, ps: Iterable[Kprobe]) -> None:
         """Register all or none: a failure unregisters those already done, then raises."""
+        ps = list(ps)
+        self._fresh_module_symbols(ps)
         done: list[Kprobe] = []
 
         def batch() -> None:
@@ -614,32 +694,73 @@ class HostEngine(HandlerErrors):
 
     def register_kretprobe(self, rp: Kretprobe) -> Kretprobe:
         """Arm a return probe at a function entry (offset 0, as the kernel requires)."""
-        def go() -> None:
-            if rp.maxactive <= 0:
-                rp.maxactive = max(10, 2 * self.vm.smp)
-            kp = Kprobe(symbol_name=rp.symbol_name, offset=rp.offset,
-                        addr=rp.addr if rp.symbol_name is None else None,
-                        pre_handler=self._kretprobe_entry(rp), flags=rp.flags)
-            kp._kph_rp = rp  # type: ignore[attr-defined]
-            self._free[id(rp)] = [KretprobeInstance(rp) for _ in range(rp.maxactive)]
-            self._register(kp, kretprobe=True)
-            rp.kp, rp.addr, rp.registered = kp, kp.addr, True
-            self._ensure_trampoline()
-        self._call(go)
+        self._fresh_module_symbols([rp])
+        self._call(lambda: self._register_kretprobe(rp))
         return rp
+
+    def _register_kretprobe(self, rp: Kretprobe) -> None:
+        if rp.maxactive <= 0:
+            rp.maxactive = max(10, 2 * self.vm.smp)
+        kp = Kprobe(symbol_name=rp.symbol_name, offset=rp.offset,
+                    addr=rp.addr if rp.symbol_name is None else None,
+                    pre_handler=self._kretprobe_entry(rp), flags=rp.flags)
+        kp._kph_rp = rp  # type: ignore[attr-defined]
+        self._free[id(rp)] = [KretprobeInstance(rp) for _ in range(rp.maxactive)]
+        self._register(kp, kretprobe=True)
+        rp.kp, rp.addr, rp.registered = kp, kp.addr, True
+        self._ensure_trampoline()
+        self._sync_flush_hook()
+
+    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
+        """Register all or none (``register_kretprobes()``): a failure unregisters those
+        already done, then raises."""
+        rps = list(rps)
+        self._fresh_module_symbols(rps)
+        done: list[Kretprobe] = []
+
+        def batch() -> None:
+            try:
+                for rp in rps:
+                    self._register_kretprobe(rp)
+                    done.append(rp)
+            except BaseException:
+                for rp in done:
+                    self._unregister_kretprobe(rp)
+                raise
+        self._call(batch)
+
+    def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
+        self._call(lambda: [self._unregister_kretprobe(rp) for rp in list(rps)], errors="after")
+
+    def _fresh_module_symbols(self, probes: Iterable[Any]) -> None:
+        """``kallsyms_lookup_name()`` looks an unqualified name up in the modules after
+        vmlinux, and module addresses change from boot to boot: take the module symbols
+        from the running guest when a probe names a module symbol or one vmlinux lacks
+        (not from a handler, where the guest cannot run a command)."""
+        if threading.current_thread() is self._thread:
+            return
+        for p in probes:
+            name = getattr(p, "symbol_name", None)
+            if name and (":" in name or (sym := self.symbols.get(name)) is None
+                         or sym.module is not None):
+                self.vm.refresh_module_symbols()
+                return
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         """Disarm ``rp``; calls in flight still return through the trampoline, without the handler."""
-        def go() -> None:
-            if rp.kp is not None:
-                self._unregister(rp.kp)
-            rp.registered = False
-            for ri in self._live.values():
+        self._call(lambda: self._unregister_kretprobe(rp), errors="after")
+
+    def _unregister_kretprobe(self, rp: Kretprobe) -> None:
+        if rp.kp is not None:
+            self._unregister(rp.kp)
+        rp.registered = False
+        for chain in self._live.values():
+            for ri in chain:
                 if ri.rp is rp:
                     ri.orphan = True
-            if not self._live and not any(r.registered for r in self._kretprobes()):
-                self._drop_trampoline()
-        self._call(go, errors="after")
+        if not self._live and not any(r.registered for r in self._kretprobes()):
+            self._drop_trampoline()
+        self._sync_flush_hook()
 
     @property
     def uprobes(self) -> Any:
@@ -726,6 +847,8 @@ class HostEngine(HandlerErrors):
         lines = []
         for addr in sorted(self._aggr):
             for p in self._aggr[addr]:
+                if getattr(p, "_kph_internal", False):
+                    continue        # the engine's own (rethook_flush_task), not the user's
                 kind = "r" if hasattr(p, "_kph_rp") else "k"
                 hit = self.symbols.symbolize(addr)
                 where = f"{hit[0].name}+{hit[1]:#x}" if hit else f"{addr:#x}"
@@ -787,17 +910,16 @@ class HostEngine(HandlerErrors):
             if self._uprobes is not None:
                 self._uprobes.close()
             restored = 0
-            for slot, ri in list(self._live.items()):
+            for slot, chain in list(self._live.items()):
                 try:
                     cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
                 except HarnessError:
-                    # A call that never returns (do_exit) leaves its instance behind, as
-                    # in the kernel; its stack may be freed and unmapped by now.
-                    continue
+                    continue    # a dead task's stack, freed before rethook_flush_task()
                 if cur == self.trampoline:
-                    self.stub.write_memory(slot, ri.ret_addr.to_bytes(8, "little"))
+                    self.stub.write_memory(slot, chain[0].ret_addr.to_bytes(8, "little"))
                     restored += 1
             self._live.clear()
+            self._flush_kp = None
             for a, num in list(self._bp.items()):
                 self._remove_bp(a, num)
             self._bp.clear()

@@ -146,10 +146,13 @@ class ProbeRejectedError(HarnessError):
     address inside no symbol; EILSEQ: not an instruction boundary (x86 ``can_probe``).
     """
 
-    def __init__(self, msg: str, errno: int, addr: int | None = None) -> None:
+    def __init__(self, msg: str, errno: int, addr: int | None = None, *,
+                 reason: str = "") -> None:
         super().__init__(msg)
         self.errno = errno
         self.addr = addr
+        #: the rule in a few words (``blacklisted: do_int3``), for one-line verdicts
+        self.reason = reason or msg
 
 
 class ProbeSpecError(HarnessError):

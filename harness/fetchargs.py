@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
            "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
            "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "FAULT", "UNKNOWN",
-           "evaluate", "format_value", "format_fields", "format_ip", "TraceRecord",
+           "evaluate", "format_value", "format_fields", "format_ip", "escape_bytes", "TraceRecord",
            "parse_trace_line"]
 
 MAX_STRING_SIZE = 4096                       # PATH_MAX (trace_probe.h)
@@ -418,8 +418,9 @@ def _fetch(op: Insn, ctx: FetchContext) -> Any:
         return ctx.retval() & _M
     if kind == "imm":
         return op[1]
-    if kind == "comm":
-        return _Blob(ctx.comm().encode("utf-8", "surrogateescape"))
+    if kind == "comm":      # the bytes of current->comm when the context has them
+        raw = getattr(ctx, "comm_bytes", None)
+        return _Blob(raw() if raw is not None else ctx.comm().encode("utf-8", "surrogateescape"))
     if kind == "data":
         return _Blob(op[1].encode("utf-8", "surrogateescape"))
     if kind == "ustack":    # get_user_stack_nth() (trace_uprobe.c): 0 when the read faults
@@ -440,8 +441,17 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
 
     Returns what the kernel's returns: bytes of dynamic data (or -errno).
     """
-    if code[0][0] == "nop_symbol":          # resolved like traceprobe_update_arg()
-        val: Any = (ctx.symbol_addr(code[0][1]) + code[0][2]) & _M
+    if code[0][0] == "nop_symbol":
+        # An @SYM left unresolved: backends resolve it once at registration, as
+        # traceprobe_update_arg() does (harness.dynevent.resolve_fetch_symbols), so this
+        # only serves direct callers; a malformed offset is a KeyError like a bad name.
+        data = code[0][1]
+        cut = next((i for i, ch in enumerate(data) if ch in "+-"), len(data))
+        try:
+            off = int(data[cut:], 0) if cut < len(data) else 0
+        except ValueError:
+            raise KeyError(data) from None
+        val: Any = (ctx.symbol_addr(data[:cut]) + off) & _M
         pc = 2
     else:
         val, pc = _fetch(code[0], ctx), 1
@@ -560,9 +570,10 @@ def format_value(arg: Any, value: Value,
 
     ``%u``/``%d`` for ``u*``/``s*`` (bitfields print as their ``u`` container), ``0x%x`` for
     ``x*``, ``"%s"`` or ``(fault)`` for strings, ``%pS`` for ``symbol`` (needs
-    ``symbolize``; ``0x%lx`` when it finds nothing), ``{a,b}`` for arrays. Bytes decode as
-    UTF-8 with ``surrogateescape``; read the guest's trace file the same way. An
-    :data:`UNKNOWN` value prints ``(unknown)``: the kernel prints stale bytes there.
+    ``symbolize``; ``0x%lx`` when it finds nothing), ``{a,b}`` for arrays. A string's bytes
+    are shown escaped by :func:`escape_bytes` (the trace file prints them raw, which a
+    newline or a byte that is not UTF-8 makes ambiguous). An :data:`UNKNOWN` value prints
+    ``(unknown)``: the kernel prints stale bytes there.
 
     :raise ValueError: for a ``symbol`` value when ``symbolize`` is None.
     """
@@ -573,11 +584,36 @@ def format_value(arg: Any, value: Value,
     return _format1(t, value, symbolize)
 
 
+_SPACE_ESC = {0x0C: "f", 0x0A: "n", 0x0D: "r", 0x09: "t", 0x0B: "v"}   # escape_space()
+_SPECIAL_ESC = {0x5C: "\\", 0x07: "a", 0x1B: "e", 0x22: '"'}           # escape_special()
+
+
+def escape_bytes(data: bytes) -> str:
+    r"""``string_escape_mem(src, len, ..., ESCAPE_ANY | ESCAPE_NAP | ESCAPE_APPEND, "\"\\")``
+    (lib/string_helpers.c): printable ASCII as is, except ``"`` and ``\``; ``\n`` ``\t``
+    ``\r`` ``\f`` ``\v`` ``\a`` ``\e`` ``\"`` ``\\`` ``\0``; every other byte as three octal
+    digits. The result is printable ASCII and names the bytes exactly, so strings compare
+    as the bytes the kernel stored and show the same on every side."""
+    out = []
+    for c in data:
+        if 0x20 <= c < 0x7F and c not in (0x22, 0x5C):     # isascii && isprint, not in @only
+            out.append(chr(c))
+        elif c in _SPACE_ESC:
+            out.append("\\" + _SPACE_ESC[c])
+        elif c in _SPECIAL_ESC:
+            out.append("\\" + _SPECIAL_ESC[c])
+        elif c == 0:
+            out.append("\\0")                             # escape_null()
+        else:
+            out.append(f"\\{c:03o}")                      # escape_octal()
+    return "".join(out)
+
+
 def _format1(t: FetchType, v: Any, symbolize: Callable[[int], str | None] | None) -> str:
     if v is UNKNOWN:
         return "(unknown)"
     if t.is_string:
-        return FAULT_STRING if v is FAULT else '"' + v.decode("utf-8", "surrogateescape") + '"'
+        return FAULT_STRING if v is FAULT else '"' + escape_bytes(v) + '"'
     v &= (1 << 8 * t.size) - 1
     if t.name == "symbol":
         if symbolize is None:

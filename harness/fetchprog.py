@@ -69,11 +69,16 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
         op = code[i]
         kind = op[0]
         if kind == "nop_symbol":
+            # The raw SYM[+|-OFFS] text (traceprobe_split_symbol_offset()); the trace
+            # layer has normally resolved it already (harness.dynevent).
+            from .probespec import split_symbol_offset
+
+            name, off = split_symbol_offset(op[1])
             try:
-                addr = resolve(op[1]) if resolve is not None else 0
+                addr = resolve(name) if resolve is not None and name else 0
             except KeyError:
                 addr = 0
-            out.append(_insn("imm", imm=addr + op[2]))
+            out.append(_insn("imm", imm=(addr + (off or 0)) & ((1 << 64) - 1)))
             i += 2          # the ("imm", None) the kernel fills in
             continue
         if kind == "reg":

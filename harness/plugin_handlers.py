@@ -36,6 +36,7 @@ from .plugin import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC
 from .handlerctx import mark_thread, probe_name
 
 log = logging.getLogger(__name__)
+INT3_INSN_SIZE = 1
 
 
 class HandlerDispatch:
@@ -114,7 +115,10 @@ class HandlerDispatch:
         probes = [p for i in ev.ids if isinstance(p := self._by_id.get(i), Kprobe)
                   and p.registered and not p.disabled]
         self.stats["hits"] += 1
-        regs = self._regs(ev, ch, {"ip": ev.addr})
+        # regs->ip = addr + 1 on all three x86 paths (kprobe_int3_handler() after the int3,
+        # kprobe_ftrace_handler() and optimized_callback() emulating it), as the gdbstub
+        # engine hands it (harness.engine); a non-zero return resumes at what it left.
+        regs = self._regs(ev, ch, {"ip": ev.addr + INT3_INSN_SIZE})
         for p in probes:
             p.nhit += 1
         for p in probes:

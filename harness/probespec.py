@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ProbeSpec", "ProbeArg", "parse", "parse_arg", "format", "kernel_format", "format_error",
-    "default_event_name", "kstrtoul", "kstrtol", "REGISTERS",
+    "default_event_name", "kstrtoul", "kstrtol", "split_symbol_offset", "REGISTERS",
     # the fetch-arg tree, defined in harness.fetchargs and re-exported here
     "FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
     "ImmString", "MemAddr", "MemSymbol", "Deref", "Bitfield",
@@ -226,6 +226,14 @@ def _simple_strtoul(s: str, start: int) -> tuple[int, int]:
     return val & _MASK64, start + used
 
 
+def split_symbol_offset(data: str) -> tuple[str, int | None]:
+    """``traceprobe_split_symbol_offset()`` (kernel/trace/trace_probe.c): the text before
+    the first ``+`` or ``-`` and ``kstrtol()`` of the rest from that sign on (0 without
+    one); the offset is None where the kernel returns -EINVAL."""
+    cut = next((i for i, ch in enumerate(data) if ch in "+-"), len(data))
+    return data[:cut], (kstrtol(data[cut:]) if cut < len(data) else 0)
+
+
 def _is_good_name(name: str, hash_ok: bool = False) -> bool:
     """``__is_good_name()`` in kernel/trace/trace.h: a C identifier (``-`` too for groups)."""
     extra = "_-" if hash_ok else "_"
@@ -319,20 +327,14 @@ def _parse_fetch(s: str, pos: int, flags: int, ops: list[Insn]) -> FetchArg:
         elif flags & _FL_UPROBE:
             raise _Fail("Symbol is not available with uprobe", pos)
         else:
-            # Resolved by traceprobe_update_arg() at register time: a bad offset fails
-            # register_trace_kprobe() (FAIL_REG_PROBE), an empty name kallsyms (ENOENT).
-            sym, cut = s[1:], len(s[1:])
-            for i, ch in enumerate(sym):
-                if ch in "+-":
-                    cut = i
-                    break
-            off = kstrtol(sym[cut:]) if cut < len(sym) else 0
-            if off is None:
-                raise _Fail("Failed to register probe event", pos)
-            if cut == 0:
-                raise _Fail("Invalid probed address or symbol", pos)
-            node = MemSymbol(sym[:cut], off)
-            ops.append(("nop_symbol", sym[:cut], off))
+            # FETCH_NOP_SYMBOL keeps the text after '@' as written: parse_probe_arg() checks
+            # nothing more. traceprobe_update_arg() splits and resolves it at register time
+            # (harness.dynevent.resolve_fetch_symbols): a bad offset is EINVAL, an unknown
+            # or empty name ENOENT, so "@", "@bogus" and "@_sdata*10" all parse.
+            data = s[1:]
+            sym, off = split_symbol_offset(data)
+            node = MemSymbol(sym, off) if off is not None else MemSymbol(data)
+            ops.append(("nop_symbol", data))
             _push(ops, ("imm", None), pos)
         _push(ops, ("deref", 0), pos)
         return node
@@ -523,7 +525,8 @@ _SPACE = re.compile(r"[^ \t\n\v\f\r]+")          # argv_split() splits on isspac
 
 
 def parse(text: str, *,
-          on_func_entry: Callable[[str, int], bool | None] | None = None) -> ProbeSpec:
+          on_func_entry: Callable[[str, int], bool | None] | None = None,
+          count_symbol: Callable[[str], int] | None = None) -> ProbeSpec:
     """Parse one ``kprobe_events`` line the way a 6.1 kernel does.
 
     Errors come in the kernel's order (maxactive, target, event name, then each argument),
@@ -535,6 +538,9 @@ def parse(text: str, *,
         function entry, False when not (a return probe there is BAD_RETPROBE), None when the
         symbol is unknown (the kernel defers that to ENOENT at register time). By default
         ``offset == 0``, which holds for the default image (no IBT ``endbr64`` at entries).
+    :param count_symbol: ``number_of_same_symbols()`` for an unqualified ``SYM``: the kernel
+        refuses 0 (BAD_PROBE_ADDR, ENOENT) and more than 1 (NON_UNIQ_SYMBOL, EADDRNOTAVAIL)
+        right after the return-probe check, before the event name and the arguments.
     :raise ProbeSpecError: when the kernel would refuse the line before looking anything up;
         ``column`` is the 0-based offset in ``text`` of the offending character.
     """
@@ -547,7 +553,7 @@ def parse(text: str, *,
     try:
         if line[0] == "-":
             return _parse_delete(toks, text)
-        return _parse_probe(toks, text, on_func_entry)
+        return _parse_probe(toks, text, on_func_entry, count_symbol)
     except _Fail as exc:
         raise ProbeSpecError(str(exc), text, exc.pos) from None
 
@@ -568,7 +574,8 @@ def _parse_delete(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
 
 
 def _parse_probe(toks: list[tuple[int, str]], text: str,
-                 on_func_entry: Callable[[str, int], bool | None] | None) -> ProbeSpec:
+                 on_func_entry: Callable[[str, int], bool | None] | None,
+                 count_symbol: Callable[[str], int] | None = None) -> ProbeSpec:
     h0, head = toks[0]
     kind = head[0]
     if kind not in ("p", "r"):
@@ -616,6 +623,12 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
         fentry = entry is True
         if entry is False and is_return:
             raise _Fail("Retprobe address must be an function entry", t0)
+        if module is None and count_symbol is not None:
+            n = count_symbol(sym)       # __trace_kprobe_create(): number_of_same_symbols()
+            if n > 1:
+                raise _Fail("The symbol is not unique", t0)
+            if n == 0:
+                raise _Fail("Invalid probed address or symbol", t0)
 
     group, event, exp_group, exp_event = KPROBE_EVENT_SYSTEM, "", False, False
     if colon >= 0:

@@ -42,17 +42,29 @@ class Hit:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What registering one spec gave on one side."""
+    """What registering one spec line gave on one side.
+
+    ``index`` is the line's position in the run (several lines may define one event, so
+    ``probe`` alone does not name a line). ``message`` is the kernel's ``error_log`` text
+    for a refusal; ``reason`` says why in a few words where the side knows more (host-side:
+    the rule, ``blacklisted: do_int3``). ``pending`` is set when the line was accepted but
+    nothing was registered (6.1 keeps a ``MOD:SYM`` event of a module not loaded, and a raw
+    address it cannot resolve): it never fires.
+    """
 
     probe: str
     accepted: bool
     errno: int = 0
     message: str = ""
     mode: str = ""               # ftrace, int3, optimized (in-guest), host
+    index: int = -1
+    reason: str = ""
+    pending: str = ""
 
     @classmethod
-    def rejected(cls, probe: str, errno: int, message: str = "") -> "Outcome":
-        return cls(probe, False, errno, message)
+    def rejected(cls, probe: str, errno: int, message: str = "", *, index: int = -1,
+                 reason: str = "") -> "Outcome":
+        return cls(probe, False, errno, message, index=index, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -74,3 +86,4 @@ class RunResult:
     counters: dict[str, Counters] = field(default_factory=dict)
     workload_status: int = 0
     workload_output: str = ""
+    workload_stderr: str = ""

@@ -10,23 +10,26 @@ from .diff import NORMALIZATIONS, DiffResult
 from .records import Hit, RunResult
 
 
-def text(res: DiffResult, *, workload: str = "", status: int | None = None) -> str:
+def text(res: DiffResult, *, workload: str = "", status: int | None = None,
+         stderr: str = "") -> str:
     a, b = res.a_side, res.b_side
     out = [f"kph diff: {a} vs {b}" + (f", workload {workload!r}" if workload else "")
-           + (f" (exit {status})" if status is not None else "")]
+           + (f" ({workload_status(status, stderr)})" if status is not None else "")]
     for probe, (na, nb) in res.counts.items():
         mode = f"  [{res.modes[probe]}]" if probe in res.modes else ""
         out.append(f"  {probe:28s} {a} {na:5d}  {b} {nb:5d}  matched {res.matched.get(probe, 0):5d}{mode}")
     for probe, (x, y) in res.outcomes.items():
         if (x and not x.accepted) or (y and not y.accepted):
             out.append(f"  {probe:28s} registration: {a} {_o(x)}; {b} {_o(y)}")
+        elif x and y and (x.pending or y.pending):
+            out.append(f"  {probe:28s} accepted, not registered: {a}: {x.pending or 'registered'}; "
+                       f"{b}: {y.pending or 'registered'}")
     applied = [f"{k} ({v})" for k, v in res.applied.items() if v]
     if applied:
         out.append("normalizations applied: " + ", ".join(applied)
                    + "  (see harness/diff.py; nothing else is normalized)")
     if res.equivalent:
-        per = ", ".join(f"{n}" for n in res.matched.values())
-        out.append(f"result: equivalent: {res.total_matched} events matched on each side ({per})")
+        out.append("result: " + verdict(res))
     else:
         d = res.divergences[0]
         out.append(f"result: DIVERGED at {d.describe(a, b)}")
@@ -39,18 +42,68 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None) -> s
     return "\n".join(out) + "\n"
 
 
+def verdict(res: DiffResult) -> str:
+    """The verdict of an equivalent result, naming only what was measured: hits compared
+    on probes both sides armed, refusals both sides made (with the kernel's reason), and
+    lines both sides accepted without arming anything."""
+    parts = []
+    if res.armed:
+        if res.total_matched:
+            per = ", ".join(str(n) for n in res.matched.values())
+            parts.append(f"equivalent: {res.total_matched} events matched on each side ({per})")
+        else:
+            parts.append("equivalent: no events on either side (nothing to compare field by "
+                         "field)")
+    refused = res.both_refused
+    if refused:
+        one = len(res.outcomes) == 1
+        parts.append("both refused: " + "; ".join(refusal_text(res, k, label=not one)
+                                                  for k in refused))
+    pending = res.pending
+    if pending:
+        parts.append("accepted, but nothing armed that could fire: " + "; ".join(
+            f"{k} ({res.outcomes[k][0].pending})" for k in pending))  # type: ignore[union-attr]
+    return "; ".join(parts) if parts else "nothing was placed"
+
+
+def refusal_text(res: DiffResult, key: str, *, label: bool = True) -> str:
+    """``EINVAL (blacklisted: do_int3; events: Failed to register probe event)``: the
+    errno, the reason side a gives, and side b's text when it says something else."""
+    import errno
+
+    x, y = res.outcomes[key]
+    assert x is not None and y is not None
+    name = errno.errorcode.get(x.errno, str(x.errno))
+    why = x.reason or x.message
+    if y.message and y.message != why:
+        why = f"{why}; {res.b_side}: {y.message}" if why else y.message
+    return (f"{key} " if label else "") + f"{name} ({why})"
+
+
+def workload_status(status: int | None, stderr: str = "", *, tail: int = 3) -> str:
+    """``exit 0``, or ``exit 1: <the last lines of its stderr>``."""
+    if not status:
+        return f"exit {status}"
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()][-tail:]
+    return f"exit {status}" + (": " + " | ".join(lines) if lines else "")
+
+
 def _o(o: Any) -> str:
     if o is None:
         return "not placed"
     if o.accepted:
         return "accepted"
     import errno
-    return f"refused {errno.errorcode.get(o.errno, o.errno)}"
+    why = o.reason or o.message
+    return f"refused {errno.errorcode.get(o.errno, o.errno)}" + (f" ({why})" if why else "")
 
 
 def to_json(res: DiffResult, runs: tuple[RunResult, RunResult] | None = None) -> str:
     doc: dict[str, Any] = {
         "equivalent": res.equivalent, "sides": [res.a_side, res.b_side],
+        "verdict": verdict(res) if res.equivalent else
+        "DIVERGED at " + res.divergences[0].describe(res.a_side, res.b_side),
+        "both_refused": res.both_refused, "pending": res.pending,
         "matched": res.matched, "counts": {k: list(v) for k, v in res.counts.items()},
         "modes": res.modes, "normalizations": {k: NORMALIZATIONS[k] for k in res.applied if res.applied[k]},
         "divergences": [dataclasses.asdict(d) for d in res.divergences],
@@ -78,14 +131,14 @@ def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str
             cb = html.escape(lb[i].line()) if i < len(lb) else ""
             rows.append(f"<tr{cls}><td>{html.escape(probe)}</td><td>{i + 1}</td>"
                         f"<td><code>{ca}</code></td><td><code>{cb}</code></td></tr>")
-    verdict = ("equivalent" if res.equivalent else
-               html.escape("diverged at " + res.divergences[0].describe(res.a_side, res.b_side)))
+    said = html.escape(verdict(res) if res.equivalent else
+                       "diverged at " + res.divergences[0].describe(res.a_side, res.b_side))
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>kph diff</title>
 <style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;vertical-align:top}}tr.bad{{background:#fcc}}
 code{{font-size:12px}}</style></head><body>
 <h1>kph diff: {html.escape(res.a_side)} vs {html.escape(res.b_side)}</h1>
-<p>workload <code>{html.escape(workload)}</code>: <b>{verdict}</b>;
+<p>workload <code>{html.escape(workload)}</code>: <b>{said}</b>;
 {res.total_matched} events matched on each side.</p>
 <p>normalizations: {html.escape("; ".join(NORMALIZATIONS[k] for k, v in res.applied.items() if v))}</p>
 <table><tr><th>probe</th><th>#</th><th>{html.escape(res.a_side)}</th><th>{html.escape(res.b_side)}</th></tr>

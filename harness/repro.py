@@ -369,7 +369,7 @@ def _cause(scn: Scenario, obs: Observed, stack: str) -> str:
     refused = [(side, o) for side, outs in obs.outcomes.items() for o in outs if not o.accepted]
     if refused and obs.outcome == "refused":
         return "; ".join(f"{side} refused {o.probe}: {_errno.errorcode.get(o.errno, o.errno)} "
-                         f"({o.message})" for side, o in refused)
+                         f"({_why(o)})" for side, o in refused)
     parts = [f"{side} {p}: nhit {c.nhit}, nmissed {c.nmissed}"
              for side, cs in obs.counters.items() for p, c in cs.items()]
     head = f"trigger exited {obs.trigger_status}"
@@ -454,3 +454,10 @@ def _write_bundle(d: Path, scn: Scenario, r: _Run, met: bool, reasons: list[str]
     lines += ["", "Files: console.log, registers.txt, stack.txt, kprobes_list.txt, host_probes.txt, "
               "hits.json, scenario.toml, manifest.json", ""]
     (d / "summary.md").write_text("\n".join(lines))
+
+
+def _why(o: Any) -> str:
+    """The kernel's error_log text, and the side's own reason when it says more."""
+    if o.reason and o.reason != o.message:
+        return f"{o.message}: {o.reason}" if o.message else o.reason
+    return o.message

@@ -10,6 +10,7 @@ executes the instruction, which runs the guest's probe. One workload, the same c
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -27,9 +28,17 @@ def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
     kernel needs, from the program's ELF read out of the guest; other specs pass as is."""
     from .uprobespec import resolve_symbol
 
+    from .backends.tracelayer import uprobe_file_refusal
+
     out = []
     for spec in specs:
         if spec.is_uprobe and spec.symbol is not None:
+            if uprobe_file_refusal(vm, spec) is not None:
+                # The kernel checks the file before the offset: leave the offset at 0 so
+                # every side refuses the line for its file, with the kernel's text.
+                out.append(dataclasses.replace(spec, symbol=None, offset=0,
+                                               event=spec.event if spec.explicit_event else ""))
+                continue
             try:
                 elf = vm.pull(spec.path)
             except HarnessError as exc:
@@ -54,7 +63,7 @@ def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str,
         r = vm.run(workload, timeout=timeout)
         be.disable()
         return RunResult(be.side, outcomes, be.collect(), be.counters(), r.status,
-                         r.stdout + r.stderr)
+                         r.stdout + r.stderr, r.stderr)
     finally:
         be.close()
 
@@ -79,14 +88,23 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         h_out = h.register(specs)
         g_out = g.register(specs)
         vm.host.invalidate_code()
+        # Both sides' probes are live over the same window, so that return-probe pools
+        # (and their nmissed) see the same calls: events and host probes are enabled
+        # together; the module's are live from its registration to its unloading, so the
+        # host arms right after registering it and disarms after reading its counters.
+        if guest == "module":
+            h.arm()
         g.enable()
         h.enable()
         r = vm.run(workload, timeout=timeout)
-        h.disable()
+        h.disable(disarm=guest != "module")
         g.disable()
-        host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr)
-        guest_res = RunResult(g.side, g_out, g.collect(), g.counters(), r.status,
-                              r.stdout + r.stderr)
+        g_hits, g_counters = g.collect(), g.counters()
+        h.disarm()
+        host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
+                         r.stderr)
+        guest_res = RunResult(g.side, g_out, g_hits, g_counters, r.status,
+                              r.stdout + r.stderr, r.stderr)
         return host, guest_res
     finally:
         if h is not None:

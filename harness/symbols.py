@@ -163,6 +163,13 @@ class SymbolTable:
         self._rows = [r for r in self._rows if r[4] != name] + new
         self._rebuild()
 
+    def drop_module(self, name: str) -> None:
+        """Forget module ``name`` (it is no longer loaded in the guest)."""
+        if any(r[4] == name for r in self._rows):
+            self._rows = [r for r in self._rows if r[4] != name]
+            self._sections = {k: v for k, v in self._sections.items() if k != name}
+            self._rebuild()
+
     def add_module_sections(self, name: str, sections: dict[str, int]) -> None:
         """Record ``/sys/module/NAME/sections/*`` bases; a module symbol then ends at the
         next section at the latest, as ``find_kallsyms_symbol()`` ends at the text's end."""
@@ -197,6 +204,7 @@ class SymbolTable:
                 if j != i and self._rank(i) < self._rank(j):
                     by_mod[(self._mods[i], name)] = i
         self._by_name, self._by_mod = by_name, by_mod
+        self._counts: dict[str, int] | None = None
         self._modules = frozenset(m for m in self._mods if m is not None)
         stext, etext = by_name.get("_stext"), by_name.get("_etext")
         self._text_range = (None if stext is None or etext is None
@@ -235,6 +243,20 @@ class SymbolTable:
         if i is None:
             raise SymbolNotFoundError(name, hint=self._suggest(sym, mod if sep else None))
         return self._sym(i)
+
+    def count(self, name: str) -> int:
+        """How many entries are called ``name`` (core and modules), as 6.1's
+        ``number_of_same_symbols()`` counts them for an unqualified kprobe target."""
+        if self._counts is None:
+            counts: dict[str, int] = {}
+            for n in self._names:
+                counts[n] = counts.get(n, 0) + 1
+            self._counts = counts
+        return self._counts.get(name, 0)
+
+    def modules(self) -> frozenset[str]:
+        """The modules this table has symbols of."""
+        return self._modules
 
     def get(self, name: str) -> Symbol | None:
         """Like ``lookup`` but None when absent, without computing suggestions (which
@@ -549,14 +571,72 @@ def _containing(addr: int, symbols: SymbolTable) -> tuple[Symbol, int]:
     found = symbols.symbolize(addr)
     if found is None:
         raise ProbeRejectedError(f"no kernel symbol holds {addr:#x}, so _kprobe_addr() "
-                                 "cannot make it symbol+offset", errno.ENOENT, addr)
+                                 "cannot make it symbol+offset", errno.ENOENT, addr,
+                                 reason=f"no symbol holds {addr:#x}")
     return found
+
+
+class ReservedText:
+    """Kernel text a kprobe may not go in because the kernel patches it itself, as
+    ``check_kprobe_address_safe()`` (kernel/kprobes.c, 6.1) asks: ``jump_label_text_reserved()``
+    (a ``static_branch`` site: the 2- or 5-byte jmp/nop at each ``__jump_table`` entry's code,
+    its length decoded as ``arch_jump_entry_size()`` does), ``static_call_text_reserved()``
+    (``CALL_INSN_SIZE`` bytes at each ``.static_call_sites`` entry) and ``find_bug()`` (the
+    ``ud2`` of each ``__bug_table`` entry). vmlinux's tables only: module tables live in
+    ``struct module`` and are not read (a module's jump label or static call site is not
+    refused host-side).
+
+    Entries are self-relative ``s32``s (``jump_entry_code()``, ``static_call_addr()``,
+    ``bug_addr()``): 16-byte ``struct jump_entry``, 8-byte ``struct static_call_site``, 12-byte
+    ``struct bug_entry`` (``CONFIG_DEBUG_BUGVERBOSE``, relative pointers).
+    """
+
+    _TABLES = (("__start___jump_table", "__stop___jump_table", 16),
+               ("__start_static_call_sites", "__stop_static_call_sites", 8),
+               ("__start___bug_table", "__stop___bug_table", 12))
+
+    def __init__(self, jump: list[int], static_calls: list[int], bugs: set[int]) -> None:
+        self.jump = sorted(jump)
+        self.static_calls = sorted(static_calls)
+        self.bugs = bugs
+
+    @classmethod
+    def from_memory(cls, symbols: SymbolTable, read: ReadFn) -> ReservedText:
+        """Read the three tables of vmlinux (``read(addr, n)``: guest memory)."""
+        found: list[list[int]] = []
+        for start, stop, size in cls._TABLES:
+            a, b = symbols.get(start), symbols.get(stop)
+            sites: list[int] = []
+            if a is not None and b is not None and b.addr > a.addr:
+                data = read(a.addr, b.addr - a.addr)
+                for i in range(0, len(data) - size + 1, size):
+                    rel = int.from_bytes(data[i:i + 4], "little", signed=True)
+                    sites.append((a.addr + i + rel) & ((1 << 64) - 1))
+            found.append(sites)
+        return cls(found[0], found[1], set(found[2]))
+
+    def find(self, addr: int, read: ReadFn) -> str | None:
+        """What reserves ``addr``, or None."""
+        i = bisect.bisect_left(self.jump, addr - 4)
+        while i < len(self.jump) and self.jump[i] <= addr:
+            code = self.jump[i]
+            insn = instruction_at(read(code, 16), code)
+            if insn is not None and code + insn.size > addr:
+                return "a jump label site (jump_label_text_reserved)"
+            i += 1
+        i = bisect.bisect_left(self.static_calls, addr - 4)
+        if i < len(self.static_calls) and self.static_calls[i] <= addr:
+            return "a static call site (static_call_text_reserved)"
+        if addr in self.bugs:
+            return "a BUG() site (find_bug)"
+        return None
 
 
 def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist,
                         read: ReadFn, kretprobe: bool = False,
                         symbol_offset: int | None = None, recover: RecoverFn | None = None,
-                        arch: X86_64 = ARCH, max_prefix: int = MAX_FUNC_PREFIX) -> None:
+                        arch: X86_64 = ARCH, max_prefix: int = MAX_FUNC_PREFIX,
+                        reserved: ReservedText | None = None) -> None:
     """Refuse ``addr`` as Linux 6.1 ``register_k[ret]probe()`` would, with its errno.
 
     In the kernel's order: ``_kprobe_addr()``, ENOENT if no symbol holds ``addr``; for a
@@ -573,7 +653,8 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
 
     ``read`` is called once, for ``sym.addr`` to ``addr+15``. INT3s of armed probes decode
     as 1-byte ``int3`` unless ``recover`` gives back the original bytes, as
-    ``recover_probed_instruction()`` does.
+    ``recover_probed_instruction()`` does. With ``reserved``, jump label, static call and
+    BUG() sites of vmlinux are refused with EINVAL too (:class:`ReservedText`).
 
     :param symbol_offset: OFFS of a ``SYM+OFFS`` probe, for messages only: the kernel
         re-derives the offset from the address (``foo+0x140`` past ``foo`` is ``bar+0x0``).
@@ -585,7 +666,8 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
         where += f" (given as +{symbol_offset:#x})"
     if off > max_prefix:
         raise ProbeRejectedError(f"{where}: the harness does not decode more than "
-                                 f"{max_prefix} bytes of a function", errno.EILSEQ, addr)
+                                 f"{max_prefix} bytes of a function", errno.EILSEQ, addr,
+                                 reason=f"not decoded that far: {where}")
     code = bytearray()
 
     def prefix() -> bytearray:
@@ -596,13 +678,15 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
     if kretprobe and not arch.adjust_kprobe_addr(sym.addr, off,
                                                  prefix() if off == 4 else b"")[1]:
         raise ProbeRejectedError(f"{where} is not a function entry; a kretprobe must be at "
-                                 "+0 (kprobe_on_func_entry)", errno.EINVAL, addr)
+                                 "+0 (kprobe_on_func_entry)", errno.EINVAL, addr,
+                                 reason=f"not a function entry: {where}")
     if not symbols.is_text(addr):
         what = ("BPF or trampoline code" if sym.module in _PSEUDO_MODULES
                 else "text outside _stext.._etext (init text is freed after boot)"
                 if sym.is_text else f"a {sym.type!r} symbol, not text")
         raise ProbeRejectedError(f"{where} ({addr:#x}) is {what}; kprobes go only in core "
-                                 "kernel text or module text", errno.EINVAL, addr)
+                                 "kernel text or module text", errno.EINVAL, addr,
+                                 reason=f"not kernel text: {where}")
     listed, via = blacklist.find(addr), ""
     if listed is None and "." in sym.name:
         stem = sym.name.split(".", 1)[0]
@@ -616,10 +700,16 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
         raise ProbeRejectedError(
             f"{where} is on the kprobe blacklist{via} (NOKPROBE_SYMBOL,"
             f" noinstr or entry code; /sys/kernel/debug/kprobes/blacklist); probe a caller "
-            f"of {listed} instead, or a function it calls", errno.EINVAL, addr)
+            f"of {listed} instead, or a function it calls", errno.EINVAL, addr,
+            reason=f"blacklisted: {listed}")
+    why = reserved.find(addr, read) if reserved is not None else None
+    if why is not None:
+        raise ProbeRejectedError(f"{where} is {why}: the kernel patches it itself",
+                                 errno.EINVAL, addr, reason=f"{why.split(' (')[0]}: {where}")
     if sym.name.startswith(("__cfi_", "__pfx_")):
         raise ProbeRejectedError(f"{where} is a CFI/padding preamble, not a function "
-                                 "(is_cfi_preamble_symbol)", errno.EINVAL, addr)
+                                 "(is_cfi_preamble_symbol)", errno.EINVAL, addr,
+                                 reason=f"CFI preamble: {where}")
     _check_insn(addr, sym, where, prefix(), recover, arch)
 
 
@@ -639,14 +729,16 @@ def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
         if insn is None:
             raise ProbeRejectedError(
                 f"cannot decode {bytes(code[i:i + 8]).hex(' ')} at {sym.name}+{i:#x}, so "
-                f"can_probe() never reaches {where}", errno.EILSEQ, addr)
+                f"can_probe() never reaches {where}", errno.EILSEQ, addr,
+                reason=f"not an instruction boundary: {where}")
         last, pos = insn, pos + insn.size
     if last is not None and pos != addr:
         start = last.addr - sym.addr
         raise ProbeRejectedError(
             f"{where} is not an instruction boundary (can_probe): it is inside '{last}' "
             f"({last.size} bytes); the nearest boundaries are {sym.name}+{start:#x} and "
-            f"{sym.name}+{pos - sym.addr:#x}", errno.EILSEQ, addr)
+            f"{sym.name}+{pos - sym.addr:#x}", errno.EILSEQ, addr,
+            reason=f"not an instruction boundary: {where}")
     # __copy_instruction(): what arch_copy_kprobe() refuses with EINVAL.
     if insn is None:
         why = "cannot be decoded"
@@ -659,4 +751,4 @@ def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
     else:
         return
     raise ProbeRejectedError(f"the instruction at {where} {why} (__copy_instruction)",
-                             errno.EINVAL, addr)
+                             errno.EINVAL, addr, reason=f"cannot copy the instruction at {where}")

@@ -54,12 +54,20 @@ PAGE = 4096
 _USER_TOP = 1 << 47
 
 
+class UprobeNeverFires(ProbeRejectedError):
+    """A uprobe 6.1 would register and never install: its offset is in the file but in no
+    mapping that can execute it (``valid_vma()`` in kernel/events/uprobes.c installs
+    breakpoints only in read+exec mappings), or the file is no program at all. The API
+    refuses it (EINVAL, it could never fire); ``uprobe_events`` accepts the line."""
+
+
 class ElfImage:
     """The parts of a program's ELF that uprobes need (pyelftools)."""
 
     def __init__(self, data: bytes) -> None:
         from elftools.elf.elffile import ELFFile
 
+        self.size = len(data)
         self._elf = ELFFile(io.BytesIO(data))
         self.pie = self._elf["e_type"] == "ET_DYN"
         self.loads = [s.header for s in self._elf.iter_segments() if s["p_type"] == "PT_LOAD"]
@@ -245,12 +253,23 @@ class UprobeManager:
             try:
                 self._elf[path] = ElfImage(data)
             except Exception as exc:  # noqa: BLE001 - pyelftools raises several kinds
-                raise ProbeRejectedError(f"{path} is not an ELF file ({exc}) (-EINVAL)",
-                                         EINVAL) from None
+                raise UprobeNeverFires(f"{path} is not an ELF file ({exc}) (-EINVAL)", EINVAL,
+                                       reason="not a program: never executed") from None
         return self._elf[path]
 
     def prepare(self, up: Uprobe) -> None:
-        """Resolve ``up`` with the guest running (agent calls): ELF, inode, pid's mapping."""
+        """Resolve ``up`` with the guest running (agent calls): ELF, inode, pid's mapping.
+
+        The file is checked first, as ``__trace_uprobe_create()`` does before anything else
+        of a line (``kern_path(LOOKUP_FOLLOW)``, then ``d_is_reg()``): ENOENT "Failed to find
+        the given file", EINVAL "Not a regular file" (a directory such as /sys, a device)."""
+        st = self.vm.run(f"stat -L -c %F {shlex.quote(up.path)}", timeout=30)
+        if st.status != 0:
+            raise ProbeRejectedError(f"{up.path}: Failed to find the given file (-ENOENT)",
+                                     ENOENT, reason="Failed to find the given file")
+        if not st.stdout.strip().startswith("regular"):
+            raise ProbeRejectedError(f"{up.path} is a {st.stdout.strip()}: Not a regular file "
+                                     "(-EINVAL)", EINVAL, reason="Not a regular file")
         img = self.elf(up.path)
         if up.symbol is not None:
             try:
@@ -260,13 +279,18 @@ class UprobeManager:
                                          ENOENT) from None
         if up.offset is None:
             raise ProbeRejectedError("a uprobe needs offset or symbol (-EINVAL)", EINVAL)
+        if up.offset > img.size:        # __uprobe_register(): offset > i_size_read()
+            raise ProbeRejectedError(f"{up.path}: file offset {up.offset:#x} is past its end "
+                                     f"({img.size} bytes) (-EINVAL)", EINVAL,
+                                     reason="offset past the end of the file (uprobe_register)")
+        never = "in no mapping that executes (valid_vma())"
         try:
             vaddr = img.vaddr(up.offset)
         except KeyError as exc:
-            raise ProbeRejectedError(f"{up.path}: {exc} (-EINVAL)", EINVAL) from None
+            raise UprobeNeverFires(f"{up.path}: {exc} (-EINVAL)", EINVAL, reason=never) from None
         if not img.executable(vaddr):
-            raise ProbeRejectedError(f"{up.path}:{up.offset:#x} is not in executable text "
-                                     "(-EINVAL)", EINVAL)
+            raise UprobeNeverFires(f"{up.path}:{up.offset:#x} is not in executable text "
+                                   "(-EINVAL)", EINVAL, reason=never)
         q = shlex.quote(up.path)
         st = self.vm.run(f"stat -L -c %i {q}", timeout=30)
         if st.status != 0:

@@ -3,21 +3,34 @@
 
 Each spec line is appended to ``/sys/kernel/tracing/kprobe_events`` as written (the
 grammar is the kernel's, so the kernel is the judge: a refusal comes back as the write's
-errno and the ``error_log`` text), its event enabled, and the trace buffer read back and
-parsed (``harness.fetchargs.parse_trace_line``). ``kprobe_profile`` gives nhit/nmissed and
-``/sys/kernel/debug/kprobes/list`` the mode of each probe (ftrace, optimized or int3).
+errno and the ``error_log`` text), its event enabled. The events are read back from the
+binary ring buffer (``per_cpu/cpuN/trace_pipe_raw``, decoded by ``harness.ringbuf`` with
+each event's ``format``), not from the ``trace`` text: the text prints a string's bytes
+raw, so a newline in a string splits its record and bytes that are not UTF-8 are
+whatever the reader makes of them; the records keep the bytes the kernel stored.
+``kprobe_profile`` gives nhit/nmissed and ``/sys/kernel/debug/kprobes/list`` the mode of
+each probe (ftrace, optimized or int3).
+
+What the text trace prints and the records do not hold is taken as the text takes it: the
+comm of a pid from ``saved_cmdlines`` at read time (``trace_find_cmdline()``: ``<idle>`` for
+pid 0, ``<...>`` for a pid not there), an address as ``%pS`` with the guest's symbols
+(``vm.symbols``, module symbols from the running guest).
 """
 from __future__ import annotations
 
+import base64
 import errno as _errno
 import logging
 import os
 import shlex
 from typing import Any, Sequence
 
-from ..fetchargs import parse_trace_line
+from ..errors import GuestAgentError
+from ..fetchargs import escape_bytes, format_ip, format_value
 from ..probespec import ProbeSpec, kernel_format
 from ..records import Counters, Hit, Outcome
+from ..ringbuf import EventFormat, PAGE_SIZE, decode_args, parse_format, read_pages
+from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +38,8 @@ TRACING = "/sys/kernel/tracing"
 KPROBES_LIST = "/sys/kernel/debug/kprobes/list"
 #: glibc's strerror() text -> errno, for the shell's "write error: ..." message.
 _STRERROR = {os.strerror(n): n for n in range(1, 134)}
+#: Pages read per CPU at most (16 MiB buffers, see register()).
+_MAX_PAGES = 16384 * 1024 // PAGE_SIZE + 64
 
 
 def probe_modes(listing: str) -> dict[int, str]:
@@ -57,25 +72,35 @@ class EventsBackend:
         self.vm = vm
         self.specs: dict[str, ProbeSpec] = {}
         self.outcomes: list[Outcome] = []
+        self._formats: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
+        self._cpus: list[int] = []
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
-        """All specs in one guest script (one agent round trip), each line's fate reported."""
+        """All specs in one guest script (one agent round trip), each line's fate reported.
+
+        ``error_log`` is emptied before each line, so a refusal's text is that line's (or
+        none: some refusals, -ECANCELED for one, log nothing)."""
+        TraceLayer(self.vm).sync_modules(specs)     # module addresses of this boot
         script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
                   "grep -q '^16384' buffer_size_kb || echo 16384 > buffer_size_kb"]
         for spec in specs:
             line = shlex.quote(kernel_format(spec))
-            script.append(f"if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
-                          f"echo 1 > events/{spec.group}/{spec.event}/enable && echo '@ok'; "
-                          "else echo \"@err $(cat /tmp/kph.err)\"; "
-                          "tail -n 3 error_log | grep 'error:' | tail -n 1; fi")
+            enable = f"events/{spec.group}/{spec.event}/enable"
+            script.append(
+                f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
+                f"if echo 1 > {enable} 2>/tmp/kph.err; then echo 0 > {enable}; echo '@ok'; "
+                "else echo \"@err $(cat /tmp/kph.err)\"; echo 'error: enabling it failed'; "
+                f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
+                "fi; else echo \"@err $(cat /tmp/kph.err)\"; "
+                "grep 'error:' error_log | tail -n 1; fi")
         script.append(f"echo '@list'; cat {KPROBES_LIST}")
         text = self._sh("\n".join(script), timeout=120)
         results, _, listing = text.partition("@list\n")
         out, lines, i = [], results.splitlines(), 0
-        for spec in specs:
+        for n, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
             while i < len(lines) and not lines[i].startswith("@"):
                 i += 1
@@ -83,57 +108,150 @@ class EventsBackend:
             detail = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("@") else ""
             i += 1
             if status == "@ok":
-                self.specs[name] = spec
-                out.append(Outcome(name, True))
+                self.specs.setdefault(name, spec)
+                out.append(Outcome(name, True, index=n))
             else:
                 msg = status[5:].strip().rsplit("write error: ", 1)[-1]
                 text_err = detail.split("error:", 1)[1].strip() if "error:" in detail else msg
-                out.append(Outcome.rejected(name, _STRERROR.get(msg, _errno.EINVAL), text_err))
+                out.append(Outcome.rejected(name, _STRERROR.get(msg, _errno.EINVAL), text_err,
+                                            index=n))
         modes = probe_modes(listing)
-        self.outcomes = [self._with_mode(o, modes) for o in out]
+        self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]
+        self._formats = self._read_formats()
         return self.outcomes
 
-    def _with_mode(self, o: Outcome, modes: dict[int, str]) -> Outcome:
-        spec = self.specs.get(o.probe)
-        if not o.accepted or spec is None:
+    def _read_formats(self) -> dict[int, tuple[str, ProbeSpec, EventFormat]]:
+        """event id -> (GROUP/EVENT, its first spec, its format), and the CPUs."""
+        if not self.specs:
+            return {}
+        script = [f"cd {TRACING}", "echo \"@cpus $(ls per_cpu)\""]
+        for name in self.specs:
+            script.append(f"echo '@fmt {name}'; cat events/{name}/format")
+        text = self._sh("\n".join(script), timeout=60)
+        out: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
+        for chunk in text.split("@")[1:]:
+            head, _, body = chunk.partition("\n")
+            if head.startswith("cpus "):
+                self._cpus = [int(c[3:]) for c in head.split()[1:] if c[3:].isdigit()]
+            elif head.startswith("fmt "):
+                name = head[4:].strip()
+                try:
+                    fmt = parse_format(body)
+                except ValueError:
+                    log.warning("no format for %s", name)
+                    continue
+                out[fmt.id] = (name, self.specs[name], fmt)
+        return out
+
+    def _with_mode(self, o: Outcome, spec: ProbeSpec, modes: dict[int, str]) -> Outcome:
+        if not o.accepted:
             return o
         if spec.is_uprobe:
-            return Outcome(o.probe, True, mode="uprobe")
+            return Outcome(o.probe, True, mode="uprobe", index=o.index)
         try:
             addr = spec.addr if spec.addr is not None else \
                 self.vm.symbols.lookup(spec.symbol_name).addr + spec.offset
         except KeyError:
             return o
         # An IBT kernel places SYM+0 at +4, past the ENDBR (arch_adjust_kprobe_addr).
-        mode = modes.get(addr) or (modes.get(addr + 4) if not spec.offset else None)
-        return Outcome(o.probe, True, mode=mode or "int3")
+        if addr not in modes and not spec.offset and addr + 4 in modes:
+            addr += 4
+        if addr not in modes:       # accepted, not registered (a module not loaded, ...)
+            return Outcome(o.probe, True, mode="", index=o.index,
+                           pending="not in the kprobes list: accepted, not registered")
+        return Outcome(o.probe, True, mode=modes[addr], index=o.index)
 
     def enable(self) -> None:
-        # Through the agent's file API, not a shell: the only process that opens
-        # tracing_on is then qemu-ga, whose hits the diff leaves out on both sides.
+        """Enable our events, then tracing. Through the agent's file API, not a shell: the
+        only process touching tracefs is then qemu-ga, whose hits the diff leaves out on
+        both sides, and no harness process exits through a probed do_exit while the
+        events are enabled. (register() enables each event once to see it can be, then
+        disables it again, as kprobe_events leaves a new event.)"""
+        for name in self.specs:
+            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self.vm.write_file(f"{TRACING}/trace", b"\n")
         self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
 
     def disable(self) -> None:
         self.vm.write_file(f"{TRACING}/tracing_on", b"0\n")
+        for name in self.specs:
+            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
+
+    def _raw_pages(self, cpu: int) -> list[bytes]:
+        """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read. The agent opens files
+        O_NONBLOCK, so the read after the last page fails with EAGAIN instead of waiting
+        for more events (``tracing_buffers_read()``)."""
+        agent = self.vm.agent
+        path = f"{TRACING}/per_cpu/cpu{cpu}/trace_pipe_raw"
+        handle = agent.execute("guest-file-open", {"path": path, "mode": "r"}, timeout=30)
+        pages: list[bytes] = []
+        try:
+            while len(pages) < _MAX_PAGES:
+                try:
+                    r = agent.execute("guest-file-read", {"handle": handle, "count": PAGE_SIZE},
+                                      timeout=30)
+                except GuestAgentError as exc:
+                    if "temporarily unavailable" in str(exc):
+                        break                       # EAGAIN: the buffer is empty
+                    raise
+                if not r.get("count"):
+                    break
+                pages.append(base64.b64decode(r.get("buf-b64", "")))
+        finally:
+            agent.execute("guest-file-close", {"handle": handle}, timeout=30)
+        return pages
+
+    def _cmdlines(self) -> dict[int, str]:
+        """``saved_cmdlines``: pid -> comm, escaped as every side escapes bytes."""
+        out = {}
+        for line in self.vm.run(f"cat {TRACING}/saved_cmdlines", timeout=60).out.split(b"\n"):
+            pid, _, comm = line.partition(b" ")
+            if pid.strip().isdigit():
+                out[int(pid)] = escape_bytes(comm)
+        return out
 
     def collect(self) -> list[Hit]:
-        text = self._sh(f"cat {TRACING}/trace", timeout=120)
-        names = {spec.event: (name, spec) for name, spec in self.specs.items()}
+        """Every record of our events, in time order across CPUs, as the trace would show
+        it (``print_kprobe_event()``, ``print_kretprobe_event()``, ``print_uprobe_event()``)."""
+        if not self._formats:
+            return []
+        recs = []
+        for cpu in getattr(self, "_cpus", None) or [0]:
+            got, missed = read_pages(self._raw_pages(cpu), cpu)
+            if missed:
+                log.warning("cpu%d: the ring buffer lost events before %d page(s)", cpu, missed)
+            recs += [r for r in got if r.type in self._formats]
+        recs.sort(key=lambda r: r.ts)                   # stable: per-CPU order kept on ties
+        comms = self._cmdlines()
+        table = self.vm.symbols
+
+        def symbolize(addr: int) -> str | None:
+            return table.format(addr) if table.symbolize(addr) is not None else None
+
         modes = {o.probe: o.mode for o in self.outcomes}
         hits = []
-        for line in text.splitlines():
-            head = parse_trace_line(line)
-            if head is None or head.event not in names:
-                continue
-            name, spec = names[head.event]
-            rec = parse_trace_line(line, [a.name for a in spec.args])
-            assert rec is not None
+        for rec in recs:
+            name, spec, fmt = self._formats[rec.type]
+            fields = fmt.fields
+            if spec.is_uprobe:
+                if "__probe_ret_ip" in fields:
+                    ip, ret_from = (f"0x{rec.u64(fields['__probe_ret_ip']):x}",
+                                    f"0x{rec.u64(fields['__probe_func']):x}")
+                else:
+                    ip, ret_from = f"0x{rec.u64(fields['__probe_ip']):x}", None
+            elif "__probe_ret_ip" in fields:
+                text = format_ip(rec.u64(fields["__probe_ret_ip"]), symbolize,
+                                 rec.u64(fields["__probe_func"]))
+                ip, _, ret_from = text.partition(" <- ")
+            else:
+                ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
+            values = decode_args(rec, fmt, spec.args)
+            args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
+            pid = rec.pid
+            comm = "<idle>" if pid == 0 else comms.get(pid, "<...>")
             hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
-                            seq=len(hits), cpu=rec.cpu, pid=rec.pid, comm=rec.comm,
-                            ip=rec.ip_text, ret_from=rec.ret_from,
-                            args=tuple((a.name, rec.raw_fields.get(a.name, "")) for a in spec.args),
-                            mode=modes.get(name, "")))
+                            seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
+                            ret_from=ret_from or None, args=args, mode=modes.get(name, "")))
         return hits
 
     def counters(self) -> dict[str, Counters]:
@@ -141,16 +259,20 @@ class EventsBackend:
         by_event = {spec.event: name for name, spec in self.specs.items()}
         text = self._sh(f"cat {TRACING}/kprobe_profile; echo @u; cat {TRACING}/uprobe_profile")
         kprobes, _, uprobes = text.partition("@u\n")
+        sums: dict[str, list[int]] = {}
+        # A line per probe: an event with several probes (appended lines) has several.
         for line in kprobes.splitlines():
             parts = line.split()
             if len(parts) >= 3 and parts[0] in by_event:
-                name = by_event[parts[0]]
-                out[name] = Counters(name, int(parts[1]), int(parts[2]))
+                c = sums.setdefault(by_event[parts[0]], [0, 0])
+                c[0] += int(parts[1])
+                c[1] += int(parts[2])
         for line in uprobes.splitlines():       # "PATH EVENT NHIT": uprobes count no misses
             parts = line.split()
             if len(parts) >= 3 and parts[1] in by_event:
-                name = by_event[parts[1]]
-                out[name] = Counters(name, int(parts[2]), 0)
+                sums.setdefault(by_event[parts[1]], [0, 0])[0] += int(parts[2])
+        for name, (nhit, nmissed) in sums.items():
+            out[name] = Counters(name, nhit, nmissed)
         return out
 
     def close(self) -> None:

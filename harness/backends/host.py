@@ -15,11 +15,12 @@ import logging
 from typing import Any, Callable, Sequence
 
 from ..errors import HandlerError, HarnessError, ProbeRejectedError
-from ..fetchargs import FaultError, evaluate, format_value
-from ..kprobes import Kprobe, Kretprobe, PtRegs
+from ..fetchargs import FaultError, escape_bytes, evaluate, format_value
+from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
-from ..uprobes import Uprobe
+from ..uprobes import Uprobe, UprobeNeverFires
+from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,11 @@ class _Ctx:
         return self._task
 
     def comm(self) -> str:
-        return self.engine.task_comm(self.task()) or ""
+        return self.comm_bytes().decode("utf-8", "surrogateescape")
+
+    def comm_bytes(self) -> bytes:
+        """``current->comm`` as stored (``$comm`` records these bytes)."""
+        return self.engine.task_comm_bytes(self.task()) or b""
 
     def pid(self) -> int | None:
         return self.engine.task_pid(self.task())
@@ -88,36 +93,77 @@ class HostBackend:
     side = "host"
 
     def __init__(self, vm: Any, *, hook: FetchHook | None = None,
-                 comm_rule: str = "saved_cmdlines") -> None:
+                 comm_rule: str = "saved_cmdlines", armed: bool = True) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
-        (what a kernel module reading ``current->comm`` records)."""
+        (what a kernel module reading ``current->comm`` records).
+
+        kprobes are registered with ``KPROBE_FLAG_DISABLED``, as ``kprobe_events`` registers
+        them until the event is enabled, and armed by :meth:`arm` (:meth:`enable` arms
+        too): a return probe's instance pool is then in use over the same window as the
+        guest's (the harness's own guest commands between registering and enabling exit
+        through ``do_exit`` too). ``armed=False`` never arms them: every registration rule
+        applies, no breakpoint is inserted."""
         self.vm = vm
+        self.armed = armed
+        self._armed_now = False
         self.comm_rule = comm_rule
         self.engine = vm.host
         self.hook = hook
         self.recording = False
         self._hits: list[Hit] = []
-        self._probes: dict[str, Kprobe | Kretprobe | Uprobe] = {}
+        self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
         self._returns: dict[str, int] = {}
+        self.layer: TraceLayer | None = None
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        """Place every line as ``kprobe_events`` would: the trace layer's checks in the
+        kernel's order (``harness.backends.tracelayer``), then the engine's
+        ``register_kprobe()`` rules; one Outcome per line, refusals with the kernel's
+        errno and ``error_log`` text."""
+        if self.layer is None:
+            self.layer = TraceLayer(self.vm)
+        layer = self.layer
+        layer.prepare(specs)
         out = []
-        for spec in specs:
+        for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
-            try:
-                p = self._make(spec, name)
-                if isinstance(p, Uprobe):
-                    self.engine.register_uprobe(p)
-                elif isinstance(p, Kretprobe):
-                    self.engine.register_kretprobe(p)
+            adm = layer.admit(spec)
+            reason = adm.reason
+            if adm.refusal is None and not adm.pending:
+                try:
+                    p = self._make(adm.spec, name)
+                    if isinstance(p, Uprobe):
+                        self.engine.register_uprobe(p)
+                    elif isinstance(p, Kretprobe):
+                        self.engine.register_kretprobe(p)
+                    else:
+                        self.engine.register_kprobe(p)
+                except UprobeNeverFires as exc:
+                    # uprobe_events takes it; uprobe_register() installs it nowhere
+                    layer.accept_pending(spec)
+                    out.append(Outcome(name, True, mode="host", index=i,
+                                       pending=f"kept, never installed: {exc.reason}"))
+                    continue
+                except ProbeRejectedError as exc:
+                    if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
+                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
+                                                    reason=exc.reason))
+                        continue
+                    adm, reason = layer.registered(spec, exc.errno), exc.reason
                 else:
-                    self.engine.register_kprobe(p)
-            except ProbeRejectedError as exc:
-                out.append(Outcome.rejected(name, exc.errno, str(exc)))
-                continue
-            self._probes[name] = p
-            out.append(Outcome(name, True, mode="host"))
+                    layer.registered(spec, None)
+                    self._probes.append((name, p))
+                    out.append(Outcome(name, True, mode="host", index=i))
+                    continue
+            elif adm.pending:
+                layer.accept_pending(spec)
+            if adm.refusal is not None:
+                r = adm.refusal
+                out.append(Outcome.rejected(name, r.errno, r.message, index=i,
+                                            reason=reason or r.message))
+            else:
+                out.append(Outcome(name, True, mode="host", index=i, pending=adm.pending))
         return out
 
     def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe | Uprobe:
@@ -133,10 +179,9 @@ class HostBackend:
             return up
         where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
                                  if spec.symbol_name else {"addr": spec.addr})
-        if spec.module:
-            self.vm.refresh_module_symbols()
+        where["flags"] = ProbeFlags.DISABLED            # until arm()
         if spec.is_return:
-            self._returns[name] = 0
+            self._returns.setdefault(name, 0)
             return Kretprobe(**where, maxactive=spec.maxactive,
                              handler=lambda ri, regs: self._record(spec, name, regs, ri))
         return Kprobe(**where, pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
@@ -167,7 +212,9 @@ class HostBackend:
             ret_from: str | None = hit
             self._returns[name] = self._returns.get(name, 0) + 1
         else:
-            ip_val = what.addr + INT3_INSN_SIZE
+            # regs.ip is probe address + 1 here, on all three x86 paths (the engine's
+            # pre_handler convention); a newer probe's pre_handler may have moved it.
+            ip_val = regs.ip
             ip_text = eng.symbols.format(what.addr)
             ret_from = None
         ctx = _Ctx(eng, regs, ip_val, overrides, up)
@@ -176,7 +223,8 @@ class HostBackend:
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                               seq=len(self._hits), cpu=regs.cpu, pid=ctx.pid(),
-                              comm=ctx.comm(), ip=ip_text, ret_from=ret_from, args=args,
+                              comm=escape_bytes(ctx.comm_bytes()), ip=ip_text,
+                              ret_from=ret_from, args=args,
                               mode="host"))
         return 0
 
@@ -184,12 +232,31 @@ class HostBackend:
         hit = self.engine.symbols.symbolize(addr)
         return hit[0].name if hit else f"0x{addr:x}"
 
+    def arm(self) -> None:
+        """Enable every kprobe (``enable_kprobe()``), as writing 1 to an event's enable."""
+        if self.armed and not self._armed_now:
+            for _, p in self._probes:
+                if not isinstance(p, Uprobe):
+                    self.engine.enable_kprobe(p)
+            self._armed_now = True
+
+    def disarm(self) -> None:
+        if self._armed_now:
+            for _, p in self._probes:
+                if not isinstance(p, Uprobe):
+                    self.engine.disable_kprobe(p)
+            self._armed_now = False
+
     def enable(self) -> None:
+        self.arm()
         self._hits.clear()
         self.recording = True
 
-    def disable(self) -> None:
+    def disable(self, *, disarm: bool = True) -> None:
+        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
         self.recording = False
+        if disarm:
+            self.disarm()
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file
@@ -197,21 +264,25 @@ class HostBackend:
         events, so a child that execs after its first events prints with the new name."""
         if self.comm_rule == "at_hit":
             return list(self._hits)
-        last: dict[int, str] = {}
+        last: dict[int, str] = {0: "<idle>"}        # trace_find_cmdline(): pid 0
         for h in self._hits:
-            if h.pid is not None:
+            if h.pid:
                 last[h.pid] = h.comm
         return [dataclasses.replace(h, comm=last.get(h.pid, h.comm)) if h.pid is not None else h
                 for h in self._hits]
 
     def counters(self) -> dict[str, Counters]:
-        out = {}
-        for name, p in self._probes.items():
+        """Per event, summed over its probes (kprobe_profile has a line per probe)."""
+        nhit: dict[str, int] = {}
+        nmissed: dict[str, int] = {}
+        for name, p in self._probes:
             if isinstance(p, Kretprobe) or (isinstance(p, Uprobe) and p.ret_handler):
-                out[name] = Counters(name, self._returns.get(name, 0), p.nmissed)
+                hits = self._returns.get(name, 0) if name not in nhit else 0
             else:
-                out[name] = Counters(name, p.nhit, p.nmissed)
-        return out
+                hits = p.nhit
+            nhit[name] = nhit.get(name, 0) + hits
+            nmissed[name] = nmissed.get(name, 0) + p.nmissed
+        return {name: Counters(name, nhit[name], nmissed[name]) for name in nhit}
 
     def close(self) -> None:
         """Unregister every probe; then raise ``HandlerError`` if a handler raised (a bug
@@ -220,7 +291,7 @@ class HostBackend:
             self._probes.clear()
             return
         handler_error: HandlerError | None = None
-        for p in self._probes.values():
+        for _, p in self._probes:
             try:
                 if isinstance(p, Uprobe):
                     self.engine.unregister_uprobe(p)

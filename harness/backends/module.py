@@ -35,6 +35,7 @@ from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, Comm, Der
                          StackEntry, StackPointer, format_ip, format_value)
 from ..probespec import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
+from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +349,7 @@ class ModuleBackend:
         self._placed: dict[int, _Placed] = {}
         self._next_id = 1
         self._loaded = False
+        self.layer: TraceLayer | None = None
 
     def __enter__(self) -> "ModuleBackend":
         return self
@@ -406,31 +408,62 @@ class ModuleBackend:
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
         """Compile and add every spec; the kernel's refusals come back as Outcomes.
 
-        An unknown symbol (``SYM`` or ``@SYM``) is ENOENT, as ``register_kprobe()`` and
-        ``traceprobe_update_arg()`` say it.
+        The module calls ``register_kprobe()`` itself, so what ``kprobe_events`` decides
+        around that call is applied here, as host-side (``harness.backends.tracelayer``):
+        symbol counts, EEXIST for event names, ``@SYM`` resolved at registration (ENOENT),
+        the -ENOENT kept as a pending event for a raw address or a module not loaded. Lines
+        go to the module in batches; a line naming the event of an earlier line of its
+        batch starts a new one, since whether it is appended depends on that line's fate.
 
         :raise UnsupportedFetchArgError: for a fetch arg the module cannot express.
         :raise ModuleError: when the module cannot be loaded or refuses a line.
         """
         self.load()
-        results: list[Outcome | int] = []
+        if self.layer is None:
+            self.layer = TraceLayer(self.vm)
+        self.layer.prepare(specs)
+        out: list[Outcome] = []
+        batch: list[tuple[int, ProbeSpec]] = []
+        for i, spec in enumerate(specs):
+            if any((s.group, s.event) == (spec.group, spec.event) for _, s in batch):
+                out += self._register_batch(batch)
+                batch = []
+            batch.append((i, spec))
+        out += self._register_batch(batch)
+        self.outcomes += out
+        return out
+
+    def _register_batch(self, batch: Sequence[tuple[int, ProbeSpec]]) -> list[Outcome]:
+        layer = self.layer
+        assert layer is not None
+        results: list[Outcome | tuple[int, ProbeSpec]] = []
         lines = []
-        for spec in specs:
+        for index, spec in batch:
             name = f"{spec.group}/{spec.event}"
             if spec.kind == "-":
                 raise ValueError(f"{spec.text or name!r} deletes a probe; register adds them")
             if spec.is_uprobe:
                 results.append(Outcome.rejected(
                     name, _errno.EINVAL, "kph_kprobes.ko registers kprobes only; compare "
-                    "uprobes with --guest events (uprobe_events)"))
+                    "uprobes with --guest events (uprobe_events)", index=index))
                 continue
-            try:
-                addr = self._address(spec)
-                programs = [compile_arg(a, resolve=self._resolve, maxlen=self.maxlen)
-                            for a in spec.args]
-            except SymbolNotFoundError as exc:
-                results.append(Outcome.rejected(name, _errno.ENOENT, str(exc)))
+            adm = layer.admit(spec)
+            if adm.refusal is None and not adm.pending:
+                try:
+                    addr = self._address(spec)
+                except SymbolNotFoundError:
+                    adm = layer.registered(spec, _errno.ENOENT)
+            if adm.refusal is not None:
+                r = adm.refusal
+                results.append(Outcome.rejected(name, r.errno, r.message, index=index,
+                                                reason=adm.reason))
                 continue
+            if adm.pending:
+                layer.accept_pending(spec)
+                results.append(Outcome(name, True, index=index, pending=adm.pending))
+                continue
+            programs = [compile_arg(a, resolve=self._resolve, maxlen=self.maxlen)
+                        for a in spec.args]
             kind = "r" if spec.is_return else "p"
             pid, self._next_id = self._next_id, self._next_id + 1
             flags = FLAG_POST if self.post_handler and kind == "p" else 0
@@ -439,26 +472,32 @@ class ModuleBackend:
             lines.append(add_line(pid, kind, addr, programs, maxactive=spec.maxactive,
                                   flags=flags))
             self._placed[pid] = _Placed(pid, name, spec, addr, kind)
-            results.append(pid)
+            results.append((pid, spec))
         if lines:
             self.control("\n".join(lines) + "\n")
-        listing = self.list()
+        listing = self.list() if lines else {}
         out = []
-        for res in results:
+        for res, (index, _) in zip(results, batch):
             if isinstance(res, Outcome):
                 out.append(res)
                 continue
-            placed = self._placed[res]
-            state, err, mode = listing.get(res, ("missing", -_errno.EIO, "-"))
+            pid, spec = res
+            placed = self._placed[pid]
+            state, err, mode = listing.get(pid, ("missing", -_errno.EIO, "-"))
             if state == "registered":
-                self._placed[res] = _Placed(placed.id, placed.name, placed.spec, placed.addr,
+                layer.registered(spec, None)
+                self._placed[pid] = _Placed(placed.id, placed.name, placed.spec, placed.addr,
                                             placed.kind, True)
-                out.append(Outcome(placed.name, True, mode=mode))
+                out.append(Outcome(placed.name, True, mode=mode, index=index))
+                continue
+            adm = layer.registered(spec, -err)
+            fn = "register_kretprobe" if placed.kind == "r" else "register_kprobe"
+            code = _errno.errorcode.get(-err, str(err))
+            if adm.refusal is None:
+                out.append(Outcome(placed.name, True, index=index, pending=adm.pending))
             else:
-                fn = "register_kretprobe" if placed.kind == "r" else "register_kprobe"
-                code = _errno.errorcode.get(-err, str(err))
-                out.append(Outcome.rejected(placed.name, -err, f"{fn}() returned -{code}"))
-        self.outcomes += out
+                out.append(Outcome.rejected(placed.name, -err, adm.refusal.message, index=index,
+                                            reason=f"{fn}() returned -{code}"))
         return out
 
     def list(self) -> dict[int, tuple[str, int, str]]:

@@ -88,34 +88,61 @@ class PluginBackend:
         self._hits: list[Hit] = []
         self.capture_misses = 0
         self.dropped = 0
+        self.layer: Any = None
+        self._armed = False
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
+        """Place every line as ``kprobe_events`` would: the trace layer's checks in the
+        kernel's order (``harness.backends.tracelayer``, as the gdbstub backend), then the
+        plugin's ``register_kprobe()`` rules; one Outcome per line."""
+        from .tracelayer import TraceLayer
+
+        if self.layer is None:
+            self.layer = TraceLayer(self.vm)
+        layer = self.layer
+        layer.prepare(specs)
         out = []
-        for spec in specs:
+        for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
-            try:
-                if spec.is_uprobe:
-                    p, up = self._add_uprobe(spec)
-                    self._uprobes[p.id] = up
-                    self._specs[p.id] = (spec, name)
+            adm = layer.admit(spec)
+            reason = adm.reason
+            if adm.refusal is None and not adm.pending:
+                try:
+                    p = self._place(adm.spec)
+                except ProbeRejectedError as exc:
+                    if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
+                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
+                                                    reason=getattr(exc, "reason", "")))
+                        continue
+                    adm, reason = layer.registered(spec, exc.errno), getattr(exc, "reason", "")
+                else:
+                    layer.registered(spec, None)
+                    self._specs[p.id] = (adm.spec, name)
                     self._probes.setdefault(name, []).append(p)
-                    out.append(Outcome(name, True, mode="plugin"))
+                    out.append(Outcome(name, True, mode="plugin", index=i))
                     continue
-                if spec.module:
-                    self.vm.refresh_module_symbols()
-                addr = self.engine.resolve(spec.symbol_name, spec.offset,
-                                           spec.addr if spec.symbol_name is None else None)
-                self.engine.check_address(addr, kretprobe=spec.is_return)
-                prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
-                p = self.engine.add_spec_probe(addr, ret=spec.is_return, program=prog,
-                                               maxactive=spec.maxactive, enabled=False)
-            except ProbeRejectedError as exc:
-                out.append(Outcome.rejected(name, exc.errno, str(exc)))
-                continue
-            self._specs[p.id] = (spec, name)
-            self._probes.setdefault(name, []).append(p)
-            out.append(Outcome(name, True, mode="plugin"))
+            elif adm.pending:
+                layer.accept_pending(spec)
+            if adm.refusal is not None:
+                r = adm.refusal
+                out.append(Outcome.rejected(name, r.errno, r.message, index=i,
+                                            reason=reason or r.message))
+            else:
+                out.append(Outcome(name, True, mode="plugin", index=i, pending=adm.pending))
         return out
+
+    def _place(self, spec: ProbeSpec) -> Any:
+        """One admitted line as a plugin probe (registered disabled; ``enable`` arms)."""
+        if spec.is_uprobe:
+            p, up = self._add_uprobe(spec)
+            self._uprobes[p.id] = up
+            return p
+        addr = self.engine.resolve(spec.symbol_name, spec.offset,
+                                   spec.addr if spec.symbol_name is None else None)
+        self.engine.check_address(addr, kretprobe=spec.is_return)
+        prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
+        return self.engine.add_spec_probe(addr, ret=spec.is_return, program=prog,
+                                          maxactive=spec.maxactive, enabled=False)
 
     def _add_uprobe(self, spec: ProbeSpec) -> tuple[Any, Uprobe]:
         """A ``uprobe_events`` line: the same checks as the gdbstub engine's
@@ -149,19 +176,33 @@ class PluginBackend:
                                user=(tramp, chain, up.ino))
         return p, up
 
+    def arm(self) -> None:
+        """Enable every probe, as writing 1 to an event's enable (the runner arms the
+        host side over the same window as the guest's, for return-probe pools)."""
+        if not self._armed:
+            for ps in self._probes.values():
+                for p in ps:
+                    self.engine.enable_probe(p, True)
+            self._armed = True
+
+    def disarm(self) -> None:
+        if self._armed:
+            for ps in self._probes.values():
+                for p in ps:
+                    self.engine.enable_probe(p, False)
+            self._armed = False
+
     def enable(self) -> None:
         self._hits.clear()
         self.engine.records()              # what came before does not count
         self._dropped0 = self.engine.link.dropped
-        for ps in self._probes.values():
-            for p in ps:
-                self.engine.enable_probe(p, True)
+        self.arm()
         self.recording = True
 
-    def disable(self) -> None:
-        for ps in self._probes.values():
-            for p in ps:
-                self.engine.enable_probe(p, False)
+    def disable(self, *, disarm: bool = True) -> None:
+        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
+        if disarm:
+            self.disarm()
         self.recording = False
         self._take()
         #: Records the plugin had to drop (a ring full: the host drained too slowly).

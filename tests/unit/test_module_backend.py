@@ -172,8 +172,20 @@ def test_decode_and_format(text, items, shown):
 # ---------------------------------------------------------------- hits, as the trace prints
 
 class FakeVM:
+    """Symbols, and a guest whose commands print nothing (no other trace events, no
+    module loaded)."""
+
     def __init__(self):
         self.symbols = SymbolTable.from_kallsyms(KALLSYMS)
+
+    def run(self, cmd, stdin=None, **kw):
+        import types
+        # available_filter_functions: every function asked about has an ftrace location
+        out = stdin.decode() if stdin and "available_filter_functions" in cmd else ""
+        return types.SimpleNamespace(stdout=out, out=out.encode(), status=0)
+
+    def refresh_module_symbols(self):
+        return []
 
 
 def test_hits_from_records():

@@ -556,3 +556,39 @@ def test_cfi_preamble_is_einval(mem):
 def test_too_far_into_a_symbol(table, blacklist, mem):
     err = rejected(table, blacklist, mem, PROBE_ME + 0x11, max_prefix=0x10)
     assert err.errno == errno.EILSEQ and mem.reads == []
+
+
+def test_reserved_text_reads_self_relative_tables():
+    """jump_label_text_reserved(), static_call_text_reserved() and find_bug() on tables laid
+    out as vmlinux's: self-relative s32 entries of 16, 8 and 12 bytes."""
+    from harness.symbols import ReservedText, SymbolTable
+
+    text = 0xFFFFFFFF81000000
+    tables = {0xFFFFFFFF82000000: (16, [text + 0x10]),           # a 2-byte nop, jump label
+              0xFFFFFFFF82001000: (8, [text + 0x40]),            # a static call site
+              0xFFFFFFFF82002000: (12, [text + 0x80])}           # ud2
+    mem = {}
+    rows = [f"{text:016x} T f"]
+    for (start, stop), (base, (size, sites)) in zip(
+            [("__start___jump_table", "__stop___jump_table"),
+             ("__start_static_call_sites", "__stop_static_call_sites"),
+             ("__start___bug_table", "__stop___bug_table")], tables.items()):
+        data = b"".join(((site - (base + i * size)) & 0xFFFFFFFF).to_bytes(4, "little")
+                        + bytes(size - 4) for i, site in enumerate(sites))
+        mem[base] = data
+        rows += [f"{base:016x} D {start}", f"{base + len(data):016x} D {stop}"]
+    code = bytearray(b"\x90" * 0x100)
+    code[0x10:0x12] = b"\x66\x90"
+
+    def read(addr, n):
+        for base, data in {**mem, text: bytes(code)}.items():
+            if base <= addr < base + len(data):
+                return data[addr - base:addr - base + n]
+        raise AssertionError(hex(addr))
+    rt = ReservedText.from_memory(SymbolTable.from_kallsyms("\n".join(rows)), read)
+    assert (rt.jump, rt.static_calls, rt.bugs) == ([text + 0x10], [text + 0x40], {text + 0x80})
+    assert "jump label" in rt.find(text + 0x10, read) and "jump label" in rt.find(text + 0x11, read)
+    assert rt.find(text + 0x12, read) is None                    # past the 2-byte nop
+    assert all("static call" in rt.find(text + 0x40 + i, read) for i in range(5))
+    assert rt.find(text + 0x45, read) is None
+    assert "BUG()" in rt.find(text + 0x80, read) and rt.find(text + 0x81, read) is None

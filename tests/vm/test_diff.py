@@ -51,12 +51,22 @@ def test_a_host_handler_altering_a_register_on_the_third_hit_diverges(vm):
     assert vm.run("cat /sys/kernel/tracing/kprobe_events").stdout == ""
 
 
+def test_an_address_nothing_holds_is_accepted_and_never_fires():
+    """6.1 keeps ``r:bad +5`` (an address probe at 0x5): register_kretprobe() says -ENOENT
+    and trace_kprobe_module_exist() is false for an address, so the event stays,
+    unregistered. Both sides say so; the verdict does not call it equivalent."""
+    r = kph("diff", "r:bad +5", "--run", "true")
+    assert r.returncode == 0, r.stdout + r.stderr
+    verdict = r.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("result: accepted, but nothing armed that could fire"), r.stdout
+    assert "equivalent" not in verdict
 
 
 @pytest.mark.parametrize("spec,column,message", [
     ("p:bad do_sys_openat2 x=%zz", 23, "Invalid register name"),
     ("p:bad no_such_symbol_kph", 6, "Invalid probed address or symbol"),
-    ("r:bad +5", 6, "Invalid probed address or symbol"),
+    ("p hoge-fuga", 2, "Invalid probed address or symbol"),        # kprobe_syntax_errors.tc
+    ("p:t name_show", 4, "The symbol is not unique"),             # kprobe_non_uniq_symbol.tc
 ])
 def test_malformed_specs_exit_2_with_the_position(spec, column, message):
     r = kph("diff", spec, "--run", "true")

@@ -1,0 +1,261 @@
+"""The trace-event layer, for the backends that stand in for ``kprobe_events``.
+
+The ``events`` backend writes lines to the guest's tracefs, so the guest kernel decides
+everything. The ``host`` backend (and the ``module`` backend, whose kernel module calls
+``register_kprobe()`` directly) must decide what tracefs would decide around that call, in
+the kernel's order (``__trace_kprobe_create()`` then ``register_trace_kprobe()``, Linux 6.1):
+
+1. uprobe lines: the file (``kern_path()``: ENOENT "Failed to find the given file"; not
+   ``d_is_reg()``: EINVAL "Not a regular file"), before anything else of the line;
+2. an unqualified ``SYM``: ``number_of_same_symbols()`` over vmlinux and the loaded modules;
+3. the event name: EEXIST and its three texts, or appending (:class:`harness.dynevent.EventTable`);
+4. ``within_notrace_func()``: a function without an ftrace location (``notrace``, or built
+   without ``-pg`` such as kernel/trace/) is EINVAL, as Debian's 6.1 has
+   ``CONFIG_KPROBE_EVENTS_ON_NOTRACE`` off; the guest's ``available_filter_functions`` says
+   which functions have one (a ``.isra.0`` piece counts as its stem's);
+5. ``traceprobe_update_arg()``: ``@SYM`` resolved once (:func:`harness.dynevent.resolve_fetch_symbols`);
+6. ``register_kprobe()`` (the backend's own), whose -ENOENT the kernel forgives for a raw
+   address and for ``MOD:SYM`` of a module not loaded (the event stays, unregistered).
+
+Module symbols are taken from the running guest whenever a line names one, or a name the
+core kernel does not have: module addresses differ from boot to boot (the image's harvested
+kallsyms holds one boot's), and ``kallsyms_lookup_name()`` looks an unqualified name up in
+the modules after vmlinux.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import shlex
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
+                        registration_refusal, resolve_fetch_symbols, target_refusal)
+from ..probespec import ProbeSpec, split_symbol_offset
+
+log = logging.getLogger(__name__)
+
+TRACING_EVENTS = "/sys/kernel/tracing/events"
+FILE_NOT_FOUND = "Failed to find the given file"
+NO_REGULAR_FILE = "Not a regular file"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the trace layer says about one line before the backend registers it.
+
+    ``spec`` has its ``@SYM`` arguments resolved; ``refusal`` is set when the kernel refuses
+    the line before ``register_kprobe()``; ``pending`` when it keeps the event without
+    registering anything (it never fires)."""
+
+    spec: ProbeSpec
+    refusal: Refusal | None = None
+    pending: str = ""
+    reason: str = ""
+
+
+def uprobe_file_refusal(vm: Any, spec: ProbeSpec) -> Refusal | None:
+    """``__trace_uprobe_create()``'s first check, ``kern_path(LOOKUP_FOLLOW)`` and
+    ``d_is_reg()`` (kernel/trace/trace_uprobe.c), made in the guest with ``stat -L``."""
+    r = vm.run(f"stat -L -c %F {shlex.quote(spec.path or '')}", timeout=30)
+    col = arg_column(spec, 1)
+    if r.status != 0:
+        return Refusal(_errno.ENOENT, FILE_NOT_FOUND, col)
+    if not r.stdout.strip().startswith("regular"):       # "regular [empty ]file"
+        return Refusal(_errno.EINVAL, NO_REGULAR_FILE, col)
+    return None
+
+
+def _names(spec: ProbeSpec) -> list[str]:
+    """The kernel symbols a kprobe line names: its target and every ``@SYM``."""
+    out = [spec.symbol_name] if spec.symbol_name else []
+    for a in spec.args:
+        if a.code and a.code[0][0] == "nop_symbol":
+            name, _ = split_symbol_offset(a.code[0][1])
+            if name:
+                out.append(name)
+    return out
+
+
+class TraceLayer:
+    """One side's dynamic events on one Machine (``dyn_event_list`` and friends)."""
+
+    def __init__(self, vm: Any) -> None:
+        self.vm = vm
+        self.table = EventTable(identity=self._inode)
+        self._events_read = False
+        self._inodes: dict[str, object] = {}
+        self._loaded: frozenset[str] | None = None
+        self._traced: dict[str, bool] = {}      # function name -> has an ftrace location
+
+    @property
+    def symbols(self) -> Any:
+        return self.vm.symbols
+
+    def _inode(self, spec: ProbeSpec) -> object:
+        path = spec.path or ""
+        if path not in self._inodes:
+            r = self.vm.run(f"stat -L -c '%d:%i' {shlex.quote(path)}", timeout=30)
+            self._inodes[path] = r.stdout.strip() if r.status == 0 else path
+        return self._inodes[path]
+
+    def sync_modules(self, specs: Sequence[ProbeSpec]) -> None:
+        """Take module symbols from the running guest when a line may need them."""
+        need = False
+        for spec in specs:
+            if spec.is_uprobe or spec.kind == "-":
+                continue
+            for name in _names(spec):
+                sym = self.symbols.get(name)
+                if ":" in name or sym is None or sym.module is not None:
+                    need = True
+        if need:
+            self.refresh_modules()
+
+    def prepare(self, specs: Sequence[ProbeSpec]) -> None:
+        """Before admitting ``specs``: module symbols, and which probed functions have an
+        ftrace location (two guest commands at most, for the whole batch)."""
+        self.sync_modules(specs)
+        self._ftrace_locations(specs)
+
+    def _function_of(self, spec: ProbeSpec) -> tuple[str, str | None] | None:
+        """``trace_kprobe_address()`` then the function holding it: (name, its stem when
+        the name is a compiler-made piece such as ``foo.isra.0``), or None."""
+        if spec.symbol is not None:
+            base = self.lookup(spec.symbol_name or "")
+            if not base:
+                return None
+            addr = base + spec.offset
+        else:
+            addr = spec.addr or 0
+        hit = self.symbols.symbolize(addr)
+        if hit is None:
+            return None
+        name = hit[0].name
+        return name, (name.split(".", 1)[0] if "." in name else None)
+
+    def _ftrace_locations(self, specs: Sequence[ProbeSpec]) -> None:
+        """Which of the functions these lines probe have an ftrace location: one guest
+        command over ``available_filter_functions``."""
+        names = set()
+        for spec in specs:
+            if spec.is_uprobe or spec.kind == "-":
+                continue
+            fn = self._function_of(spec)
+            if fn is not None:
+                names.update(n for n in fn if n)
+        names -= set(self._traced)
+        if not names or not self._notrace_applies():
+            return
+        r = self.vm.run("cat > /tmp/kph.ftn; sed 's/ .*//' /sys/kernel/tracing/"
+                        "available_filter_functions | grep -Fx -f /tmp/kph.ftn; "
+                        "rm -f /tmp/kph.ftn", stdin="\n".join(sorted(names)).encode() + b"\n",
+                        timeout=60)
+        have = set(r.stdout.split())
+        for n in names:
+            self._traced[n] = n in have
+
+    def _notrace_applies(self) -> bool:
+        """``within_notrace_func()`` exists with ``CONFIG_DYNAMIC_FTRACE`` and without
+        ``CONFIG_KPROBE_EVENTS_ON_NOTRACE``: read from the image's config when there is one
+        (a kernel without it, ``--kernel``, is taken to be built like Debian's)."""
+        if not hasattr(self, "_notrace_rule"):
+            cfg = ""
+            image = getattr(self.vm, "image", None)
+            try:
+                cfg = image.config.read_text() if image is not None else ""
+            except OSError:
+                pass
+            self._notrace_rule = (not cfg or ("CONFIG_DYNAMIC_FTRACE=y" in cfg and
+                                              "CONFIG_KPROBE_EVENTS_ON_NOTRACE=y" not in cfg))
+        return self._notrace_rule
+
+    def notrace(self, spec: ProbeSpec) -> bool:
+        """``within_notrace_func()`` (kernel/trace/trace_kprobe.c) for a kprobe line."""
+        if not self._notrace_applies():
+            return False
+        fn = self._function_of(spec)
+        if fn is None:
+            return False
+        name, stem = fn
+        if name not in self._traced:
+            self._ftrace_locations([spec])
+        if self._traced.get(name, True):
+            return False
+        if stem is not None and self.lookup(stem):
+            if stem not in self._traced:
+                self._traced[stem] = True
+            return not self._traced[stem]
+        return True
+
+    def refresh_modules(self) -> frozenset[str]:
+        loaded = frozenset(self.vm.refresh_module_symbols())
+        for mod in self.symbols.modules() - loaded:
+            self.symbols.drop_module(mod)
+        self._loaded = loaded
+        return loaded
+
+    def module_loaded(self, name: str) -> bool:
+        loaded = self._loaded if self._loaded is not None else self.refresh_modules()
+        return name in loaded
+
+    def lookup(self, name: str) -> int | None:
+        """``kallsyms_lookup_name()``: vmlinux first, then the modules; ``MOD:SYM`` too."""
+        sym = self.symbols.get(name)
+        return sym.addr if sym is not None else None
+
+    def admit(self, spec: ProbeSpec) -> Admission:
+        """Steps 1-4 of the module docstring for one line."""
+        if spec.is_uprobe:
+            ref = uprobe_file_refusal(self.vm, spec)
+            if ref is not None:
+                return Admission(spec, ref)
+        else:
+            ref = target_refusal(spec, self.symbols.count)
+            if ref is not None:
+                return Admission(spec, ref)
+        if not self._events_read:       # the guest's trace events, read once, lazily
+            listing = self.vm.run(f"cd {TRACING_EVENTS} && ls -d */*/ 2>/dev/null || true",
+                                  timeout=60).stdout
+            self.table.other |= other_event_names(listing)
+            self._events_read = True
+        ref = self.table.check(spec)
+        if ref is not None:
+            return Admission(spec, ref)
+        if spec.is_uprobe:
+            return Admission(spec)
+        if self.notrace(spec):
+            return Admission(spec, Refusal(_errno.EINVAL, FAIL_REG_PROBE, arg_column(spec, 1)),
+                             reason="no ftrace location (notrace): within_notrace_func()")
+        resolved = resolve_fetch_symbols(spec, self.lookup)
+        if isinstance(resolved, Refusal):
+            after = registration_refusal(spec, resolved.errno, self.module_loaded)
+            if after is None:
+                return Admission(spec, pending=self._pending_reason(spec))
+            return Admission(spec, resolved)
+        if spec.module is not None and not self.module_loaded(spec.module):
+            return Admission(resolved, pending=self._pending_reason(spec))
+        return Admission(resolved)
+
+    def registered(self, spec: ProbeSpec, errno: int | None) -> Admission:
+        """Step 5: the backend's ``register_kprobe()`` gave ``-errno`` (None: success)."""
+        if errno is None:
+            self.table.add(spec)
+            return Admission(spec)
+        ref = registration_refusal(spec, errno, self.module_loaded)
+        if ref is None:
+            self.table.add(spec)
+            return Admission(spec, pending=self._pending_reason(spec))
+        return Admission(spec, ref)
+
+    def accept_pending(self, spec: ProbeSpec) -> None:
+        self.table.add(spec)
+
+    @staticmethod
+    def _pending_reason(spec: ProbeSpec) -> str:
+        if spec.symbol is None:
+            return ("kept unregistered: register_kprobe() found nothing there, and 6.1 keeps "
+                    "a raw-address event on -ENOENT")
+        return (f"kept unregistered: module {spec.module} is not loaded (6.1 registers it "
+                "when the module loads)")

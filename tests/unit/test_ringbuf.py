@@ -1,0 +1,103 @@
+"""harness.ringbuf against pages laid out as 6.1's ring buffer lays them out, and the
+format file of a kprobe event as the 6.1 guest printed it."""
+import struct
+
+from harness.fetchargs import FAULT, escape_bytes, format_value
+from harness.probespec import parse
+from harness.ringbuf import decode_args, parse_format, parse_page, read_pages
+
+FORMAT = """name: b
+ID: 1392
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
+\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
+\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
+
+\tfield:unsigned long __probe_ip;\toffset:8;\tsize:8;\tsigned:0;
+\tfield:__data_loc char[] s;\toffset:16;\tsize:4;\tsigned:1;
+\tfield:u64 x;\toffset:20;\tsize:8;\tsigned:0;
+\tfield:__data_loc char[] c;\toffset:28;\tsize:4;\tsigned:1;
+
+print fmt: "(%lx) s=\\"%s\\" x=%Lu c=\\"%s\\"", REC->__probe_ip, __get_str(s), REC->x, __get_str(c)
+"""
+SPEC = parse("p:kprobes/b kernel_clone s=@linux_proc_banner:string x=+0(%di):u64 c=$comm")
+BANNER = b"%s version %s (debian-kernel@lists.debian.org) %s\n"
+
+
+def record(pid, ip, s, x, c, etype=1392):
+    head = struct.pack("<HBBiQ", etype, 0, 0, pid, ip)
+    fixed = 8 + 8 + 4 + 8 + 4
+    s_loc = (len(s) + 1) << 16 | fixed
+    c_loc = (len(c) + 1) << 16 | (fixed + len(s) + 1)
+    body = head + struct.pack("<IQI", s_loc, x, c_loc) + s + b"\0" + c + b"\0"
+    return body + b"\0" * (-len(body) % 4)
+
+
+def event(data, delta=0):
+    if len(data) <= 28 * 4:
+        return struct.pack("<I", (delta << 5) | (len(data) // 4)) + data
+    return struct.pack("<II", delta << 5, len(data) + 4) + data      # type_len 0
+
+
+def page(events, ts=1000, flags=0):
+    body = b"".join(events)
+    return (struct.pack("<QQ", ts, len(body) | flags) + body).ljust(4096, b"\0")
+
+
+def test_format_file():
+    fmt = parse_format(FORMAT)
+    assert (fmt.name, fmt.id) == ("b", 1392)
+    assert list(fmt.fields)[4:] == ["__probe_ip", "s", "x", "c"]
+    assert (fmt.fields["x"].offset, fmt.fields["x"].size) == (20, 8)
+    assert fmt.fields["s"].decl == "__data_loc char[] s"
+
+
+def test_records_keep_the_bytes_the_kernel_stored():
+    fmt = parse_format(FORMAT)
+    big = record(110, 0xFFFFFFFF810941A0, BANNER, 0x1200000, b"sh")
+    small = record(111, 0xFFFFFFFF810941A0, b"a\xff\xc3\n", 7, b"\xe9x")
+    recs, missed = parse_page(page([event(big), event(small, delta=5)]), cpu=0)
+    assert not missed and [r.pid for r in recs] == [110, 111]
+    assert [r.ts for r in recs] == [1000, 1005] and recs[0].type == 1392
+    assert recs[0].u64(fmt.fields["__probe_ip"]) == 0xFFFFFFFF810941A0
+    vals = decode_args(recs[0], fmt, SPEC.args)
+    assert vals == [BANNER, 0x1200000, b"sh"]           # the newline is kept
+    vals = decode_args(recs[1], fmt, SPEC.args)
+    assert vals == [b"a\xff\xc3\n", 7, b"\xe9x"]
+    shown = [format_value(a, v) for a, v in zip(SPEC.args, vals)]
+    assert shown == ['"a\\377\\303\\n"', "7", '"\\351x"']
+
+
+def test_padding_time_extends_and_lost_events():
+    fmt = parse_format(FORMAT)
+    rec = record(5, 1, b"", 0, b"")
+    ext = struct.pack("<II", (3 << 5) | 30, 1)                 # time extend: 1 << 27 | 3
+    pad = struct.pack("<II", (9 << 5) | 29, 8) + b"\0" * 4     # a discarded event
+    recs, missed = parse_page(page([event(rec), ext, pad, event(rec, delta=2)], flags=1 << 31),
+                              cpu=1)
+    assert missed and [r.ts for r in recs] == [1000, 1000 + (1 << 27) + 3 + 2]
+    assert all(r.cpu == 1 for r in recs)
+    null = struct.pack("<I", 29)                               # rb_null_event(): page end
+    recs, _ = parse_page(page([event(rec), null, event(rec)]), cpu=0)
+    assert len(recs) == 1
+    assert decode_args(recs[0], fmt, SPEC.args)[0] == b""
+
+
+def test_a_zero_length_string_is_a_fault_and_arrays_decode_per_element():
+    spec = parse("p:kprobes/a f s=+0(%si):string v=+0(%di):s16[3]")
+    fmt_text = FORMAT.replace("field:__data_loc char[] s;\toffset:16;\tsize:4;\tsigned:1;",
+                              "field:__data_loc char[] s;\toffset:16;\tsize:4;\tsigned:1;\n"
+                              "\tfield:s16 v[3];\toffset:20;\tsize:6;\tsigned:1;")
+    fmt = parse_format(fmt_text)
+    data = struct.pack("<HBBiQI", 1392, 0, 0, 9, 0, 0) + struct.pack("<hhh", -1, 2, -3) + b"\0\0"
+    recs, _ = read_pages([page([event(data)])], cpu=0)
+    assert decode_args(recs[0], fmt, spec.args) == [FAULT, [-1, 2, -3]]
+
+
+def test_escape_bytes_is_printable_ascii_and_exact():
+    assert escape_bytes(b"plain text /x-y_z") == "plain text /x-y_z"
+    assert escape_bytes(b'"q"\\') == '\\"q\\"\\\\'
+    assert escape_bytes(b"\n\t\r\x0b\x0c\x07\x1b\0") == "\\n\\t\\r\\v\\f\\a\\e\\0"
+    assert escape_bytes(b"\x01\x7f\x80\xa0\xff") == "\\001\\177\\200\\240\\377"
+    assert escape_bytes("é".encode()) == "\\303\\251"
