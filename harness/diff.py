@@ -26,6 +26,11 @@ Normalizations, all listed here and named in every report (nothing else is norma
   records whatever bytes the ring buffer slot held before; nothing can predict them. The
   host side reports ``(unknown)`` there, which compares equal to any value (per array
   element).
+- ``comm-change``: the trace prints a comm from ``saved_cmdlines``, saved at the CPU's
+  first sched switch or wakeup after an event (kernel/trace/trace.c:
+  ``tracing_record_taskinfo()``); a task that exec'd in between prints under its new
+  name. The host follows renames (a hidden probe on ``__set_task_comm``) and a guest comm
+  that is one the same pid took after the hit compares equal.
 - ``nhit``: raw hit counters are not compared (each side counts from its own
   registration, which happens at different moments); hits recorded during the workload
   are compared one by one instead. ``nmissed`` is compared exactly.
@@ -43,6 +48,8 @@ NORMALIZATIONS = {
                   "to the host's real return address",
     "thread-order": "uprobe hits compared per thread (pid), in order within each thread",
     "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
+    "comm-change": "a guest comm the same pid took after the hit (an exec renamed it before "
+                   "saved_cmdlines recorded it) compares equal",
     "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
 }
 UNKNOWN_TEXT = "(unknown)"
@@ -192,6 +199,9 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
                 if k.startswith("arg:") and k in fb and fa[k] != fb[k] and _unknown_match(fa[k], fb[k]):
                     fb[k] = fa[k]
                     res.applied["unknown"] = res.applied.get("unknown", 0) + 1
+            if fa["comm"] != fb.get("comm") and fb.get("comm") in la[i].comm_alts:
+                fb["comm"] = fa["comm"]
+                res.applied["comm-change"] = res.applied.get("comm-change", 0) + 1
             if "pid" not in fa or "pid" not in fb:  # a side that cannot know pids
                 fa.pop("pid", None)
                 fb.pop("pid", None)

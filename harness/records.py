@@ -26,6 +26,9 @@ class Hit:
     ret_from: str | None = None  # return probes: the function returned from
     args: tuple[tuple[str, str], ...] = ()
     mode: str = ""               # in-guest probe mode: ftrace, int3, optimized ("" host-side)
+    #: Host side: comms this pid took *after* the hit (an exec renames it); the trace may
+    #: print one of them (``harness.diff``'s ``comm-change`` normalization).
+    comm_alts: tuple[str, ...] = ()
 
     def arg(self, name: str) -> str:
         for k, v in self.args:

@@ -57,16 +57,13 @@ def run_lock(exclusive: bool = False):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-@pytest.fixture(scope="session")
-def tests_run_lock():
-    """``run_lock`` for fixtures of a wider scope than a test (they run before autouse
-    function fixtures, so outside the lock each test takes)."""
-    return run_lock
-
-
-@pytest.fixture(autouse=True)
-def _alone_when_marked(request):
-    with run_lock(exclusive=request.node.get_closest_marker("alone") is not None):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every test runs holding the run lock (an ``alone`` test exclusively). Taken here,
+    outside pytest-timeout's own wrapper, so that waiting for an ``alone`` test on the
+    other worker is not counted against a test's timeout; module fixtures, set up inside
+    the first test's protocol, hold it too."""
+    with run_lock(exclusive=item.get_closest_marker("alone") is not None):
         yield
 
 

@@ -124,7 +124,8 @@ class EventsBackend:
         """event id -> (GROUP/EVENT, its first spec, its format), and the CPUs."""
         if not self.specs:
             return {}
-        script = [f"cd {TRACING}", "echo \"@cpus $(ls per_cpu)\""]
+        # Unquoted: the substitution's newlines become spaces (one CPU per line, else).
+        script = [f"cd {TRACING}", "echo @cpus $(ls per_cpu)"]
         for name in self.specs:
             script.append(f"echo '@fmt {name}'; cat events/{name}/format")
         text = self._sh("\n".join(script), timeout=60)

@@ -115,6 +115,9 @@ class HostBackend:
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
         self._returns: dict[str, int] = {}
         self.layer: TraceLayer | None = None
+        self._comm_probe: Kprobe | None = None
+        #: (hits recorded before it, pid, new comm) of every rename while recording
+        self._comm_changes: list[tuple[int, int, str]] = []
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
         """Place every line as ``kprobe_events`` would: the trace layer's checks in the
@@ -250,7 +253,34 @@ class HostBackend:
     def enable(self) -> None:
         self.arm()
         self._hits.clear()
+        self._comm_changes.clear()
+        self._watch_comms()
         self.recording = True
+
+    def _watch_comms(self) -> None:
+        """With the trace's comm rule, know every comm a task takes while recording: a
+        hidden probe on ``__set_task_comm(tsk, buf, exec)`` (fs/exec.c; exec renames the
+        task). The trace prints comms from ``saved_cmdlines``, saved at a CPU's first sched
+        switch or wakeup after an event (kernel/trace/trace.c: tracing_record_taskinfo()),
+        which may come after the rename: the diff accepts a later comm of the same pid."""
+        if self.comm_rule != "saved_cmdlines" or self._comm_probe is not None:
+            return
+        if self.engine.symbols.get("__set_task_comm") is None:
+            return
+
+        def renamed(p: Kprobe, regs: PtRegs) -> int:
+            if self.recording:
+                task = regs.di
+                pid = self.engine.task_pid(task)
+                raw = self.engine.read_string(regs.si, 16) or b""
+                if pid:
+                    self._comm_changes.append((len(self._hits), pid, escape_bytes(raw[:15])))
+            return 0
+        try:
+            self._comm_probe = self.engine.register_kprobe(
+                Kprobe(symbol_name="__set_task_comm", pre_handler=renamed))
+        except ProbeRejectedError as exc:
+            log.info("comm changes are not followed: %s", exc)
 
     def disable(self, *, disarm: bool = True) -> None:
         """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
@@ -261,15 +291,22 @@ class HostBackend:
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file
         stores only pids and prints comms from ``saved_cmdlines``, recorded after the
-        events, so a child that execs after its first events prints with the new name."""
+        events, so a child that execs after its first events prints with the new name.
+        Each hit also carries the comms its pid took after it (``comm_alts``)."""
         if self.comm_rule == "at_hit":
             return list(self._hits)
         last: dict[int, str] = {0: "<idle>"}        # trace_find_cmdline(): pid 0
         for h in self._hits:
             if h.pid:
                 last[h.pid] = h.comm
-        return [dataclasses.replace(h, comm=last.get(h.pid, h.comm)) if h.pid is not None else h
-                for h in self._hits]
+        out = []
+        for i, h in enumerate(self._hits):
+            if h.pid is None:
+                out.append(h)
+                continue
+            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j >= i)
+            out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
+        return out
 
     def counters(self) -> dict[str, Counters]:
         """Per event, summed over its probes (kprobe_profile has a line per probe)."""
@@ -291,7 +328,11 @@ class HostBackend:
             self._probes.clear()
             return
         handler_error: HandlerError | None = None
-        for _, p in self._probes:
+        probes = list(self._probes)
+        if self._comm_probe is not None:
+            probes.append(("(comm watch)", self._comm_probe))
+            self._comm_probe = None
+        for _, p in probes:
             try:
                 if isinstance(p, Uprobe):
                     self.engine.unregister_uprobe(p)

@@ -89,6 +89,8 @@ class PluginBackend:
         self.capture_misses = 0
         self.dropped = 0
         self.layer: Any = None
+        self._comm_probe: Any = None
+        self._comm_changes: list[tuple[int, int, str]] = []
         self._armed = False
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
@@ -194,6 +196,8 @@ class PluginBackend:
 
     def enable(self) -> None:
         self._hits.clear()
+        self._comm_changes.clear()
+        self._watch_comms()
         self.engine.records()              # what came before does not count
         self._dropped0 = self.engine.link.dropped
         self.arm()
@@ -214,7 +218,33 @@ class PluginBackend:
         for rec in self.engine.records():
             if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
                 continue
+            if self._comm_probe is not None and rec.probe_id == self._comm_probe.id:
+                h = self._hit(rec, -1)
+                if h.pid:
+                    self._comm_changes.append((len(self._hits), h.pid, h.arg("comm")[1:-1]))
+                continue
             self._hits.append(self._hit(rec, len(self._hits)))
+
+    def _watch_comms(self) -> None:
+        """As the gdbstub backend does (``HostBackend._watch_comms``): a hidden probe on
+        ``__set_task_comm(tsk, buf, exec)``, here a compiled one recording the renamed
+        task's pid and its new comm, in order with the other records."""
+        if self.comm_rule != "saved_cmdlines" or self._comm_probe is not None:
+            return
+        pid_off = self.engine.task_offsets[1]
+        if self.engine.symbols.get("__set_task_comm") is None or not pid_off:
+            return
+        from ..probespec import parse
+
+        spec = parse(f"p:kphinternal/comm __set_task_comm pid=+{pid_off}(%di):s32 "
+                     "comm=+0(%si):string")
+        try:
+            self._comm_probe = self._place(spec)
+        except ProbeRejectedError as exc:
+            log.info("comm changes are not followed: %s", exc)
+            return
+        self._specs[self._comm_probe.id] = (spec, "kphinternal/comm")
+        self.engine.enable_probe(self._comm_probe, True)
 
     def _hit(self, rec: RawRecord, seq: int) -> Hit:
         spec, name = self._specs[rec.probe_id]
@@ -256,8 +286,14 @@ class PluginBackend:
         for h in self._hits:
             if h.pid is not None:
                 last[h.pid] = h.comm
-        return [dataclasses.replace(h, comm=last.get(h.pid, h.comm)) if h.pid is not None else h
-                for h in self._hits]
+        out = []
+        for i, h in enumerate(self._hits):
+            if h.pid is None:
+                out.append(h)
+                continue
+            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j >= i)
+            out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
+        return out
 
     def counters(self) -> dict[str, Counters]:
         out = {}
@@ -272,6 +308,9 @@ class PluginBackend:
         return out
 
     def close(self) -> None:
+        if self._comm_probe is not None:
+            self._probes.setdefault("kphinternal/comm", []).append(self._comm_probe)
+            self._comm_probe = None
         for ps in self._probes.values():
             for p in ps:
                 try:

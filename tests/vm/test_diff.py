@@ -86,3 +86,17 @@ def test_refused_probe_is_refused_on_both_sides(vm):
     assert res.equivalent
     assert {o.probe: o.errno for o in guest.outcomes} == {"kprobes/bl": 22, "kprobes/mid": 84}
     assert vm.run("cat /sys/kernel/tracing/kprobe_events").stdout == ""
+
+
+def test_an_smp_guest_s_events_are_read_from_every_cpu(default_image):
+    """The events side reads each CPU's ring buffer (per_cpu/cpuN/trace_pipe_raw); a
+    listing bug once read cpu0 only, so every event recorded on cpu1 was lost."""
+    from harness.vmctl import Machine
+
+    with Machine.boot(default_image, smp=2) as vm:
+        runs = run_differential(vm, [parse("p:o do_sys_openat2 path=+0(%si):ustring")],
+                                "taskset 1 cat /proc/version; taskset 2 cat /proc/version")
+        res = compare(*runs, trampoline=trampoline_text(vm))
+    guest = [h for h in runs[1].hits if h.comm == "cat"]
+    assert {h.cpu for h in guest} == {0, 1}, [h.line() for h in guest]
+    assert res.equivalent, res

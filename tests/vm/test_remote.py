@@ -26,17 +26,16 @@ SLICE = "test_differential and (entry or return or mid-function)"
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory, tests_run_lock):
+def worker(tmp_path_factory):
     """(sshd, the --tx spec of a prepared worker, its KPH_CACHE)."""
     base = tmp_path_factory.mktemp("remote")
     sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-{os.getpid()}"))   # short: socket paths
     sshd.start()
     try:
         cache = base / "cache"
-        # A whole setup.sh runs here: hold the run lock like a test does, so that an
-        # ``alone`` test does not run beside it (module fixtures come before autouse ones).
-        with tests_run_lock():
-            r = _prepare(sshd, base, cache)
+        # A whole setup.sh runs here, inside the first test's run lock (tests/conftest.py),
+        # so an ``alone`` test does not run beside it.
+        r = _prepare(sshd, base, cache)
         assert r.returncode == 0, r.stderr[-3000:]
         tx = r.stdout.split("--tx ", 1)[1].strip()
         yield sshd, tx, cache
