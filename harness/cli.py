@@ -1,10 +1,27 @@
-"""``kph``: the command line. The only module that prints or configures logging."""
+"""``kph``: the command line. The only module that prints or configures logging.
+
+One output convention for every verb (docs/cli.md):
+
+- ``--json``: the verb's result as one JSON document on stdout, and nothing else there;
+- ``-o FILE`` / ``--json-file FILE``: the same document written to FILE;
+- human text (reports, verdicts, tables, progress, warnings, errors) goes to stderr, and
+  ``-q`` silences it (errors excepted). The one thing on stdout without ``--json`` is the
+  guest's own output of ``kph boot --run CMD``;
+- progress of long work is one live line on a terminal, plain lines otherwise;
+- exit status 0 success, 1 divergence / not met / failed command, 2 usage or setup error,
+  3 the VM was lost, 130 interrupted.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import shutil
 import signal
 import sys
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 from .errors import HarnessError, ProbeSpecError, ScenarioError, SetupError, VMError
@@ -18,6 +35,10 @@ semantics, from the host through QEMU's gdbstub and inside the guest as real kpr
 With no kernel named, every command uses the embedded default image (the current Debian
 cloud kernel with a busybox initramfs), built by `kph image build` into $KPH_CACHE
 (default ~/.cache/kprobe-harness).
+
+Output: human text and progress go to stderr (-q silences them); --json puts the result
+on stdout as JSON and nothing else; -o FILE writes that JSON to FILE. The options
+--json, -o, -q and --log-level go before or after the command.
 """
 
 EPILOG = """\
@@ -27,8 +48,174 @@ first steps:
   kph boot --run 'uname -r'               boot it, run a command, power off
   kph probe 'p:open do_sys_openat2 dfd=%di:s32' --run 'cat /proc/version'
   kph diff  'p:open do_sys_openat2 path=+0(%si):ustring' --run 'cat /proc/version'
+every command has examples in its --help (kph COMMAND --help).
 exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
-3 the VM was lost (panic, QEMU died, timeout)."""
+3 the VM was lost (panic, QEMU died, timeout), 130 interrupted."""
+
+#: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a
+#: directory holding the checkout's probes/ (paths are relative to the checkout).
+#: An example that cannot run on one machine says so after "# not run:".
+EXAMPLES: dict[str, list[str]] = {
+    "boot": ["kph boot --run 'uname -r' --run 'cat /proc/cmdline'",
+             "kph boot --cold --run true",
+             "kph boot --json --run 'cat /proc/version'"],
+    "probe": ["kph probe 'p:open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring' "
+              "--run 'cat /proc/version'",
+              "kph probe 'r:openret do_sys_openat2 ret=$retval:s64' --backend events "
+              "--run 'cat /proc/version' --json"],
+    "diff": ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
+             "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
+             "kph diff -f probes/examples/open.spec --run 'cat /proc/version' --json "
+             "--html open.html"],
+    "matrix": ["kph matrix -f probes/examples/matrix.spec --run 'sh -c \"true & wait\"' "
+               "--kernels 6.1,6.12,7.3"],
+    "repro": ["kph repro probes/scenarios/blacklisted.toml",
+              "kph repro probes/scenarios/blacklisted.toml --out bundle --json"],
+    "demo": ["kph demo trap-flow --variants int3",
+             "kph demo trap-flow --variants int3,kretprobe --html flow.html"],
+    "doctor": ["kph doctor", "kph doctor --json"],
+    "image": ["kph image build", "kph image list", "kph image info --json"],
+    "qemu": ["kph qemu which", "kph qemu which --json"],
+    "worker": ["kph worker identity --kernels default --json",
+               "kph worker prepare root@build2 --dir /srv/kph --kernels 6.12,7.3  "
+               "# not run: needs a second machine reachable over SSH"],
+}
+
+
+def _examples(verb: str, extra: str = "") -> str:
+    lines = [f"  {ex}" for ex in EXAMPLES[verb]]
+    return ((extra + "\n") if extra else "") + "examples:\n" + "\n".join(lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kprobe-harness")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# ------------------------------------------------------------------------ output and progress
+
+class Progress:
+    """Progress for people, on stderr: on a terminal one live line rewritten in place
+    (phases and live counters), otherwise a plain line per phase (live counters at most
+    every ``plain_every`` seconds). Silent with ``-q``. A ``harness.progress`` sink."""
+
+    def __init__(self, stream: Any = None, *, quiet: bool = False, live: bool | None = None,
+                 plain_every: float = 10.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = quiet
+        if live is None:
+            live = self.stream.isatty() and os.environ.get("TERM", "") != "dumb"
+        self.live = live
+        self.plain_every = plain_every
+        self._shown = False
+        self._last_plain = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        """A phase."""
+        if self.quiet:
+            return
+        with self._lock:
+            if self.live:
+                self._draw(text)
+            else:
+                print(text, file=self.stream, flush=True)
+                self._last_plain = time.monotonic()
+
+    def transient(self, text: str) -> None:
+        """A live update (hit counts while the workload runs)."""
+        if self.quiet:
+            return
+        with self._lock:
+            if self.live:
+                self._draw(text)
+            elif time.monotonic() - self._last_plain >= self.plain_every:
+                print(text, file=self.stream, flush=True)
+                self._last_plain = time.monotonic()
+
+    def _draw(self, text: str) -> None:
+        width = max(20, shutil.get_terminal_size((100, 20)).columns - 1)
+        self.stream.write("\r\x1b[K" + text[:width])
+        self.stream.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        """Erase the live line (before other text is written)."""
+        with self._lock:
+            if self._shown:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+                self._shown = False
+
+
+class Output:
+    """Where a verb's result and text go (the convention in the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.json = bool(getattr(args, "json", False))
+        self.json_file: str | None = getattr(args, "json_file", None)
+        self.quiet = bool(getattr(args, "quiet", False))
+        self.progress = Progress(quiet=self.quiet)
+        _current.append(self)
+
+    def text(self, s: str = "") -> None:
+        """Human text: stderr, unless -q."""
+        if self.quiet:
+            return
+        self.progress.clear()
+        sys.stderr.write(s if s.endswith("\n") else s + "\n")
+        sys.stderr.flush()
+
+    def warn(self, s: str) -> None:
+        self.text(f"warning: {s}")
+
+    def data(self, s: str) -> None:
+        """Data that is stdout's without --json (kph boot's guest output)."""
+        if not self.json:
+            self.progress.clear()
+            sys.stdout.write(s)
+            sys.stdout.flush()
+
+    def result(self, doc: Any) -> None:
+        """The machine-readable result: stdout with --json, the file with -o."""
+        text = json.dumps(doc, indent=2, default=str) + "\n"
+        if self.json_file:
+            with open(self.json_file, "w") as f:
+                f.write(text)
+        if self.json:
+            self.progress.clear()
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
+_current: list[Output] = []
+
+
+def _output_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """-q, --log-level, --json, -o: on the top parser (with defaults) and on every
+    command (defaults suppressed, so that a value given before the command stays)."""
+    kw: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
+    g = p.add_argument_group("Output")
+    g.add_argument("--json", action="store_true",
+                   help="write the result as JSON to stdout, and nothing else", **kw)
+    g.add_argument("-o", "--json-file", metavar="FILE",
+                   help="write the result as JSON to FILE", **kw)
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no text on stderr but errors (no progress, no report)", **kw)
+    g.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="the library's log level, on stderr (default WARNING)",
+                   **({"default": "WARNING"} if top else kw))
+
+
+def _sub(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
+    kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(name, **kw)
+    _output_options(p, top=False)
+    return p
 
 
 def _kernel_group(p: argparse.ArgumentParser) -> None:
@@ -56,19 +243,20 @@ def _qemu_group(p: argparse.ArgumentParser) -> None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kph", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--log-level", default="WARNING",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="library log level")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--version", action="version", version=f"kph (kprobe-harness) {_version()}")
+    _output_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    img = sub.add_parser("image", help="Build, list or show the images (one per kernel)")
+    img = _sub(sub, "image", help="Build, list or show the images (one per kernel)",
+               epilog=_examples("image"))
     isub = img.add_subparsers(dest="image_cmd", metavar="ACTION")
-    b = isub.add_parser("build", help="Provision an image: kernel, initramfs, kernel facts, "
-                        "module, ready snapshot",
-                        description="Build the image of a Debian cloud kernel: its packages, "
-                        "a busybox initramfs with qemu-ga, the test programs and kph_kprobes.ko "
-                        "(built with that kernel's own compiler), its kernel facts (kallsyms, "
-                        "blacklist, BTF, ...) harvested on a first boot, and its ready snapshot.")
+    b = _sub(isub, "build", help="Provision an image: kernel, initramfs, kernel facts, "
+             "module, ready snapshot",
+             description="Build the image of a Debian cloud kernel: its packages, "
+             "a busybox initramfs with qemu-ga, the test programs and kph_kprobes.ko "
+             "(built with that kernel's own compiler), its kernel facts (kallsyms, "
+             "blacklist, BTF, ...) harvested on a first boot, and its ready snapshot.",
+             epilog=_examples("image"))
     b.add_argument("--kernel", metavar="SERIES|ABI", default=None,
                    help="which kernel: a series (6.1, 6.12, 7.3: what Debian 12, Debian 13 "
                    "and Debian 13 backports ship today) or a full ABI such as "
@@ -77,86 +265,86 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot and the snapshot")
     b.add_argument("--no-snapshot", action="store_true",
                    help="do not make the ready snapshot (the first boot makes it)")
-    inf = isub.add_parser("info", help="Print an image's manifest and its snapshots (JSON)")
+    inf = _sub(isub, "info", help="Show an image's manifest and its snapshots",
+               epilog=_examples("image"))
     inf.add_argument("--image", metavar="SERIES|ABI|DIR", help="the image (default: the default)")
-    isub.add_parser("list", help="List the images in the cache")
+    _sub(isub, "list", help="List the images in the cache", epilog=_examples("image"))
 
-    q = sub.add_parser("qemu", help="Provision or show the QEMU the harness uses")
+    q = _sub(sub, "qemu", help="Provision or show the QEMU the harness uses",
+             epilog=_examples("qemu"))
     qsub = q.add_subparsers(dest="qemu_cmd", metavar="ACTION")
-    pv = qsub.add_parser("provision", help="Unpack QEMU >= 10.2 from Debian 13 backports "
-                         "into the cache (skipped when the system QEMU is new enough)")
+    pv = _sub(qsub, "provision", help="Unpack QEMU >= 10.2 from Debian 13 backports "
+              "into the cache (skipped when the system QEMU is new enough)")
     pv.add_argument("--force", action="store_true", help="provision even if one exists")
-    qsub.add_parser("which", help="Print the QEMU that would be used and why")
+    _sub(qsub, "which", help="Show the QEMU that would be used and why", epilog=_examples("qemu"))
 
-    bt = sub.add_parser("boot", help="Boot the default image (or --kernel/--initrd) and run commands",
-                        description="Boot, run each --run command in the guest printing its "
-                        "output, power off. Exit status: that of the last command.")
+    bt = _sub(sub, "boot", help="Boot the default image (or --kernel/--initrd) and run commands",
+              description="Boot, run each --run command in the guest, power off. The "
+              "commands' output is passed through (their stdout on stdout); with --json "
+              "it is in the JSON document instead. Exit status: that of the last command.",
+              epilog=_examples("boot"))
     bt.add_argument("--run", action="append", default=[], metavar="CMD",
                     help="a shell command to run in the guest (repeatable)")
     bt.add_argument("--timeout", type=float, default=60.0, metavar="S",
                     help="limit for each command (default 60)")
-    bt.add_argument("--console", action="store_true", help="print the guest console at the end")
+    bt.add_argument("--console", action="store_true", help="show the guest console at the end")
     _kernel_group(bt)
     _qemu_group(bt)
 
-    pr = sub.add_parser("probe", help="Place SPEC on one side (--backend), run a workload, "
-                        "print events", description="Place kprobe_events specs host-side "
-                        "(through the gdbstub) or in the guest (tracefs or the kph module), "
-                        "run --run, print the events as the trace file would.",
-                        epilog="SPEC example: 'p:open do_sys_openat2 dfd=%%di:s32 "
-                        "path=+0(%%si):ustring' or 'r:openret do_sys_openat2 ret=$retval:s64'")
+    pr = _sub(sub, "probe", help="Place SPEC on one side (--backend), run a workload, "
+              "show the events", description="Place kprobe_events specs host-side "
+              "(through the gdbstub) or in the guest (tracefs or the kph module), "
+              "run --run, show the events as the trace file would. Exit 0, or 2 when a "
+              "spec is refused.", epilog=_examples("probe"))
     _spec_args(pr)
     pr.add_argument("--backend", choices=("host", "events", "module"), default="host",
                     help="where the probes go (default host)")
     pr.add_argument("--host", choices=("gdbstub", "plugin"), default="gdbstub",
                     help="the host-side engine: gdbstub (default, the reference) or the QEMU "
                     "plugin (microseconds per hit, vCPUs not stopped)")
-    pr.add_argument("--json", action="store_true", help="print the hits as JSON")
     _kernel_group(pr)
     _qemu_group(pr)
 
-    df = sub.add_parser("diff", help="Run a probe set on both sides and report the first divergence",
-                        description="Place the specs in the guest (--guest) and host-side on "
-                        "top, observing one execution of --run; compare every hit field by "
-                        "field. Exit 0 equivalent, 1 divergent, 2 usage or setup error.")
+    df = _sub(sub, "diff", help="Run a probe set on both sides and report the first divergence",
+              description="Place the specs in the guest (--guest) and host-side on "
+              "top, observing one execution of --run; compare every hit field by "
+              "field. Exit 0 equivalent, 1 divergent, 2 usage or setup error.",
+              epilog=_examples("diff"))
     _spec_args(df)
     df.add_argument("--guest", choices=("events", "module"), default="events",
                     help="the in-guest side (default: tracefs kprobe_events)")
     df.add_argument("--host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
                     help="the host-side engine: gdbstub (default), plugin, or both (three "
                     "worlds on one execution, every pair compared)")
-    df.add_argument("--json", metavar="FILE", help="write the result as JSON")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     _kernel_group(df)
     _qemu_group(df)
 
-    mx = sub.add_parser("matrix", help="Run a probe set on several kernels; show where they differ",
-                        description="For each kernel (--kernels), boot its image (built first "
-                        "if missing), place the specs host-side and in the guest on one "
-                        "execution of --run and compare them (as kph diff); then compare the "
-                        "kernels' guests with each other: registration, probe mode, event "
-                        "counts and the printed fields. Exit 0 when host and guest agree on "
-                        "every kernel, 1 otherwise, 2 on usage or setup errors.",
-                        epilog="example: kph matrix -f probes/examples/matrix.spec --run "
-                        "'sh -c \"true & wait\"' --kernels 6.1,6.12,7.3")
+    mx = _sub(sub, "matrix", help="Run a probe set on several kernels; show where they differ",
+              description="For each kernel (--kernels), boot its image (built first "
+              "if missing), place the specs host-side and in the guest on one "
+              "execution of --run and compare them (as kph diff); then compare the "
+              "kernels' guests with each other: registration, probe mode, event "
+              "counts and the printed fields. Exit 0 when host and guest agree on "
+              "every kernel, 1 otherwise, 2 on usage or setup errors.",
+              epilog=_examples("matrix"))
     _spec_args(mx)
     mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
                     help="kernel series or ABIs, comma-separated (default 6.1,6.12,7.3)")
     mx.add_argument("--guest", choices=("events", "module"), default="events",
                     help="the in-guest side (default: tracefs kprobe_events)")
-    mx.add_argument("--json", metavar="FILE", help="write the result as JSON")
     mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
-    wk = sub.add_parser("worker", help="Prepare a host over SSH as a pytest-xdist worker",
-                        description="Scale the differential suite out to other machines "
-                        "with pytest-xdist's SSH gateways (see docs: running across machines).")
+    wk = _sub(sub, "worker", help="Prepare a host over SSH as a pytest-xdist worker",
+              description="Scale the differential suite out to other machines "
+              "with pytest-xdist's SSH gateways (docs/remote.md).",
+              epilog=_examples("worker"))
     wsub = wk.add_subparsers(dest="worker_cmd", metavar="ACTION")
-    wp = wsub.add_parser("prepare", help="Send this commit to HOST, run setup.sh there, build "
-                         "the images, check it is identical, print the --tx spec",
-                         epilog="example: kph worker prepare root@build2 --dir /srv/kph "
-                         "--kernels 6.12,7.3, then: pytest -d --tx <printed spec> --tx popen "
-                         "--dist loadgroup")
+    wp = _sub(wsub, "prepare", help="Send this commit to HOST, run setup.sh there, build "
+              "the images, check it is identical, show the --tx spec",
+              epilog=_examples("worker", "then: pytest -d --tx <the --tx spec> --tx popen "
+                               "--dist loadgroup"))
     wp.add_argument("target", metavar="[USER@]HOST", help="an ssh target (or a Host of --ssh-config)")
     wp.add_argument("--dir", required=True, metavar="PATH", help="the worker's checkout on HOST")
     wp.add_argument("--commit", default="HEAD", metavar="REV", help="what to check out (default HEAD)")
@@ -164,17 +352,19 @@ def make_parser() -> argparse.ArgumentParser:
                     help="images to build there besides the default (e.g. 6.12,7.3)")
     wp.add_argument("--cache", metavar="DIR", help="KPH_CACHE on HOST (default: its own default)")
     wp.add_argument("--ssh-config", metavar="FILE", help="an ssh_config for the connection")
-    wi = wsub.add_parser("identity", help="Print this checkout's identity as JSON (commit, "
-                         "QEMU, images, cores): what prepare compares")
+    wi = _sub(wsub, "identity", help="Show this checkout's identity (commit, QEMU, images, "
+              "cores): what prepare compares", epilog=_examples("worker"))
     wi.add_argument("--kernels", default="", metavar="K,K,...", help="only these images")
 
-    rp = sub.add_parser("repro", help="Reproduce a probe bug and keep the evidence",
-                        description="Run a scenario file (probes/scenarios/*.toml), decide "
-                        "whether its expectation is met and write an evidence bundle. Exit 0 "
-                        "met, 1 not met, 2 for a bad scenario (the key at fault is named).")
+    rp = _sub(sub, "repro", help="Reproduce a probe bug and keep the evidence",
+              description="Run a scenario file (probes/scenarios/*.toml), decide "
+              "whether its expectation is met and write an evidence bundle (--out DIR, "
+              "default kph-runs/repro-NAME-TIME/). Exit 0 met, 1 not met, 2 for a bad "
+              "scenario (the key at fault is named).", epilog=_examples("repro"))
     rp.add_argument("scenario", metavar="SCENARIO.toml", nargs="?",
                     help="the scenario (optional with --replay: the bundle holds its own)")
-    rp.add_argument("--out", metavar="DIR", help="bundle directory (default repro-NAME-TIME)")
+    rp.add_argument("--out", metavar="DIR", help="bundle directory (default "
+                    "kph-runs/repro-NAME-TIME)")
     rp.add_argument("--record", action="store_true",
                     help="run under QEMU record/replay (-icount rr=record, one vCPU, in-guest "
                     "probes only); the bundle then holds the replay log")
@@ -185,14 +375,16 @@ def make_parser() -> argparse.ArgumentParser:
                     "reverse-stepi / reverse-continue; Ctrl-C ends QEMU")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
-    dm = sub.add_parser("demo", help="Walk through a real kprobe trap, step by step")
+    dm = _sub(sub, "demo", help="Walk through a real kprobe trap, step by step",
+              epilog=_examples("demo"))
     dsub = dm.add_subparsers(dest="demo_cmd", metavar="DEMO")
-    tf = dsub.add_parser("trap-flow", help="A real in-guest kprobe fires; the host watches every step",
-                         description="Load an int3-based kprobe with pre and post handlers in the "
-                         "guest (the harness's module) and watch, with silent host breakpoints, "
-                         "the int3, the exception entry, kprobes core, the handlers, the "
-                         "out-of-line slot and the return; then the same probe ftrace-based, "
-                         "jump-optimized, and a kretprobe. The guest is left as it was.")
+    tf = _sub(dsub, "trap-flow", help="A real in-guest kprobe fires; the host watches every step",
+              description="Load an int3-based kprobe with pre and post handlers in the "
+              "guest (the harness's module) and watch, with silent host breakpoints, "
+              "the int3, the exception entry, kprobes core, the handlers, the "
+              "out-of-line slot and the return; then the same probe ftrace-based, "
+              "jump-optimized, and a kretprobe. The guest is left as it was.",
+              epilog=_examples("demo"))
     tf.add_argument("--symbol", default="do_sys_openat2+5", metavar="SYM[+OFF]",
                     help="where the int3 probe goes, not a function entry (default "
                          "do_sys_openat2+5); the ftrace and kretprobe variants use SYM")
@@ -204,9 +396,12 @@ def make_parser() -> argparse.ArgumentParser:
                          "/usr/bin/kph-loop, the XOL slot, the uretprobe trampoline)")
     tf.add_argument("--html", metavar="FILE", help="write a self-contained page with a "
                     "sequence diagram and the step table")
-    tf.add_argument("--step", action="store_true", help="wait for Enter between steps")
+    tf.add_argument("--step", action="store_true", help="wait for Enter after each step "
+                    "(on a terminal; with stdin not a terminal, the steps are not paused)")
 
-    sub.add_parser("doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix")
+    _sub(sub, "doctor", help="Report QEMU, gdb, KVM, the image cache and what to fix",
+         description="Check what the harness would use. Exit 0 when nothing fails, 2 "
+         "otherwise (each failure names its fix).", epilog=_examples("doctor"))
     return p
 
 
@@ -219,7 +414,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    help="limit for the workload (default 120)")
 
 
-def _boot(args: argparse.Namespace) -> int:
+
+def _boot(args: argparse.Namespace, out: Output) -> int:
     from .vmctl import Machine
 
     opts: dict[str, Any] = dict(kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
@@ -227,101 +423,148 @@ def _boot(args: argparse.Namespace) -> int:
                                 accel=args.accel, memory=args.memory, append=args.append,
                                 qemu=args.qemu)
     if args.dry_run:  # the cold command line; a restore adds -incoming and the RAM file
-        print(Machine.prepare(args.image, **opts).dry_run())
+        import shlex
+
+        line = Machine.prepare(args.image, **opts).dry_run()
+        out.result({"command": line, "argv": shlex.split(line)})
+        if not out.json:
+            print(line)     # the command line is data: stdout, as --dry-run promises
         return EXIT_OK
     status = EXIT_OK
     vm = Machine.boot(args.image, fresh=not args.cold, **opts)
+    doc: dict[str, Any] = {"kernel": vm.kernel_path if hasattr(vm, "kernel_path") else None,
+                           "commands": []}
     with vm:
-        if not args.quiet and vm.start_mode == "snapshot":
-            _progress(f"boot: restored from {vm.snapshot.dir} in {vm.boot_seconds:.2f} s")
-        elif not args.quiet and vm.cold_reason:
-            _progress(f"boot: cold ({vm.cold_reason}) in {vm.boot_seconds:.2f} s")
-        _warn_slow_qemu(vm.qemu, args)
+        how = _started(vm, args)
+        doc["start"] = {"mode": vm.start_mode, "seconds": round(vm.boot_seconds, 3),
+                        "reason": how}
+        out.text(f"boot: {how}")
+        _warn_slow_qemu(vm.qemu, out)
         for cmd in args.run:
             r = vm.run(cmd, timeout=args.timeout)
-            sys.stdout.write(r.stdout)
-            sys.stderr.write(r.stderr)
-            sys.stdout.flush()
+            doc["commands"].append({"command": cmd, "status": r.status, "stdout": r.stdout,
+                                    "stderr": r.stderr})
+            out.data(r.stdout)
+            if not out.json:
+                sys.stderr.write(r.stderr)
+                sys.stderr.flush()
             status = r.status
         if args.console:
-            print(vm.console_text(), end="")
+            doc["console"] = vm.console_text()
+            out.text(doc["console"])
+    doc["status"] = status
+    doc.pop("kernel")
+    out.result(doc)
     return status
 
 
-def _warn_slow_qemu(q: Any, args: argparse.Namespace) -> None:
-    if not q.fast_gdbstub and not args.quiet:
-        print(f"warning: QEMU {q.version_str} flushes its translation cache on every "
-              "breakpoint hit (~70 ms); ./setup.sh provisions QEMU >= 10.2", file=sys.stderr)
+def _started(vm: Any, args: argparse.Namespace) -> str:
+    """How a machine started, in words: restored from which snapshot, or cold and why."""
+    if vm.start_mode == "snapshot":
+        return f"restored from {vm.snapshot.dir} in {vm.boot_seconds:.2f} s"
+    why = vm.cold_reason or ("--cold" if getattr(args, "cold", False) else
+                             "$KPH_COLD is set" if os.environ.get("KPH_COLD") else "no snapshot")
+    return f"cold boot ({why}) in {vm.boot_seconds:.2f} s"
 
 
-def _image(args: argparse.Namespace) -> int:
+def _warn_slow_qemu(q: Any, out: Output) -> None:
+    if not q.fast_gdbstub:
+        out.warn(f"QEMU {q.version_str} flushes its translation cache on every "
+                 "breakpoint hit (~70 ms); ./setup.sh provisions QEMU >= 10.2")
+
+
+def _image(args: argparse.Namespace, out: Output) -> int:
     from .imagebuild import build_image
     from .images import default_image
 
     if args.image_cmd == "build":
-        build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
-                    snapshot=not args.no_snapshot,
-                    progress=(lambda s: None) if args.quiet else _progress)
+        img = build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
+                          snapshot=not args.no_snapshot, progress=out.progress)
+        out.progress.clear()
+        out.result(_image_doc(img))
         return EXIT_OK
     if args.image_cmd == "list":
         from .images import _read_default, built_images, image_is_current
         from .snapshot import snapshots_of
 
         imgs = built_images()
-        if not imgs:
-            print("no images; run `kph image build` (or --kernel 6.12, 7.3)", file=sys.stderr)
-            return EXIT_OK
         default = _read_default()
-        print(f"{'series':7s} {'kernel':32s} {'built':26s} {'state':8s} snapshots")
-        for i in imgs:
-            state = "current" if image_is_current(i) else "stale"
-            mark = " (default)" if i.version == default else ""
-            print(f"{i.series:7s} {i.version:32s} {i.manifest.get('built', '?'):26s} {state:8s} "
-                  f"{len(snapshots_of(i))}{mark}")
+        rows = [{"series": i.series, "kernel": i.version, "built": i.manifest.get("built", "?"),
+                 "state": "current" if image_is_current(i) else "stale",
+                 "snapshots": len(snapshots_of(i)), "default": i.version == default,
+                 "dir": str(i.dir)} for i in imgs]
+        out.result({"images": rows})
+        if not imgs:
+            out.text("no images; run `kph image build` (or --kernel 6.12, 7.3)")
+            return EXIT_OK
+        out.text(f"{'series':7s} {'kernel':32s} {'built':26s} {'state':8s} snapshots")
+        for r in rows:
+            out.text(f"{r['series']:7s} {r['kernel']:32s} {r['built']:26s} {r['state']:8s} "
+                     f"{r['snapshots']}{' (default)' if r['default'] else ''}")
         return EXIT_OK
     if args.image_cmd == "info":
-        import json
-        from .snapshot import snapshots_of
-
         img = default_image(args.image)
-        snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
-        print(json.dumps(dict(img.manifest, dir=str(img.dir), snapshots=snaps), indent=2))
+        doc = _image_doc(img)
+        out.result(doc)
+        out.text(f"image {img.version} ({img.series}) in {img.dir}")
+        out.text(f"  built {img.manifest.get('built', '?')}, recipe {img.manifest.get('recipe', '?')}")
+        for name, a in sorted(img.manifest.get("artifacts", {}).items()):
+            out.text(f"  {name:18s} sha256 {a.get('sha256', '?')[:16]}...  {a.get('size', '')}")
+        for s in doc["snapshots"]:
+            out.text(f"  snapshot {s['dir']}")
         return EXIT_OK
-    raise SetupError("kph image needs an action", "try `kph image build`")
+    raise SetupError("kph image needs an action", "try `kph image build`, `list` or `info`")
 
 
-def _qemu_cmd(args: argparse.Namespace) -> int:
+def _image_doc(img: Any) -> dict[str, Any]:
+    from .snapshot import snapshots_of
+
+    snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
+    return dict(img.manifest, dir=str(img.dir), snapshots=snaps)
+
+
+def _qemu_cmd(args: argparse.Namespace, out: Output) -> int:
     from .qemu import find_qemu, provision_private_qemu, system_qemu, why_chosen
 
     if args.qemu_cmd == "provision":
         s = system_qemu()
         if s and s.fast_gdbstub and not args.force:
-            _progress(f"qemu: system QEMU {s.version_str} is >= 10.2; nothing to provision")
-            return EXIT_OK
-        provision_private_qemu(progress=_progress, force=args.force)
+            out.text(f"qemu: system QEMU {s.version_str} is >= 10.2; nothing to provision")
+            q = s
+        else:
+            q = provision_private_qemu(progress=out.progress, force=args.force)
+            out.progress.clear()
+        out.result({"version": q.version_str, "path": q.argv[-1], "why": why_chosen(q)})
         return EXIT_OK
     if args.qemu_cmd == "which":
         q = find_qemu()
-        print(f"QEMU {q.version_str}: {q.argv[-1]} ({why_chosen(q)})")
+        why = why_chosen(q)
+        out.result({"version": q.version_str, "path": q.argv[-1], "why": why,
+                    "fast_gdbstub": q.fast_gdbstub})
+        out.text(f"QEMU {q.version_str}: {q.argv[-1]} ({why})")
         return EXIT_OK
     raise SetupError("kph qemu needs an action", "try `kph qemu provision` or `kph qemu which`")
 
 
-def _doctor(args: argparse.Namespace) -> int:
+def _doctor(args: argparse.Namespace, out: Output) -> int:
     from .doctor import run_checks
 
+    checks = run_checks()
     bad = 0
-    for c in run_checks():
-        print(f"[{c.mark:4s}] {c.name:12s} {c.detail}")
+    for c in checks:
+        out.text(f"[{c.mark:4s}] {c.name:12s} {c.detail}")
         if c.ok is False:
             bad += 1
             if c.fix:
-                print(f"       {'':12s} fix: {c.fix}")
+                out.text(f"       {'':12s} fix: {c.fix}")
+    out.result({"ok": not bad, "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
+                                          "fix": c.fix} for c in checks]})
     return EXIT_OK if not bad else EXIT_USAGE
 
 
 def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress for code without an Output (kept for callers of the old name)."""
+    (_current[-1].progress if _current else Progress())(msg)
 
 
 def _load_specs(args: argparse.Namespace) -> list[Any]:
@@ -397,9 +640,12 @@ def _machine(args: argparse.Namespace) -> Any:
                         qemu=args.qemu, fresh=not args.cold, host=host)
 
 
-def _refusals(outcomes: list[Any]) -> int:
+def _refusals(outcomes: list[Any], out: Output | None = None) -> int:
+    """One ``error:`` line per refused spec (errors: shown with -q too)."""
     import errno as _e
 
+    if out is not None:
+        out.progress.clear()
     bad = 0
     for o in outcomes:
         if not o.accepted:
@@ -411,60 +657,89 @@ def _refusals(outcomes: list[Any]) -> int:
     return bad
 
 
-def _probe(args: argparse.Namespace) -> int:
+
+
+def _old_json_form(argv: list[str]) -> str | None:
+    """``--json FILE`` was the old form of ``kph diff``/``matrix`` (a file); ``--json`` is
+    now a flag and FILE would be taken for a stray argument. Returns FILE if used so."""
+    for i, a in enumerate(argv[:-1]):
+        nxt = argv[i + 1]
+        if a == "--json" and nxt.lower().endswith(".json") and " " not in nxt:
+            return nxt
+    return None
+
+
+def _booted(vm: Any, args: argparse.Namespace, out: Output) -> None:
+    out.progress(f"booted: {_started(vm, args)}")
+
+
+def _probe(args: argparse.Namespace, out: Output) -> int:
+    import dataclasses
+
     from . import report
     from .runner import run_single
 
+    _check_output("-o", out.json_file)
     specs = _load_specs(args)
     backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
+    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
     with _machine(args) as vm:
-        res = run_single(vm, backend, specs, args.run, timeout=args.timeout)
+        _booted(vm, args, out)
+        res = run_single(vm, backend, specs, args.run, timeout=args.timeout,
+                         progress=out.progress)
+    out.progress.clear()
     _workload_ran(res, args.run)
-    if _refusals(res.outcomes):
+    refused = _refusals(res.outcomes, out)
+    doc = {"side": res.side, "workload": {"command": args.run, "status": res.workload_status,
+                                          "stderr": res.workload_stderr},
+           "outcomes": [dataclasses.asdict(o) for o in res.outcomes],
+           "hits": json.loads(report.hits_json(res.hits)),
+           "counters": {p: dataclasses.asdict(c) for p, c in res.counters.items()}}
+    out.result(doc)
+    if refused:
         return EXIT_USAGE
-    if args.json:
-        sys.stdout.write(report.hits_json(res.hits))
-    else:
-        for h in res.hits:
-            print(h.line())
+    for h in res.hits:
+        out.text(h.line())
     counts = ", ".join(f"{p} {c.nhit} hits/{c.nmissed} missed" for p, c in res.counters.items())
-    if not args.quiet:
-        print(f"{backend}: {len(res.hits)} events; {counts}; workload "
-              f"{report.workload_status(res.workload_status, res.workload_stderr)}",
-              file=sys.stderr)
+    out.text(f"{backend}: {len(res.hits)} events; {counts}; workload "
+             f"{report.workload_status(res.workload_status, res.workload_stderr)}")
     return EXIT_OK
 
 
-def _diff(args: argparse.Namespace) -> int:
+def _diff(args: argparse.Namespace, out: Output) -> int:
     from . import report
     from .diff import compare
     from .runner import run_differential, trampoline_text
 
-    _check_output("--json", args.json)
+    _check_output("-o", out.json_file)
     _check_output("--html", args.html)
     specs = _load_specs(args)
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
     if args.host == "both":
-        return _diff_three(args, specs)
+        return _diff_three(args, specs, out)
+    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
     with _machine(args) as vm:
-        runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
+        _booted(vm, args, out)
+        runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
+                                progress=out.progress)
         tramp = trampoline_text(vm)
     _workload_ran(runs[0], args.run)
+    out.progress("comparing the two sides")
     res = compare(*runs, trampoline=tramp)
-    sys.stdout.write(report.text(res, workload=args.run, status=runs[0].workload_status,
-                                 stderr=runs[0].workload_stderr))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(report.to_json(res, runs))
+    out.progress.clear()
+    out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
+                         stderr=runs[0].workload_stderr))
+    out.result(json.loads(report.to_json(res, runs)))
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.to_html(res, runs, workload=args.run))
+        out.text(f"wrote {args.html}")
     return EXIT_OK if res.equivalent else EXIT_DIVERGED
 
 
-def _matrix(args: argparse.Namespace) -> int:
+def _matrix(args: argparse.Namespace, out: Output) -> int:
     from . import report
     from .probespec import parse
     from .runner import run_matrix
@@ -472,7 +747,7 @@ def _matrix(args: argparse.Namespace) -> int:
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not kernels:
         raise SetupError("--kernels names no kernel", "e.g. --kernels 6.1,6.12,7.3")
-    for path in (args.json, args.html):
+    for path in (out.json_file, args.html):
         _check_writable(path)
     lines = list(args.specs)
     if args.spec_file:
@@ -481,14 +756,14 @@ def _matrix(args: argparse.Namespace) -> int:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
     specs = [parse(ln) for ln in lines]
     res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
-                     qemu=args.qemu, progress=None if args.quiet else _progress)
-    sys.stdout.write(report.matrix_text(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(report.matrix_json(res))
+                     qemu=args.qemu, progress=out.progress)
+    out.progress.clear()
+    out.text(report.matrix_text(res))
+    out.result(json.loads(report.matrix_json(res)))
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.matrix_html(res))
+        out.text(f"wrote {args.html}")
     return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
 
 
@@ -512,44 +787,50 @@ def _spec_file_lines(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def _worker(args: argparse.Namespace) -> int:
-    import json
-
+def _worker(args: argparse.Namespace, out: Output) -> int:
     from . import remote
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if args.worker_cmd == "identity":
-        print(json.dumps(remote.local_identity(kernels or None), indent=1))
+        ident = remote.local_identity(kernels or None)
+        out.result(ident)
+        out.text(f"{ident['host']}: commit {ident['commit'][:12]}"
+                 f"{' (dirty)' if ident['dirty'] else ''}, QEMU {ident['qemu']}, "
+                 f"{ident['cores']} cores")
+        for series, i in ident["images"].items():
+            out.text(f"  {series:6s} {i['abi']} ({'current' if i['current'] else 'stale'})")
         return EXIT_OK
     if args.worker_cmd == "prepare":
         info = remote.prepare(args.target, directory=args.dir, commit=args.commit,
                               kernels=kernels, cache=args.cache, ssh_config=args.ssh_config,
-                              progress=(lambda s: None) if args.quiet else _progress)
-        print(f"--tx {info['tx']}")
+                              progress=out.progress)
+        out.progress.clear()
+        out.result(info)
+        out.text(f"--tx {info['tx']}")
         return EXIT_OK
     raise SetupError("kph worker needs an action", "try `kph worker prepare HOST --dir PATH`")
 
 
-def _diff_three(args: argparse.Namespace, specs: list[Any]) -> int:
+def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output) -> int:
     """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.worlds)."""
-    import json
-
     from . import report
     from .worlds import run_three
 
+    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
     with _machine(args) as vm:
+        _booted(vm, args, out)
+        out.progress("three worlds: registering, running the workload, collecting")
         three = run_three(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
+    out.progress.clear()
     for res in three.pairs:
-        sys.stdout.write(report.text(res, workload=args.run, status=three.runs[0].workload_status))
+        out.text(report.text(res, workload=args.run, status=three.runs[0].workload_status))
     first = three.first_divergence()
-    print(f"three worlds: {'EQUIVALENT' if first is None else 'DIVERGED'}"
-          + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
+    out.text(f"three worlds: {'EQUIVALENT' if first is None else 'DIVERGED'}"
+             + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
     which = ((0, 2), (1, 2), (0, 1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"equivalent": first is None,
-                       "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
-                                 for r, (i, j) in zip(three.pairs, which)]}, f, indent=1)
+    out.result({"equivalent": first is None,
+                "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
+                          for r, (i, j) in zip(three.pairs, which)]})
     if args.html:
         k = three.pairs.index(first) if first is not None else 0
         i, j = which[k]
@@ -558,7 +839,7 @@ def _diff_three(args: argparse.Namespace, specs: list[Any]) -> int:
     return EXIT_OK if first is None else EXIT_DIVERGED
 
 
-def _repro(args: argparse.Namespace) -> int:
+def _repro(args: argparse.Namespace, out: Output) -> int:
     from pathlib import Path
 
     from . import repro, scenario
@@ -569,29 +850,95 @@ def _repro(args: argparse.Namespace) -> int:
         raise SetupError("--gdb goes with --replay DIR", "kph repro --replay DIR --gdb")
     if args.scenario is None and not args.replay:
         raise SetupError("kph repro needs a scenario file", "kph repro probes/scenarios/NAME.toml")
+    _check_output("-o", out.json_file)
     scn = scenario.load(args.scenario) if args.scenario else None
-    if args.record or args.replay:
+    if args.replay:
+        return _replay(scn, args, out)
+    assert scn is not None
+    if args.record:
         from . import repro_rr
 
-        return repro_rr.main(scn, args, progress=(lambda s: None) if args.quiet else _progress)
-    assert scn is not None
-    res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
-                    progress=(lambda s: None) if args.quiet else _progress)
-    print(f"{'MET' if res.met else 'NOT MET'}: {scn.name}")
-    print(f"  cause: {res.cause}")
+        if scn is None:
+            raise SetupError("--record needs a scenario file", "kph repro SCENARIO.toml --record")
+        res = repro_rr.record_scenario(scn, out_dir=Path(args.out) if args.out else None,
+                                       qemu=args.qemu, progress=out.progress)
+    else:
+        res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
+                        progress=out.progress)
+    out.progress.clear()
+    out.text(f"{'MET' if res.met else 'NOT MET'}: {scn.name}" + (" (recorded)" if args.record else ""))
+    out.text(f"  cause: {res.cause}")
     for r in res.reasons:
-        print(f"  - {r}")
-    print(f"  evidence: {res.bundle}/summary.md")
+        out.text(f"  - {r}")
+    out.text(f"  evidence: {res.bundle}/summary.md")
+    doc = {"met": res.met, "scenario": scn.name, "file": str(scn.path), "cause": res.cause,
+           "reasons": list(res.reasons), "bundle": str(res.bundle),
+           "summary": f"{res.bundle}/summary.md"}
+    if args.record:
+        out.text(f"  replay:   kph repro --replay {res.bundle}")
+        doc["replay"] = f"kph repro --replay {res.bundle}"
+    out.result(doc)
     return EXIT_OK if res.met else EXIT_DIVERGED
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _replay(scn: Any, args: argparse.Namespace, out: Output) -> int:
+    """``kph repro --replay DIR [--gdb]``: 0 when the replay is identical to the recording."""
+    from pathlib import Path
+
+    from .repro_rr import replay_scenario
+
+    bundle = Path(args.replay)
+    if scn is not None and (bundle / "scenario.toml").is_file() and \
+            (bundle / "scenario.toml").read_text() != scn.text:
+        raise SetupError(f"{bundle} recorded another scenario than {scn.path}",
+                         f"run `kph repro --replay {bundle}` without the scenario")
+    rep = replay_scenario(bundle, qemu=args.qemu, keep=args.gdb, progress=out.progress)
+    res = rep.result
+    same = rep.same_console and rep.same_registers is not False
+    regs = {True: "identical", False: "DIFFERENT", None: "not compared (the run did not end in a panic)"}
+    end = res.end.value if res.end else "?"
+    console_same = res.console == res.recorded.console
+    out.progress.clear()
+    out.text(f"{'REPLAYED' if same else 'DIVERGED'}: end {end} (recorded {res.recorded.end.value}) at "
+             f"instruction {res.icount} (recorded {res.recorded.icount}), console "
+             f"{'identical' if console_same else 'DIFFERENT'} "
+             f"({len(res.console)} of {len(res.recorded.console)} chars), registers at the end "
+             f"{regs[rep.same_registers]}")
+    for r in rep.reasons:
+        out.text(f"  - {r}")
+    out.text(f"  stack at the end: {bundle}/replay-stack.txt")
+    doc = {"replayed": same, "met": rep.met, "end": end, "recorded_end": res.recorded.end.value,
+           "icount": res.icount, "recorded_icount": res.recorded.icount,
+           "console_identical": console_same, "registers_identical": rep.same_registers,
+           "reasons": list(rep.reasons), "stack": f"{bundle}/replay-stack.txt"}
+    if args.gdb:
+        with res:
+            doc["gdb_socket"] = str(res.gdb_socket)
+            out.result(doc)
+            out.text(f"gdb is welcome: gdb -ex 'target remote {res.gdb_socket}' "
+                     "(reverse-stepi, reverse-continue; `monitor quit` or Ctrl-C here ends QEMU)")
+            old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+            try:
+                res.wait()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signal.signal(signal.SIGTERM, old)
+    else:
+        out.result(doc)
+    return EXIT_OK if same and rep.met else EXIT_DIVERGED
+
+
+def _demo(args: argparse.Namespace, out: Output) -> int:
+    import dataclasses
+
     from . import report, trapflow
     from .vmctl import Machine
 
     if args.demo_cmd != "trap-flow":
         raise SetupError("kph demo needs a demo name", "try `kph demo trap-flow`")
     _check_output("--html", args.html)
+    _check_output("-o", out.json_file)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     for v in variants:
         if v not in ("int3", "ftrace", "optimized", "kretprobe", "uprobe", "uretprobe"):
@@ -600,34 +947,44 @@ def _demo(args: argparse.Namespace) -> int:
     if "+" not in args.symbol or args.symbol.endswith("+0"):
         raise SetupError(f"--symbol {args.symbol} is a function entry (ftrace-based there)",
                          "give an offset into the function, e.g. do_sys_openat2+5")
-    if not args.quiet:
-        _progress("demo: booting the default image")
+    out.progress("demo: booting the default image")
     with Machine.boot() as vm:
         flows = []
         for v in variants:
-            if not args.quiet:
-                _progress(f"demo: {v}: placing the in-guest probe and the host observers")
+            out.progress(f"demo: {v}: placing the in-guest probe and the host observers")
             flows += trapflow.demo(vm, target=args.symbol, workload=args.run, variants=(v,))
         left = vm.run("cat /sys/kernel/debug/kprobes/list; lsmod | grep -c kph_kprobes || true").stdout
+    out.progress.clear()
+    pause = args.step and not out.quiet
     for f in flows:
-        text = report.trapflow_text([f])
-        if args.step:
-            for block in text.split("\n  "):
-                print(block)
-                input("  [Enter] ")
-        else:
-            print(text)
+        blocks = report.trapflow_blocks(f)
+        for i, block in enumerate(blocks):
+            out.text(block)
+            if pause and 1 <= i <= len(f.steps):     # after each step, not header or facts
+                pause = _wait_enter()
     if left.strip() not in ("", "0"):
-        print(f"warning: the guest still lists probes: {left.strip()}", file=sys.stderr)
+        out.warn(f"the guest still lists probes: {left.strip()}")
+    out.result({"flows": [dataclasses.asdict(f) for f in flows],
+                "guest_left_clean": left.strip() in ("", "0")})
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.trapflow_html(flows))
-        if not args.quiet:
-            _progress(f"demo: wrote {args.html}")
+        out.text(f"demo: wrote {args.html}")
     return EXIT_OK
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+def _wait_enter() -> bool:
+    """Wait for Enter after a step; False (stop pausing) when stdin is not a terminal or
+    has ended, so ``--step`` in a script or a pipe never blocks nor crashes."""
+    if not sys.stdin or not sys.stdin.isatty():
+        print("  (--step: stdin is not a terminal; not pausing)", file=sys.stderr)
+        return False
+    sys.stderr.write("  [Enter] ")
+    sys.stderr.flush()
+    return bool(sys.stdin.readline())     # "" at the end of input: stop pausing
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "demo": _demo,
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
     "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix, "worker": _worker,
@@ -660,12 +1017,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(s, _on_signal)
     try:
         parser = make_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        old = _old_json_form(argv)
+        if old is not None:
+            print(f"error: --json takes no file name ({old!r}): it writes the JSON to stdout; "
+                  f"write a file with -o {old} (or --json-file {old})", file=sys.stderr)
+            return EXIT_USAGE
         args = parser.parse_args(argv)
         logging.basicConfig(level=getattr(logging, args.log_level),
                             format="%(name)s: %(message)s")
         logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
         if not args.cmd:
-            parser.print_help()
+            parser.print_help(sys.stderr)
             return EXIT_USAGE
         return _dispatch(args)
     except BaseException:  # noqa: BLE001 - an interruption wins over what it caused
@@ -678,6 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _interrupted_exit() -> int:
+    _clear_progress()
     name = signal.Signals(_interrupted[0]).name if _interrupted else "SIGINT"
     print(f"interrupted ({name})", file=sys.stderr)
     return 130
@@ -685,7 +1049,8 @@ def _interrupted_exit() -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     try:
-        return COMMANDS[args.cmd](args)
+        out = Output(args)
+        return COMMANDS[args.cmd](args, out)
     except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
         if _interrupted or isinstance(exc, KeyboardInterrupt):
             return _interrupted_exit()
@@ -695,10 +1060,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         return code
 
 
+def _clear_progress() -> None:
+    if _current:
+        _current[-1].progress.clear()
+
+
 def _report_error(exc: BaseException) -> int | None:
     """Print the one line for a harness error and return the exit status (None: not ours)."""
     from .errors import HandlerError
 
+    _clear_progress()
     if isinstance(exc, (SetupError, ScenarioError)):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

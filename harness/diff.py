@@ -85,6 +85,18 @@ class Divergence:
                 f"{a_side} {self.a_value!r} vs {b_side} {self.b_value!r}")
 
 
+@dataclass(frozen=True)
+class Normalized:
+    """One field of one compared hit pair that a normalization made equal (for reports)."""
+
+    probe: str
+    index: int                  # hit number (0-based) in ``DiffResult.compared[probe]``
+    field: str                  # ip, comm, arg:NAME
+    rule: str                   # a key of NORMALIZATIONS
+    a_value: str
+    b_value: str
+
+
 @dataclass
 class DiffResult:
     a_side: str
@@ -95,6 +107,13 @@ class DiffResult:
     divergences: list[Divergence] = field(default_factory=list)
     applied: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, tuple[Outcome | None, Outcome | None]] = field(default_factory=dict)
+    #: Per probe, the two hit sequences exactly as compared (agent hits left out, uprobe
+    #: hits in thread order): ``Divergence.index`` and ``Normalized.index`` point into them.
+    compared: dict[str, tuple[list[Hit], list[Hit]]] = field(default_factory=dict)
+    #: Every field a normalization made equal, in comparison order.
+    normalized: list[Normalized] = field(default_factory=list)
+    #: Per probe, how many hits each side had that the ``agent`` rule left out.
+    left_out: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def equivalent(self) -> bool:
@@ -170,6 +189,12 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
                 label, "registration", -1, _outcome_text(x), _outcome_text(y)))
     ha, hb = _relevant(a.hits), _relevant(b.hits)
     res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb))
+    for side, hits in ((0, a.hits), (1, b.hits)):
+        for h in hits:
+            if h.comm in AGENT_COMMS:
+                n = list(res.left_out.get(h.probe, (0, 0)))
+                n[side] += 1
+                res.left_out[h.probe] = (n[0], n[1])
     per_a: dict[str, list[Hit]] = {}
     per_b: dict[str, list[Hit]] = {}
     for h in ha:
@@ -184,22 +209,31 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             lb = sorted(lb, key=lambda h: h.pid or 0)
             res.applied["thread-order"] = res.applied.get("thread-order", 0) + 1
         res.counts[probe] = (len(la), len(lb))
+        res.compared[probe] = (la, lb)
         matched = 0
+
+        def note(i: int, fld: str, rule: str, va: str, vb: str) -> None:
+            res.normalized.append(Normalized(probe, i, fld, rule, va, vb))
         div = None
         for i in range(min(len(la), len(lb))):
             fa, fb = _fields(la[i]), _fields(lb[i])
             if trampoline and _is_trampoline(fb.get("ip", ""), trampoline) and la[i].kind == "r":
+                if fb["ip"] != fa["ip"]:
+                    note(i, "ip", "trampoline", fa["ip"], fb["ip"])
                 fb["ip"] = fa["ip"]
                 res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
             for k in fa:
                 if (k.startswith("arg:") and trampoline and k in fb and fa[k] != fb[k]
                         and fb[k].startswith("0x") and _is_trampoline(fb[k], trampoline)):
+                    note(i, k, "trampoline", fa[k], fb[k])
                     fb[k] = fa[k]
                     res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
                 if k.startswith("arg:") and k in fb and fa[k] != fb[k] and _unknown_match(fa[k], fb[k]):
+                    note(i, k, "unknown", fa[k], fb[k])
                     fb[k] = fa[k]
                     res.applied["unknown"] = res.applied.get("unknown", 0) + 1
             if fa["comm"] != fb.get("comm") and fb.get("comm") in la[i].comm_alts:
+                note(i, "comm", "comm-change", fa["comm"], fb.get("comm", ""))
                 fb["comm"] = fa["comm"]
                 res.applied["comm-change"] = res.applied.get("comm-change", 0) + 1
             if "pid" not in fa or "pid" not in fb:  # a side that cannot know pids

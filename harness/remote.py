@@ -186,7 +186,7 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
                + f"exec {shlex.quote(directory)}/.venv/bin/python \"$@\"\n")
     ssh.run(f"mkdir -p {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "
             f"chmod 755 {d}/{WORKER_DIR}/python", stdin=wrapper.encode(), what="worker wrapper")
-    remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity --kernels "
+    remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity --json --kernels "
                                 + shlex.quote(",".join(["default", *(kernels or [])])),
                                 what="kph worker identity"))
     local = local_identity(["default", *(kernels or [])])

@@ -117,79 +117,276 @@ def hits_json(hits: list[Hit]) -> str:
     return json.dumps([dataclasses.asdict(h) for h in hits], indent=1) + "\n"
 
 
-def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str = "") -> str:
-    a, b = runs
-    rows = []
-    first = res.first
-    for probe in res.counts:
-        la = [h for h in a.hits if h.probe == probe and h.comm != "qemu-ga"]
-        lb = [h for h in b.hits if h.probe == probe and h.comm != "qemu-ga"]
-        for i in range(max(len(la), len(lb))):
-            bad = first is not None and first.probe == probe and first.index == i
-            cls = ' class="bad"' if bad else ""
-            ca = html.escape(la[i].line()) if i < len(la) else ""
-            cb = html.escape(lb[i].line()) if i < len(lb) else ""
-            rows.append(f"<tr{cls}><td>{html.escape(probe)}</td><td>{i + 1}</td>"
-                        f"<td><code>{ca}</code></td><td><code>{cb}</code></td></tr>")
-    said = html.escape(verdict(res) if res.equivalent else
-                       "diverged at " + res.divergences[0].describe(res.a_side, res.b_side))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>kph diff</title>
-<style>body{{font:14px sans-serif;margin:2em}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 6px;vertical-align:top}}tr.bad{{background:#fcc}}
-code{{font-size:12px}}</style></head><body>
-<h1>kph diff: {html.escape(res.a_side)} vs {html.escape(res.b_side)}</h1>
-<p>workload <code>{html.escape(workload)}</code>: <b>{said}</b>;
-{res.total_matched} events matched on each side.</p>
-<p>normalizations: {html.escape("; ".join(NORMALIZATIONS[k] for k, v in res.applied.items() if v))}</p>
-<table><tr><th>probe</th><th>#</th><th>{html.escape(res.a_side)}</th><th>{html.escape(res.b_side)}</th></tr>
-{''.join(rows)}</table></body></html>
+#: Above this many hits a probe gets a timeline and its full table folds away
+#: (the rows around the first divergence, or the first few, stay visible).
+TIMELINE_MIN = 12
+_SHOWN_ROWS = 8
+
+_CSS = """
+body{font:14px/1.4 sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.5em;margin:.2em 0}h2{font-size:1.15em;margin:1.4em 0 .4em}
+table{border-collapse:collapse;margin:.5em 0;width:100%;table-layout:auto}
+td,th{border:1px solid #ccc;padding:2px 6px;vertical-align:top;text-align:left}
+th{background:#f3f3f3}
+td.hit{font:12px/1.35 monospace;overflow-wrap:anywhere;word-break:break-word;width:45%}
+td.n{width:3em;text-align:right;white-space:nowrap}
+tr.bad td{background:#fde2e2}tr.bad td.n{font-weight:bold}
+tr.norm td.n{background:#fff4cc}
+.verdict{padding:.5em .8em;border-radius:4px;font-weight:bold;overflow-wrap:anywhere}
+.ok{background:#e3f5e1}.div{background:#fde2e2}
+span.f{border-radius:2px}
+span.badf{background:#f08080;outline:2px solid #c00;font-weight:bold}
+span.normf{background:#ffe08a}
+sup.rule{font:bold 10px sans-serif;color:#7a5a00;background:#fff4cc;border:1px solid #e0c060;
+ border-radius:3px;padding:0 2px;margin-left:2px;white-space:nowrap}
+code{font-size:12px;overflow-wrap:anywhere}
+.legend span{display:inline-block;margin-right:1.2em}
+.sw{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:middle}
+svg.timeline{display:block;width:100%;height:auto;max-width:1400px}
+td.status{white-space:nowrap}
 """
+
+
+def _hit_html(h: Hit | None, bad_field: str | None, norms: dict[str, str]) -> str:
+    """A hit as the trace prints it, each field a span (``data-field``): the diverging
+    field marked ``badf``, a normalized one ``normf`` with its rule as a badge."""
+    if h is None:
+        return '<span class="f badf" data-field="count">(no hit)</span>' if bad_field == "count" else ""
+    e = html.escape
+
+    def span(fld: str, text: str) -> str:
+        cls = "f"
+        badge = ""
+        if fld == bad_field:
+            cls += " badf"
+        elif fld in norms:
+            cls += " normf"
+            badge = f'<sup class="rule" title="{e(NORMALIZATIONS.get(norms[fld], ""))}">{e(norms[fld])}</sup>'
+        return f'<span class="{cls}" data-field="{e(fld)}">{e(text)}</span>{badge}'
+    ip = span("ip", h.ip) + (f" &lt;- {span('ret_from', h.ret_from)}" if h.ret_from else "")
+    args = "".join(" " + span(f"arg:{k}", f"{k}={v}") for k, v in h.args)
+    kind = span("kind", h.kind) if bad_field == "kind" else ""
+    return (f"{span('comm', h.comm)}-{span('pid', str(h.pid))} [{h.cpu:03d}] {kind}"
+            f"{e(h.probe)}: ({ip}){args}")
+
+
+def _timeline(probe: str, la: list[Hit], lb: list[Hit], bad: int | None,
+              norm_rows: set[int], names: tuple[str, str]) -> str:
+    """One tick per hit on each side, in comparison order: matched, normalized,
+    diverging, not compared (after the divergence, or only on one side)."""
+    n = max(len(la), len(lb), 1)
+    w, pad, lab = 1000, 6, 70
+    step = (w - lab - 2 * pad) / max(n - 1, 1)
+    out = [f'<svg class="timeline" viewBox="0 0 {w} 64" role="img" '
+           f'aria-label="hit timeline of {html.escape(probe)}" font-family="sans-serif" font-size="11">']
+    for row, (hits, name) in enumerate(((la, names[0]), (lb, names[1]))):
+        y = 14 + row * 24
+        out.append(f'<text x="0" y="{y + 4}">{html.escape(name)}</text>')
+        out.append(f'<line x1="{lab}" y1="{y}" x2="{w - pad}" y2="{y}" stroke="#ddd"/>')
+        for i in range(len(hits)):
+            color = ("#c00" if i == bad else "#bbb" if bad is not None and i > bad else
+                     "#bbb" if i >= min(len(la), len(lb)) else
+                     "#d9a400" if i in norm_rows else "#3a9a3a")
+            x = lab + pad + i * step
+            out.append(f'<rect x="{x - 1.5:.1f}" y="{y - 8}" width="3" height="16" fill="{color}">'
+                       f'<title>hit #{i + 1}</title></rect>')
+    out.append(f'<text x="{lab}" y="56" fill="#666">hit 1</text>'
+               f'<text x="{w - pad}" y="56" fill="#666" text-anchor="end">hit {n}</text></svg>')
+    return "".join(out)
+
+
+def _probe_status(res: DiffResult, probe: str) -> tuple[str, bool]:
+    d = next((d for d in res.divergences if d.probe == probe), None)
+    if d is not None:
+        where = f"hit #{d.index + 1}, " if d.index >= 0 else ""
+        return f"DIVERGED: {where}{d.field}", True
+    x, y = res.outcomes.get(probe, (None, None))
+    if x is not None and y is not None and not x.accepted and not y.accepted:
+        return "both refused", False
+    if x is not None and x.pending:
+        return "accepted, nothing armed", False
+    return f"equivalent ({res.matched.get(probe, 0)} matched)", False
+
+
+def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str = "") -> str:
+    """The whole result as one self-contained page: a summary row for every probe (the
+    diverging one highlighted), the normalizations that applied, and per probe its
+    registration, counters, a hit timeline when there are many hits, and its hits side
+    by side with the diverging hit and field highlighted and normalized fields marked
+    with their rule."""
+    e = html.escape
+    a_run, b_run = runs
+    A, B = res.a_side, res.b_side
+    probes = list(dict.fromkeys([*res.outcomes, *res.counts, *(d.probe for d in res.divergences)]))
+    first = res.first
+    said = verdict(res) if res.equivalent else "DIVERGED at " + first.describe(A, B)  # type: ignore[union-attr]
+    rows, sections = [], []
+    for k, probe in enumerate(probes):
+        status, bad = _probe_status(res, probe)
+        x, y = res.outcomes.get(probe, (None, None))
+        na, nb = res.counts.get(probe, (0, 0))
+        mode = res.modes.get(probe, "")
+        anchor = f"p{k}"
+        cls = ' class="bad"' if bad else ""
+        rows.append(f'<tr{cls} data-probe="{e(probe)}">'
+                    f'<td><a href="#{anchor}">{e(probe)}</a></td><td>{e(mode)}</td>'
+                    f'<td>{e(_o(x))}</td><td>{e(_o(y))}</td><td class="n">{na}</td>'
+                    f'<td class="n">{nb}</td><td class="n">{res.matched.get(probe, 0)}</td>'
+                    f'<td class="status">{e(status)}</td></tr>')
+        sections.append(_probe_section(res, probe, anchor, status, bad, a_run, b_run))
+    legend = "".join(
+        f"<li><b>{e(k)}</b> ({v}): {e(NORMALIZATIONS[k])}</li>"
+        for k, v in res.applied.items() if v)
+    return f"""<!doctype html><html><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>kph diff: {e(A)} vs {e(B)}</title><style>{_CSS}</style></head><body>
+<h1>kph diff: {e(A)} vs {e(B)}</h1>
+<p>workload <code>{e(workload)}</code> ({e(workload_status(a_run.workload_status, a_run.workload_stderr))})</p>
+<p class="verdict {"ok" if res.equivalent else "div"}" id="verdict">{e(said)}</p>
+<h2>Probes</h2>
+<table class="summary"><tr><th>probe</th><th>mode</th><th>{e(A)}</th><th>{e(B)}</th>
+<th>{e(A)} hits</th><th>{e(B)} hits</th><th>matched</th><th>status</th></tr>
+{"".join(rows)}</table>
+<h2>Normalizations</h2>
+<ul class="normalizations">{legend or "<li>none applied</li>"}</ul>
+<p class="legend"><span><i class="sw" style="background:#f08080"></i>diverging field</span>
+<span><i class="sw" style="background:#ffe08a"></i>normalized field (its rule as a badge)</span>
+<span><i class="sw" style="background:#3a9a3a"></i>matched hit</span>
+<span><i class="sw" style="background:#bbb"></i>not compared</span></p>
+{"".join(sections)}
+</body></html>
+"""
+
+
+def _probe_section(res: DiffResult, probe: str, anchor: str, status: str, bad: bool,
+                   a_run: RunResult, b_run: RunResult) -> str:
+    e = html.escape
+    A, B = res.a_side, res.b_side
+    la, lb = res.compared.get(probe, ([], []))
+    div = next((d for d in res.divergences if d.probe == probe), None)
+    bad_i = div.index if div is not None and div.index >= 0 else None
+    norms: dict[int, dict[str, str]] = {}
+    for nm in res.normalized:
+        if nm.probe == probe:
+            norms.setdefault(nm.index, {})[nm.field] = nm.rule
+    parts = [f'<section class="probe" id="{anchor}"><h2>{e(probe)} '
+             f'<span class="verdict {"div" if bad else "ok"}">{e(status)}</span></h2>']
+    x, y = res.outcomes.get(probe, (None, None))
+    if x is not None or y is not None:
+        parts.append(f"<p>registration: {e(A)} {e(_o(x))}; {e(B)} {e(_o(y))}</p>")
+    ca, cb = a_run.counters.get(probe), b_run.counters.get(probe)
+    if ca is not None or cb is not None:
+        nm_bad = div is not None and div.field == "nmissed"
+        parts.append("<p>counters: " + "; ".join(
+            f"{e(side)} nhit {c.nhit}, <span class=\"f{' badf' if nm_bad else ''}\" "
+            f"data-field=\"nmissed\">nmissed {c.nmissed}</span>"
+            for side, c in ((A, ca), (B, cb)) if c is not None) + "</p>")
+    out_a, out_b = res.left_out.get(probe, (0, 0))
+    if out_a or out_b:
+        parts.append(f"<p>left out by <b>agent</b>: {out_a} {e(A)} and {out_b} {e(B)} hits of "
+                     "the harness's guest agent</p>")
+    if div is not None:
+        parts.append(f'<p class="verdict div">{e(div.describe(A, B))}</p>')
+    n = max(len(la), len(lb))
+    if n == 0:
+        parts.append("<p>no hits on either side</p></section>")
+        return "".join(parts)
+
+    def row(i: int) -> str:
+        is_bad = i == bad_i
+        bf = div.field if is_bad and div is not None else None
+        nr = norms.get(i, {})
+        cls = "bad" if is_bad else "norm" if nr else ""
+        return (f'<tr class="{cls}" data-index="{i}"><td class="n">{i + 1}</td>'
+                f'<td class="hit">{_hit_html(la[i] if i < len(la) else None, bf, nr)}</td>'
+                f'<td class="hit">{_hit_html(lb[i] if i < len(lb) else None, bf, nr)}</td></tr>')
+    head = f'<tr><th>#</th><th>{e(A)}</th><th>{e(B)}</th></tr>'
+    if n < TIMELINE_MIN:
+        parts.append(f'<table class="hits">{head}{"".join(row(i) for i in range(n))}</table>')
+    else:
+        parts.append(_timeline(probe, la, lb, bad_i, set(norms), (A, B)))
+        if bad_i is not None:
+            shown = range(max(0, bad_i - 3), min(n, bad_i + 4))
+            what = f"hits {shown.start + 1}-{shown.stop} (around the divergence)"
+        else:
+            shown = range(min(n, _SHOWN_ROWS))
+            what = f"the first {len(shown)} hits"
+        parts.append(f'<p>{n} hits; {what}:</p><table class="hits">{head}'
+                     f'{"".join(row(i) for i in shown)}</table>'
+                     f'<details><summary>all {n} hits</summary><table class="hits">{head}'
+                     f'{"".join(row(i) for i in range(n))}</table></details>')
+    parts.append("</section>")
+    return "".join(parts)
 
 
 # ---------------------------------------------------------------- trap-flow demo
 
+def trapflow_blocks(f: Any) -> list[str]:
+    """One flow as text blocks: its header, then one block per step, then its facts
+    (``kph demo trap-flow --step`` pauses after each block)."""
+    blocks = [f"== {f.kind}: {f.probe}"]
+    for s in f.steps:
+        changed = f"  changed: {', '.join(s.changed)}" if s.changed else ""
+        lines = [f"{s.n:3d}. [{s.lane}] {s.title}",
+                 f"     {s.where}  {s.addr:#x}  {s.insn}",
+                 f"     ip={s.regs.get('rip', 0):#x} sp={s.regs.get('rsp', 0):#x} "
+                 f"{s.flags_text()} cs={s.regs.get('cs', 0):#x}{changed}"]
+        if s.note:
+            lines.append(f"     note: {s.note}")
+        blocks.append("\n".join(lines))
+    if f.facts:
+        blocks.append("\n".join(f"   * {x}" for x in f.facts))
+    return blocks
+
+
 def trapflow_text(flows: list) -> str:
-    out = []
-    for f in flows:
-        out.append(f"== {f.kind}: {f.probe}")
-        for s in f.steps:
-            changed = f"  changed: {', '.join(s.changed)}" if s.changed else ""
-            out.append(f"{s.n:3d}. [{s.lane}] {s.title}")
-            out.append(f"     {s.where}  {s.addr:#x}  {s.insn}")
-            out.append(f"     ip={s.regs.get('rip', 0):#x} sp={s.regs.get('rsp', 0):#x} "
-                       f"{s.flags_text()} cs={s.regs.get('cs', 0):#x}{changed}")
-            if s.note:
-                out.append(f"     note: {s.note}")
-        out += [f"   * {x}" for x in f.facts]
-        out.append("")
-    return "\n".join(out)
+    return "".join("\n".join(trapflow_blocks(f)) + "\n\n" for f in flows)
 
 
-def _svg(flow) -> str:
+def _svg(flow: Any) -> str:
+    """The flow as a sequence diagram: only the lanes this flow visits, one row per step
+    (a numbered circle in its lane), arrows from circle edge to circle edge, and the
+    step labels in a column of their own at the right, so no line runs over a circle or
+    a label. The drawing keeps its natural size where the page is wide enough and scales
+    down (viewBox) where it is not: nothing is cut off."""
     from .trapflow import LANES
 
-    lane_w, top, row_h = 150, 40, 34
-    width = lane_w * len(LANES) + 220  # room for the labels right of the last lane
-    height = top + row_h * (len(flow.steps) + 1)
-    x = {ln: 20 + lane_w * i + lane_w // 2 for i, ln in enumerate(LANES)}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+    lanes = [ln for ln in LANES if any(s.lane == ln for s in flow.steps)]
+    lanes += [ln for ln in dict.fromkeys(s.lane for s in flow.steps) if ln not in lanes]
+    lane_w, left, top, row_h, r = 118, 8, 44, 30, 9
+    labels = [f"{s.n}. {s.where.split('/')[0]}" for s in flow.steps]
+    label_x = left + lane_w * len(lanes) + 14
+    width = label_x + 7 * max((len(t) for t in labels), default=10) + 12
+    height = top + row_h * len(flow.steps) + 12
+    x = {ln: left + lane_w * i + lane_w // 2 for i, ln in enumerate(lanes)}
+    e = html.escape
+    parts = [f'<svg class="flow" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+             f'width="{width}" height="{height}" style="max-width:100%;height:auto" '
              f'font-family="sans-serif" font-size="11">',
              '<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="4" '
              'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#333"/></marker></defs>']
-    for ln in LANES:
-        parts.append(f'<text x="{x[ln]}" y="20" text-anchor="middle" font-weight="bold">{html.escape(ln)}</text>')
-        parts.append(f'<line x1="{x[ln]}" y1="28" x2="{x[ln]}" y2="{height - 5}" stroke="#bbb" stroke-dasharray="4 3"/>')
-    prev = None
-    for s in flow.steps:
-        y = top + row_h * s.n
-        cx = x.get(s.lane, x["CPU"])
-        if prev is not None and prev[0] != cx:
-            parts.append(f'<line x1="{prev[0]}" y1="{prev[1]}" x2="{cx}" y2="{y}" stroke="#333" '
-                         f'marker-end="url(#arr)"/>')
-        parts.append(f'<circle cx="{cx}" cy="{y}" r="9" fill="#4a7ab5"/>'
-                     f'<text x="{cx}" y="{y + 4}" text-anchor="middle" fill="white">{s.n}</text>')
-        parts.append(f'<text x="{cx + 13}" y="{y + 4}">{html.escape(s.where.split("/")[0])}</text>')
-        prev = (cx, y)
+    for ln in lanes:
+        parts.append(f'<text class="lane" x="{x[ln]}" y="18" text-anchor="middle" '
+                     f'font-weight="bold">{e(ln)}</text>')
+        parts.append(f'<line class="lane-line" x1="{x[ln]}" y1="28" x2="{x[ln]}" '
+                     f'y2="{height - 4}" stroke="#ccc" stroke-dasharray="4 3"/>')
+    pos = [(x.get(s.lane, left), top + row_h * i + r) for i, s in enumerate(flow.steps)]
+    for (x0, y0), (x1, y1) in zip(pos, pos[1:]):
+        dx, dy = x1 - x0, y1 - y0
+        d = (dx * dx + dy * dy) ** 0.5
+        ux, uy = dx / d, dy / d
+        a, b = r + 1, r + 2          # leave the circles; room for the arrow head
+        parts.append(f'<line class="edge" x1="{x0 + ux * a:.1f}" y1="{y0 + uy * a:.1f}" '
+                     f'x2="{x1 - ux * b:.1f}" y2="{y1 - uy * b:.1f}" stroke="#333" '
+                     f'marker-end="url(#arr)"/>')
+    for (cx, cy), s, label in zip(pos, flow.steps, labels):
+        parts.append(f'<line class="guide" x1="{cx + r + 2}" y1="{cy}" x2="{label_x - 4}" '
+                     f'y2="{cy}" stroke="#e4e4e4" stroke-dasharray="1 3"/>')
+        parts.append(f'<circle cx="{cx}" cy="{cy}" r="{r}" fill="#4a7ab5"/>'
+                     f'<text class="num" x="{cx}" y="{cy + 4}" text-anchor="middle" '
+                     f'fill="white" font-size="10">{s.n}</text>')
+        parts.append(f'<text class="label" x="{label_x}" y="{cy + 4}">{e(label)}'
+                     f'<title>{e(s.title)}</title></text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -211,14 +408,19 @@ def trapflow_html(flows: list, *, title: str = "kprobe trap flow") -> str:
                     f'<table class="steps"><tr><th>#</th><th>lane</th><th>step</th><th>where</th>'
                     f'<th>instruction</th><th>registers</th><th>changed</th><th>note</th></tr>'
                     f'{rows}</table></section>')
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font:14px sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;font-size:12px}}
-code{{font-size:11px}}section{{margin-bottom:3em}}</style></head><body>
+    return f"""<!doctype html><html><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>{html.escape(title)}</title>
+<style>body{{font:14px sans-serif;margin:1.5em;max-width:1400px}}
+table{{border-collapse:collapse;margin:1em 0;width:100%}}
+td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;font-size:12px;
+overflow-wrap:break-word}}
+code{{font-size:11px;overflow-wrap:anywhere}}section{{margin-bottom:3em}}
+svg.flow{{display:block}}</style></head><body>
 <h1>{html.escape(title)}</h1>
-<p>A real in-guest kprobe, observed from the host through QEMU's gdbstub: silent breakpoints
-along the kernel's path, each passed by a single-step. Lanes: user task, CPU, exception
-entry, kprobes core, probe handler, instruction slot.</p>
+<p>A real in-guest kprobe (or uprobe), observed from the host through QEMU's gdbstub:
+silent breakpoints along the kernel's path, each passed by a single-step. Each diagram
+shows the lanes its flow goes through (of: user task, CPU, exception entry, kprobes core,
+uprobes core, probe handler, instruction slot); the labels name where each step was.</p>
 {''.join(body)}</body></html>
 """
 

@@ -7,7 +7,8 @@ agent call and the console both silent past the limit); on a crash or hang read 
 vCPU's registers and stack through the gdbstub; write the bundle; compare what happened
 with ``[expect]``.
 
-Bundle (``--out DIR``, default ``repro-<name>-<time>/``): summary.md, console.log,
+Bundle (``--out DIR``, default ``kph-runs/repro-<name>-<time>/`` under the current
+directory: ``RUNS_DIR``, git-ignored, so bundles made in a checkout stay out of its sources): summary.md, console.log,
 registers.txt (+ .json), stack.txt (symbolized, reliable or ``?``), kprobes_list.txt (the
 guest's debugfs list before the trigger, and after if the guest still answers),
 host_probes.txt, hits.json, scenario.toml, manifest.json.
@@ -38,6 +39,8 @@ from .scenario import COUNTER_RE, Scenario
 
 log = logging.getLogger(__name__)
 
+#: Where bundles go when no ``--out`` is given (relative to the current directory).
+RUNS_DIR = Path("kph-runs")
 OOPS_RE = re.compile(r"(BUG: [^\n]*|Oops: [^\n]*|general protection fault[^\n]*|"
                      r"kernel BUG at [^\n]*|WARNING: [^\n]*|Kernel panic - not syncing[^\n]*)")
 _OPS: dict[str, Callable[[int, int], bool]] = {
@@ -384,7 +387,7 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
     from .vmctl import Machine
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    bundle = out_dir or Path(f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}")
+    bundle = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
     bundle.mkdir(parents=True, exist_ok=True)
     m = scn.machine
     progress(f"repro: booting ({m.get('kernel') or m.get('image') or 'default image'})")

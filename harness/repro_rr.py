@@ -28,7 +28,6 @@ import json
 import re
 import shlex
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +39,7 @@ from .errors import HarnessError, ScenarioError, SetupError
 from .fetchargs import MAX_STRING_SIZE
 from .probespec import kernel_format, parse
 from .records import Outcome
-from .repro import OOPS_RE, Observed, ReproResult, evaluate, probe_sections, symbolized_stack
+from .repro import OOPS_RE, RUNS_DIR, Observed, ReproResult, evaluate, probe_sections, symbolized_stack
 from .scenario import Scenario
 
 Progress = Callable[[str], None]
@@ -274,7 +273,7 @@ def record_scenario(scn: Scenario, *, out_dir: Path | None = None, qemu: str | N
     symbols = _symbols(scn)
     script = scenario_script(scn, symbols)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = out_dir or Path(f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}")
+    out = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
     state = EndState()
 
     def at_end(run: Any) -> None:
@@ -373,52 +372,3 @@ def replay_scenario(bundle: Path, *, qemu: str | None = None, keep: bool = False
     if not keep:
         res.close()
     return report
-
-
-# -- the CLI's entry -------------------------------------------------------------------------
-
-def main(scn: Scenario | None, args: Any, progress: Progress) -> int:
-    """``kph repro [SCENARIO] --record | --replay DIR [--gdb]``: 0 met/identical, 1 not."""
-    if args.record:
-        if scn is None:
-            raise SetupError("--record needs a scenario file", "kph repro SCENARIO.toml --record")
-        res = record_scenario(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
-                              progress=progress)
-        print(f"{'MET' if res.met else 'NOT MET'}: {scn.name} (recorded)")
-        print(f"  cause: {res.cause}")
-        for r in res.reasons:
-            print(f"  - {r}")
-        print(f"  evidence: {res.bundle}/summary.md")
-        print(f"  replay:   kph repro --replay {res.bundle}")
-        return 0 if res.met else 1
-    bundle = Path(args.replay)
-    if scn is not None and (bundle / "scenario.toml").is_file() and \
-            (bundle / "scenario.toml").read_text() != scn.text:
-        raise SetupError(f"{bundle} recorded another scenario than {scn.path}",
-                         f"run `kph repro --replay {bundle}` without the scenario")
-    rep = replay_scenario(bundle, qemu=args.qemu, keep=args.gdb, progress=progress)
-    res = rep.result
-    same = rep.same_console and rep.same_registers is not False
-    regs = {True: "identical", False: "DIFFERENT", None: "not compared (the run did not end in a panic)"}
-    end = res.end.value if res.end else "?"
-    print(f"{'REPLAYED' if same else 'DIVERGED'}: end {end} (recorded {res.recorded.end.value}) at "
-          f"instruction {res.icount} (recorded {res.recorded.icount}), console "
-          f"{'identical' if res.console == res.recorded.console else 'DIFFERENT'} "
-          f"({len(res.console)} of {len(res.recorded.console)} chars), registers at the end "
-          f"{regs[rep.same_registers]}")
-    for r in rep.reasons:
-        print(f"  - {r}")
-    print(f"  stack at the end: {bundle}/replay-stack.txt")
-    if args.gdb:
-        with res:
-            print(f"gdb is welcome: gdb -ex 'target remote {res.gdb_socket}' "
-                  "(reverse-stepi, reverse-continue; `monitor quit` or Ctrl-C here ends QEMU)",
-                  flush=True)
-            old = signal.signal(signal.SIGTERM, signal.default_int_handler)
-            try:
-                res.wait()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                signal.signal(signal.SIGTERM, old)
-    return 0 if same and rep.met else 1

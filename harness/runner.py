@@ -18,6 +18,7 @@ from .backends import make_backend
 from .errors import HarnessError, SetupError
 from .backends.host import FetchHook, HostBackend
 from .probespec import ProbeSpec
+from .progress import ProgressFn, hits_text, say, ticking
 from .records import RunResult
 
 log = logging.getLogger(__name__)
@@ -52,16 +53,33 @@ def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
     return out
 
 
+def _live_hits(side: Any) -> Any:
+    """What ``ticking`` shows while the workload runs: the hits counted so far by a
+    host-side backend (its counters are host memory, readable while the guest runs);
+    in-guest counts are read only after the workload."""
+    return lambda s: f"workload running {s:.0f} s: {side.side} {hits_text(side.counters())}"
+
+
 def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
-               timeout: float = 120.0) -> RunResult:
-    """Place ``specs`` with one backend, run ``workload``, collect, unregister."""
+               timeout: float = 120.0, progress: ProgressFn | None = None) -> RunResult:
+    """Place ``specs`` with one backend, run ``workload``, collect, unregister.
+
+    :param progress: told each phase (``harness.progress``), and the host-side hit count
+        while the workload runs when it can show live lines.
+    """
     specs = resolve_uprobes(vm, specs)
     be = make_backend(backend, vm)
     try:
+        say(progress, f"registering {len(specs)} probe line(s) on {be.side}")
         outcomes = be.register(specs)
         be.enable()
-        r = vm.run(workload, timeout=timeout)
+        say(progress, f"workload running: {workload}")
+        live = _live_hits(be) if be.side in ("host", "plugin") else (
+            lambda s: f"workload running {s:.0f} s")
+        with ticking(progress, live):
+            r = vm.run(workload, timeout=timeout)
         be.disable()
+        say(progress, f"collecting the hits ({be.side})")
         return RunResult(be.side, outcomes, be.collect(), be.counters(), r.status,
                          r.stdout + r.stderr, r.stderr)
     finally:
@@ -70,8 +88,13 @@ def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str,
 
 def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
-                     timeout: float = 120.0) -> tuple[RunResult, RunResult]:
-    """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``."""
+                     timeout: float = 120.0, progress: ProgressFn | None = None
+                     ) -> tuple[RunResult, RunResult]:
+    """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
+
+    :param progress: told each phase (``harness.progress``), and the host-side hit count
+        while the workload runs when it can show live lines.
+    """
     specs = resolve_uprobes(vm, specs)
     g = make_backend(guest, vm)
     h: Any = None
@@ -85,6 +108,7 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
             h = PluginBackend(vm, comm_rule=comm_rule)
         else:
             h = HostBackend(vm, hook=hook, comm_rule=comm_rule)
+        say(progress, f"registering {len(specs)} probe line(s): {h.side} and {guest}")
         h_out = h.register(specs)
         g_out = g.register(specs)
         vm.host.invalidate_code()
@@ -96,9 +120,12 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
             h.arm()
         g.enable()
         h.enable()
-        r = vm.run(workload, timeout=timeout)
+        say(progress, f"workload running: {workload}")
+        with ticking(progress, _live_hits(h)):
+            r = vm.run(workload, timeout=timeout)
         h.disable(disarm=guest != "module")
         g.disable()
+        say(progress, f"collecting the hits ({guest}: reading the guest's records)")
         g_hits, g_counters = g.collect(), g.counters()
         h.disarm()
         host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
@@ -121,6 +148,19 @@ def trampoline_text(vm: Any) -> tuple[str, ...]:
     if up is not None:
         texts += [f"0x{t:x}" for t in up.used_trampolines]
     return tuple(texts)
+
+
+class _prefixed:
+    """A progress sink that prefixes every line (phases and live ones) for another sink."""
+
+    def __init__(self, sink: Any, prefix: str) -> None:
+        self.sink, self.prefix = sink, prefix
+        if getattr(sink, "transient", None) is not None:
+            self.transient = lambda text: sink.transient(prefix + text)
+
+    def __call__(self, text: str) -> None:
+        if self.sink is not None:
+            self.sink(self.prefix + text)
 
 
 def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
@@ -150,12 +190,14 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
 
             say(f"matrix: {sel}: no image yet, building it")
             img = build_image(kernel=sel, qemu=qemu, progress=say)
-        say(f"matrix: {img.series} ({img.version}): booting, arming both sides, running")
+        say(f"matrix: {img.series} ({img.version}): booting")
         kr = KernelRun(img.series, img.version)
         try:
             with Machine.boot(img, qemu=qemu) as vm:
-                host, guest_res = run_differential(vm, specs, workload, guest=guest,
-                                                   timeout=timeout)
+                host, guest_res = run_differential(
+                    vm, specs, workload, guest=guest, timeout=timeout,
+                    progress=_prefixed(progress, f"matrix: {img.series}: "))
+                say(f"matrix: {img.series}: comparing")
                 kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
                 kr.host, kr.guest = host, guest_res
         except (VMError, HarnessError) as exc:

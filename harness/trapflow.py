@@ -373,6 +373,26 @@ def _lanes(vm: Any, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[
     return out
 
 
+def _name_user_steps(vm: Any, steps: list[Step]) -> list[Step]:
+    """Steps in the program's own text get its function name, as the README's tables show
+    it (``0x401711 (kph_add+0x1)``): kernel symbols do not cover user addresses."""
+    import dataclasses
+
+    from .uprobes import ElfImage
+
+    elf = ElfImage(vm.pull(USER_PROG))
+    funcs = sorted((a, n) for n, a in elf._syms.items())
+    out = []
+    for st in steps:
+        if st.addr < _USER_TOP and elf.executable(st.addr):
+            below = [(a, n) for a, n in funcs if a <= st.addr]
+            if below:
+                a, n = below[-1]
+                st = dataclasses.replace(st, where=f"{st.addr:#x} ({n}+{st.addr - a:#x})")
+        out.append(st)
+    return out
+
+
 def uprobe_flow(vm: Any, workload: str) -> Flow:
     eb, p, size = _user_probe(vm, f"p:kph/tf_u {USER_PROG}:{USER_FUNC}+1")
     try:
@@ -396,7 +416,7 @@ def uprobe_flow(vm: Any, workload: str) -> Flow:
                         final="the XOL slot ([uprobes] page): the copied instruction runs there",
                         continue_after=True, max_steps=96)
         flow = Flow("uprobe", f"p {USER_PROG}:{USER_FUNC}+1 (uprobe_events, int3 in user text)",
-                    steps)
+                    _name_user_steps(vm, steps))
         slot = next((s for s in steps if s.lane == "instruction slot"), None)
         flow.facts = [f"probed address {p:#x} (int3 only in the probed process's copy of the "
                       "page); XOL slot " + (f"{slot.addr:#x} in the [uprobes] page" if slot
@@ -431,7 +451,7 @@ def uretprobe_flow(vm: Any, workload: str) -> Flow:
                         until=lambda last, pc: pc < _USER_TOP, discover=discover,
                         final="back at the real return address in the caller")
         return Flow("uretprobe", f"r {USER_PROG}:{USER_FUNC} (return through the uprobes "
-                    "trampoline)", steps)
+                    "trampoline)", _name_user_steps(vm, steps))
     finally:
         eb.close()
 

@@ -109,3 +109,44 @@ def host(vm):
     h.close()
     assert vm.run("echo alive").stdout == "alive\n"
     assert not errors, f"handler raised: {errors[0]!r}"
+
+
+@pytest.fixture
+def page_layout(tmp_path):
+    """``check(html, width, name) -> dict``: render ``html`` in headless Chromium at a
+    window ``width`` px wide, write its screenshot to the test's output directory
+    (``tmp_path/<name>-<width>.png``, the whole page) and return what
+    ``tests/data/layout_check.js`` measured there: ``problems`` (cut-off or clipped
+    elements, overlapping cells, SVG texts/circles/lines overlapping: empty when the page
+    is clean), ``counts`` (what was measured), ``width``, ``height`` and ``screenshot``."""
+    import json
+    import re
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed (./setup.sh installs it)"
+    script = (Path(__file__).parent / "data" / "layout_check.js").read_text()
+
+    def run(args, timeout=120):
+        common = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+                  f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+        return subprocess.run(common + args, capture_output=True, text=True, timeout=timeout)
+
+    def check(html: str, width: int, name: str) -> dict:
+        page = tmp_path / f"{name}-{width}.html"
+        page.write_text(html.replace("</body>", f"<script>{script}</script></body>", 1))
+        dom = run([f"--window-size={width},1000", "--dump-dom", page.as_uri()]).stdout
+        m = re.search(r'<pre id="kph-layout"[^>]*>(.*?)</pre>', dom, re.S)
+        assert m, f"the layout check did not run in Chromium: {dom[-500:]}"
+        res = json.loads(m.group(1).replace("&lt;", "<").replace("&gt;", ">")
+                         .replace("&quot;", '"').replace("&amp;", "&"))
+        shot = tmp_path / f"{name}-{width}.png"
+        run([f"--window-size={width},{min(max(res['height'], 600), 12000)}",
+             f"--screenshot={shot}", page.as_uri()])
+        assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no screenshot"
+        res["screenshot"] = str(shot)
+        return res
+    return check

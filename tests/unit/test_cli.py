@@ -29,7 +29,7 @@ def test_bad_accel_is_a_usage_error():
 
 
 def test_a_bad_output_path_is_one_line_exit_2_before_any_boot(tmp_path):
-    for opt, path in (("--json", "/nonexistent/dir/x.json"), ("--html", str(tmp_path))):
+    for opt, path in (("-o", "/nonexistent/dir/x.json"), ("--html", str(tmp_path))):
         r = _kph("diff", "p:x do_sys_openat2", "--run", "true", opt, path,
                  "--kernel", "/nonexistent")   # would fail to boot: the path is checked first
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -93,3 +93,100 @@ def test_deletion_lines_are_a_usage_error(tmp_path):
     r = _kph("diff", "-f", str(f), "--run", "true", "--kernel", "/nonexistent")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "deletes probes" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# -- the output convention (docs/cli.md) ---------------------------------------------------
+
+def test_version():
+    r = _kph("--version")
+    assert r.returncode == 0 and r.stdout.startswith("kph (kprobe-harness) "), r.stdout
+
+
+def test_global_options_go_before_or_after_the_command():
+    p = make_parser()
+    for argv in (["-q", "--log-level", "DEBUG", "--json", "doctor"],
+                 ["doctor", "-q", "--log-level", "DEBUG", "--json"],
+                 ["image", "list", "-q", "--log-level", "DEBUG", "--json"],
+                 ["-q", "image", "--json", "list", "--log-level", "DEBUG"]):
+        a = p.parse_args(argv)
+        assert (a.quiet, a.log_level, a.json) == (True, "DEBUG", True), argv
+    a = p.parse_args(["doctor"])
+    assert (a.quiet, a.log_level, a.json, a.json_file) == (False, "WARNING", False, None)
+
+
+def test_json_is_alone_on_stdout_and_q_silences_the_text(tmp_path):
+    import json
+
+    for argv in (["doctor"], ["qemu", "which"], ["image", "list"], ["image", "info"],
+                 ["worker", "identity", "--kernels", "default"]):
+        r = _kph(*argv, "--json")
+        assert r.returncode in (0, 2), r.stderr      # doctor: 2 when a check fails
+        json.loads(r.stdout)                          # stdout is one JSON document
+        assert r.stderr.strip(), f"{argv}: the text goes to stderr"
+        q = _kph("-q", *argv)
+        assert q.stdout == "" and q.stderr == "", (argv, q.stdout, q.stderr)
+        f = tmp_path / "out.json"
+        o = _kph(*argv, "-o", str(f), "-q")
+        assert o.stdout == "" and json.loads(f.read_text()) == json.loads(r.stdout) or \
+            argv == ["doctor"], argv                  # doctor's details may change between runs
+
+
+def test_the_old_json_file_form_is_one_line_naming_o():
+    r = _kph("diff", "p:x do_sys_openat2", "--run", "true", "--json", "out.json")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "-o out.json" in lines[0], r.stderr
+
+
+def test_no_command_is_usage_on_stderr():
+    r = _kph()
+    assert r.returncode == 2 and r.stdout == "" and "usage: kph" in r.stderr
+
+
+def test_every_verb_has_examples_and_no_escaped_percent_in_help():
+    from harness.cli import EXAMPLES
+
+    p = make_parser()
+    sub = next(a for a in p._actions if a.dest == "cmd")
+    assert set(sub.choices) == set(EXAMPLES)
+    for verb, parser in sub.choices.items():
+        text = parser.format_help()
+        assert "examples:" in text and "%%" not in text, verb
+        for ex in EXAMPLES[verb]:
+            assert ex in text, (verb, ex)
+    assert "%%" not in p.format_help()
+
+
+def test_progress_plain_lines_off_a_terminal_and_a_live_line_on_one():
+    import io
+
+    from harness.cli import Progress
+
+    plain = io.StringIO()
+    p = Progress(plain, live=False, plain_every=3600)
+    p("registering")
+    p.transient("workload running 1 s: host 3 hits")     # live updates: at most every
+    p.transient("workload running 2 s: host 9 hits")     # plain_every after a line
+    p("collecting")
+    assert plain.getvalue().splitlines() == ["registering", "collecting"]
+    live = io.StringIO()
+    p = Progress(live, live=True)
+    p("registering")
+    p.transient("workload running 1 s: host 3 hits")
+    p.clear()
+    assert live.getvalue() == ("\r\x1b[Kregistering\r\x1b[Kworkload running 1 s: host 3 hits"
+                               "\r\x1b[K")
+    quiet = io.StringIO()
+    p = Progress(quiet, quiet=True, live=True)
+    p("x")
+    p.transient("y")
+    assert quiet.getvalue() == ""
+
+
+def test_step_does_not_block_or_crash_without_a_terminal(monkeypatch):
+    import io
+
+    from harness import cli
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli._wait_enter() is False

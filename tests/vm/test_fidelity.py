@@ -261,11 +261,11 @@ def test_uprobe_offsets_the_kernel_takes_and_never_installs(probe_diff):
 def test_a_refusal_is_shown_as_a_refusal():
     r = kph("diff", "p:x do_int3", "--run", "true")
     assert r.returncode == 0, r.stdout + r.stderr
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("result: both refused: EINVAL (blacklisted: do_int3"), r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("result: both refused: EINVAL (blacklisted: do_int3"), r.stderr
     r = kph("diff", "p vfs_read+0x2", "--run", "true")
-    last = r.stdout.strip().splitlines()[-1]
-    assert r.returncode == 0 and last.startswith("result: both refused: EILSEQ ("), r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 0 and last.startswith("result: both refused: EILSEQ ("), r.stderr
     assert "Probe point is not an instruction boundary" in last
 
 
@@ -275,4 +275,4 @@ def test_a_workload_that_did_not_run_is_a_usage_error():
     assert "did not run (exit 127: /bin/sh: no_such_cmd: not found)" in r.stderr, r.stderr
     r = kph("diff", "p:x do_sys_openat2", "--run", "cat /nope")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "(exit 1: cat: can't open '/nope': No such file or directory)" in r.stdout
+    assert "(exit 1: cat: can't open '/nope': No such file or directory)" in r.stderr

@@ -58,7 +58,7 @@ def test_interrupting_kph_diff_anywhere_exits_130_with_one_line(how):
     outcomes = []
     for delay in points:
         tag = f"kph-int-{uuid.uuid4().hex}"
-        p = _kph(["diff", *SPECS, "--run", BUSY], tag)
+        p = _kph(["-q", "diff", *SPECS, "--run", BUSY], tag)   # -q: no progress lines
         time.sleep(delay)
         if how == "SIGTERM":
             p.send_signal(signal.SIGTERM)

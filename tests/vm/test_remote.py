@@ -8,6 +8,7 @@ there afresh, as on a new host.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ def worker(tmp_path_factory):
         # so an ``alone`` test does not run beside it.
         r = _prepare(sshd, base, cache)
         assert r.returncode == 0, r.stderr[-3000:]
-        tx = r.stdout.split("--tx ", 1)[1].strip()
+        tx = json.loads(r.stdout)["tx"]
         yield sshd, tx, cache
     finally:
         sshd.stop()
@@ -46,7 +47,7 @@ def worker(tmp_path_factory):
 
 
 def _prepare(sshd, base, cache):
-    return subprocess.run([sys.executable, "-m", "harness.cli", "-q", "worker", "prepare",
+    return subprocess.run([sys.executable, "-m", "harness.cli", "-q", "--json", "worker", "prepare",
                            HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(cache),
                            "--ssh-config", str(sshd.ssh_config)],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT)

@@ -1,7 +1,8 @@
 """The trap-flow demo against the kernel's real path, and its page in headless Chromium."""
 from __future__ import annotations
 
-import shutil
+import html
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,9 @@ INT3_PATH = [
 
 @pytest.fixture(scope="module")
 def flows(vm):
-    fl = trapflow.demo(vm, target="do_sys_openat2+5", workload="cat /proc/version")
+    fl = trapflow.demo(vm, target="do_sys_openat2+5", workload="cat /proc/version",
+                       variants=("int3", "ftrace", "optimized", "kretprobe", "uprobe",
+                                 "uretprobe"))
     yield {f.kind: f for f in fl}
 
 
@@ -63,41 +66,62 @@ def test_guest_is_left_as_it_was(flows, vm):
     assert vm.run("cat /proc/version").ok
 
 
-def test_page_renders_offline_in_chromium(flows, tmp_path):
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is not installed (./setup.sh installs it)"
-    page = tmp_path / "flow.html"
-    page.write_text(report.trapflow_html(list(flows.values())))
-    shot = tmp_path / "flow.png"
-    common = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-              "--no-first-run", "--disable-background-networking", "--disable-component-update",
-              "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
-    subprocess.run(common + [f"--screenshot={shot}", "--window-size=1300,2400", page.as_uri()],
-                   capture_output=True, timeout=120)
-    assert shot.exists() and shot.stat().st_size > 10_000
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    dom = subprocess.run(common + ["--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120).stdout
-    assert "<svg" in dom
-    pos = dom.index('id="int3"')
+def test_page_renders_offline_in_chromium(flows, page_layout):
+    """The demo page, every flow, at 1100 and 1600 px (screenshots in the test's output
+    directory). Checked on the laid-out page (tests/data/layout_check.js): nothing cut off
+    at the right edge and no sideways scrolling (the diagram scales down, its labels stay
+    inside it), no clipped cell, and in every diagram no two texts overlap, no label sits
+    on a circle, every step number is inside its circle, and no connecting line runs
+    through a circle or over a label. Each diagram has only the lanes its flow visits."""
+    page = report.trapflow_html(list(flows.values()))
+    for width in (1100, 1600):
+        res = page_layout(page, width, "trap-flow")
+        assert res["problems"] == [], (width, res["problems"], res["screenshot"])
+        steps = sum(len(f.steps) for f in flows.values())
+        assert res["counts"]["circles"] == steps and res["counts"]["lines"] >= steps, res
+    for f in flows.values():
+        svg = report._svg(f)
+        shown = re.findall(r'<text class="lane"[^>]*>([^<]+)</text>', svg)
+        assert shown == [ln for ln in trapflow.LANES if any(s.lane == ln for s in f.steps)]
+        if f.kind in ("int3", "ftrace", "optimized", "kretprobe"):
+            assert "user task" not in shown and "uprobes core" not in shown, (f.kind, shown)
+    pos = page.index('id="int3"')
     for s in flows["int3"].steps:  # every step's row, in order (titles repeat: search on)
-        pos = dom.index(f"<td>{s.n}</td>", pos) + 1
-        assert dom.index(f">{s.title}<", pos) > pos
+        pos = page.index(f"<td>{s.n}</td>", pos) + 1
+        assert page.index(f">{html.escape(s.title)}<", pos) > pos
 
 
-def test_cli_prints_the_ordered_steps():
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "-q", "demo", "trap-flow",
-                        "--variants", "int3"], capture_output=True, text=True, timeout=300)
+def test_cli_shows_the_ordered_steps_and_step_pauses_once_per_step():
+    """``--step`` on a terminal: one [Enter] prompt per step (12 for the int3 flow), on
+    stderr; the steps are text (stderr), the JSON document alone on stdout."""
+    import json
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        os.write(master, b"\n" * 40)          # more Enters than steps: extra ones unread
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "demo", "trap-flow",
+                            "--variants", "int3", "--step", "--json"], stdin=slave,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        os.close(slave)
+        os.close(master)
     assert r.returncode == 0, r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if ln[:4].strip().rstrip(".").isdigit()]
-    assert len(lines) == 12 and "asm_exc_int3" in r.stdout and "kph_post" in r.stdout
+    assert r.stderr.count("[Enter]") == 12, r.stderr
+    text = r.stderr.replace("  [Enter] ", "")     # the Enters typed here are not echoed
+    lines = [ln for ln in text.splitlines() if ln[:4].strip().rstrip(".").isdigit()]
+    assert len(lines) == 12 and "asm_exc_int3" in text and "kph_post" in text
+    doc = json.loads(r.stdout)
+    assert [len(f["steps"]) for f in doc["flows"]] == [12] and doc["guest_left_clean"]
 
 
-def test_uprobe_variants_follow_the_kernels_user_path(vm):
-    fl = {f.kind: f for f in trapflow.demo(vm, variants=("uprobe", "uretprobe"))}
+def test_uprobe_variants_follow_the_kernels_user_path(flows, vm):
+    fl = flows
     up = fl["uprobe"].steps
     where = [s.where.split("+")[0] for s in up]
     assert up[0].insn.startswith("cc") and up[0].regs["cs"] & 3 == 3   # int3 in user text
+    assert up[0].where == f"{up[0].addr:#x} (kph_add+0x1)", up[0].where    # named from the ELF
     for name in ("asm_exc_int3", "uprobe_pre_sstep_notifier", "uprobe_notify_resume",
                  "uprobe_dispatcher", "arch_uprobe_pre_xol", "asm_exc_debug",
                  "arch_uprobe_post_xol"):
