@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kprobe-harness on Debian 12, idempotently: system packages, a virtualenv with
-# the package, a QEMU >= 10.2 (private, only if the system's is older), the kernel
-# headers for the image's kernel, and the embedded default image.
+# the package and its test and documentation tools, a QEMU >= 10.2 (private, only if the
+# system's is older), the kernel headers for the image's kernel, and the embedded default
+# image.
 # Safe to run again: every step skips what is already done.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,10 +42,10 @@ if [ ! -x .venv/bin/python ]; then
   say "python: creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c 'import harness, pygdbmi, qemu.qmp, elftools, xdist, pytest_timeout' 2>/dev/null \
+if ! .venv/bin/python -c 'import harness, pygdbmi, qemu.qmp, elftools, xdist, pytest_timeout, mkdocs, mkdocstrings_handlers.python' 2>/dev/null \
    || [ pyproject.toml -nt .venv/.kph-installed ]; then
-  say "python: installing kprobe-harness and its test tools into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  say "python: installing kprobe-harness, its test and documentation tools into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test,docs]'
   touch .venv/.kph-installed
 fi
 

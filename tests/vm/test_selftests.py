@@ -14,7 +14,7 @@ these files write to ``kprobe_events``, ``uprobe_events`` or ``dynamic_events`` 
 - ``REGISTRATION``: ``multiple_kprobes.tc``'s 256 probes, compared line by line.
 - ``SKIPPED``: what cannot run here, each with the reason.
 
-The README's fidelity section gives the counts; ``test_inventory`` keeps them honest.
+The fidelity section of docs/diff.md gives the counts; ``test_inventory`` keeps them honest.
 """
 from __future__ import annotations
 
@@ -417,8 +417,8 @@ def test_multiple_kprobes_registration(kph_fresh_machine):
 
 
 def test_inventory():
-    """The README states how many selftest-derived cases there are and what is skipped."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    """docs/diff.md states how many selftest-derived cases there are and what is skipped."""
+    readme = (Path(__file__).parents[2] / "docs" / "diff.md").read_text()
     total = len(CASES) + len(PARSE) + len(REGISTRATION)
     assert f"**{total} selftest-derived cases**" in readme
     assert f"{len(CASES)} differential cases" in readme and f"{len(PARSE)} parse refusals" in readme
