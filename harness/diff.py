@@ -90,7 +90,8 @@ class Normalized:
     """One field of one compared hit pair that a normalization made equal (for reports)."""
 
     probe: str
-    index: int                  # hit number (0-based) in ``DiffResult.compared[probe]``
+    index: int                  # hit number (0-based) in ``DiffResult.compared[probe]``;
+                                # -1 for a rule on the whole probe (thread-order, nhit)
     field: str                  # ip, comm, arg:NAME
     rule: str                   # a key of NORMALIZATIONS
     a_value: str
@@ -208,6 +209,7 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             la = sorted(la, key=lambda h: h.pid or 0)
             lb = sorted(lb, key=lambda h: h.pid or 0)
             res.applied["thread-order"] = res.applied.get("thread-order", 0) + 1
+            res.normalized.append(Normalized(probe, -1, "order", "thread-order", "", ""))
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
         matched = 0
@@ -259,6 +261,10 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
         if cb is not None and ca.nmissed != cb.nmissed:
             res.divergences.append(Divergence(probe, "nmissed", -1, str(ca.nmissed), str(cb.nmissed)))
     res.applied["nhit"] = len(set(a.counters) & set(b.counters))
+    for probe in a.counters:
+        if probe in b.counters:
+            res.normalized.append(Normalized(probe, -1, "nhit", "nhit", str(a.counters[probe].nhit),
+                                             str(b.counters[probe].nhit)))
     return res
 
 

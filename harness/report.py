@@ -107,6 +107,7 @@ def to_json(res: DiffResult, runs: tuple[RunResult, RunResult] | None = None) ->
         "matched": res.matched, "counts": {k: list(v) for k, v in res.counts.items()},
         "modes": res.modes, "normalizations": {k: NORMALIZATIONS[k] for k in res.applied if res.applied[k]},
         "divergences": [dataclasses.asdict(d) for d in res.divergences],
+        "normalized": [dataclasses.asdict(n) for n in res.normalized],
     }
     if runs:
         doc["runs"] = [dataclasses.asdict(r) for r in runs]
@@ -267,20 +268,27 @@ def _probe_section(res: DiffResult, probe: str, anchor: str, status: str, bad: b
     bad_i = div.index if div is not None and div.index >= 0 else None
     norms: dict[int, dict[str, str]] = {}
     for nm in res.normalized:
-        if nm.probe == probe:
+        if nm.probe == probe and nm.index >= 0:
             norms.setdefault(nm.index, {})[nm.field] = nm.rule
     parts = [f'<section class="probe" id="{anchor}"><h2>{e(probe)} '
              f'<span class="verdict {"div" if bad else "ok"}">{e(status)}</span></h2>']
     x, y = res.outcomes.get(probe, (None, None))
     if x is not None or y is not None:
         parts.append(f"<p>registration: {e(A)} {e(_o(x))}; {e(B)} {e(_o(y))}</p>")
+    whole = {nm.field: nm.rule for nm in res.normalized if nm.probe == probe and nm.index < 0}
     ca, cb = a_run.counters.get(probe), b_run.counters.get(probe)
     if ca is not None or cb is not None:
         nm_bad = div is not None and div.field == "nmissed"
+        nhit = (f'<sup class="rule" title="{e(NORMALIZATIONS["nhit"])}">nhit</sup>'
+                if "nhit" in whole else "")
         parts.append("<p>counters: " + "; ".join(
-            f"{e(side)} nhit {c.nhit}, <span class=\"f{' badf' if nm_bad else ''}\" "
+            f"{e(side)} <span class=\"f{' normf' if nhit else ''}\" data-field=\"nhit\">nhit "
+            f"{c.nhit}</span>{nhit}, <span class=\"f{' badf' if nm_bad else ''}\" "
             f"data-field=\"nmissed\">nmissed {c.nmissed}</span>"
             for side, c in ((A, ca), (B, cb)) if c is not None) + "</p>")
+    if "order" in whole:
+        parts.append(f'<p>hits compared thread by thread <sup class="rule" title="'
+                     f'{e(NORMALIZATIONS["thread-order"])}">thread-order</sup></p>')
     out_a, out_b = res.left_out.get(probe, (0, 0))
     if out_a or out_b:
         parts.append(f"<p>left out by <b>agent</b>: {out_a} {e(A)} and {out_b} {e(B)} hits of "
