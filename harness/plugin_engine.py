@@ -40,7 +40,7 @@ offsets from BTF) is loaded before any probe is armed; nothing is fetched from t
 in a callback.
 
 Code translated before a probe was added is invalidated by the plugin (see
-kph_plugin.c and the README): ``global_stats()`` counts invalidations and the time until
+kph_plugin.c and docs/plugin.md): ``global_stats()`` counts invalidations and the time until
 they were done. The hit flow of Python handlers is ``harness.plugin_handlers``.
 """
 from __future__ import annotations

@@ -374,7 +374,7 @@ def _lanes(vm: Any, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[
 
 
 def _name_user_steps(vm: Any, steps: list[Step]) -> list[Step]:
-    """Steps in the program's own text get its function name, as the README's tables show
+    """Steps in the program's own text get its function name, as docs/demo.md's tables show
     it (``0x401711 (kph_add+0x1)``): kernel symbols do not cover user addresses."""
     import dataclasses
 

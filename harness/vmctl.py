@@ -391,7 +391,7 @@ class Machine:
                 accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
                 image=img, vmlinux=vpath, host=host)
         # The TCG plugin (harness.plugin) goes into every machine whose QEMU can load it,
-        # inert until an engine connects (no measurable cost: bench in the README). The
+        # inert until an engine connects (no measurable cost: bench in docs/plugin.md). The
         # plugin engine needs it; for the others it is best effort.
         from .plugin import build_plugin
         try:

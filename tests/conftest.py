@@ -34,7 +34,7 @@ def run_lock(exclusive: bool = False):
     """The lock that makes ``alone`` tests run while no other xdist worker runs anything:
     every test (and every heavy module fixture, via this context manager) holds it shared,
     an ``alone`` test exclusively. Why: QEMU's reverse-continue stalls for good when the
-    host's CPUs are saturated (README, "Record and replay"), and under ``-n 2`` the other
+    host's CPUs are saturated (docs/repro.md, "Record and replay"), and under ``-n 2`` the other
     worker saturates them."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not uid:
