@@ -199,6 +199,19 @@ class Output:
 _current: list[Output] = []
 
 
+class _LogHandler(logging.StreamHandler):
+    """Log records on stderr, on a line of their own (the live progress line is erased
+    first, and redrawn by the next update)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _current:
+            _current[-1].progress.clear()
+        super().emit(record)
+
+
 def _output_options(p: argparse.ArgumentParser, *, top: bool) -> None:
     """-q, --log-level, --json, -o: on the top parser (with defaults) and on every
     command (defaults suppressed, so that a value given before the command stays)."""
@@ -684,7 +697,7 @@ def _probe(args: argparse.Namespace, out: Output) -> int:
     _check_output("-o", out.json_file)
     specs = _load_specs(args)
     backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
-    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with _machine(args) as vm:
         _booted(vm, args, out)
         res = run_single(vm, backend, specs, args.run, timeout=args.timeout,
@@ -721,7 +734,7 @@ def _diff(args: argparse.Namespace, out: Output) -> int:
                          "use --guest events (uprobe_events) for uprobe lines")
     if args.host == "both":
         return _diff_three(args, specs, out)
-    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with _machine(args) as vm:
         _booted(vm, args, out)
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
@@ -818,7 +831,7 @@ def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output) -> int:
     from . import report
     from .worlds import run_three
 
-    out.progress("booting: " + ("cold" if args.cold else "restoring the ready snapshot"))
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with _machine(args) as vm:
         _booted(vm, args, out)
         out.progress("three worlds: registering, running the workload, collecting")
@@ -1025,7 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         args = parser.parse_args(argv)
         logging.basicConfig(level=getattr(logging, args.log_level),
-                            format="%(name)s: %(message)s")
+                            format="%(name)s: %(message)s", handlers=[_LogHandler()])
         logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
         if not args.cmd:
             parser.print_help(sys.stderr)
@@ -1050,6 +1063,7 @@ def _interrupted_exit() -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     try:
         out = Output(args)
+        _check_output("-o", out.json_file)       # before any work, for every command
         return COMMANDS[args.cmd](args, out)
     except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
         if _interrupted or isinstance(exc, KeyboardInterrupt):
