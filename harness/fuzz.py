@@ -146,22 +146,25 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
     syms = st.sampled_from(pool or ["do_sys_openat2"])
     ident = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
 
-    # -- well-formed pieces
-    leaf = st.one_of(
-        st.sampled_from(regs).map(lambda r: f"%{r}"),
-        st.integers(0, 40).map(lambda n: f"$stack{n}"),
-        st.sampled_from(["$stack", "$comm", "$arg1", "$arg2", "$arg3", "$arg6"]),
-        st.tuples(st.sampled_from(["linux_proc_banner", "init_uts_ns", "jiffies", "_sdata"]),
-                  st.sampled_from(["", "+4", "-8", "+0x10"])).map(lambda t: f"@{t[0]}{t[1]}"),
-        st.integers(-5, 300).map(lambda n: f"\\{n}"),
-        st.just('\\"kph\\"'),
-    )
+    # -- well-formed pieces ($argN only where the kernel takes it: a function entry)
+    def leaves(entry: bool) -> Any:
+        return st.one_of(
+            st.sampled_from(regs).map(lambda r: f"%{r}"),
+            st.integers(0, 40).map(lambda n: f"$stack{n}"),
+            st.sampled_from(["$stack", "$comm"] + (["$arg1", "$arg2", "$arg3", "$arg6"]
+                                                   if entry else [])),
+            st.tuples(st.sampled_from(["linux_proc_banner", "init_uts_ns", "jiffies", "_sdata"]),
+                      st.sampled_from(["", "+4", "-8", "+0x10"])).map(lambda t: f"@{t[0]}{t[1]}"),
+            st.integers(-5, 300).map(lambda n: f"\\{n}"),
+            st.just('\\"kph\\"'),
+        )
 
     def deref(inner: Any) -> Any:
         return st.tuples(st.sampled_from(["+", "+", "-", "+u", "+0x"]), st.integers(0, 64),
                          inner).map(lambda t: f"{t[0]}{t[1]}({t[2]})")
 
-    fetch = st.recursive(leaf, deref, max_leaves=6)
+    fetch = st.recursive(leaves(False), deref, max_leaves=6)
+    entry_fetch = st.recursive(leaves(True), deref, max_leaves=6)
     good_type = st.one_of(
         st.sampled_from(types),
         st.tuples(st.integers(1, 8), st.integers(0, 7), st.sampled_from([8, 16, 32, 64]))
@@ -175,13 +178,16 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
         return (f"{t[0]}=" if t[0] is not None else "") + t[1] + (f":{t[2]}" if t[2] else "")
 
     arg = st.tuples(aname, fetch, tname).map(argtext)
+    entry_arg = st.tuples(aname, entry_fetch, tname).map(argtext)
     ret_arg = st.tuples(aname, st.one_of(st.just("$retval"), fetch), tname).map(argtext)
     args = st.lists(arg, max_size=3)
     offset = st.one_of(st.just(""), st.just(""), st.integers(0, 64).map(lambda n: f"+{n}"),
                        st.integers(0, 64).map(lambda n: f"+0x{n:x}"))
     name = st.one_of(st.just(""), ident.map(lambda n: f":{n}"),
                      st.tuples(ident, ident).map(lambda t: f":{t[0]}/{t[1]}"))
-    p_line = st.tuples(st.just("p"), name, st.tuples(syms, offset).map("".join), args)
+    p_line = st.one_of(
+        st.tuples(st.just("p"), name, st.tuples(syms, offset).map("".join), args),
+        st.tuples(st.just("p"), name, syms, st.lists(entry_arg, max_size=3)))
     r_line = st.tuples(st.sampled_from(["r", "r", "r1", "r4"]), name,
                        st.one_of(syms, syms.map(lambda s: f"{s}%return")),
                        st.lists(ret_arg, max_size=3))
