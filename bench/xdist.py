@@ -9,6 +9,11 @@
   -n 1, fresh machine per test      (for the -n 1 -> -n 2 speed-up)
 
 Runs each ``--repeat`` times, interleaved, and prints the medians.
+
+``--remote``: instead, the suite locally with -n 1, -n 2, and through two SSH gateways to
+a worker prepared by ``kph worker prepare`` (on a private sshd on 127.0.0.1) plus one local
+(popen) worker. All share this machine's cores, so only the ratios mean anything: what
+the SSH path costs against local workers, not what another machine would add.
 """
 from __future__ import annotations
 
@@ -41,10 +46,62 @@ def run(workers: int, extra: list[str]) -> float:
     return wall
 
 
+def remote(repeat: int) -> int:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from harness.loopback_sshd import HOST_ALIAS, LoopbackSshd
+
+    base = Path(tempfile.mkdtemp(prefix="kph-bench-remote-"))
+    sshd = LoopbackSshd(Path(tempfile.mkdtemp(prefix="kbs", dir="/tmp")))
+    sshd.start()
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "-q", "worker", "prepare",
+                            HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(base / "cache"),
+                            "--ssh-config", str(sshd.ssh_config)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            sys.exit(f"kph worker prepare failed: {r.stderr[-1000:]}")
+        prep = time.monotonic() - t0
+        tx = r.stdout.split("--tx ", 1)[1].strip()
+        two = "2" + tx[tx.index("*"):]
+        sel = ["-k", "test_differential"]   # ssh gateways take -k, not paths
+        configs = {"-n 1": ["-n", "1", *sel], "-n 2": ["-n", "2", *sel],
+                   "2 ssh gateways + 1 popen": ["--dist", "load", "--tx", two, "--tx", "popen",
+                                                *sel]}
+        walls: dict[str, list[float]] = {n: [] for n in configs}
+        for _ in range(repeat):
+            for name, extra in configs.items():
+                t0 = time.monotonic()
+                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    *extra], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                if r.returncode != 0:
+                    sys.exit(f"the suite failed with {name}:\n{r.stdout[-2000:]}")
+                walls[name].append(time.monotonic() - t0)
+        med = {n: statistics.median(w) for n, w in walls.items()}
+        print(f"differential suite (-k test_differential), median of {repeat}; "
+              f"worker prepared in {prep:.0f} s:")
+        for name, m in med.items():
+            print(f"  {name:28s} {m:6.1f} s   ({', '.join(f'{w:.1f}' for w in walls[name])})")
+        print(f"  -n 1 / -n 2: {med['-n 1'] / med['-n 2']:.2f}x")
+        print(f"  -n 2 / (2 ssh + 1 popen): {med['-n 2'] / med['2 ssh gateways + 1 popen']:.2f}x")
+        return 0
+    finally:
+        sshd.stop()
+        import shutil
+        shutil.rmtree(sshd.dir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2, help="runs of each (default 2)")
+    ap.add_argument("--remote", action="store_true",
+                    help="-n 1, -n 2 and 2 SSH gateways + 1 popen (a loopback sshd)")
     args = ap.parse_args()
+    if args.remote:
+        return remote(args.repeat)
     walls: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(args.repeat):
         for name, (n, extra) in CONFIGS.items():

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import typing
 import signal
 import sys
 import threading
@@ -80,6 +81,8 @@ EXAMPLES: dict[str, list[str]] = {
     "doctor": ["kph doctor", "kph doctor --json"],
     "image": ["kph image build", "kph image list", "kph image info --json"],
     "qemu": ["kph qemu which", "kph qemu which --json"],
+    "fuzz": ["kph fuzz --list --examples 5 --seed 7",
+             "kph fuzz --examples 10 --seed 7 --out fuzz-run"],
     "worker": ["kph worker identity --kernels default --json",
                "kph worker prepare root@build2 --dir /srv/kph --kernels 6.12,7.3  "
                "# not run: needs a second machine reachable over SSH"],
@@ -257,9 +260,16 @@ def _qemu_group(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", help="print the QEMU command line and exit")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2), naming the way to the help."""
+
+    def error(self, message: str) -> "typing.NoReturn":  # type: ignore[name-defined]
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kph", description=DESCRIPTION, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="kph", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"kph (kprobe-harness) {_version()}")
     _output_options(p, top=True)
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
@@ -352,6 +362,32 @@ def make_parser() -> argparse.ArgumentParser:
                     help="the in-guest side (default: tracefs kprobe_events)")
     mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+
+    fz = _sub(sub, "fuzz", help="Generate probe definitions from the grammar; host against "
+              "guest; shrink every divergence to one line",
+                        description="Draw kprobe_events lines (Hypothesis, seeded) from the "
+                        "grammar the harness mirrors and from the functions the workload calls, "
+                        "run each on both sides of one execution (or compare the guest's "
+                        "error_log with the host's parse error), and shrink each divergence to "
+                        "a minimal definition. Findings are written as kph diff one-liners "
+                        "and as regression cases (tests/data/fuzz/) the suite replays. Exit 0 "
+                        "with no finding, 1 with findings, 2 on bad input.",
+                        epilog=_examples("fuzz"))
+    fz.add_argument("--image", metavar="SERIES|ABI|DIR", help="the kernel (default: the default image)")
+    fz.add_argument("--host", choices=("gdbstub", "plugin"), default="gdbstub",
+                    help="host-side engine (default gdbstub)")
+    fz.add_argument("--guest", choices=("events", "module"), default="events",
+                    help="in-guest side (default events)")
+    fz.add_argument("--examples", type=int, default=100, metavar="N", help="examples (default 100)")
+    fz.add_argument("--seed", type=int, default=0, metavar="S", help="seed (default 0)")
+    fz.add_argument("--time-budget", type=float, metavar="SEC", help="stop after SEC seconds")
+    fz.add_argument("-n", dest="workers", type=int, default=1, metavar="W",
+                    help="workers (pytest-xdist), each with its own machine (default 1)")
+    fz.add_argument("--workload", metavar="CMD", help="the guest workload (default: opens, "
+                    "reads, a fork and a sleep)")
+    fz.add_argument("--list", action="store_true", help="show the examples the seed draws; run nothing")
+    fz.add_argument("--out", metavar="DIR", help="where findings go (default kph-runs/fuzz-TIME)")
+
 
     wk = _sub(sub, "worker", help="Prepare a host over SSH as a pytest-xdist worker",
               description="Scale the differential suite out to other machines "
@@ -802,6 +838,100 @@ def _spec_file_lines(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def _fuzz(args: argparse.Namespace, out: Output) -> int:
+    import subprocess
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from . import fuzz
+
+    if args.examples < 1:
+        raise SetupError(f"--examples {args.examples}: nothing to run", "give 1 or more")
+    if args.workers < 1:
+        raise SetupError(f"-n {args.workers} is not a worker count", "use -n 1 or more")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise SetupError("--time-budget must be positive", "give seconds, e.g. --time-budget 600")
+    from .images import default_image
+    img = default_image(args.image)                        # an unknown image: one line, exit 2
+    workload = args.workload or fuzz.DEFAULT_WORKLOAD
+    say = out.progress
+    if args.list:
+        from .vmctl import Machine
+        say(f"fuzz: booting {img.version} to list the functions the workload calls")
+        with Machine.boot(img) as vm:
+            pool = fuzz.symbol_pool(vm, workload)
+        listed = [list(ex) for ex in fuzz.list_examples(pool, examples=args.examples,
+                                                         seed=args.seed * 1000)]
+        out.progress.clear()
+        for ex in listed:
+            out.text("  |  ".join(ex))
+        out.result({"seed": args.seed, "examples": listed})
+        return EXIT_OK
+    runs = Path(args.out or f"kph-runs/fuzz-{time.strftime('%Y%m%d-%H%M%S')}")
+    runs.mkdir(parents=True, exist_ok=True)
+    cfg = {"image": str(img.dir), "host": args.host, "guest": args.guest, "seed": args.seed,
+           "examples": args.examples, "workers": args.workers, "workload": workload,
+           "time_budget": args.time_budget, "out": str(runs.resolve())}
+    t0 = time.monotonic()
+    say(f"fuzz: {args.examples} examples on {img.version}, seed {args.seed}, "
+        f"{args.workers} worker(s), host {args.host}, guest {args.guest}; findings in {runs}")
+    if args.workers == 1:
+        from .vmctl import Machine
+        with Machine.boot(img, host=args.host) as vm:
+            st = fuzz.run(vm, examples=args.examples, seed=args.seed * 1000, guest=args.guest,
+                          workload=workload, time_budget=args.time_budget, progress=say)
+        shards = [{"examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
+                   "agreed_refusals": st.agreed_refusals, "events": st.events,
+                   "findings": [f.as_dict() for f in st.findings]}]
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
+            json.dump(cfg, tmp)
+        import os
+        env = dict(os.environ, KPH_FUZZ_CONFIG=tmp.name)
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "-p", "no:randomly", "--pyargs", "harness.fuzzshard",
+                            "-n", str(args.workers), "-o", "timeout=0"], env=env,
+                           capture_output=True, text=True)
+        os.unlink(tmp.name)
+        (runs / "pytest.log").write_text(r.stdout + r.stderr)
+        shards = [json.loads(p.read_text()) for p in sorted(runs.glob("shard-*.json"))]
+        if len(shards) != args.workers:
+            why = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("E ")][:1]
+            raise SetupError(f"{args.workers - len(shards)} fuzz worker(s) failed"
+                             + (f": {why[0][2:].strip()[:300]}" if why else ""),
+                             f"the workers' output is in {runs / 'pytest.log'}")
+    wall = time.monotonic() - t0
+    examples = sum(s["examples"] for s in shards)
+    seen: dict[str, fuzz.Finding] = {}
+    for s in shards:
+        for d in s["findings"]:
+            f = fuzz.Finding(**{**d, "lines": tuple(d["lines"])})
+            seen.setdefault(f.signature, f)
+    findings = list(seen.values())
+    report_lines = []
+    for f in findings:
+        repro = fuzz.repro_line(f, image=args.image, guest=args.guest, workload=workload)
+        # In a checkout, straight into the suite's regression cases; else beside the run.
+        case = fuzz.write_regression(f) if (fuzz.REGRESSIONS.parent.parent / "vm").is_dir() \
+            else fuzz.write_regression(f, runs / "regressions")
+        report_lines.append(f"- {f.kind}: {f.detail.splitlines()[0]}\n  {repro}\n  case: {case}")
+    doc = {"config": cfg, "examples": examples, "wall_seconds": wall,
+           "findings": [f.as_dict() for f in findings]}
+    (runs / "findings.json").write_text(json.dumps(doc, indent=1))
+    (runs / "findings.md").write_text("\n".join(report_lines) + "\n")
+    rate = 60 * examples / wall if wall else 0.0
+    out.progress.clear()
+    out.text(f"kph fuzz: {examples} examples in {wall:.0f} s ({rate:.0f}/min, {args.workers} "
+             f"worker(s)); {sum(s['agreed_runs'] for s in shards)} agreed on events, "
+             f"{sum(s['agreed_refusals'] for s in shards)} on refusals; "
+             f"{len(findings)} finding(s); in {runs}")
+    for ln in report_lines:
+        out.text(ln)
+    out.result({**doc, "dir": str(runs)})
+    return EXIT_OK if not findings else EXIT_DIVERGED
+
+
 def _worker(args: argparse.Namespace, out: Output) -> int:
     from . import remote
 
@@ -1000,7 +1130,7 @@ def _wait_enter() -> bool:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "demo": _demo,
     "boot": _boot, "image": _image, "qemu": _qemu_cmd, "doctor": _doctor,
-    "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix, "worker": _worker,
+    "probe": _probe, "diff": _diff, "repro": _repro, "matrix": _matrix, "worker": _worker, "fuzz": _fuzz,
 }
 
 

@@ -66,7 +66,7 @@ from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_NO_INVALIDATE, ADD_POS
 from .plugin_handlers import HandlerDispatch
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors
-from .symbols import check_probe_address, kprobe_addr
+from .symbols import ReservedText, check_probe_address, kprobe_addr
 from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
         self._threads: list[threading.Thread] = []
         self._tls = threading.local()
         self._held_by: dict[int, tuple[float, str]] = {}
+        self._reserved: ReservedText | None = None
         vm.add_stop_holder(self._holding)
         self._by_id: dict[int, Kprobe | Kretprobe] = {}
         self._aggr: dict[int, list[Kprobe | Kretprobe]] = {}
@@ -169,9 +170,12 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
 
     # -- probes ---------------------------------------------------------------------------
     def check_address(self, addr: int, *, kretprobe: bool = False) -> None:
-        """The kernel's registration rules (``register_kprobe()``), with its errnos."""
+        """The kernel's registration rules (``register_kprobe()``), with its errnos, the
+        same as the gdbstub engine's (jump label, static call and BUG() sites included)."""
+        if self._reserved is None:
+            self._reserved = ReservedText.from_memory(self.symbols, self.read)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self.read, kretprobe=kretprobe)
+                            read=self.read, kretprobe=kretprobe, reserved=self._reserved)
         if addr == self.trampoline:
             raise ProbeRejectedError(f"{addr:#x} is the plugin's kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)

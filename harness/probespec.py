@@ -347,7 +347,11 @@ def _parse_fetch(s: str, pos: int, flags: int, ops: list[Insn]) -> FetchArg:
         off = kstrtol(rest[:lp] if c == "+" else "-" + rest[:lp])
         if off is None:
             raise _Fail("Invalid dereference offset", pos)
-        ipos = pos + (2 if user else 1) + lp + 1
+        # parse_probe_arg() (6.1): for "+u"/"-u" it overwrites the 'u' with the sign and
+        # steps over it, then adds (tmp + 1 - arg) + (arg[0] != '-') to the offset: the
+        # 'u' is never counted, so every caret inside a user deref is one column left of
+        # the text (found by kph fuzz: "p do_sys_openat2 +u0($retval)", caret 20, not 21).
+        ipos = pos + 1 + lp + 1
         inner = rest[lp + 1:]
         rp = inner.rfind(")")
         if rp < 0:

@@ -392,6 +392,7 @@ def test_parse_refusals_match_the_guests_error_log(kph_fresh_machine):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)   # with --kph-host plugin the reserved-text tables are read via QMP
 def test_multiple_kprobes_registration(kph_fresh_machine):
     """multiple_kprobes.tc: ``p SYM+5`` on the first 256 text symbols. Registration only:
     the host side registers them disabled (no breakpoints on hot early text), the guest

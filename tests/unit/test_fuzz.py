@@ -1,0 +1,32 @@
+"""kph fuzz's pure parts: strategies, classes of findings, regression files."""
+from harness import fuzz
+
+
+def test_listing_is_deterministic_and_mostly_well_formed():
+    pool = ["vfs_read", "do_sys_openat2", "kernel_clone"]
+    a = fuzz.list_examples(pool, examples=60, seed=11)
+    assert a == fuzz.list_examples(pool, examples=60, seed=11)
+    assert a != fuzz.list_examples(pool, examples=60, seed=12)
+    from harness.errors import ProbeSpecError
+    from harness.probespec import parse
+    parsed = 0
+    for ex in a:
+        try:
+            for ln in ex:
+                parse(ln)
+            parsed += 1
+        except ProbeSpecError:
+            pass
+    assert parsed >= len(a) // 2, parsed
+
+
+def test_signatures_blur_values_and_known_differences_are_listed():
+    assert fuzz._shape("'0xffffff8134aa4a00' at 21") == "'S' at N"
+    import re
+    assert any(re.search(p, "events:arg:-N($stack):x64:NxN|NxN") for p, _ in fuzz.KNOWN)
+
+
+def test_regressions_round_trip(tmp_path):
+    f = fuzz.Finding(("p vfs_read +u0($retval)",), "parse", "carets differ", "parse:x")
+    p = fuzz.write_regression(f, tmp_path)
+    assert fuzz.read_regressions(tmp_path) == [(p.name, ("p vfs_read +u0($retval)",))]

@@ -1,0 +1,52 @@
+"""kph fuzz in the default suite (issue 20): every regression case it found is replayed,
+and a small seeded budget runs; both must show no divergence."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import fuzz
+
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
+
+CASES = fuzz.read_regressions()
+
+
+@pytest.fixture(scope="module")
+def oracle(default_image):
+    from harness.vmctl import Machine
+
+    with Machine.boot(default_image) as vm:
+        yield fuzz.Oracle(vm)
+
+
+@pytest.mark.parametrize("name,lines", CASES, ids=[c[0] for c in CASES])
+def test_regression_case_agrees(oracle, name, lines):
+    f = oracle.judge(lines)
+    assert f is None, f"{name}: {f.kind}: {f.detail}\n{fuzz.repro_line(f)}"
+
+
+def test_a_seeded_budget_finds_nothing(oracle):
+    st = fuzz.run(oracle.vm, examples=30, seed=20261125, database=False)
+    assert st.examples >= 30
+    assert st.agreed_runs + st.agreed_refusals + sum(st.known.values()) >= 30
+    assert not st.findings, "\n".join(f"{f.kind}: {f.detail.splitlines()[0]}\n  "
+                                      f"{fuzz.repro_line(f)}" for f in st.findings)
+    assert st.agreed_runs >= 10, "most examples must reach both sides"
+
+
+def test_the_same_seed_lists_the_same_examples_and_bad_input_is_one_line():
+    import json
+
+    r1 = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "--list", "--examples",
+                         "12", "--seed", "5", "--json"], capture_output=True, text=True, timeout=300)
+    r2 = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "--list", "--examples",
+                         "12", "--seed", "5", "--json"], capture_output=True, text=True, timeout=300)
+    assert r1.returncode == 0 and r1.stdout == r2.stdout
+    assert len(json.loads(r1.stdout)["examples"]) == 12
+    for bad in (["--examples", "0"], ["--seed", "x"], ["--image", "5.4"], ["-n", "0"]):
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", *bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
