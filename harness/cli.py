@@ -878,9 +878,14 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
         f"{args.workers} worker(s), host {args.host}, guest {args.guest}; findings in {runs}")
     if args.workers == 1:
         from .vmctl import Machine
-        with Machine.boot(img, host=args.host) as vm:
+        vm = Machine.boot(img, host=args.host)
+        try:
             st = fuzz.run(vm, examples=args.examples, seed=args.seed * 1000, guest=args.guest,
-                          workload=workload, time_budget=args.time_budget, progress=say)
+                          workload=workload, time_budget=args.time_budget, progress=say,
+                          reboot=lambda: Machine.boot(img, host=args.host))
+            vm = st.vm
+        finally:
+            vm.close()
         shards = [{"examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
                    "agreed_refusals": st.agreed_refusals, "events": st.events,
                    "findings": [f.as_dict() for f in st.findings]}]

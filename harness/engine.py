@@ -171,6 +171,13 @@ class HostEngine(HandlerErrors):
                     if stop is None:
                         self._held = (time.monotonic(), "a call on the host-side engine")
                         stop = self.stub.interrupt()
+                    elif self.stub.running:
+                        # A stop queued before GDB resumed the target again (a late
+                        # interrupt): handling it would read a running vCPU ("Selected
+                        # thread is running", seen once under kph fuzz). Drop it and wait.
+                        log.debug("dropping a stale stop at %#x", stop.addr)
+                        self.stats["stale_stops"] += 1
+                        stop = None
                 if self._held is None:
                     self._held = (time.monotonic(), f"the hit at {stop.addr:#x}")
                 resume_at = self._on_stop(stop)

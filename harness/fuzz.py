@@ -85,6 +85,8 @@ class FuzzStats:
     agreed_runs: int = 0
     events: int = 0
     known: dict[str, int] = field(default_factory=dict)
+    #: The machine the run ended on (a reboot replaces the first).
+    vm: Any = None
 
     @property
     def per_minute(self) -> float:
@@ -402,14 +404,20 @@ def db_dir() -> Path:
 
 def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
         workload: str = DEFAULT_WORKLOAD, time_budget: float | None = None,
-        progress: Callable[[str], None] | None = None, database: bool = True) -> FuzzStats:
-    """Fuzz ``examples`` examples (or until ``time_budget`` seconds) on ``vm``."""
+        progress: Callable[[str], None] | None = None, database: bool = True,
+        reboot: Callable[[], Any] | None = None) -> FuzzStats:
+    """Fuzz ``examples`` examples (or until ``time_budget`` seconds) on ``vm``.
+
+    ``reboot`` makes a fresh machine after a crash or a hang (the old one is closed and
+    the run goes on there; the caller closes the last one, ``stats.vm``).
+    """
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis.database import DirectoryBasedExampleDatabase
 
     oracle = Oracle(vm, guest=guest, workload=workload)
     stats = oracle.stats
+    stats.vm = vm
     # Examples past MAX_TRACE_ARGS are generated on purpose; the parser's warning about
     # them (one per example) is not news here.
     logging.getLogger("harness.probespec").setLevel(logging.ERROR)
@@ -459,6 +467,14 @@ def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
             stats.findings.append(f)
             say(f"fuzz: finding {len(stats.findings)} ({f.kind}): {f.lines[0][:100]}: "
                 f"{f.detail.splitlines()[0][:160]}")
+            if f.kind in ("crash", "timeout") and reboot is not None:
+                # The machine may be wedged after a crash or a hang: go on with a new one.
+                try:
+                    oracle.vm.close()
+                except HarnessError:
+                    pass
+                oracle.vm = stats.vm = reboot()
+                say("fuzz: a fresh machine after that finding")
     stats.seconds = time.monotonic() - t0
     return stats
 

@@ -36,9 +36,14 @@ def test_shard(shard: int) -> None:
     n, total = cfg["workers"], cfg["examples"]
     mine = total // n + (1 if shard < total % n else 0)
     budget = cfg.get("time_budget")
-    with Machine.boot(cfg.get("image"), host=cfg["host"]) as vm:
+    vm = Machine.boot(cfg.get("image"), host=cfg["host"])
+    try:
         st = fuzz.run(vm, examples=mine, seed=cfg["seed"] * 1000 + shard, guest=cfg["guest"],
-                      workload=cfg["workload"], time_budget=budget)
+                      workload=cfg["workload"], time_budget=budget,
+                      reboot=lambda: Machine.boot(cfg.get("image"), host=cfg["host"]))
+        vm = st.vm
+    finally:
+        vm.close()
     Path(cfg["out"], f"shard-{shard}.json").write_text(json.dumps({
         "examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
         "agreed_refusals": st.agreed_refusals, "events": st.events,

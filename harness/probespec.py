@@ -559,7 +559,23 @@ def parse(text: str, *,
             return _parse_delete(toks, text)
         return _parse_probe(toks, text, on_func_entry, count_symbol)
     except _Fail as exc:
-        raise ProbeSpecError(str(exc), text, exc.pos) from None
+        # The kernel splits the line into words (argv_split()) and logs the error against
+        # the words joined by single spaces (trace_probe_log_err(): the "Command:" of
+        # error_log), so a caret after doubled spaces or tabs moves left (kph fuzz found it).
+        command = " ".join(t for _, t in toks)
+        raise ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos)) from None
+
+
+def _argv_column(toks: list[tuple[int, str]], pos: int) -> int:
+    """``pos`` in the typed text as a column of the words joined by single spaces."""
+    col = 0
+    for start, tok in toks:
+        if pos < start:
+            return col
+        if pos <= start + len(tok):
+            return col + pos - start
+        col += len(tok) + 1
+    return col                  # past the last word: where a next one would start
 
 
 def _parse_delete(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
