@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
            "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
-           "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "FAULT", "UNKNOWN",
+           "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "UnknowableRead", "FAULT",
+           "UNKNOWN",
            "evaluate", "format_value", "format_fields", "format_ip", "escape_bytes", "TraceRecord",
            "parse_trace_line"]
 
@@ -193,6 +194,23 @@ class FaultError(Exception):
         self.size = size
 
 
+class UnknowableRead(FaultError):
+    """Memory the host cannot know the kernel's view of: the stack below the probed
+    context's stack pointer. By the time a kernel kprobe handler reads it, the probe's own
+    machinery has written its frames there (the ftrace trampoline's ``pt_regs``, the int3
+    entry frame, the rethook trampoline's), so the guest records those bytes while the host,
+    stopped at the breakpoint, sees what was there before. An argument that reads such
+    memory is :data:`UNKNOWN` host-side, whatever its type (found by ``kph fuzz``)."""
+
+
+def below_sp(sp: int, addr: int, size: int) -> None:
+    """Raise :class:`UnknowableRead` when ``[addr, addr + size)`` touches the current
+    kernel stack (the ``THREAD_SIZE`` block holding ``sp``) below ``sp``."""
+    base = sp & ~(THREAD_SIZE - 1)
+    if addr < sp and addr + size > base and sp >= 0xFFFF800000000000:
+        raise UnknowableRead(addr, size)
+
+
 class _Marker:
     __slots__ = ("_name",)
 
@@ -253,6 +271,8 @@ class _Cached:
     def __init__(self, ctx: FetchContext) -> None:
         self._ctx = ctx
         self._memo: dict[tuple[bool, int, int], bytes | FaultError] = {}
+        #: Set when a read hit :class:`UnknowableRead` (evaluate() resets it per argument).
+        self.unknowable = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
@@ -265,6 +285,8 @@ class _Cached:
             except FaultError as exc:
                 self._memo[key] = exc
         got = self._memo[key]
+        if isinstance(got, UnknowableRead):
+            self.unknowable = True
         if isinstance(got, FaultError):
             raise got
         return got
@@ -518,22 +540,32 @@ def evaluate(target: Any, ctx: FetchContext) -> Any:
     args = tuple(target.args) if hasattr(target, "args") else (target,)
     ctx = _Cached(ctx)                              # the same Protocol, reads memoized
     dsize = 0
-    for a in args:                                  # __get_data_size()
+    unknowable: set[int] = set()
+    for i, a in enumerate(args):                    # __get_data_size()
         if FETCH_TYPES[a.type].is_string:
+            ctx.unknowable = False
             n = _run(a.code, ctx, None)
             dsize += n if n > 0 else 0
+            if ctx.unknowable:
+                unknowable.add(i)
     st = _Store(bytearray(dsize), bytearray(dsize))
     pos, out = 0, []
-    for a in args:                                  # store_trace_args()
+    for i, a in enumerate(args):                    # store_trace_args()
         t = FETCH_TYPES[a.type]
         st.elems, st.loc = [], (dsize - pos, pos)
+        ctx.unknowable = False
         ret = _run(a.code, ctx, st)
+        if ctx.unknowable:
+            unknowable.add(i)
         if t.is_string and ret > 0:
             pos += ret
         out.append((a, t, list(st.elems)))
     values = []
-    for a, t, elems in out:
+    for i, (a, t, elems) in enumerate(out):
         n = a.count or 1
+        if i in unknowable:
+            values.append([UNKNOWN] * n if a.count else UNKNOWN)
+            continue
         if t.is_string and not elems:
             # store_trace_args(): a dynamic arg whose fetch failed (e.g. a deref before
             # the string) gets an empty data_loc, which prints (fault).

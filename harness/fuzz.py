@@ -54,12 +54,7 @@ MISSES = ("no_such_function_kph", "init_task", "linux_proc_banner", "kprobe_int3
 
 #: Known differences the harness does not mirror, as signature patterns, each with its
 #: reason (docs: kph fuzz, "Findings"); an example that only shows one is not a finding.
-KNOWN: tuple[tuple[str, str], ...] = (
-    (r"^events:arg:-N\(\$stack\)|^events:arg:-N\(%sp\)",
-     "memory below the stack pointer: in the guest it holds the probe's own frames (the "
-     "ftrace trampoline's pt_regs, the int3 entry's frame) by the time the handler reads "
-     "it; the host reads it at the breakpoint, before any of them"),
-)
+KNOWN: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

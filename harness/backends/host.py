@@ -15,7 +15,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from ..errors import HandlerError, HarnessError, ProbeRejectedError
-from ..fetchargs import FaultError, escape_bytes, evaluate, format_value
+from ..fetchargs import FaultError, below_sp, escape_bytes, evaluate, format_value
 from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
@@ -55,6 +55,7 @@ class _Ctx:
         return self.regs.get(name)
 
     def read(self, addr: int, size: int) -> bytes:
+        below_sp(self.regs.sp, addr, size)
         try:
             return self.engine.stub.read_memory(addr, size)
         except HarnessError:

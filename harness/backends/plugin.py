@@ -18,7 +18,7 @@ import logging
 from typing import Any, Sequence
 
 from ..errors import HarnessError, ProbeRejectedError
-from ..fetchargs import UNKNOWN, Reg, evaluate, format_value
+from ..fetchargs import UNKNOWN, Reg, below_sp, evaluate, format_value
 from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
 from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
 from ..probespec import ProbeSpec
@@ -50,6 +50,7 @@ class _RecordCtx:
         return self._regs[name]
 
     def read(self, addr: int, size: int) -> bytes:
+        below_sp(self._regs["sp"], addr, size)     # the guest probe's own frames live there
         return self.mem.read(addr, size)
 
     read_user = read

@@ -23,7 +23,7 @@ def test_listing_is_deterministic_and_mostly_well_formed():
 def test_signatures_blur_values_and_known_differences_are_listed():
     assert fuzz._shape("'0xffffff8134aa4a00' at 21") == "'S' at N"
     import re
-    assert any(re.search(p, "events:arg:-N($stack):x64:NxN|NxN") for p, _ in fuzz.KNOWN)
+    assert fuzz.KNOWN == ()   # below-sp reads, once known, are (unknown) host-side now
 
 
 def test_regressions_round_trip(tmp_path):
