@@ -583,6 +583,10 @@ def _parse_7_3(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
             node = PerCpu(node, read) if op == "cpu_ptr" else Deref(off, node, op == "uderef")
         else:
             _, casttype, fieldname, orig, diff = st
+            if lc.lenient:      # no BTF known yet: the booted kernel resolves the cast
+                a.ops.append(("btf", f"({casttype})...->{fieldname}"))
+                node = BtfVar(f"({casttype})->{fieldname}")
+                continue
             lc.struct_type = None
             lc.offset = orig + 1
             _casttype(lc, casttype)
@@ -728,6 +732,9 @@ def parse_body(lc: LineContext, body: str, size: list[int]
     size[0] += ftype.size * (count or 1)
     if size[0] > MAX_PROBE_EVENT_SIZE:
         raise lc.err("EVENT_TOO_BIG", errno=E.E2BIG)
+    if lc.lenient and any(op[0] == "btf" for op in a.ops):
+        # Its type and store depend on BTF not known yet: the booted kernel decides.
+        return fetch, tname, count, None, tstr is not None, tuple(a.ops) + (("end",),)
     bitfield = _finalize(lc, a, tname, count, tstr, toff if tstr is not None else 0)
     ops = [(_UPROBE_OPS.get(op[0], op[0]),) + op[1:] for op in a.ops] \
         if lc.flags & FL_USER else a.ops
