@@ -212,7 +212,7 @@ REGISTRATION = [("kprobe/multiple_kprobes.tc",
 
 SKIPPED = {
     "kprobe/kprobe_module.tc: rmmod trace-printk, then modprobe it and see event1 fire":
-        "virtio_console (the stand-in) carries the guest agent's port and cannot be unloaded; "
+        "pvpanic (the stand-in) cannot be unloaded while its device is bound; "
         "trace_printk.ko is not built (CONFIG_SAMPLES is off in Debian's kernel)",
     "kprobe/busy_check.tc: 'echo > kprobe_events' refused while an event is enabled":
         "a property of clearing kprobe_events, not of a probe definition (its definition is "
