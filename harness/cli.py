@@ -29,7 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .errors import HarnessError, ProbeSpecError, ScenarioError, SetupError, VMError
+from .errors import (HarnessError, NotMirroredError, ProbeSpecError, ScenarioError, SetupError,
+                     VMError)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 
@@ -639,18 +640,18 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
                              "given", "leave '-:' lines out (the guest's events are removed "
                              "after the run)")
     if args.kernel is not None:
-        return [parse(ln) for ln in lines]      # no symbols before boot: checked host-side
+        # no facts before boot: the grammar of the newest rules; the booted kernel's own
+        # rules, BTF and symbols decide at registration (harness.backends.tracelayer)
+        from .kernelrules import SERIES
+        from .probespec import KernelView
+        newest = KernelView(list(SERIES.values())[-1])
+        return [parse(ln, kernel=newest) for ln in lines]
+    from .facts import kernel_view
     from .images import default_image
-    from .symbols import load_kallsyms_cached
 
-    syms = load_kallsyms_cached(default_image(args.image).kallsyms)
-
-    def on_func_entry(name: str, offset: int) -> bool | None:
-        # _kprobe_addr() re-derives the offset from the symbol holding SYM+OFFS.
-        sym = syms.get(name)
-        hit = syms.symbolize(sym.addr + offset) if sym is not None else None
-        return None if hit is None else hit[1] == 0
-    return [parse(ln, on_func_entry=on_func_entry, count_symbol=syms.count) for ln in lines]
+    # the image's kernel: its series' rules, its BTF, its symbols
+    view = kernel_view(default_image(args.image).facts)
+    return [parse(ln, kernel=view) for ln in lines]
 
 
 def _check_output(option: str, path: str | None) -> None:
@@ -805,7 +806,7 @@ def _matrix(args: argparse.Namespace, out: Output) -> int:
         lines += _spec_file_lines(args.spec_file)
     if not lines:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
-    specs = [parse(ln) for ln in lines]
+    specs = _matrix_specs(kernels, lines)
     res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
                      qemu=args.qemu, progress=out.progress)
     out.progress.clear()
@@ -816,6 +817,32 @@ def _matrix(args: argparse.Namespace, out: Output) -> int:
             f.write(report.matrix_html(res))
         out.text(f"wrote {args.html}")
     return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
+
+
+def _matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:
+    """Each line parsed with the grammar of every kernel named (its series' rules, no BTF
+    yet): a line no kernel parses is a usage error, one some kernel parses goes on (each
+    kernel's own parse at registration refuses it where it must, a per-kernel result)."""
+    from .errors import NotMirroredError, ProbeSpecError
+    from .kernelrules import rules_for
+    from .probespec import KernelView, parse
+
+    views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in kernels]
+    out = []
+    for ln in lines:
+        first: ProbeSpecError | None = None
+        for v in views:
+            try:
+                out.append(parse(ln, kernel=v))
+                break
+            except NotMirroredError:
+                raise
+            except ProbeSpecError as exc:
+                first = first or exc
+        else:
+            assert first is not None
+            raise first
+    return out
 
 
 def _check_writable(path: str | None) -> None:
@@ -1221,6 +1248,10 @@ def _report_error(exc: BaseException) -> int | None:
     _clear_progress()
     if isinstance(exc, (SetupError, ScenarioError)):
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(exc, NotMirroredError):   # one line: not the kernel's error_log shape
+        print(f"error: {exc}; {exc.hint or 'probe the function with a p: or r: line instead'}",
+              file=sys.stderr)
         return EXIT_USAGE
     if isinstance(exc, ProbeSpecError):
         from .probespec import format_error

@@ -31,6 +31,15 @@ Normalizations, all listed here and named in every report (nothing else is norma
   ``tracing_record_taskinfo()``); a task that exec'd in between prints under its new
   name. The host follows renames (a hidden probe on ``__set_task_comm``) and a guest comm
   that is one the same pid took after the hit compares equal.
+- ``irq-order``: a probe's hits are compared per context of the probed call, those made
+  in task context in order, those made in an interrupt (softirq, hardirq) in order, when
+  both sides know every hit's context (the guest's trace entry flags; ``preempt_count()``
+  host-side). The host records at its breakpoint, the guest in its handler a few
+  instructions later: an interrupt taken in between (RCU callbacks freeing on a probed
+  ``kfree()``) records its own hits between the two, so across contexts the orders differ
+  by construction. (An int3-based guest kprobe runs its handler inside
+  ``irqentry_nmi_enter()``, so its entries carry NMI and HARDIRQ whatever the caller was;
+  NMI entries count as task context, their SOFTIRQ bit as the caller's.)
 - ``nhit``: raw hit counters are not compared (each side counts from its own
   registration, which happens at different moments); hits recorded during the workload
   are compared one by one instead. ``nmissed`` is compared exactly.
@@ -48,6 +57,8 @@ NORMALIZATIONS = {
                   "to the host's real return address",
     "thread-order": "uprobe hits compared per thread (pid), in order within each thread",
     "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
+    "irq-order": "hits compared per context of the probed call (task, interrupt), in order "
+                 "within each",
     "comm-change": "a guest comm the same pid took after the hit (an exec renamed it before "
                    "saved_cmdlines recorded it) compares equal",
     "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
@@ -210,6 +221,12 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             lb = sorted(lb, key=lambda h: h.pid or 0)
             res.applied["thread-order"] = res.applied.get("thread-order", 0) + 1
             res.normalized.append(Normalized(probe, -1, "order", "thread-order", "", ""))
+        elif (la and lb and all(h.irq for h in la) and all(h.irq for h in lb)
+              and any(h.irq == "irq" for h in [*la, *lb])):
+            la = sorted(la, key=lambda h: h.irq == "irq")
+            lb = sorted(lb, key=lambda h: h.irq == "irq")
+            res.applied["irq-order"] = res.applied.get("irq-order", 0) + 1
+            res.normalized.append(Normalized(probe, -1, "order", "irq-order", "", ""))
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
         matched = 0

@@ -496,6 +496,56 @@ class HostEngine(HandlerErrors):
             return None
         return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
+    def hit_context(self, regs: PtRegs) -> str:
+        """``irq`` (the probed call runs in a softirq or a hardirq) or ``task``, as the
+        guest's trace entry flags tell it (``tracing_gen_ctx()``), from ``preempt_count()``;
+        "" when it cannot be read. An NMI counts as ``task``: an int3-based guest kprobe
+        runs its handler in NMI context whatever the caller was. Where the count lives: per-cpu ``__preempt_count`` (6.1, 7.3),
+        ``pcpu_hot.preempt_count`` (6.2 to 6.14: arch/x86/include/asm/preempt.h)."""
+        if not hasattr(self, "_pc_where"):
+            where: tuple[str, int] | None = None
+            if self.symbols.get("__preempt_count") is not None:
+                where = ("__preempt_count", 0)
+            elif self.symbols.get("pcpu_hot") is not None:
+                off = self._btf_offset("pcpu_hot", "preempt_count")
+                where = ("pcpu_hot", off) if off is not None else None
+            self._pc_where = where
+        if self._pc_where is None:
+            return ""
+        pc = self.percpu_read(regs, self._pc_where[0], self._pc_where[1])
+        if pc is None:
+            return ""
+        pc &= 0x7FFFFFFF                       # PREEMPT_NEED_RESCHED is folded in, inverted
+        if pc & 0x100 or (pc & 0x000F0000 and not pc & 0x00F00000):   # SOFTIRQ_OFFSET, HARDIRQ
+            return "irq"
+        return "task"
+
+    def percpu_read(self, regs: PtRegs, name: str, offset: int = 0) -> int | None:
+        """``this_cpu_read(name)`` for a per-cpu ``unsigned long`` or pointer on the vCPU of
+        ``regs``: 8 bytes at the GS base plus the symbol (zero-based per-cpu symbols up to
+        6.14, section addresses in 7.x: the sum wraps as the CPU's segment addressing
+        does). None when the kernel has no such symbol or it cannot be read."""
+        sym = self.symbols.get(name)
+        if sym is None:
+            return None
+        try:
+            base = regs.read_sys("k_gs_base" if regs.get("cs") & 3 == 3 else "gs_base")
+            addr = (base + sym.addr + offset) & ((1 << 64) - 1)
+            return int.from_bytes(self.stub.read_memory(addr, 8), "little")
+        except HarnessError:
+            return None
+
+    def percpu_base(self, regs: PtRegs) -> int | None:
+        """What ``this_cpu_ptr()`` adds on this vCPU: ``this_cpu_read(this_cpu_off)``."""
+        return self.percpu_read(regs, "this_cpu_off")
+
+    def guest_kprobe_running(self, regs: PtRegs) -> bool:
+        """``kprobe_running()`` in the guest on the vCPU of ``regs``: one of the guest's own
+        kprobes is in its handler (per-cpu ``current_kprobe``). A probe hit then is missed
+        in the kernel (``kprobe_ftrace_handler()``, ``kprobe_int3_handler()`` and
+        ``kretprobe_rethook_handler()`` count ``nmissed`` and call no handler)."""
+        return bool(self.percpu_read(regs, "current_kprobe"))
+
     def _current_task(self, regs: PtRegs) -> int | None:
         if self._current_task_off is None:
             return None
@@ -848,6 +898,11 @@ class HostEngine(HandlerErrors):
 
     def write(self, addr: int, data: bytes) -> None:
         self._call(lambda: self.stub.write_memory(addr, data))
+
+    def halted(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` with the guest halted, as one step: no guest instruction runs between
+        what it does (arming probes and switching the guest's tracing at the same instant)."""
+        return self._call(fn)
 
     def list(self) -> str:
         """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""

@@ -21,7 +21,8 @@ refuses a probe is a *result* (see ``harness.engine``), not an error here.
      ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
      ├─ SymbolNotFoundError(.name)        also a KeyError
      ├─ ProbeRejectedError(.errno, .addr) the kernel's rules refuse this probe address
-     ├─ ProbeSpecError(.text, .column)    a malformed probe spec
+     ├─ ProbeSpecError(.text, .column, .errno)   a probe spec the kernel would not parse
+     │   └─ NotMirroredError              a kind the kernel takes, the host does not mirror
      └─ ScenarioError(.path, .key)        a repro scenario file that does not validate
 """
 from __future__ import annotations
@@ -156,12 +157,30 @@ class ProbeRejectedError(HarnessError):
 
 
 class ProbeSpecError(HarnessError):
-    """A probe spec does not parse; ``column`` is the 0-based offset of the bad token."""
+    """A probe spec does not parse; ``column`` is the 0-based offset of the bad token.
 
-    def __init__(self, msg: str, text: str = "", column: int = 0) -> None:
+    ``errno`` is what the kernel's write fails with (EINVAL unless it says otherwise),
+    ``logged`` whether the kernel writes an ``error_log`` entry for it (some refusals,
+    such as -E2BIG for too many arguments on 6.12, log nothing)."""
+
+    def __init__(self, msg: str, text: str = "", column: int = 0, *, errno: int = 22,
+                 logged: bool = True) -> None:
         super().__init__(msg)
         self.text = text
         self.column = column
+        self.errno = errno
+        self.logged = logged
+
+
+class NotMirroredError(ProbeSpecError):
+    """A probe kind or construct the booted kernel takes but a side of the harness does
+    not mirror (``f:`` fprobe events, ``t:`` tracepoint probes; 7.3's ``$current`` in the
+    module's programs, ...): refused, in one line; ``hint`` says what to do instead."""
+
+    def __init__(self, msg: str, text: str = "", column: int = 0, *, errno: int = 95,
+                 hint: str = "") -> None:
+        super().__init__(msg, text, column, errno=errno, logged=False)
+        self.hint = hint
 
 
 class ScenarioError(HarnessError):

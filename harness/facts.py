@@ -94,6 +94,20 @@ class KernelFacts:
         """``uname -r`` of the kernel."""
         return self._text("release").strip()
 
+    @property
+    def series(self) -> str:
+        """``6.1``, ``6.12``, ``7.3``: the kernel series (``harness.kernelrules``)."""
+        from .kernelrules import series_of_release
+
+        return series_of_release(self.release)
+
+    @functools.cached_property
+    def rules(self) -> Any:
+        """This kernel's probe-event rules (``harness.kernelrules.KernelRules``)."""
+        from .kernelrules import rules_for
+
+        return rules_for(self.release, self.config)
+
     @functools.cached_property
     def symbols(self) -> Any:
         """The kernel's ``harness.symbols.SymbolTable`` (a copy per KernelFacts)."""
@@ -144,6 +158,58 @@ class KernelFacts:
 
     def _text(self, name: str) -> str:
         return self._bytes(name).decode("utf-8", "replace")
+
+
+def kernel_view(facts: KernelFacts, symbols: Any = None, *, read: Any = None,
+                loaded: Any = None, btf: bool = True) -> Any:
+    """The :class:`harness.probespec.KernelView` of a kernel: its rules, BTF and symbols
+    (``symbols``, default the facts' own; module symbols of the running guest when the
+    caller merged them), ``read(addr, n)`` for kernel text (to find an ENDBR at a function
+    start; without it ``SYM+4`` on an IBT kernel is taken for an entry), ``loaded(mod)``
+    whether a module is loaded (default: the modules the facts were harvested with).
+    ``btf=False`` parses BTF variables into placeholders."""
+    from .probespec import KernelView
+    from .symbols import ARCH
+
+    syms = symbols if symbols is not None else facts.symbols
+    rules = facts.rules
+    ibt = facts.config.get("CONFIG_X86_KERNEL_IBT") == "y"
+
+    def on_func_entry(name: str, offset: int) -> bool | None:
+        # _kprobe_addr(): the symbol holding SYM+OFFS, then arch_adjust_kprobe_addr()
+        sym = syms.get(name)
+        hit = syms.symbolize(sym.addr + offset) if sym is not None else None
+        if hit is None:
+            return None
+        base, off = hit[0].addr, hit[1]
+        if off not in (0, 4) or not ibt:
+            return off == 0
+        if read is None:
+            return True
+        try:
+            return ARCH.adjust_kprobe_addr(base, off, read(base, 4))[1]
+        except Exception:  # noqa: BLE001 - unreadable: copy_from_kernel_nofault() fails
+            return None
+
+    def count_symbol(name: str) -> int:
+        # number_of_same_symbols(NULL, name); 7.3 stops at vmlinux when it has the name
+        core = syms.count_in(name, None)
+        if rules.symbols_vmlinux_first and core:
+            return core
+        return syms.count(name)
+
+    mods = loaded if loaded is not None else (lambda m: m in facts.modules)
+
+    def module_count(mod: str, name: str) -> int | None:
+        return syms.count_in(name, mod) if mods(mod) else None
+
+    b = facts.btf if btf and rules.btf_args else None
+    try:
+        dentry = (facts.btf.offset("dentry", "d_name.name"),
+                  facts.btf.offset("file", "f_path.dentry")) if rules.dentry_types else None
+    except KeyError:
+        dentry = None
+    return KernelView(rules, b, on_func_entry, count_symbol, module_count, dentry)
 
 
 def percpu_current_task(symbols: Any, btf: Any) -> int | None:

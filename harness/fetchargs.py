@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
            "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
+           "EntryArg", "Current", "PerCpu", "BtfVar",
            "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "UnknowableRead", "FAULT",
            "UNKNOWN",
            "evaluate", "format_value", "format_fields", "format_ip", "escape_bytes", "TraceRecord",
@@ -39,6 +40,10 @@ FAULT_STRING = "(fault)"                     # kernel/trace/trace.h
 _M = (1 << 64) - 1
 _ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")   # regs_get_kernel_argument(), x86_64
 _EFAULT, _ENOMEM, _EILSEQ = -14, -12, -84
+
+#: ``regoffset_table`` in arch/x86/kernel/ptrace.c: the names ``%REG`` accepts on x86_64.
+REGISTERS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "bx", "cx", "dx", "si",
+             "di", "bp", "ax", "orig_ax", "ip", "cs", "flags", "sp", "ss")
 
 #: One ``struct fetch_insn`` as :mod:`harness.probespec` compiles it: ``(op, *params)``.
 Insn = Tuple[Any, ...]
@@ -64,7 +69,9 @@ FETCH_TYPES: dict[str, FetchType] = {t.name: t for t in (
     FetchType("s32", 4, True, False, "%d"), FetchType("s64", 8, True, False, "%Ld"),
     FetchType("x8", 1, False, False, "0x%x"), FetchType("x16", 2, False, False, "0x%x"),
     FetchType("x32", 4, False, False, "0x%x"), FetchType("x64", 8, False, False, "0x%Lx"),
-    FetchType("symbol", 8, False, False, "%pS"))}
+    FetchType("symbol", 8, False, False, "%pS"),
+    # 6.12+ (probe_fetch_types[]: ASSIGN_FETCH_TYPE_ALIAS(char, u8, u8, 0), "'%c'")
+    FetchType("char", 1, False, False, "'%c'"))}
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,33 @@ class Deref(FetchArg):
 
 
 @dataclass(frozen=True)
+class EntryArg(FetchArg):
+    """``$argN`` of a return probe (6.12+): the argument as the function got it, saved by
+    the kretprobe's entry handler (``FETCH_OP_EDATA``, ``store_trace_entry_data()``)."""
+    n: int
+
+
+@dataclass(frozen=True)
+class Current(FetchArg):
+    """``$current`` (7.3): the ``struct task_struct *`` of the running task."""
+
+
+@dataclass(frozen=True)
+class PerCpu(FetchArg):
+    """``this_cpu_ptr(X)`` / ``this_cpu_read(X)`` (7.3): X as a per-cpu pointer made this
+    CPU's (``FETCH_OP_CPU_PTR``), read once more for ``this_cpu_read``."""
+    base: FetchArg
+    read: bool = False
+
+
+@dataclass(frozen=True)
+class BtfVar(FetchArg):
+    """A BTF variable (``file->f_pos``, ``$retval->name``) parsed before any kernel's BTF
+    was known: each backend resolves it again for the booted kernel."""
+    text: str
+
+
+@dataclass(frozen=True)
 class Bitfield:
     """``b<width>@<offset>/<container>``: bits of a ``u<container>`` value."""
 
@@ -175,10 +209,16 @@ def render_fetch(node: FetchArg) -> str:
         return f"@{node.symbol}" + (f"{node.offset:+d}" if node.offset else "")
     if isinstance(node, FileOffset):
         return f"@+{node.offset}"
+    if isinstance(node, EntryArg):
+        return f"$arg{node.n}"
+    if isinstance(node, PerCpu):
+        return f"this_cpu_{'read' if node.read else 'ptr'}({render_fetch(node.base)})"
+    if isinstance(node, BtfVar):
+        return node.text
     if isinstance(node, Deref):
         sign = "-" if node.offset < 0 else "+"
         return f"{sign}{'u' if node.user else ''}{abs(node.offset)}({render_fetch(node.base)})"
-    fixed = {StackPointer: "$stack", RetVal: "$retval", Comm: "$comm"}
+    fixed = {StackPointer: "$stack", RetVal: "$retval", Comm: "$comm", Current: "$current"}
     return fixed[type(node)]
 
 
@@ -262,6 +302,10 @@ class FetchContext(Protocol):
 
     def file_offset_vaddr(self, offset: int) -> int:
         """Uprobes only: the user address of file offset ``offset`` of the probed file."""
+
+    # Optional (6.12+ ops); a context without them cannot evaluate those arguments:
+    # entry_arg(n) -> int: argument n (0-based) saved at the function's entry (EDATA);
+    # current_task() -> int: ``current``; percpu_offset() -> int: this CPU's per-cpu base.
 
 
 class _Cached:
@@ -452,6 +496,12 @@ def _fetch(op: Insn, ctx: FetchContext) -> Any:
         return ctx.file_offset_vaddr(op[1]) & _M
     if kind == "arg":       # regs_get_kernel_argument(): past the sixth, the stack
         return ctx.reg(_ARG_REGS[op[1]]) & _M if op[1] < 6 else _stack_nth(ctx, op[1] - 5)
+    if kind == "edata":     # FETCH_OP_EDATA: what the entry handler stored (6.12+)
+        return ctx.entry_arg(op[1]) & _M
+    if kind == "current":   # FETCH_OP_CURRENT (7.3)
+        return ctx.current_task() & _M
+    if kind == "btf":
+        raise ValueError(f"{op[1]!r} is a BTF variable not resolved for a kernel")
     raise ValueError(f"not a fetch instruction: {op!r}")
 
 
@@ -480,7 +530,10 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
     total = ret = i = 0
     lval, loc = val, (0, 0)
     while True:
-        while code[pc][0] in ("deref", "uderef"):          # stage 2
+        while code[pc][0] in ("deref", "uderef", "cpu_ptr"):   # stage 2
+            if code[pc][0] == "cpu_ptr":                    # this_cpu_ptr() (7.3)
+                val, pc = (val + ctx.percpu_offset()) & _M, pc + 1
+                continue
             lval = val
             data = _read(ctx, (val + code[pc][1]) & _M, 8, code[pc][0] == "uderef")
             if data is None:
@@ -647,6 +700,8 @@ def _format1(t: FetchType, v: Any, symbolize: Callable[[int], str | None] | None
     if t.is_string:
         return FAULT_STRING if v is FAULT else '"' + escape_bytes(v) + '"'
     v &= (1 << 8 * t.size) - 1
+    if t.name == "char":    # "'%c'": the byte itself, shown escaped as strings are
+        return "'" + escape_bytes(bytes([v])) + "'"
     if t.name == "symbol":
         if symbolize is None:
             raise ValueError("formatting a symbol-type value needs symbolize")

@@ -54,6 +54,12 @@ def _insn(op: str, a: int = 0, b: int = 0, imm: int = 0) -> bytes:
     return _INSN.pack(KOP[op], a, 0, b & 0xFFFFFFFF, imm & _M)
 
 
+#: 6.12+/7.3 fetch ops the plugin's programs do not have (the gdbstub engine evaluates them).
+_NOT_MIRRORED = {"edata": "$argN of a return probe (entry data, 6.12+)",
+                 "current": "$current (7.3)", "cpu_ptr": "this_cpu_ptr()/this_cpu_read() (7.3)",
+                 "btf": "a BTF argument not resolved for the booted kernel"}
+
+
 def compile_code(code: Sequence[tuple[Any, ...]], *,
                  resolve: Callable[[str], int] | None = None,
                  file_offset_vaddr: Callable[[int], int] | None = None) -> bytes:
@@ -103,6 +109,10 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
             out.append(_insn(kind))           # bit shifts happen host-side
         elif kind == "lp_array":
             out.append(_insn(kind, b=op[1]))
+        elif kind in _NOT_MIRRORED:
+            from .errors import NotMirroredError
+            raise NotMirroredError(f"not mirrored by the plugin engine: {_NOT_MIRRORED[kind]}",
+                                   hint="use the gdbstub engine (--host gdbstub)")
         else:
             raise ValueError(f"no plugin encoding for fetch instruction {op!r}")
         i += 1

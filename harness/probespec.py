@@ -32,16 +32,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import ProbeSpecError
-from .fetchargs import (FETCH_TYPES, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
+from .errors import NotMirroredError, ProbeSpecError
+from .fetchargs import (FETCH_TYPES, REGISTERS, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
                         FileOffset, FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
                         StackEntry, StackPointer, render_fetch)
+from .kernelrules import KernelRules, rules_for
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ProbeSpec", "ProbeArg", "parse", "parse_arg", "format", "kernel_format", "format_error",
     "default_event_name", "kstrtoul", "kstrtol", "split_symbol_offset", "REGISTERS",
+    "KernelView", "guest_line",
     # the fetch-arg tree, defined in harness.fetchargs and re-exported here
     "FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
     "ImmString", "MemAddr", "MemSymbol", "Deref", "Bitfield",
@@ -61,10 +63,8 @@ KPROBE_EVENT_SYSTEM = "kprobes"
 DEFAULT_FETCH_TYPE = "x64"              # DEFAULT_FETCH_TYPE: x##BITS_PER_LONG
 _UINT_MAX = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
+_RULES_6_1 = rules_for("6.1")
 
-#: ``regoffset_table`` in arch/x86/kernel/ptrace.c: the names ``%REG`` accepts on x86_64.
-REGISTERS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "bx", "cx", "dx", "si",
-             "di", "bp", "ax", "orig_ax", "ip", "cs", "flags", "sp", "ss")
 #: Reserved field names (``reserved_field_names[]``) an argument may not take.
 _RESERVED = ("common_type", "common_flags", "common_preempt_count", "common_pid",
              "common_tgid", "__probe_ip", "__probe_ret_ip", "__probe_func")
@@ -97,6 +97,9 @@ class ProbeArg:
     explicit_type: bool = False
     comm: str = field(default="", compare=False)
     code: tuple[Insn, ...] = field(default=(), compare=False, repr=False)
+    #: ``comm`` is the kernel's own text for this argument (a 6.12+ parse, where BTF may
+    #: have typed or renamed it): written back as it is
+    written: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.count or self.bitfield or self.type != _default_type(self.fetch):
@@ -247,9 +250,11 @@ class _Fail(Exception):
     """A parse error at ``pos`` in the token being parsed, worded as the kernel's ``ERRORS``
     list in trace_probe.h words it (or, where the kernel logs nothing, as ours)."""
 
-    def __init__(self, msg: str, pos: int) -> None:
+    def __init__(self, msg: str, pos: int, errno: int = 22, logged: bool = True) -> None:
         super().__init__(msg)
         self.pos = pos
+        self.errno = errno
+        self.logged = logged
 
 
 _FL_RETURN, _FL_FENTRY = 1, 4          # TPARG_FL_RETURN, TPARG_FL_FENTRY (KERNEL always set)
@@ -412,7 +417,8 @@ def _parse_body(body: str, flags: int, size: list[int]) -> tuple[Any, ...]:
     if arg in ("$comm", "$COMM") or arg.startswith('\\"'):
         if count or (tstr is not None and tstr != "string"):
             # The kernel fails with -EINVAL here without an error_log entry.
-            raise _Fail("$comm and immediate strings are of type string, never arrays", tpos)
+            raise _Fail("$comm and immediate strings are of type string, never arrays", tpos,
+                        logged=False)
         tname: str | None = "string"
     else:
         tname = _find_fetch_type(tstr)
@@ -468,7 +474,7 @@ def _find_fetch_type(t: str | None) -> str | None:
         slash = t.find("/")
         bs = kstrtoul(t[slash + 1:]) if slash >= 0 else None
         return f"u{bs}" if bs in (8, 16, 32, 64) else None
-    return t if t in FETCH_TYPES else None
+    return t if t in _RULES_6_1.fetch_types else None
 
 
 def _parse_bitfield(t: str, size: int, pos: int) -> Bitfield:
@@ -528,15 +534,41 @@ def _parse_arg(tok: str, index: int, flags: int, used: tuple[str, ...],
 _SPACE = re.compile(r"[^ \t\n\v\f\r]+")          # argv_split() splits on isspace()
 
 
+@dataclass(frozen=True)
+class KernelView:
+    """What parsing a line needs to know of the kernel that will take it.
+
+    ``rules`` are its series' (:mod:`harness.kernelrules`); ``btf`` its BTF (None: not known,
+    a BTF variable then parses into a placeholder each backend resolves for its kernel:
+    ``lenient``); ``on_func_entry`` and ``count_symbol`` as :func:`parse` takes them;
+    ``module_count(mod, sym)`` counts ``sym`` in a loaded module (None: not loaded), for
+    6.12's ``validate_probe_symbol()``; ``dentry_offsets`` are ``offsetof(struct dentry,
+    d_name.name)`` and ``offsetof(struct file, f_path.dentry)`` for ``%pd``/``%pD``.
+    """
+
+    rules: KernelRules
+    btf: Any = None
+    on_func_entry: Callable[[str, int], bool | None] | None = None
+    count_symbol: Callable[[str], int] | None = None
+    module_count: Callable[[str, str], int | None] | None = None
+    dentry_offsets: tuple[int, int] | None = None
+
+    @property
+    def lenient(self) -> bool:
+        return self.btf is None
+
+
 def parse(text: str, *,
           on_func_entry: Callable[[str, int], bool | None] | None = None,
-          count_symbol: Callable[[str], int] | None = None) -> ProbeSpec:
-    """Parse one ``kprobe_events`` line the way a 6.1 kernel does.
+          count_symbol: Callable[[str], int] | None = None,
+          kernel: KernelView | None = None) -> ProbeSpec:
+    """Parse one ``kprobe_events`` line the way the kernel of ``kernel`` does (6.1 without
+    one, the default image's).
 
     Errors come in the kernel's order (maxactive, target, event name, then each argument),
     with its ``error_log`` texts. Like ``trace_parse_run_command()``, everything from ``#`` on
-    is a comment. Like ``__trace_kprobe_create()``, arguments past :data:`MAX_TRACE_ARGS`
-    are ignored (a warning is logged).
+    is a comment. Like 6.1's ``__trace_kprobe_create()``, arguments past
+    :data:`MAX_TRACE_ARGS` are ignored (a warning is logged); 6.12 and 7.3 refuse them.
 
     :param on_func_entry: ``kprobe_on_func_entry()`` for ``(symbol_name, offset)``: True on a
         function entry, False when not (a return probe there is BAD_RETPROBE), None when the
@@ -545,9 +577,15 @@ def parse(text: str, *,
     :param count_symbol: ``number_of_same_symbols()`` for an unqualified ``SYM``: the kernel
         refuses 0 (BAD_PROBE_ADDR, ENOENT) and more than 1 (NON_UNIQ_SYMBOL, EADDRNOTAVAIL)
         right after the return-probe check, before the event name and the arguments.
+    :param kernel: the kernel's rules and facts; its callbacks replace the two above.
     :raise ProbeSpecError: when the kernel would refuse the line before looking anything up;
-        ``column`` is the 0-based offset in ``text`` of the offending character.
+        ``column`` is the 0-based offset in ``text`` of the offending character, ``errno``
+        the write's errno.
+    :raise NotMirroredError: a kind that kernel takes and the host side does not mirror.
     """
+    if kernel is not None:
+        on_func_entry = kernel.on_func_entry or on_func_entry
+        count_symbol = kernel.count_symbol or count_symbol
     line = text.split("#", 1)[0]
     if "\n" in line.rstrip("\n"):
         raise ProbeSpecError("One probe per line", text, line.index("\n"))
@@ -557,13 +595,14 @@ def parse(text: str, *,
     try:
         if line[0] == "-":
             return _parse_delete(toks, text)
-        return _parse_probe(toks, text, on_func_entry, count_symbol)
+        return _parse_probe(toks, text, on_func_entry, count_symbol, kernel)
     except _Fail as exc:
         # The kernel splits the line into words (argv_split()) and logs the error against
         # the words joined by single spaces (trace_probe_log_err(): the "Command:" of
         # error_log), so a caret after doubled spaces or tabs moves left (kph fuzz found it).
         command = " ".join(t for _, t in toks)
-        raise ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos)) from None
+        raise ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos), errno=exc.errno,
+                             logged=exc.logged) from None
 
 
 def _argv_column(toks: list[tuple[int, str]], pos: int) -> int:
@@ -593,26 +632,36 @@ def _parse_delete(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
                      match=tuple(t for _, t in toks[1:]), text=text)
 
 
+_KIND_NAMES = {"f": "fprobe events (f:)", "t": "tracepoint probes (t:)",
+               "e": "event probes (e:)", "s": "synthetic events (s:)"}
+
+
 def _parse_probe(toks: list[tuple[int, str]], text: str,
                  on_func_entry: Callable[[str, int], bool | None] | None,
-                 count_symbol: Callable[[str], int] | None = None) -> ProbeSpec:
+                 count_symbol: Callable[[str], int] | None = None,
+                 kernel: KernelView | None = None) -> ProbeSpec:
+    rules = kernel.rules if kernel is not None else rules_for(None)
     h0, head = toks[0]
     kind = head[0]
     if kind not in ("p", "r"):
-        raise _Fail("Unknown probe type; use p, r or -", h0)
+        if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
+            raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "
+                                   f"{rules.series}", text, h0,
+                                   hint="probe the function with a p: or r: line instead")
+        raise _Fail("Unknown probe type; use p, r or -", h0, logged=False)   # -ECANCELED
     if len(toks) < 2:
         raise _Fail("No probe point (SYM[+OFFS] or ADDR) is given",
-                    len(text.split("#", 1)[0].rstrip()) + 1)
+                    len(text.split("#", 1)[0].rstrip()) + 1, logged=False)
     if "/" in toks[1][1]:
         # A target with a '/' is a file: a uprobe_events line (__trace_uprobe_create()).
         from .uprobespec import parse_uprobe
-        return parse_uprobe(toks, text)
+        return parse_uprobe(toks, text, kernel)
     is_return = kind == "r"
     colon = head.find(":", 1)
     maxactive = 0
     if head[1:2].isascii() and head[1:2].isdigit():
         if not is_return:
-            raise _Fail("Maxactive is not for kprobe", h0 + 1)
+            raise _Fail(rules.message(rules.maxact_on_kprobe), h0 + 1)
         digits = head[1:colon] if colon >= 0 else head[1:]
         n = kstrtoul(digits) if len(digits) <= MAX_EVENT_NAME_LEN - 1 else None
         if n is None or n == 0 or n > _UINT_MAX:
@@ -635,20 +684,23 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
         sym, offset = sym[:cut], off
         if ":" in sym:
             module, sym = sym.split(":", 1)
-        if sym == "" or module == "":
+        if rules.symbol_check == "validate":
+            _validate_probe_symbol(kernel, module, sym, count_symbol, t0)
+        elif sym == "" or module == "":
             raise _Fail("Invalid probed address or symbol", t0)
         symbol = sym
         name = f"{module}:{sym}" if module is not None else sym
         entry = on_func_entry(name, offset) if on_func_entry else offset == 0
-        fentry = entry is True
+        fentry = entry is True and (rules.fentry_on_return or not is_return)
         if entry is False and is_return:
             raise _Fail("Retprobe address must be an function entry", t0)
-        if module is None and count_symbol is not None:
+        if rules.symbol_check == "after_retprobe" and module is None and \
+                count_symbol is not None:
             n = count_symbol(sym)       # __trace_kprobe_create(): number_of_same_symbols()
             if n > 1:
-                raise _Fail("The symbol is not unique", t0)
+                raise _Fail("The symbol is not unique", t0, 99)     # -EADDRNOTAVAIL
             if n == 0:
-                raise _Fail("Invalid probed address or symbol", t0)
+                raise _Fail("Invalid probed address or symbol", t0, 2)     # -ENOENT
 
     group, event, exp_group, exp_event = KPROBE_EVENT_SYSTEM, "", False, False
     if colon >= 0:
@@ -656,8 +708,15 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     if not exp_event:
         event = default_event_name(is_return, None if symbol is None else name, offset, addr)
 
+    if rules.arg_parser == "context":
+        from .fetchparse import FL_FENTRY, FL_KERNEL, FL_RETURN
+        flags = FL_KERNEL | (FL_RETURN if is_return else 0) | (FL_FENTRY if fentry else 0)
+        args = _context_args(toks, text, kernel, rules, flags,
+                             None if symbol is None else name)
+        return ProbeSpec(kind, group, event, module, symbol, offset, addr, maxactive,
+                         tuple(args), suffix, exp_group, exp_event, fentry=fentry, text=text)
     flags = _flags(is_return, fentry)
-    args: list[ProbeArg] = []
+    args = []
     size = [0]
     if len(toks) - 2 > MAX_TRACE_ARGS:
         log.warning("%s: only the first %d of %d fetch args count (MAX_TRACE_ARGS)",
@@ -670,6 +729,74 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
             raise
     return ProbeSpec(kind, group, event, module, symbol, offset, addr, maxactive, tuple(args),
                      suffix, exp_group, exp_event, fentry=fentry, text=text)
+
+
+def _validate_probe_symbol(kernel: KernelView | None, module: str | None, sym: str,
+                           count_symbol: Callable[[str], int] | None, t0: int) -> None:
+    """6.12+ ``validate_probe_symbol()``, before the return-probe check: ``SYM`` counted in
+    vmlinux and the modules (7.3: vmlinux alone when it has the name), ``MOD:SYM`` in MOD
+    when MOD is loaded; none is BAD_PROBE_ADDR, several NON_UNIQ_SYMBOL, both -EINVAL."""
+    if module is not None:
+        n = kernel.module_count(module, sym) if kernel and kernel.module_count else None
+    else:
+        n = count_symbol(sym) if count_symbol is not None else None
+    if n is None:
+        return
+    if n > 1:
+        raise _Fail("The symbol is not unique", t0)
+    if n == 0:
+        raise _Fail("Invalid probed address or symbol", t0)
+
+
+def _context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | None,
+                  rules: KernelRules, flags: int, funcname: str | None,
+                  uprobe: bool = False) -> list[ProbeArg]:
+    """The arguments of a line as 6.12/7.3 parse them (:mod:`harness.fetchparse`):
+    ``$arg*``/``$argN`` expanded from BTF, the argument count checked, ``%pd``/``%pD``
+    rewritten, then each argument. Errors are placed as ``__trace_probe_log_err()`` places
+    them: against the line as written, at the argument index the kernel logs."""
+    from . import fetchparse as FP
+
+    lc = FP.LineContext(rules, flags, funcname, kernel.btf if kernel else None,
+                        lenient=kernel is None or kernel.lenient)
+
+    def column(index: int, pos: int) -> int:
+        """Argument ``index`` of the line (0 the head), ``pos`` into it."""
+        if index < len(toks):
+            return toks[index][0] + pos
+        return len(" ".join(t for _, t in toks)) + 1
+
+    raw = [t for _, t in toks[2:]]
+    try:
+        if not uprobe:
+            items = FP.expand_meta_args(lc, raw)
+        else:
+            items = list(enumerate(raw))
+        if len(items) > MAX_TRACE_ARGS:
+            if rules.too_many_args == "TOO_MANY_ARGS":
+                raise FP.Fail(rules.message("TOO_MANY_ARGS"), 0, 7, index=0)
+            if rules.too_many_args == "E2BIG":
+                raise FP.Fail("Too many arguments (more than 128)", 0, 7, index=0, logged=False)
+            items = items[:MAX_TRACE_ARGS]
+        if not uprobe:
+            d = kernel.dentry_offsets if kernel is not None else None
+            items = FP.expand_dentry_args(lc, items, *(d or (0x28, 0x48)))
+    except FP.Fail as exc:
+        raise _Fail(str(exc) or "refused without an error_log entry", column(
+            2 + (exc.index or 0), exc.pos), exc.errno, exc.logged) from None
+    args: list[ProbeArg] = []
+    size = [0]
+    for j, (_orig, tok) in enumerate(items):
+        try:
+            name, body, written = FP.parse_arg(lc, tok, j, tuple(a.name for a in args), size)
+        except FP.Fail as exc:
+            raise _Fail(str(exc) or "refused without an error_log entry",
+                        column(2 + j, exc.pos), exc.errno, exc.logged) from None
+        fetch, tname, count, bf, explicit, code = body
+        comm = tok[tok.find("=") + 1:] if written else tok
+        args.append(ProbeArg(name, fetch, tname, count, bf, written, explicit, comm, code,
+                             written=True))
+    return args
 
 
 def _return_suffix(target: str, pos: int) -> tuple[str, bool]:
@@ -738,6 +865,8 @@ def _render_body(arg: ProbeArg) -> str:
 
 def _arg_text(arg: ProbeArg, is_return: bool, uprobe: bool = False) -> str:
     """``arg.comm`` while it still says what the fields say, else the canonical rendering."""
+    if arg.written and arg.comm:
+        return arg.comm
     if arg.comm:
         try:
             flags = _FL_UPROBE | (_FL_RETURN if is_return else 0) if uprobe else \
@@ -792,6 +921,19 @@ def kernel_format(spec: ProbeSpec) -> str:
         target = f"{spec.symbol_name}" + (f"+{spec.offset}" if spec.offset else "")
     args = "".join(f" {a.name}={_arg_text(a, spec.is_return)}" for a in spec.args)
     return f"{head}:{spec.group}/{spec.event} {target}{args}"
+
+
+def guest_line(spec: ProbeSpec) -> str:
+    """The line written to a guest's ``kprobe_events``: a kprobe line as written (its
+    arguments untouched, so the kernel expands ``$arg*``, ``$argN`` and ``%pd`` and types
+    BTF arguments itself) under the explicit ``GROUP/EVENT`` the harness expects; uprobe
+    lines and lines built in Python as :func:`kernel_format` writes them."""
+    if spec.is_uprobe or spec.kind == "-" or not spec.text:
+        return kernel_format(spec)
+    toks = _SPACE.findall(spec.text.split("#", 1)[0])
+    head = "r" if spec.kind == "r" else "p"
+    head += str(spec.maxactive) if spec.kind == "r" and spec.maxactive else ""
+    return " ".join([f"{head}:{spec.group}/{spec.event}"] + toks[1:])
 
 
 def format_error(err: ProbeSpecError, subsystem: str = "trace_kprobe") -> str:

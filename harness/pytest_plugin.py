@@ -181,7 +181,12 @@ class DiffHelper:
         from harness.probespec import parse
         from harness.runner import run_differential, trampoline_text
 
-        parsed = [parse(s) for s in specs]
+        # The grammar of the machine's kernel; its BTF and symbols decide at registration,
+        # where a refusal is a result on both sides (harness.backends.tracelayer).
+        from harness.probespec import KernelView
+        facts = getattr(self.vm, "facts", None)
+        view = KernelView(facts.rules) if facts is not None else None
+        parsed = [parse(s, kernel=view) for s in specs]
         if self.host == "both" and hook is None:
             from harness.worlds import run_three
 

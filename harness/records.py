@@ -29,6 +29,9 @@ class Hit:
     #: Host side: comms this pid took *after* the hit (an exec renames it); the trace may
     #: print one of them (``harness.diff``'s ``comm-change`` normalization).
     comm_alts: tuple[str, ...] = ()
+    #: The context of the probed call: ``task`` or ``irq`` (a softirq or hardirq; "" not
+    #: known): the trace entry's ``common_flags`` in the guest, ``preempt_count`` host-side.
+    irq: str = ""
 
     def arg(self, name: str) -> str:
         for k, v in self.args:

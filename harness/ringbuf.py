@@ -35,7 +35,7 @@ from .fetchargs import FAULT, FETCH_TYPES
 log = logging.getLogger(__name__)
 
 __all__ = ["Field", "EventFormat", "RawRecord", "parse_format", "parse_page", "decode_args",
-           "read_pages", "PAGE_SIZE"]
+           "read_pages", "PAGE_SIZE", "GuestArg", "format_args"]
 
 PAGE_SIZE = 4096
 _PAGE_HEADER = 16
@@ -58,11 +58,60 @@ class Field:
 
 @dataclass(frozen=True)
 class EventFormat:
-    """An event's ``format`` file: its ``ID`` and fields by name, in order."""
+    """An event's ``format`` file: its ``ID``, fields by name in order, ``print fmt``."""
 
     name: str
     id: int
     fields: dict[str, Field]
+    print_fmt: str = ""
+
+
+@dataclass(frozen=True)
+class GuestArg:
+    """An argument as the guest kernel defined it: what ``harness.fetchargs.format_value``
+    and :func:`decode_args` need of a ``ProbeArg`` (name, type, array count)."""
+
+    name: str
+    type: str
+    count: int = 0
+
+
+# __set_print_fmt() (kernel/trace/trace_probe.c): each argument's " NAME=FMT" (or
+# "{FMT,FMT,...}" for an array) with FMT a fetch type's print format.
+_PRINT_ARG = re.compile(r' (?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<fmt>\{[^}]*\}|'
+                        r"'%c'|\\\"%s\\\"|0x%L?x|%L?[ud]|%pS)")
+_BY_FMT = {("%u", 1): "u8", ("%u", 2): "u16", ("%u", 4): "u32", ("%Lu", 8): "u64",
+           ("%d", 1): "s8", ("%d", 2): "s16", ("%d", 4): "s32", ("%Ld", 8): "s64",
+           ("0x%x", 1): "x8", ("0x%x", 2): "x16", ("0x%x", 4): "x32", ("0x%Lx", 8): "x64",
+           ("%pS", 8): "symbol", ("'%c'", 1): "char", ('\\"%s\\"', 4): "string"}
+
+
+def format_args(fmt: EventFormat) -> list[GuestArg]:
+    """The arguments of a probe event as its kernel typed and named them, read from its
+    ``format``: names and element types from ``print fmt`` (each fetch type prints its
+    own way: ``%u`` for ``u32``, ``0x%x`` for ``x32``, ``'%c'`` for ``char`` ...), sizes from
+    the fields. What a kernel did with BTF (``$retval`` typed ``s32``, ``file`` named after
+    the parameter) is then taken from the guest, not predicted.
+
+    :raise ValueError: when the print format names an argument this cannot read.
+    """
+    head = fmt.print_fmt.split('", REC->', 1)[0].split('",', 1)[0]
+    out = []
+    for m in _PRINT_ARG.finditer(head):
+        name, pf = m["name"], m["fmt"]
+        f = fmt.fields.get(name)
+        if f is None:
+            raise ValueError(f"{fmt.name}: print fmt names {name}, the format has no field")
+        count = 0
+        if pf.startswith("{"):
+            items = pf[1:-1].split(",")
+            count, pf = len(items), items[0]
+        size = f.size // (count or 1)
+        t = _BY_FMT.get((pf, size))
+        if t is None:
+            raise ValueError(f"{fmt.name}: argument {name} prints {pf} over {size} byte(s)")
+        out.append(GuestArg(name, t, count))
+    return out
 
 
 def parse_format(text: str) -> EventFormat:
@@ -70,9 +119,11 @@ def parse_format(text: str) -> EventFormat:
 
     :raise ValueError: when it has no ``name:`` or ``ID:`` line.
     """
-    name, ident, fields = None, None, {}
+    name, ident, fields, pfmt = None, None, {}, ""
     for line in text.splitlines():
-        if line.startswith("name:"):
+        if line.startswith("print fmt:"):
+            pfmt = line[len("print fmt:"):].strip()
+        elif line.startswith("name:"):
             name = line[5:].strip()
         elif line.startswith("ID:"):
             ident = int(line[3:].strip())
@@ -85,7 +136,7 @@ def parse_format(text: str) -> EventFormat:
                                       m["signed"] not in ("0",))
     if name is None or ident is None:
         raise ValueError("not an event format file (no name: or ID: line)")
-    return EventFormat(name, ident, fields)
+    return EventFormat(name, ident, fields, pfmt)
 
 
 @dataclass(frozen=True)

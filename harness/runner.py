@@ -118,12 +118,22 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         # host arms right after registering it and disarms after reading its counters.
         if guest == "module":
             h.arm()
-        g.enable()
-        h.enable()
+        # With the gdbstub engine the guest's tracing is switched on and off in the same
+        # halt of the guest as the host's probes: no hit of another task (idle, softirq)
+        # falls between the two sides' windows.
+        same_halt = guest == "events" and isinstance(h, HostBackend)
+        g.enable(**({"tracing": False} if same_halt else {}))
+        if same_halt:
+            h.enable(also=lambda: g.switch(True))
+        else:
+            h.enable()
         say(progress, f"workload running: {workload}")
         with ticking(progress, _live_hits(h)):
             r = vm.run(workload, timeout=timeout)
-        h.disable(disarm=guest != "module")
+        if same_halt:
+            h.disable(also=lambda: g.switch(False))
+        else:
+            h.disable(disarm=guest != "module")
         g.disable()
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
         g_hits, g_counters = g.collect(), g.counters()

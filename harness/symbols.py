@@ -205,6 +205,7 @@ class SymbolTable:
                     by_mod[(self._mods[i], name)] = i
         self._by_name, self._by_mod = by_name, by_mod
         self._counts: dict[str, int] | None = None
+        self._counts_by: dict[tuple[str | None, str], int] | None = None
         self._modules = frozenset(m for m in self._mods if m is not None)
         stext, etext = by_name.get("_stext"), by_name.get("_etext")
         self._text_range = (None if stext is None or etext is None
@@ -253,6 +254,16 @@ class SymbolTable:
                 counts[n] = counts.get(n, 0) + 1
             self._counts = counts
         return self._counts.get(name, 0)
+
+    def count_in(self, name: str, module: str | None) -> int:
+        """How many entries ``name`` has in vmlinux (``module`` None) or in one module:
+        ``kallsyms_on_each_match_symbol()`` / ``module_kallsyms_on_each_symbol(mod)``."""
+        if self._counts_by is None:
+            by: dict[tuple[str | None, str], int] = {}
+            for n, m in zip(self._names, self._mods):
+                by[(m, n)] = by.get((m, n), 0) + 1
+            self._counts_by = by
+        return self._counts_by.get((module, name), 0)
 
     def modules(self) -> frozenset[str]:
         """The modules this table has symbols of."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
+from typing import Any
 
 from .errors import ProbeSpecError
 from .probespec import (_FL_RETURN, _FL_UPROBE, MAX_EVENT_NAME_LEN, MAX_TRACE_ARGS, ProbeArg,
@@ -34,8 +35,9 @@ __all__ = ["parse_uprobe", "format_uprobe", "kernel_format_uprobe", "default_upr
            "resolve_symbol", "UPROBE_EVENT_SYSTEM"]
 
 
-def parse_uprobe(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
-    """``__trace_uprobe_create()`` for the tokens of one line (``[(column, token)]``).
+def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None) -> ProbeSpec:
+    """``__trace_uprobe_create()`` for the tokens of one line (``[(column, token)]``);
+    ``kernel`` a :class:`harness.probespec.KernelView` (None: 6.1).
 
     :raise _Fail: through :func:`harness.probespec.parse`, which makes it a ProbeSpecError.
     """
@@ -83,6 +85,15 @@ def parse_uprobe(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
         group, event, exp_group, exp_event = _parse_event_name(event_text, h0 + 2)
         if not exp_group:
             group = UPROBE_EVENT_SYSTEM
+    rules = kernel.rules if kernel is not None else None
+    if rules is not None and rules.arg_parser == "context":
+        from .fetchparse import FL_RETURN, FL_USER
+        from .probespec import _context_args
+        args = _context_args(toks, text, kernel, rules,
+                             FL_USER | (FL_RETURN if is_return else 0), None, uprobe=True)
+        return ProbeSpec(kind, group, event if exp_event else "", None, symbol, offset, None,
+                         0, tuple(args), suffix, exp_group, exp_event, text=text, path=path,
+                         ref_ctr_offset=ref_ctr)
     flags = _FL_UPROBE | (_FL_RETURN if is_return else 0)
     args: list[ProbeArg] = []
     size = [0]

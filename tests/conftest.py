@@ -5,11 +5,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+# tests/vm/selftests.py (the kernels' selftests as data) is imported by two test modules;
+# --import-mode=importlib puts no test directory on sys.path.
+sys.path.insert(0, str(Path(__file__).parent / "vm"))
 
 ALONE_WAIT = 600.0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import errno as _errno
+import heapq
 import logging
 import os
 import shlex
@@ -27,9 +28,9 @@ from typing import Any, Sequence
 
 from ..errors import GuestAgentError
 from ..fetchargs import escape_bytes, format_ip, format_value
-from ..probespec import ProbeSpec, kernel_format
+from ..probespec import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
-from ..ringbuf import EventFormat, PAGE_SIZE, decode_args, parse_format, read_pages
+from ..ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
 from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,17 @@ def probe_modes(listing: str) -> dict[int, str]:
     return modes
 
 
+def _context(flags: int) -> str:
+    """The context of the probed call, ``irq`` or ``task``, from a trace entry's
+    ``common_flags`` (include/linux/trace_events.h: TRACE_FLAG_HARDIRQ 0x08,
+    TRACE_FLAG_SOFTIRQ 0x10, TRACE_FLAG_NMI 0x40, the same in 6.1, 6.12 and 7.3). An
+    int3-based kprobe's handler runs in ``irqentry_nmi_enter()``, which sets NMI and
+    HARDIRQ: there only SOFTIRQ (the caller's) tells."""
+    if flags & 0x10 or (flags & 0x08 and not flags & 0x40):
+        return "irq"
+    return "task"
+
+
 def _events_file(spec: ProbeSpec) -> str:
     """``uprobe_events`` for a uprobe line, else ``kprobe_events``."""
     return "uprobe_events" if spec.is_uprobe else "kprobe_events"
@@ -73,6 +85,8 @@ class EventsBackend:
         self.specs: dict[str, ProbeSpec] = {}
         self.outcomes: list[Outcome] = []
         self._formats: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
+        self._args: dict[int, tuple[Any, ...]] = {}
+        self._tr: tuple[int, int, int, int] | None = None
         self._cpus: list[int] = []
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
@@ -87,7 +101,7 @@ class EventsBackend:
         script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
                   "grep -q '^16384' buffer_size_kb || echo 16384 > buffer_size_kb"]
         for spec in specs:
-            line = shlex.quote(kernel_format(spec))
+            line = shlex.quote(guest_line(spec))
             enable = f"events/{spec.group}/{spec.event}/enable"
             script.append(
                 f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
@@ -142,6 +156,12 @@ class EventsBackend:
                     log.warning("no format for %s", name)
                     continue
                 out[fmt.id] = (name, self.specs[name], fmt)
+                try:
+                    # The guest's own names and types: a 6.12+ kernel types $retval and
+                    # names BTF arguments itself (harness.ringbuf.format_args).
+                    self._args[fmt.id] = tuple(format_args(fmt))
+                except ValueError as exc:
+                    log.warning("%s: arguments read as the spec says: %s", name, exc)
         return out
 
     def _with_mode(self, o: Outcome, spec: ProbeSpec, modes: dict[int, str]) -> Outcome:
@@ -162,7 +182,27 @@ class EventsBackend:
                            pending="not in the kprobes list: accepted, not registered")
         return Outcome(o.probe, True, mode=modes[addr], index=o.index)
 
-    def enable(self) -> None:
+    def switch(self, on: bool) -> None:
+        """``echo 1|0 > tracing_on`` done in guest memory, for a caller that holds the
+        guest halted (``harness.engine.HostEngine.halted``): ``tracer_tracing_on()``/
+        ``_off()`` (kernel/trace/trace.c) are ``ring_buffer_record_on()``/``_off()`` on
+        ``global_trace``'s buffer (the ``RB_BUFFER_OFF`` bit, 1 << 20, of
+        ``record_disabled`` in kernel/trace/ring_buffer.c of 6.1, 6.12 and 7.3) and
+        ``buffer_disabled``. Offsets from the kernel's BTF."""
+        eng, btf = self.vm.host, self.vm.btf
+        if self._tr is None:
+            gt = self.vm.symbols.lookup("global_trace").addr
+            self._tr = (gt, btf.offset("trace_array", "array_buffer.buffer"),
+                        btf.offset("trace_array", "buffer_disabled"),
+                        btf.offset("trace_buffer", "record_disabled"))
+        gt, buf_off, dis_off, rd_off = self._tr
+        buf = int.from_bytes(eng.read(gt + buf_off, 8), "little")
+        rd = int.from_bytes(eng.read(buf + rd_off, 4), "little")
+        rd = rd & ~(1 << 20) if on else rd | (1 << 20)
+        eng.write(buf + rd_off, rd.to_bytes(4, "little"))
+        eng.write(gt + dis_off, (0 if on else 1).to_bytes(4, "little"))
+
+    def enable(self, *, tracing: bool = True) -> None:
         """Enable our events, then tracing. Through the agent's file API, not a shell: the
         only process touching tracefs is then qemu-ga, whose hits the diff leaves out on
         both sides, and no harness process exits through a probed do_exit while the
@@ -171,7 +211,8 @@ class EventsBackend:
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self.vm.write_file(f"{TRACING}/trace", b"\n")
-        self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
+        if tracing:             # else the caller switches it on (:meth:`switch`)
+            self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
 
     def disable(self) -> None:
         self.vm.write_file(f"{TRACING}/tracing_on", b"0\n")
@@ -216,13 +257,16 @@ class EventsBackend:
         it (``print_kprobe_event()``, ``print_kretprobe_event()``, ``print_uprobe_event()``)."""
         if not self._formats:
             return []
-        recs = []
+        per_cpu = []
         for cpu in getattr(self, "_cpus", None) or [0]:
             got, missed = read_pages(self._raw_pages(cpu), cpu)
             if missed:
                 log.warning("cpu%d: the ring buffer lost events before %d page(s)", cpu, missed)
-            recs += [r for r in got if r.type in self._formats]
-        recs.sort(key=lambda r: r.ts)                   # stable: per-CPU order kept on ties
+            per_cpu.append([r for r in got if r.type in self._formats])
+        # Merged by time stamp, each CPU's own order kept: a CPU's buffer is in commit
+        # order, and an event written from an interrupt that nested inside another
+        # event's write can carry an earlier stamp than the one before it.
+        recs = list(heapq.merge(*per_cpu, key=lambda r: r.ts))
         comms = self._cmdlines()
         table = self.vm.symbols
 
@@ -246,13 +290,15 @@ class EventsBackend:
                 ip, _, ret_from = text.partition(" <- ")
             else:
                 ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
-            values = decode_args(rec, fmt, spec.args)
-            args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
+            gargs = self._args.get(rec.type, spec.args)
+            values = decode_args(rec, fmt, gargs)
+            args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
             pid = rec.pid
             comm = "<idle>" if pid == 0 else comms.get(pid, "<...>")
             hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                             seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
-                            ret_from=ret_from or None, args=args, mode=modes.get(name, "")))
+                            ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
+                            irq="" if spec.is_uprobe else _context(rec.data[2])))
         return hits
 
     def counters(self) -> dict[str, Counters]:

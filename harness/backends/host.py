@@ -35,9 +35,34 @@ class _Ctx:
     """``harness.fetchargs.FetchContext`` over one host-side hit."""
 
     def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int],
-                 uprobe: Uprobe | None = None) -> None:
+                 uprobe: Uprobe | None = None, entry: bytes = b"") -> None:
         self.engine, self.regs, self.ip, self.overrides = engine, regs, ip, overrides
         self.uprobe = uprobe
+        self.entry = entry
+
+    def entry_arg(self, n: int) -> int:
+        """``$argN`` of a return probe (6.12+, ``FETCH_OP_EDATA``): what the entry handler
+        saved for argument ``n`` (0-based), 8 bytes per argument in order of first use."""
+        i = self.entry_index.index(n) if n in self.entry_index else -1
+        if i < 0 or 8 * i + 8 > len(self.entry):
+            raise ValueError(f"argument {n + 1} was not saved at the entry")
+        return int.from_bytes(self.entry[8 * i:8 * i + 8], "little")
+
+    entry_index: tuple[int, ...] = ()
+
+    def current_task(self) -> int:
+        """``$current`` (7.3, ``FETCH_OP_CURRENT``)."""
+        task = self.task()
+        if task is None:
+            raise FaultError(0, 8)
+        return task
+
+    def percpu_offset(self) -> int:
+        """``this_cpu_ptr()``'s offset on this vCPU (7.3, ``FETCH_OP_CPU_PTR``)."""
+        base = self.engine.percpu_base(self.regs)
+        if base is None:
+            raise FaultError(0, 8)
+        return base
 
     def file_offset_vaddr(self, offset: int) -> int:
         up = self.uprobe
@@ -88,6 +113,17 @@ class _Ctx:
         return self.engine.symbols.format(addr) if self.engine.symbols.symbolize(addr) else None
 
 
+def entry_args(spec: ProbeSpec) -> tuple[int, ...]:
+    """The arguments (0-based) a return probe's ``$argN`` read from its entry, in the order
+    the kernel stores them (``__store_entry_arg()``: first use first)."""
+    out: list[int] = []
+    for a in spec.args:
+        for op in a.code:
+            if op[0] == "edata" and op[1] not in out:
+                out.append(op[1])
+    return tuple(out)
+
+
 class HostBackend:
     """kprobe_events specs as host-side kprobes on ``vm.host``."""
 
@@ -133,6 +169,7 @@ class HostBackend:
         for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
             adm = layer.admit(spec)
+            spec = adm.spec          # as the booted kernel parsed it
             reason = adm.reason
             if adm.refusal is None and not adm.pending:
                 try:
@@ -186,15 +223,45 @@ class HostBackend:
         where["flags"] = ProbeFlags.DISABLED            # until arm()
         if spec.is_return:
             self._returns.setdefault(name, 0)
-            return Kretprobe(**where, maxactive=spec.maxactive,
+            saved = entry_args(spec)
+
+            def entry(ri: Any, regs: PtRegs) -> int:
+                if self.recording and self.engine.guest_kprobe_running(regs):
+                    ri.rp.nmissed += 1      # the entry kprobe is missed: no instance
+                    return 1
+                # trace_kprobe_entry_handler(): store_trace_entry_data() saves each argument
+                # a $argN of the return probe reads (6.12+, FETCH_OP_ARG + ST_EDATA).
+                ri.data[:] = b"".join(
+                    (self._entry_value(regs, n) & ((1 << 64) - 1)).to_bytes(8, "little")
+                    for n in saved)
+                return 0
+            return Kretprobe(**where, maxactive=spec.maxactive, entry_handler=entry,
+                             data_size=8 * len(saved),
                              handler=lambda ri, regs: self._record(spec, name, regs, ri))
         return Kprobe(**where, pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
+
+    def _entry_value(self, regs: PtRegs, n: int) -> int:
+        """``regs_get_kernel_argument(regs, n)`` at the function's entry."""
+        if n < 6:
+            return regs.get(("di", "si", "dx", "cx", "r8", "r9")[n])
+        try:
+            return int.from_bytes(self.engine.stub.read_memory(regs.sp + 8 * (n - 5), 8),
+                                  "little")
+        except HarnessError:
+            return 0
 
     def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
                 up: Uprobe | None = None) -> int:
         if not self.recording:
             return 0
         eng = self.engine
+        if up is None and eng.guest_kprobe_running(regs):
+            # A call made from inside one of the guest's own kprobe handlers (an in-guest
+            # probe on kfree(), and its handler frees): the kernel misses any probe hit
+            # there, its own and the one this mirrors.
+            target = what.rp if spec.is_return else what
+            target.nmissed += 1
+            return 0
         nth = sum(1 for h in self._hits if h.probe == name) + 1
         overrides: dict[str, int] = {}
         if self.hook is not None:
@@ -221,7 +288,9 @@ class HostBackend:
             ip_val = regs.ip
             ip_text = eng.symbols.format(what.addr)
             ret_from = None
-        ctx = _Ctx(eng, regs, ip_val, overrides, up)
+        ctx = _Ctx(eng, regs, ip_val, overrides, up,
+                   bytes(getattr(what, "data", b"") or b"") if spec.is_return else b"")
+        ctx.entry_index = entry_args(spec)
         values = evaluate(spec, ctx)
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
@@ -229,7 +298,7 @@ class HostBackend:
                               seq=len(self._hits), cpu=regs.cpu, pid=ctx.pid(),
                               comm=escape_bytes(ctx.comm_bytes()), ip=ip_text,
                               ret_from=ret_from, args=args,
-                              mode="host"))
+                              mode="host", irq=eng.hit_context(regs) if up is None else ""))
         return 0
 
     def _symname(self, addr: int) -> str:
@@ -251,12 +320,23 @@ class HostBackend:
                     self.engine.disable_kprobe(p)
             self._armed_now = False
 
-    def enable(self) -> None:
-        self.arm()
+    def enable(self, *, also: Callable[[], None] | None = None) -> None:
+        """Arm and record. ``also`` runs in the same halt of the guest as the arming (the
+        runner switches the guest's tracing on there): both sides then start at the same
+        guest instruction."""
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
-        self.recording = True
+        if also is None:
+            self.arm()
+            self.recording = True
+            return
+
+        def start() -> None:
+            self.arm()
+            self.recording = True
+            also()
+        self.engine.halted(start)
 
     def _watch_comms(self) -> None:
         """With the trace's comm rule, know every comm a task takes while recording: a
@@ -283,11 +363,21 @@ class HostBackend:
         except ProbeRejectedError as exc:
             log.info("comm changes are not followed: %s", exc)
 
-    def disable(self, *, disarm: bool = True) -> None:
-        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
-        self.recording = False
-        if disarm:
-            self.disarm()
+    def disable(self, *, disarm: bool = True, also: Callable[[], None] | None = None) -> None:
+        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later).
+        ``also`` runs in the same halt of the guest (the guest's tracing switched off)."""
+        if also is None:
+            self.recording = False
+            if disarm:
+                self.disarm()
+            return
+
+        def stop() -> None:
+            self.recording = False
+            also()
+            if disarm:
+                self.disarm()
+        self.engine.halted(stop)
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HarnessError, ProbeSpecError, SymbolNotFoundError
-from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, Comm, Deref, FetchArg,
+from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
+                         Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
 from ..probespec import ProbeArg, ProbeSpec
@@ -95,6 +96,13 @@ def _value(node: FetchArg, resolve: Callable[[str], int] | None) -> list[str]:
         return [f"arg:{node.n - 1}"]
     if isinstance(node, Imm):
         return [f"imm:0x{node.value & _M:x}"]
+    if isinstance(node, (EntryArg, Current, PerCpu, BtfVar)):
+        from ..errors import NotMirroredError
+        what = {EntryArg: "$argN of a return probe (entry data, 6.12+)",
+                Current: "$current (7.3)", PerCpu: "this_cpu_ptr()/this_cpu_read() (7.3)",
+                BtfVar: "a BTF argument not resolved for the booted kernel"}[type(node)]
+        raise NotMirroredError(f"not mirrored by the module backend: {what}",
+                               hint="compare with --guest events (kprobe_events)")
     loc = _location(node, resolve)
     if loc is not None:
         base, off, user = loc
@@ -264,7 +272,7 @@ def _number(it: Item, arg: ProbeArg) -> Any:
         return UNKNOWN
     v = it.value
     if arg.bitfield is not None:             # FETCH_OP_MOD_BF
-        bits = FETCH_TYPES[arg.type].size * 8
+        bits = arg.bitfield.container      # 64 for a BTF bitfield (parse_btf_bitfield())
         lsh, rsh = bits - (arg.bitfield.width + arg.bitfield.offset), bits - arg.bitfield.width
         v = ((v << lsh) & ((1 << bits) - 1)) >> rsh
     return v
@@ -448,6 +456,7 @@ class ModuleBackend:
                     "uprobes with --guest events (uprobe_events)", index=index))
                 continue
             adm = layer.admit(spec)
+            spec = adm.spec          # as the booted kernel parsed it
             if adm.refusal is None and not adm.pending:
                 try:
                     addr = self._address(spec)
@@ -585,8 +594,14 @@ class ModuleBackend:
         if r.status != 0:
             raise ModuleError(f"rmmod {MODULE_NAME} failed: {(r.stderr or r.stdout).strip()}")
         after = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
-        ours = Counter((p.addr, "r" if p.kind == "r" else "k")
-                       for p in self._placed.values() if p.accepted)
+        ours: Counter[tuple[int, str]] = Counter()
+        for p in self._placed.values():
+            if p.accepted:
+                key = (p.addr, "r" if p.kind == "r" else "k")
+                # arch_adjust_kprobe_addr(): on IBT kernels (6.12, 7.3) SYM+0 is at +4
+                if not before[key] and before[(p.addr + 4, key[1])]:
+                    key = (p.addr + 4, key[1])
+                ours[key] += 1
         left = {k: n for k, n in ours.items() if after[k] > before[k] - n}
         self._placed.clear()
         if left:

@@ -112,6 +112,7 @@ class PluginBackend:
         for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
             adm = layer.admit(spec)
+            spec = adm.spec          # as the booted kernel parsed it
             reason = adm.reason
             if adm.refusal is None and not adm.pending:
                 try:

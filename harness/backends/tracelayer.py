@@ -7,7 +7,13 @@ the kernel's order (``__trace_kprobe_create()`` then ``register_trace_kprobe()``
 
 1. uprobe lines: the file (``kern_path()``: ENOENT "Failed to find the given file"; not
    ``d_is_reg()``: EINVAL "Not a regular file"), before anything else of the line;
-2. an unqualified ``SYM``: ``number_of_same_symbols()`` over vmlinux and the loaded modules;
+2. the line parsed again as the booted kernel parses it (:func:`harness.probespec.parse`
+   with the kernel's :class:`harness.probespec.KernelView`: its series' rules, its BTF,
+   the running guest's symbols): a line written before the kernel was known (``kph
+   matrix``) gets that kernel's types, names and refusals, with its errno and caret;
+   ``number_of_same_symbols()`` over vmlinux and the loaded modules is part of it (6.1:
+   after the return-probe check; 6.12+: ``validate_probe_symbol()`` first; 7.3: vmlinux
+   alone when it has the name);
 3. the event name: EEXIST and its three texts, or appending (:class:`harness.dynevent.EventTable`);
 4. ``within_notrace_func()``: a function without an ftrace location (``notrace``, or built
    without ``-pg`` such as kernel/trace/) is EINVAL, as Debian's 6.1 has
@@ -26,13 +32,15 @@ from __future__ import annotations
 
 import errno as _errno
 import logging
+import os
 import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
-from ..probespec import ProbeSpec, split_symbol_offset
+from ..errors import NotMirroredError, ProbeSpecError
+from ..probespec import ProbeSpec, format as format_spec, parse, split_symbol_offset
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +213,62 @@ class TraceLayer:
         sym = self.symbols.get(name)
         return sym.addr if sym is not None else None
 
+    @property
+    def rules(self) -> Any:
+        """The booted kernel's probe-event rules (``harness.kernelrules``)."""
+        facts = getattr(self.vm, "facts", None)
+        if facts is None:
+            from ..kernelrules import rules_for
+            return rules_for(None)
+        return facts.rules
+
+    def view(self) -> Any:
+        """The booted kernel as the parser sees it (``harness.probespec.KernelView``)."""
+        from ..facts import kernel_view
+
+        def read(addr: int, n: int) -> bytes:
+            return self.vm.host.read(addr, n)
+        return kernel_view(self.vm.facts, self.symbols, read=read, loaded=self.module_loaded)
+
+    def kernel_spec(self, spec: ProbeSpec) -> ProbeSpec | Refusal:
+        """Step 2: ``spec`` as the booted kernel parses it, or its refusal.
+
+        :raise NotMirroredError: a kind this kernel takes and the host does not mirror.
+        """
+        if spec.kind == "-" or getattr(self.vm, "facts", None) is None:
+            return spec
+        # A uprobe's PATH:SYMBOL was resolved to PATH:OFFSET (runner.resolve_uprobes()): its
+        # canonical line says so, its text does not.
+        text = format_spec(spec) if spec.is_uprobe else \
+            (spec.text or format_spec(spec)).split("#", 1)[0]
+        try:
+            got = parse(text, kernel=self.view())
+        except NotMirroredError:
+            raise
+        except ProbeSpecError as exc:
+            # A refusal the kernel does not log shows as the write's strerror() text.
+            return Refusal(exc.errno, str(exc) if exc.logged else os.strerror(exc.errno),
+                           exc.column)
+        if spec.is_uprobe:      # the harness's own PATH:SYMBOL resolution is kept
+            import dataclasses
+            got = dataclasses.replace(got, path=spec.path, offset=spec.offset, symbol=spec.symbol,
+                                      ref_ctr_offset=spec.ref_ctr_offset,
+                                      event=spec.event, explicit_event=spec.explicit_event)
+        return got
+
     def admit(self, spec: ProbeSpec) -> Admission:
         """Steps 1-4 of the module docstring for one line."""
         if spec.is_uprobe:
             ref = uprobe_file_refusal(self.vm, spec)
             if ref is not None:
                 return Admission(spec, ref)
-        else:
-            ref = target_refusal(spec, self.symbols.count)
+        got = self.kernel_spec(spec)
+        if isinstance(got, Refusal):
+            return Admission(spec, got, reason=f"{self.rules.series}'s parser: {got.message}")
+        spec = got
+        if not spec.is_uprobe:
+            ref = target_refusal(spec, self.symbols.count) \
+                if self.rules.symbol_check == "after_retprobe" else None
             if ref is not None:
                 return Admission(spec, ref)
         if not self._events_read:       # the guest's trace events, read once, lazily
