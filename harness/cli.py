@@ -889,7 +889,8 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
         with Machine.boot(img) as vm:
             pool = fuzz.symbol_pool(vm, workload)
         listed = [list(ex) for ex in fuzz.list_examples(pool, examples=args.examples,
-                                                         seed=args.seed * 1000)]
+                                                         seed=args.seed * 1000,
+                                                         rules=img.facts.rules)]
         out.progress.clear()
         for ex in listed:
             out.text("  |  ".join(ex))

@@ -726,8 +726,10 @@ def parse_body(lc: LineContext, body: str, size: list[int]
     if r.btf_args and lc.last_type is not None and not lc.lenient:
         if tstr is None:
             tname = _type_from_btf(lc) or "x64"
-        elif "string" in tstr:
-            _string_from_btf(lc, tstr, a)
+        elif "string" in tstr and _string_from_btf(lc, tstr, a):
+            # the tree says what the code does: the char * is read once more (the
+            # module backend compiles the tree)
+            fetch = Deref(0, fetch, tstr.startswith("u"))
     ftype = FETCH_TYPES[tname]
     size[0] += ftype.size * (count or 1)
     if size[0] > MAX_PROBE_EVENT_SIZE:
@@ -741,19 +743,19 @@ def parse_body(lc: LineContext, body: str, size: list[int]
     return fetch, tname, count, bitfield, tstr is not None, tuple(ops) + (("end",),)
 
 
-def _string_from_btf(lc: LineContext, tstr: str, a: _Arg) -> None:
-    """``check_prepare_btf_string_fetch()``: a ``char *`` is dereferenced once more, a
-    ``char []`` is taken as it is, anything else is refused."""
+def _string_from_btf(lc: LineContext, tstr: str, a: _Arg) -> bool:
+    """``check_prepare_btf_string_fetch()``: a ``char *`` is dereferenced once more (True),
+    a ``char []`` is taken as it is, anything else is refused."""
     btf, t = lc.btf, lc.last_type
     if btf is None or t is None:
-        return
+        return False
     if t.kind == KIND_ARRAY and _is_char(btf, t.extra[0]):
-        return
+        return False
     if t.kind == KIND_PTR and _is_char(btf, t.ref):
         if len(a.ops) >= FETCH_INSN_MAX - 2:
             raise lc.err("TOO_MANY_OPS", errno=E.E2BIG)
         a.ops.append(("uderef" if tstr.startswith("u") else "deref", 0))
-        return
+        return True
     raise lc.err("BAD_TYPE4STR")
 
 

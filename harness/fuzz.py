@@ -44,8 +44,11 @@ log = logging.getLogger(__name__)
 
 #: A workload with opens, reads, forks, execs and sleeps: most kernel paths a probe on a
 #: called function would see.
-DEFAULT_WORKLOAD = "cat /proc/version > /dev/null; head -c 20 /proc/cpuinfo > /dev/null; sh -c 'true & wait'"
+DEFAULT_WORKLOAD = ("cat /proc/version > /dev/null; head -c 20 /proc/cpuinfo > /dev/null; "
+                    "sh -c 'true & wait'; /usr/bin/kph-loop 2 kph > /dev/null")
 EXAMPLE_TIMEOUT = 30.0
+#: uprobe places the strategies draw (PATH:SYMBOL of the image's test programs)
+UPROBE_PLACES = ("/usr/bin/kph-loop:kph_add", "/usr/bin/kph-loop:main")
 MAX_POOL = 400
 #: Names that are not functions, or not probeable: the misses a pool must also hold.
 MISSES = ("no_such_function_kph", "init_task", "linux_proc_banner", "kprobe_int3_handler",
@@ -124,22 +127,38 @@ def symbol_pool(vm: Any, workload: str) -> list[str]:
 
 # -- strategies -------------------------------------------------------------------------
 
-def strategies(pool: list[str], *, grammar: Any = None) -> Any:
+def strategies(pool: list[str], *, rules: Any = None) -> Any:
     """A Hypothesis strategy of examples: tuples of one (mostly) or two lines.
 
     Three of five examples are well formed from end to end (they reach registration and,
     on a called function, record hits); one has exactly one defect (a bad kind, name,
     place, argument or type, a mutated character, one argument too many); one is two
     lines for the same event (appending, EEXIST).
+
+    The grammar is the booted kernel's (``rules``, :class:`harness.kernelrules.KernelRules`,
+    default 6.1's): its fetch types, and the constructs its series added (BTF names and
+    ``$arg*``, ``%pd``/``%pD``, ``$current``, ``this_cpu_*()``, typecasts) are drawn where it
+    has them, and offered as defects where it does not.
     """
     from hypothesis import strategies as st
 
-    from . import fetchargs, probespec
+    from . import probespec
+    from .kernelrules import SERIES
 
-    g = grammar or probespec
-    regs = list(getattr(g, "REGISTERS", probespec.REGISTERS))
-    types = list(fetchargs.FETCH_TYPES)
-    max_args = int(getattr(g, "MAX_TRACE_ARGS", probespec.MAX_TRACE_ARGS))
+    r = rules or SERIES["6.1"]
+    regs = list(probespec.REGISTERS)
+    types = sorted(r.fetch_types)
+    max_args = int(probespec.MAX_TRACE_ARGS)
+    # constructs of later series: well formed where this kernel has them (drawn with the
+    # good leaves), a defect where it does not (drawn with the bad ones)
+    later = {
+        "btf_args": ["$arg*", "file", "file->f_pos", "count", "$arg1->f_flags"],
+        "current_var": ["$current", "$current->pid", "$current->comm"],
+        "this_cpu": ["this_cpu_read(@this_cpu_off)", "this_cpu_ptr(%di)"],
+        "typecasts": ["(file)$arg1->f_flags", "(task_struct)$current->pid"],
+    }
+    newer = [t for k, ts in later.items() if getattr(r, k) for t in ts]
+    older = [t for k, ts in later.items() if not getattr(r, k) for t in ts]
     syms = st.sampled_from(pool or ["do_sys_openat2"])
     ident = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
 
@@ -154,6 +173,7 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
                       st.sampled_from(["", "+4", "-8", "+0x10"])).map(lambda t: f"@{t[0]}{t[1]}"),
             st.integers(-5, 300).map(lambda n: f"\\{n}"),
             st.just('\\"kph\\"'),
+            *([st.sampled_from(newer)] if newer else []),
         )
 
     def deref(inner: Any) -> Any:
@@ -163,7 +183,7 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
     fetch = st.recursive(leaves(False), deref, max_leaves=6)
     entry_fetch = st.recursive(leaves(True), deref, max_leaves=6)
     good_type = st.one_of(
-        st.sampled_from(types),
+        st.sampled_from(types + (["%pd", "%pD"] if r.dentry_types else [])),
         st.tuples(st.integers(1, 8), st.integers(0, 7), st.sampled_from([8, 16, 32, 64]))
           .map(lambda t: f"b{t[0]}@{t[1]}/{t[2]}"),
         st.tuples(st.sampled_from(types), st.integers(1, 8)).map(lambda t: f"{t[0]}[{t[1]}]"),
@@ -174,7 +194,13 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
     def argtext(t: tuple[str | None, str, str | None]) -> str:
         return (f"{t[0]}=" if t[0] is not None else "") + t[1] + (f":{t[2]}" if t[2] else "")
 
-    arg = st.tuples(aname, fetch, tname).map(argtext)
+    # nested derefs up to the kernel's depth limit and one past it (7.3:
+    # TRACEPROBE_MAX_NESTED_LEVEL; earlier kernels are bounded by MAX_ARGSTR_LEN only)
+    depth = r.max_nested or 8
+    nested = st.tuples(st.integers(1, depth + 1), st.sampled_from(["%di", "%sp", "$stack"])).map(
+        lambda t: "+0(" * t[0] + t[1] + ")" * t[0])
+    arg = st.one_of(st.tuples(aname, fetch, tname), st.tuples(aname, fetch, tname),
+                    st.tuples(aname, nested, tname)).map(argtext)
     entry_arg = st.tuples(aname, entry_fetch, tname).map(argtext)
     ret_arg = st.tuples(aname, st.one_of(st.just("$retval"), fetch), tname).map(argtext)
     args = st.lists(arg, max_size=3)
@@ -193,7 +219,24 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
         k, n, pl, a = t
         return " ".join([f"{k}{n}", pl, *a]).strip()
 
-    good_parts = st.one_of(p_line, p_line, r_line)
+    # uprobes on the shipped test programs (the default workload runs kph-loop): user
+    # registers, stack slots and user memory; a uprobe takes no @SYM and no $argN
+    uleaf = st.one_of(st.sampled_from(regs).map(lambda x: f"%{x}"),
+                      st.integers(0, 8).map(lambda n: f"$stack{n}"),
+                      st.sampled_from(["$stack", "$comm", "\\7"]))
+    ufetch = st.recursive(uleaf, lambda i: st.tuples(st.sampled_from(["+", "-"]),
+                                                     st.integers(0, 16), i)
+                          .map(lambda t: f"{t[0]}{t[1]}({t[2]})"), max_leaves=3)
+    utype = st.one_of(st.none(), st.sampled_from(["u32", "s64", "x64", "string", "ustring",
+                                                  "u8[4]", "b4@0/32"]))
+    u_args = st.lists(st.tuples(aname, ufetch, utype).map(argtext), max_size=3)
+    u_line = st.one_of(
+        st.tuples(st.just("p"), name, st.sampled_from(UPROBE_PLACES), u_args),
+        st.tuples(st.just("r"), name, st.sampled_from(UPROBE_PLACES),
+                  st.lists(st.tuples(aname, st.one_of(st.just("$retval"), ufetch), utype)
+                           .map(argtext), max_size=2)))
+
+    good_parts = st.one_of(p_line, p_line, r_line, u_line)
     good = good_parts.map(line)
 
     # -- one defect each
@@ -210,10 +253,12 @@ def strategies(pool: list[str], *, grammar: Any = None) -> Any:
     bad_leaf = st.sampled_from(["%rax", "%eip", "%zz", "$arg0", "$arg9", "$stack4096",
                                 "$retvalx", "$retval", "@no_such_sym", "@_sdata*10", "@",
                                 '\\"', "%", "$", "+", "10", "+0x(%di)", "+8($comm)",
-                                "+u0($retval)", "+8(%di", "+(%di)", "+u8(+8($arg1))"])
+                                "+u0($retval)", "+8(%di", "+(%di)", "+u8(+8($arg1))",
+                                *older])
     bad_fetch = st.one_of(bad_leaf, st.tuples(st.integers(0, 32), bad_leaf)
                           .map(lambda t: f"+{t[0]}({t[1]})"))
-    bad_type = st.sampled_from(["u128", "x", "str", "char", "%pd", "b0@0/8", "b9@0/8",
+    bad_type = st.sampled_from(["u128", "x", "str", *(["char", "%pd"] if "char" not in r.fetch_types
+                                                    else ["%pz"]), "b0@0/8", "b9@0/8",
                                 "u8[0]", "u8[65]", "string[2]", "b8@60/64", "x32[", "symstr"])
     bad_arg = st.one_of(
         st.tuples(aname, bad_fetch, tname).map(argtext),
@@ -281,20 +326,34 @@ class Oracle:
     def __init__(self, vm: Any, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
                  timeout: float = EXAMPLE_TIMEOUT) -> None:
         self.vm, self.guest, self.workload, self.timeout = vm, guest, workload, timeout
-        syms = vm.symbols
+        # The booted kernel's grammar (harness.kernelrules), BTF and symbols: the host
+        # parses each line as that kernel does.
+        from .facts import kernel_view
 
-        def on_func_entry(name: str, offset: int) -> bool | None:
-            sym = syms.get(name)
-            hit = syms.symbolize(sym.addr + offset) if sym is not None else None
-            return None if hit is None else hit[1] in (0, 4)
-
-        self._parse_kw = {"on_func_entry": on_func_entry, "count_symbol": syms.count}
+        def read(addr: int, n: int) -> bytes:
+            return vm.host.read(addr, n)
+        self._parse_kw = {"kernel": kernel_view(vm.facts, vm.symbols, read=read)}
         self.stats = FuzzStats()
+        self._places: dict[str, str] = {}
+
+    def kernel_form(self, line: str) -> str:
+        """``line`` with the harness's ``PATH:SYMBOL`` uprobe places (UPROBE_PLACES) as the
+        ``PATH:0xOFFSET`` the kernel's ``uprobe_events`` takes, so both sides get one text."""
+        for place in UPROBE_PLACES:
+            if place in line:
+                if place not in self._places:
+                    from .probespec import parse
+                    from .runner import resolve_uprobes
+                    (spec,) = resolve_uprobes(self.vm, [parse(f"p {place}")])
+                    self._places[place] = f"{spec.path}:{spec.offset:#x}"
+                line = line.replace(place, self._places[place])
+        return line
 
     def judge(self, lines: tuple[str, ...]) -> Finding | None:
         """None when host and guest agree on ``lines``; else the finding."""
         from .probespec import parse
 
+        lines = tuple(self.kernel_form(ln) for ln in lines)
         specs = []
         for ln in lines:
             try:
@@ -416,7 +475,7 @@ def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
     # Examples past MAX_TRACE_ARGS are generated on purpose; the parser's warning about
     # them (one per example) is not news here.
     logging.getLogger("harness.probespec").setLevel(logging.ERROR)
-    strat = strategies(symbol_pool(vm, workload))
+    strat = strategies(symbol_pool(vm, workload), rules=vm.facts.rules)
     known: set[str] = set()
     t0 = time.monotonic()
     say = progress or (lambda s: None)
@@ -492,9 +551,10 @@ def _is_flaky(exc: BaseException) -> bool:
     return isinstance(exc, Flaky)
 
 
-def list_examples(pool: list[str], *, examples: int, seed: int) -> list[tuple[str, ...]]:
-    """The examples a run with ``seed`` draws first (no database, nothing judged): the
-    same list every time."""
+def list_examples(pool: list[str], *, examples: int, seed: int,
+                  rules: Any = None) -> list[tuple[str, ...]]:
+    """The examples a run with ``seed`` draws first on a kernel of ``rules`` (no database,
+    nothing judged): the same list every time."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -505,7 +565,7 @@ def list_examples(pool: list[str], *, examples: int, seed: int) -> list[tuple[st
 
     test = settings(max_examples=examples, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate])(
-        given(strategies(pool))(body))
+        given(strategies(pool, rules=rules))(body))
     hseed(seed)(test)()
     return out[:examples]
 

@@ -74,7 +74,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     kernels = metafunc.config.getoption("--kph-kernels")
-    if kernels and "kph_kernel" in metafunc.fixturenames:
+    own = any("kph_kernel" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize"))
+    if kernels and "kph_kernel" in metafunc.fixturenames and not own:
         ks = [k.strip() for k in kernels.split(",") if k.strip()]
         metafunc.parametrize("kph_kernel", ks, indirect=True, scope="session",
                              ids=[f"k{k}" for k in ks])

@@ -118,11 +118,12 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         # host arms right after registering it and disarms after reading its counters.
         if guest == "module":
             h.arm()
-        # With the gdbstub engine the guest's tracing is switched on and off in the same
-        # halt of the guest as the host's probes: no hit of another task (idle, softirq)
-        # falls between the two sides' windows.
-        same_halt = guest == "events" and isinstance(h, HostBackend)
-        g.enable(**({"tracing": False} if same_halt else {}))
+        # With the gdbstub engine the guest's side (tracing_on, or the module's recording
+        # flag) is switched on and off in the same halt of the guest as the host's probes:
+        # no hit of another task (idle, softirq) falls between the two sides' windows.
+        same_halt = isinstance(h, HostBackend)
+        g.enable(**({} if not same_halt else {"tracing": False} if guest == "events"
+                    else {"recording": False}))
         if same_halt:
             h.enable(also=lambda: g.switch(True))
         else:
@@ -131,7 +132,7 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         with ticking(progress, _live_hits(h)):
             r = vm.run(workload, timeout=timeout)
         if same_halt:
-            h.disable(also=lambda: g.switch(False))
+            h.disable(disarm=guest != "module", also=lambda: g.switch(False))
         else:
             h.disable(disarm=guest != "module")
         g.disable()

@@ -226,7 +226,7 @@ class HostBackend:
             saved = entry_args(spec)
 
             def entry(ri: Any, regs: PtRegs) -> int:
-                if self.recording and self.engine.guest_kprobe_running(regs):
+                if self.engine.guest_kprobe_running(regs):
                     ri.rp.nmissed += 1      # the entry kprobe is missed: no instance
                     return 1
                 # trace_kprobe_entry_handler(): store_trace_entry_data() saves each argument
@@ -252,15 +252,17 @@ class HostBackend:
 
     def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
                 up: Uprobe | None = None) -> int:
-        if not self.recording:
-            return 0
         eng = self.engine
         if up is None and eng.guest_kprobe_running(regs):
             # A call made from inside one of the guest's own kprobe handlers (an in-guest
             # probe on kfree(), and its handler frees): the kernel misses any probe hit
-            # there, its own and the one this mirrors.
+            # there, its own and the one this mirrors. Counted whenever armed, recording
+            # or not: the kernel counts its misses over the whole time its probe is live
+            # (the module's, from registration to unloading, as the host is armed).
             target = what.rp if spec.is_return else what
             target.nmissed += 1
+            return 0
+        if not self.recording:
             return 0
         nth = sum(1 for h in self._hits if h.probe == name) + 1
         overrides: dict[str, int] = {}

@@ -96,10 +96,15 @@ def _value(node: FetchArg, resolve: Callable[[str], int] | None) -> list[str]:
         return [f"arg:{node.n - 1}"]
     if isinstance(node, Imm):
         return [f"imm:0x{node.value & _M:x}"]
-    if isinstance(node, (EntryArg, Current, PerCpu, BtfVar)):
+    if isinstance(node, Current):            # FETCH_OP_CURRENT (7.3)
+        return ["current"]
+    if isinstance(node, EntryArg) and node.n <= 6:   # FETCH_OP_EDATA (6.12+)
+        return [f"edata:{node.n - 1}"]
+    if isinstance(node, PerCpu) and not node.read:   # FETCH_OP_CPU_PTR (7.3)
+        return _value(node.base, resolve) + ["cpuptr"]
+    if isinstance(node, (EntryArg, BtfVar)):
         from ..errors import NotMirroredError
-        what = {EntryArg: "$argN of a return probe (entry data, 6.12+)",
-                Current: "$current (7.3)", PerCpu: "this_cpu_ptr()/this_cpu_read() (7.3)",
+        what = {EntryArg: "$argN past the sixth of a return probe (entry data, 6.12+)",
                 BtfVar: "a BTF argument not resolved for the booted kernel"}[type(node)]
         raise NotMirroredError(f"not mirrored by the module backend: {what}",
                                hint="compare with --guest events (kprobe_events)")
@@ -118,6 +123,8 @@ def _location(node: FetchArg, resolve: Callable[[str], int] | None
         return _value(node.base, resolve), node.offset, node.user
     if isinstance(node, MemAddr):
         return [f"imm:0x{node.addr & _M:x}"], 0, False
+    if isinstance(node, PerCpu) and node.read:   # this_cpu_read(X): *this_cpu_ptr(X)
+        return _value(node.base, resolve) + ["cpuptr"], 0, False
     if isinstance(node, MemSymbol):
         if resolve is None:
             raise _Unsupported(f"@{node.symbol} needs a symbol table")
@@ -225,6 +232,8 @@ class ModuleRecord:
     ip: int
     ret_addr: int
     args: tuple[tuple[Item, ...], ...]
+    #: the context of the probed call, ``irq`` or ``task`` (MODE's ``:CTX``; "" without)
+    irq: str = ""
 
 
 def _item(text: str) -> Item:
@@ -246,6 +255,11 @@ def parse_events_line(line: str) -> ModuleRecord:
     """
     parts = line.split()
     try:
+        ctx = ""
+        if len(parts) > 3 and ":" in parts[3]:
+            parts[3], ctx = parts[3].split(":", 1)
+            if ctx not in ("irq", "task"):
+                raise ValueError(f"context {ctx!r}")
         nargs = int(parts[10])
         if len(parts) != 11 + nargs or parts[3] not in _MODES or \
                 parts[2] not in ("pre", "post", "ret"):
@@ -256,7 +270,7 @@ def parse_events_line(line: str) -> ModuleRecord:
                                                                        "surrogateescape")
         return ModuleRecord(int(parts[0]), int(parts[1]), parts[2], parts[3], int(parts[4]),
                             int(parts[5]), comm, int(parts[7], 16), int(parts[8], 16),
-                            int(parts[9], 16), args)
+                            int(parts[9], 16), args, ctx)
     except (ValueError, IndexError) as exc:
         raise ModuleError(f"unreadable {KPH_DIR}/events line {line!r}: {exc}") from None
 
@@ -517,13 +531,35 @@ class ModuleBackend:
             out[int(p[0])] = (p[3], int(p[4]), p[5])
         return out
 
-    def enable(self) -> None:
+    def enable(self, *, recording: bool = True) -> None:
         """Drop what was recorded so far and start recording. The control write goes
-        through the agent's file API: no shell is spawned to do it."""
+        through the agent's file API: no shell is spawned to do it. ``recording=False``
+        leaves the start to the caller's :meth:`switch`, in a halt of the guest."""
         self._sh(f"cat {KPH_DIR}/events > /dev/null")
         self.hits.clear()
         self.post_records.clear()
-        self.vm.write_file(f"{KPH_DIR}/control", b"record on\n")
+        if recording:
+            self.vm.write_file(f"{KPH_DIR}/control", b"record on\n")
+        else:
+            self._recording_addr()
+
+    def _recording_addr(self) -> int:
+        """The address of the module's ``static bool recording`` (its kallsyms line: data
+        symbols are listed with CONFIG_KALLSYMS_ALL, which every image's kernel has)."""
+        if getattr(self, "_recording_at", None) is None:
+            out = self._sh(f"grep -E ' recording\\s+\\[{MODULE_NAME}\\]$' /proc/kallsyms || true")
+            if not out.strip():
+                raise ModuleError(f"{MODULE_NAME}'s 'recording' flag is not in /proc/kallsyms",
+                                  "a kernel with CONFIG_KALLSYMS_ALL=y")
+            self._recording_at = int(out.split()[0], 16)
+        return self._recording_at
+
+    def switch(self, on: bool) -> None:
+        """``record on|off`` done in guest memory (``WRITE_ONCE(recording, ...)`` of the
+        control write), for a caller that holds the guest halted
+        (``harness.engine.HostEngine.halted``): the host's probes and the module's then
+        start and stop at the same guest instruction."""
+        self.vm.host.write(self._recording_addr(), bytes([1 if on else 0]))
 
     def disable(self) -> None:
         self.vm.write_file(f"{KPH_DIR}/control", b"record off\n")
@@ -556,7 +592,7 @@ class ModuleBackend:
                      for a, items in zip(spec.args, rec.args))
         return Hit(side=self.side, probe=placed.name, kind=placed.kind, seq=rec.seq,
                    cpu=rec.cpu, pid=rec.pid, comm=rec.comm, ip=ip, ret_from=ret_from or None,
-                   args=args, mode=rec.mode)
+                   args=args, mode=rec.mode, irq=rec.irq)
 
     def stats(self) -> dict[int, dict[str, str]]:
         """id -> the ``stats`` fields of one probe (nhit, nmissed, nentry, npost, mode)."""

@@ -27,6 +27,10 @@
  *   arg:N     push regs_get_kernel_argument(N)        retval    push regs_return_value()
  *   ld:OFF    top = *(u64 *)(top + OFF), kernel       uld:OFF   the same from user memory
  *   dup       push top again
+ *   current   push current (FETCH_OP_CURRENT, 7.3's $current)
+ *   cpuptr    top = this CPU's copy of the per-cpu pointer top (FETCH_OP_CPU_PTR)
+ *   edata:N   push argument N as the kretprobe's entry handler saved it (FETCH_OP_EDATA,
+ *             6.12+'s $argN of a return probe; 0 on a kprobe)
  * and emitters, which pop an address or value and append one item to the arg's result:
  *   val               the value itself                 -> i<hex>
  *   mem:OFF:SIZE      SIZE (1,2,4,8) bytes, kernel     -> i<hex> | f<-errno>
@@ -43,7 +47,9 @@
  *
  * events line (space separated; strings are hex, so nothing can break a line):
  *   SEQ ID KIND MODE CPU PID COMM ADDR IP RETADDR NARGS ARG...
- *   KIND pre|post|ret; MODE ftrace|optimized|int3; COMM hex ("-" if empty); ADDR the
+ *   KIND pre|post|ret; MODE ftrace|optimized|int3, then ":irq" or ":task", the context of
+ *   the probed call as a trace entry's flags tell it (tracing_gen_ctx(): a softirq being
+ *   served, or a hardirq that is not the NMI context an int3 handler runs in); COMM hex ("-" if empty); ADDR the
  *   probed address (p->addr); IP the raw regs->ip the handler saw; RETADDR the return
  *   address of a ret record (get_kretprobe_retaddr()), else 0; each ARG its items joined
  *   by ',' ("-" for none). post records carry no args.
@@ -86,6 +92,7 @@ MODULE_PARM_DESC(bufsize, "bytes per record buffer (two are allocated)");
 enum kph_opcode {
 	OP_REG, OP_IMM, OP_STACK, OP_SP, OP_ARG, OP_RETVAL, OP_LD, OP_ULD, OP_DUP,
 	OP_VAL, OP_MEM, OP_UMEM, OP_STR, OP_USTR, OP_COMM, OP_DATA,
+	OP_CURRENT, OP_CPUPTR, OP_EDATA,
 };
 
 struct kph_op {
@@ -96,6 +103,9 @@ struct kph_op {
 	u64 imm;
 	u8 *data;
 };
+
+/* Arguments a kretprobe's entry handler saves for $argN of the return (as 6.12+ does). */
+#define KPH_EDATA_ARGS 6
 
 struct kph_prog {
 	int nops;
@@ -139,7 +149,8 @@ struct kph_rec {
 	u8 kind;			/* 'p' pre, 's' post, 'r' ret */
 	u8 mode;			/* 'f', 'o', 'i' */
 	u16 nargs;
-	u32 pad;
+	u8 irq;				/* the probed call ran in an interrupt */
+	u8 pad[3];
 	char comm[TASK_COMM_LEN];
 };
 
@@ -310,7 +321,7 @@ nospace:
 
 /* Run one arg's program; its items are appended at *pos. -ENOSPC when full. */
 static int kph_run(const struct kph_prog *prog, u16 argi, struct pt_regs *regs,
-		   u8 *buf, size_t *pos, size_t end)
+		   const unsigned long *edata, u8 *buf, size_t *pos, size_t end)
 {
 	u64 st[KPH_STACK];
 	int sp = 0, i;
@@ -343,6 +354,15 @@ static int kph_run(const struct kph_prog *prog, u16 argi, struct pt_regs *regs,
 		case OP_DUP:
 			st[sp] = st[sp - 1];
 			sp++;
+			break;
+		case OP_CURRENT:
+			st[sp++] = (unsigned long)current;
+			break;
+		case OP_CPUPTR:
+			st[sp - 1] = (unsigned long)raw_cpu_ptr((void __percpu *)st[sp - 1]);
+			break;
+		case OP_EDATA:
+			st[sp++] = edata && op->n < KPH_EDATA_ARGS ? edata[op->n] : 0;
 			break;
 		case OP_LD:
 		case OP_ULD:
@@ -385,7 +405,8 @@ static int kph_run(const struct kph_prog *prog, u16 argi, struct pt_regs *regs,
 }
 
 static void kph_record(struct kph_probe *pr, u8 kind, struct kprobe *p,
-		       struct pt_regs *regs, unsigned long ret_addr, bool with_args)
+		       struct pt_regs *regs, unsigned long ret_addr, bool with_args,
+		       const unsigned long *edata)
 {
 	struct kph_buf *b;
 	struct kph_rec *r;
@@ -408,11 +429,12 @@ static void kph_record(struct kph_probe *pr, u8 kind, struct kprobe *p,
 	r->kind = kind;
 	r->mode = kph_mode(p);
 	r->nargs = with_args ? pr->nargs : 0;
-	r->pad = 0;
+	r->irq = in_serving_softirq() || (in_hardirq() && !in_nmi());
+	memset(r->pad, 0, sizeof(r->pad));
 	memcpy(r->comm, current->comm, TASK_COMM_LEN);
 	pos = start + sizeof(*r);
 	for (i = 0; i < r->nargs; i++)
-		if (kph_run(pr->args[i], i, regs, b->data, &pos, bufsize))
+		if (kph_run(pr->args[i], i, regs, edata, b->data, &pos, bufsize))
 			goto full;
 	r->len = pos - start;
 	r->seq = seq++;
@@ -447,7 +469,7 @@ static int kph_pre(struct kprobe *p, struct pt_regs *regs)
 		kph_null_deref_handler(pr);
 	if (READ_ONCE(recording)) {
 		atomic64_inc(&pr->nhit);
-		kph_record(pr, 'p', p, regs, 0, true);
+		kph_record(pr, 'p', p, regs, 0, true, NULL);
 	}
 	return 0;
 }
@@ -459,7 +481,7 @@ static void kph_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags
 
 	if (READ_ONCE(recording)) {
 		atomic64_inc(&pr->npost);
-		kph_record(pr, 's', p, regs, 0, false);
+		kph_record(pr, 's', p, regs, 0, false, NULL);
 	}
 }
 NOKPROBE_SYMBOL(kph_post);
@@ -467,7 +489,12 @@ NOKPROBE_SYMBOL(kph_post);
 static int kph_entry(struct kretprobe_instance *ri, struct pt_regs *regs)
 {
 	struct kretprobe *rp = get_kretprobe(ri);
+	unsigned long *edata = (unsigned long *)ri->data;
+	int i;
 
+	/* store_trace_entry_data(): the entry's arguments, for $argN of the return */
+	for (i = 0; i < KPH_EDATA_ARGS; i++)
+		edata[i] = regs_get_kernel_argument(regs, i);
 	if (rp && READ_ONCE(recording))
 		atomic64_inc(&container_of(rp, struct kph_probe, rp)->nentry);
 	return 0;
@@ -483,7 +510,8 @@ static int kph_ret(struct kretprobe_instance *ri, struct pt_regs *regs)
 		return 0;
 	pr = container_of(rp, struct kph_probe, rp);
 	atomic64_inc(&pr->nhit);
-	kph_record(pr, 'r', &rp->kp, regs, get_kretprobe_retaddr(ri), true);
+	kph_record(pr, 'r', &rp->kp, regs, get_kretprobe_retaddr(ri), true,
+		   (const unsigned long *)ri->data);
 	return 0;
 }
 NOKPROBE_SYMBOL(kph_ret);
@@ -649,6 +677,16 @@ static struct kph_prog *kph_parse_prog(char *text, int argi)
 			op->code = name[0] == 'u' ? OP_ULD : OP_LD;
 			bad = kph_num_s64(a1, &op->off);
 			pops = pushes = 1;
+		} else if (!strcmp(name, "current")) {
+			op->code = OP_CURRENT;
+			pushes = 1;
+		} else if (!strcmp(name, "cpuptr")) {
+			op->code = OP_CPUPTR;
+			pops = pushes = 1;
+		} else if (!strcmp(name, "edata")) {
+			op->code = OP_EDATA;
+			bad = kph_num_u32(a1, &op->n) || op->n >= KPH_EDATA_ARGS;
+			pushes = 1;
 		} else if (!strcmp(name, "dup")) {
 			op->code = OP_DUP;
 			pops = 1;
@@ -773,6 +811,7 @@ static int kph_add(char *line)
 		pr->rp.handler = kph_ret;
 		pr->rp.entry_handler = kph_entry;
 		pr->rp.maxactive = maxactive;
+		pr->rp.data_size = KPH_EDATA_ARGS * sizeof(unsigned long);
 		pr->err = register_kretprobe(&pr->rp);
 	}
 	pr->registered = pr->err == 0;
@@ -937,10 +976,10 @@ static struct kph_text *kph_format(const struct kph_buf *b)
 		size_t ipos = pos + sizeof(*r), clen = strnlen(r->comm, TASK_COMM_LEN);
 		int a;
 
-		o += sprintf(o, "%llu %u %s %s %u %u ", r->seq, r->id,
+		o += sprintf(o, "%llu %u %s %s:%s %u %u ", r->seq, r->id,
 			     r->kind == 'p' ? "pre" : r->kind == 's' ? "post" : "ret",
 			     r->mode == 'f' ? "ftrace" : r->mode == 'o' ? "optimized" : "int3",
-			     r->cpu, r->pid);
+			     r->irq ? "irq" : "task", r->cpu, r->pid);
 		if (clen)
 			o = bin2hex(o, r->comm, clen);
 		else

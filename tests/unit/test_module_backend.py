@@ -405,3 +405,12 @@ def test_missing_headers_name_the_package(tmp_path):
 
     with pytest.raises(SetupError, match="apt-get install linux-headers-0.0.0-kph-none"):
         _build_kmod(tmp_path, "0.0.0-kph-none")
+
+
+def test_parse_events_line_reads_the_context_of_the_probed_call():
+    rec = parse_events_line(LINE_PRE.replace(" ftrace ", " ftrace:irq ", 1))
+    assert (rec.mode, rec.irq) == ("ftrace", "irq")
+    assert parse_events_line(LINE_PRE.replace(" ftrace ", " int3:task ", 1)).irq == "task"
+    assert parse_events_line(LINE_PRE).irq == ""
+    with pytest.raises(ModuleError):
+        parse_events_line(LINE_PRE.replace(" ftrace ", " ftrace:nmi ", 1))

@@ -23,7 +23,7 @@ from harness.loopback_sshd import HOST_ALIAS, LoopbackSshd
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-SLICE = "test_differential and (entry or return or mid-function)"
+SLICE = "test_differential and 6.1-events and (entry or return or mid-function)"
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_a_remote_worker_killed_mid_run_is_an_error_naming_its_host(worker, tmp_
     two = tx.replace(tx.split("*", 1)[0], "2", 1)
     evidence = tmp_path / "evidence"
     p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--dist",
-                          "load", "--tx", two, "--tx", "popen", "-k", "test_differential",
+                          "load", "--tx", two, "--tx", "popen", "-k", "test_differential and 6.1-events",
                           # =-forms: xdist rewrites any argument that is an existing path
                           # for a gateway with a chdir (and refuses one outside its roots)
                           f"--junitxml={tmp_path / 'r.xml'}", f"--kph-evidence={evidence}"],
