@@ -16,7 +16,7 @@ import pytest
 # --import-mode=importlib puts no test directory on sys.path.
 sys.path.insert(0, str(Path(__file__).parent / "vm"))
 
-ALONE_WAIT = 600.0
+ALONE_WAIT = 1800.0
 
 
 def _our_qemu_children() -> list[str]:
@@ -35,31 +35,59 @@ def _our_qemu_children() -> list[str]:
 
 
 @contextlib.contextmanager
-def run_lock(exclusive: bool = False):
+def run_lock(exclusive: bool = False, item: pytest.Item | None = None):
     """The lock that makes ``alone`` tests run while no other xdist worker runs anything:
     every test (and every heavy module fixture, via this context manager) holds it shared,
     an ``alone`` test exclusively. Why: QEMU's reverse-continue stalls for good when the
     host's CPUs are saturated (docs/repro.md, "Record and replay"), and under ``-n 2`` the other
-    worker saturates them."""
+    worker saturates them.
+
+    Fair to the ``alone`` test: it first takes a gate exclusively, which every shared taker
+    passes through (shared, for an instant) before it takes the run lock, so the other
+    worker starts no new test while the ``alone`` one waits for its current test to end
+    (a bare flock() lets back-to-back shared holders starve an exclusive waiter: a CI run
+    once waited 600 s). A wait past ALONE_WAIT fails the test (through ``item``, in its
+    setup: never an internal error of the session)."""
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not uid:
-        yield
+    if not uid or _HELD:            # no xdist, or this process holds it already (a module
+        yield                       # fixture set up inside a test's protocol)
         return
-    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    with open(Path(tempfile.gettempdir()) / f"kph-tests-{uid}.lock", "a") as f:
+    base = Path(tempfile.gettempdir()) / f"kph-tests-{uid}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as f:
         deadline = time.monotonic() + ALONE_WAIT
-        while True:
-            try:
-                fcntl.flock(f, mode | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"waited {ALONE_WAIT:.0f} s for the other workers' tests to end")
-                time.sleep(0.1)
+        got = True
+        if exclusive:
+            got = _flock(gate, fcntl.LOCK_EX, deadline) and _flock(f, fcntl.LOCK_EX, deadline)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)        # waits while an alone test holds it
+            got = _flock(f, fcntl.LOCK_SH, deadline)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        if not got:
+            msg = f"waited {ALONE_WAIT:.0f} s for the other workers' tests to end"
+            if item is None:
+                pytest.fail(msg)
+            item.kph_lock_error = msg               # failed by _lock_error() in setup
+        _HELD.append(exclusive)
         try:
             yield
         finally:
+            _HELD.pop()
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+#: the run lock holds of this process (at most one: nested takers pass through)
+_HELD: list[bool] = []
+
+
+def _flock(f, mode: int, deadline: float) -> bool:
+    while True:
+        try:
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -68,8 +96,15 @@ def pytest_runtest_protocol(item, nextitem):
     outside pytest-timeout's own wrapper, so that waiting for an ``alone`` test on the
     other worker is not counted against a test's timeout; module fixtures, set up inside
     the first test's protocol, hold it too."""
-    with run_lock(exclusive=item.get_closest_marker("alone") is not None):
+    with run_lock(exclusive=item.get_closest_marker("alone") is not None, item=item):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _lock_error(request):
+    msg = getattr(request.node, "kph_lock_error", None)
+    if msg:
+        pytest.fail(msg)
 
 
 @pytest.fixture(scope="session", autouse=True)
