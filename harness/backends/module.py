@@ -441,6 +441,9 @@ class ModuleBackend:
         :raise ModuleError: when the module cannot be loaded or refuses a line.
         """
         self.load()
+        # where the recording flag lives, read now: once the host's probes are armed a
+        # grep of /proc/kallsyms may hit them (vfs_read) thousands of times
+        self._recording_addr()
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
         self.layer.prepare(specs)
