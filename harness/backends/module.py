@@ -442,8 +442,12 @@ class ModuleBackend:
         """
         self.load()
         # where the recording flag lives, read now: once the host's probes are armed a
-        # grep of /proc/kallsyms may hit them (vfs_read) thousands of times
-        self._recording_addr()
+        # grep of /proc/kallsyms may hit them (vfs_read) thousands of times (a missing
+        # flag is an error where it is needed: switch())
+        try:
+            self._recording_addr()
+        except ModuleError as exc:
+            log.debug("%s", exc)
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
         self.layer.prepare(specs)
