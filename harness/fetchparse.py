@@ -135,6 +135,10 @@ def _digits(s: str, base: int) -> tuple[int, int]:
 
 
 def kstrtoul(s: str, base: int = 0) -> int | None:
+    """The kernel's ``kstrtoul()``: one leading ``+``, ``0x``/``0`` prefixes with base 0.
+
+    :return: the value, or None where the kernel returns -EINVAL or -ERANGE.
+    """
     s = s[1:] if s[:1] == "+" else s
     val, used = _digits(s, base)
     if used == 0 or val > _M or s[used:] not in ("", "\n"):
@@ -143,6 +147,7 @@ def kstrtoul(s: str, base: int = 0) -> int | None:
 
 
 def kstrtol(s: str, base: int = 0) -> int | None:
+    """The kernel's ``kstrtol()`` (``kstrtoll()`` on 64-bit); None on -EINVAL/-ERANGE."""
     if s[:1] == "-":
         v = kstrtoul(s[1:], base) if s[1:2] != "+" else None
         return None if v is None or v > 1 << 63 else -v

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import fetchparse as _kstrtox
 from .errors import NotMirroredError, ProbeSpecError
 from .fetchargs import (FETCH_TYPES, REGISTERS, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
                         FileOffset, FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
@@ -177,56 +178,14 @@ class ProbeSpec:
 
 # ---------------------------------------------------------------- numbers (lib/kstrtox.c)
 
-def _parse_digits(s: str, base: int) -> tuple[int, int]:
-    """``_parse_integer_fixup_radix()`` + ``_parse_integer()``: (value, chars used)."""
-    start = 0
-    if base == 0:
-        base = 16 if s[:1] == "0" and s[1:2] in ("x", "X") and _isxdigit(s[2:3]) else (
-            8 if s[:1] == "0" else 10)
-    if base == 16 and s[:1] == "0" and s[1:2] in ("x", "X"):
-        start = 2
-    i, val = start, 0
-    while i < len(s):
-        c = s[i].lower()
-        d = ord(c) - 48 if "0" <= c <= "9" else (ord(c) - 87 if "a" <= c <= "f" else 99)
-        if d >= base:
-            break
-        val, i = val * base + d, i + 1
-    return val, (i if i > start else 0)
-
-
-def _isxdigit(c: str) -> bool:
-    return c != "" and c in "0123456789abcdefABCDEF"
-
-
-def _kstrtoull_nosign(s: str, base: int) -> int | None:
-    val, used = _parse_digits(s, base)
-    if used == 0 or val > _MASK64 or s[used:] not in ("", "\n"):
-        return None
-    return val
-
-
-def kstrtoul(s: str, base: int = 0) -> int | None:
-    """The kernel's ``kstrtoul()``: one leading ``+``, ``0x``/``0`` prefixes with base 0.
-
-    :return: the value, or None where the kernel returns -EINVAL or -ERANGE.
-    """
-    return _kstrtoull_nosign(s[1:] if s[:1] == "+" else s, base)
-
-
-def kstrtol(s: str, base: int = 0) -> int | None:
-    """The kernel's ``kstrtol()`` (``kstrtoll()`` on 64-bit); None on -EINVAL/-ERANGE."""
-    if s[:1] == "-":
-        v = _kstrtoull_nosign(s[1:], base)
-        return None if v is None or v > 1 << 63 else -v
-    v = kstrtoul(s, base)
-    return None if v is None or v >= 1 << 63 else v
+# lib/kstrtox.c, as harness.fetchparse holds it (one copy for every kernel's parser)
+kstrtoul = _kstrtox.kstrtoul
+kstrtol = _kstrtox.kstrtol
 
 
 def _simple_strtoul(s: str, start: int) -> tuple[int, int]:
     """``simple_strtoul(s + start, &end, 0)``: (value mod 2**64, index of ``end``)."""
-    val, used = _parse_digits(s[start:], 0)
-    return val & _MASK64, start + used
+    return _kstrtox.simple_strtoul(s, start)
 
 
 def split_symbol_offset(data: str) -> tuple[str, int | None]:
