@@ -2,14 +2,14 @@
 """kph fuzz throughput: examples per minute with 1 and 2 workers, with each host engine,
 measured side by side in one run (the same seed and budget for each), as ratios.
 
-Each configuration runs ``kph fuzz --examples N --seed S`` and reads its summary line
-("N examples in T s (R/min, W worker(s))"): wall time from the first boot to the last
-verdict, machines and the symbol pool included.
+Each configuration runs ``kph fuzz --json --examples N --seed S`` and reads its result
+(``examples``, ``wall_seconds``): wall time from the first boot to the last verdict,
+machines and the symbol pool included.
 """
 from __future__ import annotations
 
 import argparse
-import re
+import json
 import subprocess
 import sys
 import tempfile
@@ -21,14 +21,16 @@ CONFIGS = [("gdbstub", 1), ("gdbstub", 2), ("plugin", 1), ("plugin", 2)]
 
 def run(host: str, workers: int, examples: int, seed: int) -> tuple[int, float]:
     with tempfile.TemporaryDirectory(prefix="kph-fuzz-rate-") as out:
-        r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "--examples",
-                            str(examples), "--seed", str(seed), "-n", str(workers), "--host",
-                            host, "--out", out], cwd=ROOT, capture_output=True, text=True,
-                           timeout=3600)
-    m = re.search(r"(\d+) examples in (\d+) s", r.stdout)
-    if not m:
-        sys.exit(f"kph fuzz --host {host} -n {workers} failed: {(r.stderr or r.stdout)[-800:]}")
-    return int(m[1]), float(m[2])
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "--json",
+                            "--examples", str(examples), "--seed", str(seed), "-n",
+                            str(workers), "--host", host, "--out", out], cwd=ROOT,
+                           capture_output=True, text=True, timeout=3600)
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        sys.exit(f"kph fuzz --host {host} -n {workers} failed (exit {r.returncode}): "
+                 f"{(r.stderr or r.stdout)[-800:]}")
+    return int(doc["examples"]), float(doc["wall_seconds"])
 
 
 def main() -> int:

@@ -920,15 +920,34 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
             json.dump(cfg, tmp)
-        import os
         env = dict(os.environ, KPH_FUZZ_CONFIG=tmp.name)
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "-p", "no:randomly", "--pyargs", "harness.fuzzshard",
-                            "-n", str(args.workers), "-o", "timeout=0"], env=env,
-                           capture_output=True, text=True)
-        os.unlink(tmp.name)
-        (runs / "pytest.log").write_text(r.stdout + r.stderr)
+        for old in runs.glob("shard-*.*"):
+            old.unlink()
+        log = runs / "pytest.log"
+        with open(log, "w") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p",
+                                     "no:cacheprovider", "-p", "no:randomly", "--pyargs",
+                                     "harness.fuzzshard", "-n", str(args.workers), "-o",
+                                     "timeout=0"], env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT, text=True)
+            try:
+                while proc.poll() is None:
+                    time.sleep(2)
+                    _fuzz_progress(runs, args.examples, time.monotonic() - t0,
+                                   out.progress.transient)
+            finally:
+                if proc.poll() is None:             # an interrupt: the shards go with it
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                os.unlink(tmp.name)
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
         shards = [json.loads(p.read_text()) for p in sorted(runs.glob("shard-*.json"))]
+        for p in runs.glob("shard-*.progress"):
+            p.unlink()
         if len(shards) != args.workers:
             why = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("E ")][:1]
             raise SetupError(f"{args.workers - len(shards)} fuzz worker(s) failed"
@@ -946,7 +965,9 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
     for f in findings:
         repro = fuzz.repro_line(f, image=args.image, guest=args.guest, workload=workload)
         # In a checkout, straight into the suite's regression cases; else beside the run.
-        case = fuzz.write_regression(f) if (fuzz.REGRESSIONS.parent.parent / "vm").is_dir() \
+        # One that did not repeat on replay is no case a suite can rely on: beside the run.
+        in_checkout = (fuzz.REGRESSIONS.parent.parent / "vm").is_dir()
+        case = fuzz.write_regression(f) if in_checkout and not f.flaky \
             else fuzz.write_regression(f, runs / "regressions")
         report_lines.append(f"- {f.kind}: {f.detail.splitlines()[0]}\n  {repro}\n  case: {case}")
     doc = {"config": cfg, "examples": examples, "wall_seconds": wall,
@@ -963,6 +984,25 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
         out.text(ln)
     out.result({**doc, "dir": str(runs)})
     return EXIT_OK if not findings else EXIT_DIVERGED
+
+
+def _fuzz_progress(runs: Any, total: int, elapsed: float, say: Any) -> None:
+    """One progress line from the shards' ``shard-*.progress`` files."""
+    done = found = 0
+    for p in runs.glob("shard-*.progress"):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        done += d.get("examples", 0)
+        found += d.get("findings", 0)
+    if not done:
+        say(f"fuzz: booting the workers' machines ({elapsed:.0f} s)")
+        return
+    rate = 60 * done / elapsed
+    left = (total - done) / (done / elapsed) if done < total else 0
+    say(f"fuzz: {done}/{total} examples, {found} finding(s), {rate:.0f}/min, "
+        f"about {left / 60:.0f} min left")
 
 
 def _worker(args: argparse.Namespace, out: Output) -> int:

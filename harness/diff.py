@@ -21,7 +21,11 @@ Normalizations, all listed here and named in every report (nothing else is norma
   two orders differ by construction while each thread's order is the same.
 - ``trampoline`` also covers a guest *value* that is a uretprobe trampoline: a fetch of
   the return-address slot at the entry (``$stack0``, ``+0($stack)``) reads what the host
-  put there first.
+  put there first; and, in a return hit whose ip shows the host trampoline, every value
+  the guest fetched from ``%ip`` (``+0(%ip)`` reads the trampoline's bytes: the kernel
+  sets ``regs->ip`` to the saved return address before the handlers run,
+  kernel/events/uprobes.c: ``handle_trampoline()``, kernel/kprobes.c:
+  ``__kretprobe_trampoline_handler()``).
 - ``unknown``: where a numeric fetch fails (e.g. a user page not present yet), the kernel
   records whatever bytes the ring buffer slot held before; nothing can predict them. The
   host side reports ``(unknown)`` there, which compares equal to any value (per array
@@ -241,6 +245,14 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
                     note(i, "ip", "trampoline", fa["ip"], fb["ip"])
                 fb["ip"] = fa["ip"]
                 res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
+                # the guest's regs->ip was the host trampoline in this hit: so is what
+                # its arguments fetched from %ip (read from the trampoline's bytes)
+                for name in la[i].ret_ip_args:
+                    k = f"arg:{name}"
+                    if k in fa and k in fb and fa[k] != fb[k]:
+                        note(i, k, "trampoline", fa[k], fb[k])
+                        fb[k] = fa[k]
+                        res.applied["trampoline"] += 1
             for k in fa:
                 if (k.startswith("arg:") and trampoline and k in fb and fa[k] != fb[k]
                         and fb[k].startswith("0x") and _is_trampoline(fb[k], trampoline)):

@@ -3,7 +3,8 @@
 ``kph fuzz`` writes its configuration to a JSON file and names it in ``$KPH_FUZZ_CONFIG``;
 shard ``i`` of ``W`` boots its own machine, fuzzes its share of the examples with seed
 ``seed * 1000 + i`` (so a seed and a worker count give the same examples every time) and
-writes its stats and findings to ``<out>/shard-<i>.json``, which ``kph fuzz`` merges.
+writes its stats and findings to ``<out>/shard-<i>.json``, which ``kph fuzz`` merges; while
+it runs, ``<out>/shard-<i>.progress`` holds its count, which ``kph fuzz`` shows.
 """
 from __future__ import annotations
 
@@ -36,10 +37,18 @@ def test_shard(shard: int) -> None:
     n, total = cfg["workers"], cfg["examples"]
     mine = total // n + (1 if shard < total % n else 0)
     budget = cfg.get("time_budget")
+    beat = Path(cfg["out"], f"shard-{shard}.progress")
+
+    def tick(st: fuzz.FuzzStats) -> None:
+        # what kph fuzz shows while the shards run: replaced whole, never half-written
+        tmp = beat.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"examples": st.examples, "findings": len(st.findings)}))
+        os.replace(tmp, beat)
+
     vm = Machine.boot(cfg.get("image"), host=cfg["host"])
     try:
         st = fuzz.run(vm, examples=mine, seed=cfg["seed"] * 1000 + shard, guest=cfg["guest"],
-                      workload=cfg["workload"], time_budget=budget,
+                      workload=cfg["workload"], time_budget=budget, tick=tick,
                       reboot=lambda: Machine.boot(cfg.get("image"), host=cfg["host"]))
         vm = st.vm
     finally:

@@ -175,6 +175,17 @@ class ProbeSpec:
             return None
         return f"{self.module}:{self.symbol}" if self.module is not None else self.symbol
 
+    @property
+    def ret_ip_args(self) -> tuple[str, ...]:
+        """A return probe's arguments whose value starts from ``%ip``: the return address
+        (``__kretprobe_trampoline_handler()`` / ``handle_trampoline()`` set ``regs->ip``
+        to the saved one before the handlers run). Where a host-side return probe
+        hijacked the same call first, the guest's saved one is the host trampoline, and so
+        is every value it fetches from there (``harness.diff``'s ``trampoline`` rule)."""
+        if not self.is_return:
+            return ()
+        return tuple(a.name for a in self.args if a.code and a.code[0] == ("reg", "ip"))
+
 
 # ---------------------------------------------------------------- numbers (lib/kstrtox.c)
 

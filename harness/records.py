@@ -32,6 +32,9 @@ class Hit:
     #: The context of the probed call: ``task`` or ``irq`` (a softirq or hardirq; "" not
     #: known): the trace entry's ``common_flags`` in the guest, ``preempt_count`` host-side.
     irq: str = ""
+    #: Host side, return probes: the arguments fetched from the return ip
+    #: (``ProbeSpec.ret_ip_args``), for ``harness.diff``'s ``trampoline`` rule.
+    ret_ip_args: tuple[str, ...] = ()
 
     def arg(self, name: str) -> str:
         for k, v in self.args:

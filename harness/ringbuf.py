@@ -86,6 +86,13 @@ _BY_FMT = {("%u", 1): "u8", ("%u", 2): "u16", ("%u", 4): "u32", ("%Lu", 8): "u64
            ("%pS", 8): "symbol", ("'%c'", 1): "char", ('\\"%s\\"', 4): "string"}
 
 
+def _fmt_literal(print_fmt: str) -> str:
+    """The C string literal that opens a ``print fmt``, up to its first unescaped quote
+    (a string array prints as ``{\\"%s\\",\\"%s\\"}``: its ``",`` is not the end)."""
+    m = re.match(r'"((?:[^"\\]|\\.)*)"', print_fmt)
+    return m[1] if m else print_fmt
+
+
 def format_args(fmt: EventFormat) -> list[GuestArg]:
     """The arguments of a probe event as its kernel typed and named them, read from its
     ``format``: names and element types from ``print fmt`` (each fetch type prints its
@@ -95,7 +102,7 @@ def format_args(fmt: EventFormat) -> list[GuestArg]:
 
     :raise ValueError: when the print format names an argument this cannot read.
     """
-    head = fmt.print_fmt.split('", REC->', 1)[0].split('",', 1)[0]
+    head = _fmt_literal(fmt.print_fmt)
     out = []
     for m in _PRINT_ARG.finditer(head):
         name, pf = m["name"], m["fmt"]

@@ -300,7 +300,8 @@ class HostBackend:
                               seq=len(self._hits), cpu=regs.cpu, pid=ctx.pid(),
                               comm=escape_bytes(ctx.comm_bytes()), ip=ip_text,
                               ret_from=ret_from, args=args,
-                              mode="host", irq=eng.hit_context(regs) if up is None else ""))
+                              mode="host", irq=eng.hit_context(regs) if up is None else "",
+                              ret_ip_args=spec.ret_ip_args))
         return 0
 
     def _symname(self, addr: int) -> str:

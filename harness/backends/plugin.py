@@ -288,7 +288,8 @@ class PluginBackend:
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
         return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
-                   ip=ip_text, ret_from=ret_from, args=args, mode="plugin")
+                   ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
+                   ret_ip_args=spec.ret_ip_args)
 
     def collect(self) -> list[Hit]:
         """The hits, each pid under the comm of its last hit (see the module docstring)."""

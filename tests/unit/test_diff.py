@@ -95,3 +95,29 @@ def test_a_guest_value_that_is_the_uretprobe_trampoline_compares_equal():
     args = (RunResult("host", o, host, {}), RunResult("events", o, guest, {}))
     assert compare(*args, trampoline=("_etext+0x0", "0x478cb1")).equivalent
     assert not compare(*args, trampoline=("_etext+0x0", "0x478cb")).equivalent   # whole only
+
+
+def test_values_fetched_from_a_hijacked_return_ip_follow_the_trampoline_rule():
+    """A return hit whose guest ip is the host trampoline: what the guest fetched from %ip
+    (here +0(%ip): the trampoline's bytes) is that trampoline's too; other arguments are
+    still compared."""
+    def ret(side, ip, v, other="1", ret_ip_args=("v",)):
+        return Hit(side=side, probe="u/r", kind="r", seq=0, cpu=0, pid=7, comm="kph-loop",
+                   ip=ip, ret_from="0x401700", args=(("v", v), ("o", other)),
+                   ret_ip_args=ret_ip_args if side == "host" else ())
+    o = [Outcome("u/r", True, mode="uprobe")]
+    t = ("_etext+0x0", "0x478cb1")
+
+    def cmp(h, g):
+        return compare(RunResult("host", o, [h], {}), RunResult("events", o, [g], {}),
+                       trampoline=t)
+    assert cmp(ret("host", "0x401711", "0x8b48c389"), ret("events", "0x478cb1", "0x0")).equivalent
+    # not hijacked in that hit: compared
+    assert not cmp(ret("host", "0x401711", "0x8b48c389"),
+                   ret("events", "0x401711", "0x0")).equivalent
+    # an argument not fetched from %ip: compared
+    assert not cmp(ret("host", "0x401711", "0x1", other="2"),
+                   ret("events", "0x478cb1", "0x1", other="3")).equivalent
+    # the host did not say the argument came from %ip: compared
+    assert not cmp(ret("host", "0x401711", "0x8b48c389", ret_ip_args=()),
+                   ret("events", "0x478cb1", "0x0")).equivalent

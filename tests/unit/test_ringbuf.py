@@ -101,3 +101,29 @@ def test_escape_bytes_is_printable_ascii_and_exact():
     assert escape_bytes(b"\n\t\r\x0b\x0c\x07\x1b\0") == "\\n\\t\\r\\v\\f\\a\\e\\0"
     assert escape_bytes(b"\x01\x7f\x80\xa0\xff") == "\\001\\177\\200\\240\\377"
     assert escape_bytes("é".encode()) == "\\303\\251"
+
+
+# a 6.1 guest's format for "p:kprobes/t1 do_sys_openat2 %r15 @linux_proc_banner:ustring[2]
+# x=%dx:u32" (a string array prints as {\"%s\",\"%s\"}: a `",` inside the literal)
+STRING_ARRAY = r'''name: t1
+ID: 1392
+format:
+	field:unsigned short common_type;	offset:0;	size:2;	signed:0;
+	field:unsigned char common_flags;	offset:2;	size:1;	signed:0;
+	field:unsigned char common_preempt_count;	offset:3;	size:1;	signed:0;
+	field:int common_pid;	offset:4;	size:4;	signed:1;
+
+	field:unsigned long __probe_ip;	offset:8;	size:8;	signed:0;
+	field:u64 arg1;	offset:16;	size:8;	signed:0;
+	field:__data_loc char[][2] arg2;	offset:24;	size:8;	signed:1;
+	field:u32 x;	offset:32;	size:4;	signed:0;
+
+print fmt: "(%lx) arg1=0x%Lx arg2={\"%s\",\"%s\"} x=%u", REC->__probe_ip, REC->arg1, __get_str(arg2[0]), __get_str(arg2[1]), REC->x
+'''
+
+
+def test_arguments_after_a_string_array_are_read():
+    from harness.ringbuf import format_args
+
+    got = [(a.name, a.type, a.count) for a in format_args(parse_format(STRING_ARRAY))]
+    assert got == [("arg1", "x64", 0), ("arg2", "string", 2), ("x", "u32", 0)]

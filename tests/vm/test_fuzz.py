@@ -50,3 +50,20 @@ def test_the_same_seed_lists_the_same_examples_and_bad_input_is_one_line():
         r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", *bad],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+
+
+def test_workers_shard_the_examples_and_report_progress(tmp_path):
+    """``kph fuzz -n 2``: two pytest-xdist workers, each on its own machine, share the
+    examples; the merged result counts all of them and progress reaches stderr."""
+    import json
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "-n", "2", "--examples",
+                        "6", "--seed", "3", "--json", "--out", str(out)],
+                       capture_output=True, text=True, timeout=540)
+    assert r.returncode in (0, 1), r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["examples"] == 6 and doc["config"]["workers"] == 2
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-0.json", "shard-1.json"]
+    assert json.loads((out / "findings.json").read_text())["examples"] == 6
+    assert "fuzz: 6 examples on" in r.stderr
