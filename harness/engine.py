@@ -60,6 +60,7 @@ from .gdbstub import GdbStub, Stop
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
+                      kernel_rethook_trampoline,
                       KretprobeInstance, ProbeFlags, PtRegs)
 from .symbols import ReservedText, check_probe_address, kprobe_addr
 from .vmctl import register_host_engine
@@ -455,12 +456,21 @@ class HostEngine(HandlerErrors):
             # Another kretprobe hooked this very return already: share its real address, as
             # rethook_trampoline_handler() hands every handler of the frame the correct one.
             ri.ret_addr = chain[0].ret_addr if chain else cur
+            # ...while its own node saved what it found in the slot: the kernel's own
+            # trampoline once another kretprobe hooked the call (arch_prepare_kretprobe()
+            # / arch_rethook_prepare() read the stack slot), which get_kretprobe_retaddr()
+            # returns and a return event prints
+            ri.node_ret_addr = self.kernel_rethook_trampoline() if chain else cur
             if not chain:
                 self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
             self._live.setdefault(slot, []).append(ri)
             rp.nhit += 1
             return 0
         return pre_handler_kretprobe
+
+    def kernel_rethook_trampoline(self) -> int:
+        """The guest kernel's own return trampoline (:func:`harness.kprobes.kernel_rethook_trampoline`)."""
+        return kernel_rethook_trampoline(self.symbols)
 
     def current_task(self, regs: PtRegs) -> int | None:
         """``current`` (a ``struct task_struct *``) on the vCPU of ``regs``."""

@@ -718,13 +718,21 @@ def format_fields(spec: Any, values: Sequence[Any],
                    for a, v in zip(spec.args, values))
 
 
-def format_ip(ip: int, symbolize: Callable[[int], str | None], func: int | None = None) -> str:
+def format_ip(ip: int, symbolize: Callable[[int], str | None], func: int | None = None, *,
+              kretprobe_trampoline: int = 0) -> str:
     """What ``print_kprobe_event()`` puts between the parentheses (``seq_print_ip_sym()``).
 
     :param func: for a return probe, the probed function (``ip`` is then the return address);
         it prints by name only (``kallsyms_lookup()``), after `` <- ``.
+    :param kretprobe_trampoline: the kernel's kretprobe trampoline, which prints as
+        ``[unknown/kretprobe'd]`` (kernel/trace/trace_output.c: ``kretprobed()``, in
+        ``trace_seq_print_sym()``): the return address of a kretprobe instance taken
+        after another one hooked the same call.
     """
-    text = "0" if ip == 0 else (symbolize(ip) or f"0x{ip:08x}")
+    if kretprobe_trampoline and ip == kretprobe_trampoline:
+        text = "[unknown/kretprobe'd]"
+    else:
+        text = "0" if ip == 0 else (symbolize(ip) or f"0x{ip:08x}")
     if func is not None:
         name = symbolize(func) if func else None
         name = name.split("+", 1)[0].split(" ", 1)[0] if name else None

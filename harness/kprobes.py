@@ -166,7 +166,11 @@ class Kprobe:
 class KretprobeInstance:
     """``struct kretprobe_instance``: one pending return of one call.
 
-    ``ret_addr`` is the real return address, ``data`` the per-instance scratch of
+    ``ret_addr`` is the real return address; ``node_ret_addr`` what the kernel saved for
+    this instance (``ri->node.ret_addr``, which ``get_kretprobe_retaddr()`` returns and a
+    return event prints): the real address, or the kernel's trampoline for an instance
+    taken after another kretprobe on the same call already hooked it (0: not set, the
+    real one). ``data`` the per-instance scratch of
     ``data_size`` bytes (a ``bytearray``: entry_handler writes, handler reads),
     ``task`` the ``struct task_struct *`` that made the call (when known), ``stack_slot``
     where the return address lived on the guest stack (how returns are matched to calls).
@@ -174,6 +178,7 @@ class KretprobeInstance:
 
     rp: "Kretprobe"
     ret_addr: int = 0
+    node_ret_addr: int = 0
     stack_slot: int = 0
     task: int | None = None
     cpu: int = 0
@@ -229,3 +234,15 @@ class Jprobe:
     addr: int | None = None
     nargs: int | None = None
     kp: Kprobe | None = field(default=None, repr=False)
+
+
+def kernel_rethook_trampoline(symbols: Any) -> int:
+    """The guest kernel's own kretprobe trampoline: ``arch_rethook_trampoline`` where
+    kretprobes run on rethook (x86 since 5.19: CONFIG_KRETPROBE_ON_RETHOOK, so 6.1, 6.12
+    and 7.3), else ``__kretprobe_trampoline`` (5.11-5.18) or ``kretprobe_trampoline``; 0
+    when ``symbols`` has none of them."""
+    for name in ("arch_rethook_trampoline", "__kretprobe_trampoline", "kretprobe_trampoline"):
+        sym = symbols.get(name)
+        if sym is not None:
+            return sym.addr
+    return 0

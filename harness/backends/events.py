@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from ..errors import GuestAgentError
 from ..fetchargs import escape_bytes, format_ip, format_value
+from ..kprobes import kernel_rethook_trampoline
 from ..probespec import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
@@ -272,6 +273,7 @@ class EventsBackend:
 
         def symbolize(addr: int) -> str | None:
             return table.format(addr) if table.symbolize(addr) is not None else None
+        ktramp = kernel_rethook_trampoline(table)
 
         modes = {o.probe: o.mode for o in self.outcomes}
         hits = []
@@ -286,7 +288,7 @@ class EventsBackend:
                     ip, ret_from = f"0x{rec.u64(fields['__probe_ip']):x}", None
             elif "__probe_ret_ip" in fields:
                 text = format_ip(rec.u64(fields["__probe_ret_ip"]), symbolize,
-                                 rec.u64(fields["__probe_func"]))
+                                 rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)
                 ip, _, ret_from = text.partition(" <- ")
             else:
                 ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None

@@ -15,7 +15,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from ..errors import HandlerError, HarnessError, ProbeRejectedError
-from ..fetchargs import FaultError, below_sp, escape_bytes, evaluate, format_value
+from ..fetchargs import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
 from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
@@ -280,8 +280,10 @@ class HostBackend:
             func = what.rp.addr
             ip_val = regs.ip
             hit = self._symname(func)
-            ip_text = eng.symbols.format(what.ret_addr) if eng.symbols.symbolize(what.ret_addr) \
-                else f"0x{what.ret_addr:08x}"
+            shown = what.node_ret_addr or what.ret_addr     # get_kretprobe_retaddr(ri)
+            ip_text = format_ip(shown, lambda a: eng.symbols.format(a)
+                                if eng.symbols.symbolize(a) else None,
+                                kretprobe_trampoline=eng.kernel_rethook_trampoline())
             ret_from: str | None = hit
             self._returns[name] = self._returns.get(name, 0) + 1
         else:

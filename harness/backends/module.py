@@ -34,6 +34,7 @@ from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, C
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
+from ..kprobes import kernel_rethook_trampoline
 from ..probespec import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .tracelayer import TraceLayer
@@ -592,7 +593,9 @@ class ModuleBackend:
              symbolize: Callable[[int], str | None]) -> Hit:
         spec = placed.spec
         if rec.kind == "ret":
-            ip, _, ret_from = format_ip(rec.ret_addr, symbolize, rec.addr).partition(" <- ")
+            ip, _, ret_from = format_ip(
+                rec.ret_addr, symbolize, rec.addr,
+                kretprobe_trampoline=kernel_rethook_trampoline(self.vm.symbols)).partition(" <- ")
         else:
             ip, ret_from = format_ip(rec.addr, symbolize), ""
         args = tuple((a.name, format_value(a, decode_arg(a, items, symbolize), symbolize))

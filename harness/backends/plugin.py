@@ -18,8 +18,9 @@ import logging
 from typing import Any, Sequence
 
 from ..errors import HarnessError, ProbeRejectedError
-from ..fetchargs import UNKNOWN, Reg, below_sp, evaluate, format_value
+from ..fetchargs import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
 from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
+from ..kprobes import kernel_rethook_trampoline
 from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
@@ -264,7 +265,11 @@ class PluginBackend:
             ret_from: str | None = f"0x{rec.func:x}" if rec.type == REC_RET else None
         elif rec.type == REC_RET:
             ip = rec.ret_addr
-            ip_text = syms.format(ip) if syms.symbolize(ip) else f"0x{ip:08x}"
+            ktramp = kernel_rethook_trampoline(syms)
+            if ip == self.engine.trampoline:    # stacked on another kretprobe of the call
+                ip = ktramp or ip
+            ip_text = format_ip(ip, lambda a: syms.format(a) if syms.symbolize(a) else None,
+                                kretprobe_trampoline=ktramp)
             hit = syms.symbolize(rec.func)
             ret_from = hit[0].name if hit else f"0x{rec.func:x}"
         else:

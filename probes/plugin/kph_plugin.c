@@ -732,7 +732,12 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
             round_trip(v, vcpu, EV_RET, p->addr, &p->id, 1, idx, real, slot, 0);
             v->regs[KREG_IP] = real;
         } else if (atomic_load(&g_live) && atomic_load(&p->enabled) && !atomic_load(&p->dead)) {
-            emit(v, vcpu, p, REC_RET, p->addr, real);
+            /* what this instance saved (get_kretprobe_retaddr()): the trampoline when it
+             * was stacked on another kretprobe of the same call; the harness prints the
+             * kernel's own trampoline for it. uretprobes chain the real one instead
+             * (prepare_uretprobe(): ri->chained). */
+            emit(v, vcpu, p, REC_RET, p->addr,
+                 tramp == g_tramp && done[i]->ret_addr == tramp ? tramp : real);
         }
     }
     pthread_mutex_lock(&rp_lock);

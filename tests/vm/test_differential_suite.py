@@ -41,6 +41,10 @@ CASES = {
     "read path": (["p:rd vfs_read count=%dx:u64", "r:rdr vfs_read ret=$retval:s64"],
                   "head -c 20 /proc/version"),
     "sleeping return": (["r:ns do_nanosleep ret=$retval:s32"], "sleep 0.2"),
+    # the later instance saved the first one's trampoline and prints it: get_kretprobe_retaddr()
+    # and kretprobed() ("[unknown/kretprobe'd]"); found by kph fuzz
+    "two return probes on one call": (["r:ra do_sys_openat2", "r:rb do_sys_openat2 ret=$retval:s64"],
+                                      OPEN),
     # two tasks in do_nanosleep at once, entering in a known order: the first holds the one
     # instance for 2 s, the second (after a busy loop that sleeps nowhere) is missed. Two
     # sleeps started together race for the instance, and the winner differs between sides
