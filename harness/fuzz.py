@@ -364,7 +364,9 @@ class Oracle:
         specs = []
         for ln in lines:
             try:
-                specs.append(parse(ln, **self._parse_kw))
+                # the kernel's text only: a PATH:SYMBOL left (a mutated place) is its
+                # BAD_UPROBE_OFFS, not a symbol for the harness to look up
+                specs.append(parse(ln, uprobe_symbols=False, **self._parse_kw))
             except ProbeSpecError as exc:
                 return self._parse_refusal(ln, exc)
         try:

@@ -531,7 +531,7 @@ class KernelView:
 def parse(text: str, *,
           on_func_entry: Callable[[str, int], bool | None] | None = None,
           count_symbol: Callable[[str], int] | None = None,
-          kernel: KernelView | None = None) -> ProbeSpec:
+          kernel: KernelView | None = None, uprobe_symbols: bool = True) -> ProbeSpec:
     """Parse one ``kprobe_events`` line the way the kernel of ``kernel`` does (6.1 without
     one, the default image's).
 
@@ -548,6 +548,8 @@ def parse(text: str, *,
         refuses 0 (BAD_PROBE_ADDR, ENOENT) and more than 1 (NON_UNIQ_SYMBOL, EADDRNOTAVAIL)
         right after the return-probe check, before the event name and the arguments.
     :param kernel: the kernel's rules and facts; its callbacks replace the two above.
+    :param uprobe_symbols: take the harness's ``PATH:SYMBOL[+OFFS]`` uprobe places; False
+        parses as ``uprobe_events`` does, where only ``PATH:OFFSET`` is valid.
     :raise ProbeSpecError: when the kernel would refuse the line before looking anything up;
         ``column`` is the 0-based offset in ``text`` of the offending character, ``errno``
         the write's errno.
@@ -565,7 +567,7 @@ def parse(text: str, *,
     try:
         if line[0] == "-":
             return _parse_delete(toks, text)
-        return _parse_probe(toks, text, on_func_entry, count_symbol, kernel)
+        return _parse_probe(toks, text, on_func_entry, count_symbol, kernel, uprobe_symbols)
     except _Fail as exc:
         # The kernel splits the line into words (argv_split()) and logs the error against
         # the words joined by single spaces (trace_probe_log_err(): the "Command:" of
@@ -609,7 +611,7 @@ _KIND_NAMES = {"f": "fprobe events (f:)", "t": "tracepoint probes (t:)",
 def _parse_probe(toks: list[tuple[int, str]], text: str,
                  on_func_entry: Callable[[str, int], bool | None] | None,
                  count_symbol: Callable[[str], int] | None = None,
-                 kernel: KernelView | None = None) -> ProbeSpec:
+                 kernel: KernelView | None = None, uprobe_symbols: bool = True) -> ProbeSpec:
     rules = kernel.rules if kernel is not None else rules_for(None)
     h0, head = toks[0]
     kind = head[0]
@@ -625,7 +627,7 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     if "/" in toks[1][1]:
         # A target with a '/' is a file: a uprobe_events line (__trace_uprobe_create()).
         from .uprobespec import parse_uprobe
-        return parse_uprobe(toks, text, kernel)
+        return parse_uprobe(toks, text, kernel, symbols=uprobe_symbols)
     is_return = kind == "r"
     colon = head.find(":", 1)
     maxactive = 0

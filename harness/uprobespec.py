@@ -35,9 +35,11 @@ __all__ = ["parse_uprobe", "format_uprobe", "kernel_format_uprobe", "default_upr
            "resolve_symbol", "UPROBE_EVENT_SYSTEM"]
 
 
-def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None) -> ProbeSpec:
+def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None, *,
+                 symbols: bool = True) -> ProbeSpec:
     """``__trace_uprobe_create()`` for the tokens of one line (``[(column, token)]``);
-    ``kernel`` a :class:`harness.probespec.KernelView` (None: 6.1).
+    ``kernel`` a :class:`harness.probespec.KernelView` (None: 6.1). ``symbols``: take the
+    harness's ``PATH:SYMBOL`` form (False: only the kernel's ``PATH:OFFSET``).
 
     :raise _Fail: through :func:`harness.probespec.parse`, which makes it a ProbeSpecError.
     """
@@ -69,7 +71,7 @@ def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None) -> 
     rest, suffix = _return_suffix(rest, r0)
     is_return = is_return or suffix
     symbol = None
-    if rest[:1].isascii() and rest[:1].isdigit():
+    if not symbols or (rest[:1].isascii() and rest[:1].isdigit()):
         offset = kstrtoul(rest)
         if offset is None:
             raise _Fail("Invalid uprobe offset", r0)
