@@ -62,7 +62,7 @@ from .handlerctx import HandlerErrors, mark_thread, probe_name
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
                       kernel_rethook_trampoline,
                       KretprobeInstance, ProbeFlags, PtRegs)
-from .symbols import ReservedText, check_probe_address, kprobe_addr
+from .symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,11 @@ class HostEngine(HandlerErrors):
         # ("Kprobe handler expects regs->ip = ip + 1 as breakpoint hit",
         # kprobe_ftrace_handler(), ftrace.c), so does optimized_callback() (opt.c).
         regs = self._regs(th, {"ip": addr + INT3_INSN_SIZE})
+        if probes and probes[0].flags & ProbeFlags.FTRACE:
+            # kprobe_ftrace_handler() gets the regs ftrace_regs_caller saved, with
+            # "movq $0, ORIG_RAX(%rsp)" (arch/x86/kernel/ftrace_64.S: save_mcount_regs);
+            # an int3 exception frame has -1 there (entry_64.S: idtentry)
+            regs.orig_ax = 0
         for p in probes:
             p.nhit += 1
         for p in probes:
@@ -672,7 +677,7 @@ class HostEngine(HandlerErrors):
         # kernel/kprobes.c: _kprobe_addr() -> arch_adjust_kprobe_addr()
         # (arch/x86/kernel/kprobes/core.c): on IBT kernels (6.12, 7.3) a function starts
         # with ENDBR64, and sym+0 (or +4) is placed at +4.
-        addr, _ = kprobe_addr(addr, symbols=self.symbols, read=self.stub.read_memory)
+        addr, on_entry = kprobe_addr(addr, symbols=self.symbols, read=self.stub.read_memory)
         if self._reserved is None:      # jump label, static call and BUG() sites
             self._reserved = ReservedText.from_memory(self.symbols, self.stub.read_memory)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
@@ -682,6 +687,8 @@ class HostEngine(HandlerErrors):
             raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)
         p.addr = addr
+        if on_entry and is_ftrace_site(self.stub.read_memory(addr, 5)):
+            p.flags |= ProbeFlags.FTRACE
         # add_new_kprobe() puts a new probe at the head of the aggregate's list, so the
         # kernel runs probes at one address newest first; so does the host.
         # Code may have changed since an instruction was decoded (the guest's own kprobes

@@ -59,14 +59,14 @@ from typing import Any
 from .engine import EXCEPTION_ENTRIES, _arity
 from .errors import HarnessError, ProbeRejectedError
 from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
-from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
+from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
                      decode)
 from .plugin_handlers import HandlerDispatch
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors
-from .symbols import ReservedText, check_probe_address, kprobe_addr
+from .symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from .vmctl import register_host_engine
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,17 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
             raise ProbeRejectedError(f"{addr:#x} is the plugin's kretprobe trampoline (-EINVAL)",
                                      EINVAL, addr)
 
+    def ftrace_flag(self, addr: int) -> int:
+        """ADD_FTRACE for a kernel probe on a function's ``__fentry__`` site (an ftrace
+        kprobe in the kernel: its regs carry orig_ax 0, not an int3 frame's -1)."""
+        if addr < 0xFFFF800000000000:
+            return 0
+        try:
+            on_entry = kprobe_addr(addr, symbols=self.symbols, read=self.read)[1]
+            return ADD_FTRACE if on_entry and is_ftrace_site(self.read(addr, 5)) else 0
+        except HarnessError:
+            return 0
+
     def resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
         """``_kprobe_addr()``: symbol_name + offset, or addr + offset."""
         if symbol_name and addr is not None:
@@ -216,6 +227,8 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
         pid = next(self._ids)
         kind = PK_SPEC_R if ret else PK_SPEC_P
         flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE)
+        if user is None:
+            flags |= self.ftrace_flag(addr)
         ext = b""
         if user is not None:
             tramp, chain, ino = user
@@ -291,6 +304,7 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
                            maxactive: int = 0) -> int:
         self._ensure_channels()
         pid = next(self._ids)
+        flags |= self.ftrace_flag(addr)
         payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags, 0, 0)
         with self._lock:
             self._by_id[pid] = p

@@ -80,9 +80,13 @@ class HandlerDispatch:
         return min(held) if held else None
 
     def _regs(self, ev: Event, ch: Channel, values: dict[str, int] | None = None) -> PtRegs:
-        vals = {n: v for n, v in zip(REGS, ev.regs) if n != "orig_ax"}
+        vals = dict(zip(REGS, ev.regs))
+        orig_ax = vals.pop("orig_ax", None)     # -1 (int3 frame), 0 at an ftrace site
         vals.update(values or {})
-        return PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu)
+        regs = PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu)
+        if orig_ax is not None:
+            regs.orig_ax = orig_ax
+        return regs
 
     @staticmethod
     def _writes(regs: PtRegs, *, keep_ip: bool) -> dict[int, int]:

@@ -578,6 +578,14 @@ def kprobe_addr(addr: int, *, symbols: SymbolTable, read: ReadFn,
     return arch.adjust_kprobe_addr(sym.addr, off, read(sym.addr, 4) if off in (0, 4) else b"")
 
 
+def is_ftrace_site(code: bytes, arch: Arch = ARCH) -> bool:
+    """The first instruction at a function entry (after an ENDBR) is its ``__fentry__``
+    call site, so ``ftrace_location()`` holds it and a kprobe there is an ftrace probe
+    (``check_ftrace_location()``, kernel/kprobes.c: KPROBE_FLAG_FTRACE): the 5-byte NOP
+    ftrace left at boot, or the call it patched in for a user (the guest's own probe)."""
+    return code[:5] == getattr(arch, "nop5", None) or code[:1] == b"\xe8"
+
+
 def _containing(addr: int, symbols: SymbolTable) -> tuple[Symbol, int]:
     found = symbols.symbolize(addr)
     if found is None:

@@ -82,7 +82,10 @@ enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
 enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16 };
 enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
 enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_EXT = 16,
-       ADD_FLUSH = 32 };
+       ADD_FLUSH = 32,
+       /* an ftrace site (the harness decides, as check_ftrace_location() does): the
+        * regs a kprobe there sees are ftrace_regs_caller's, with orig_ax 0 */
+       ADD_FTRACE = 64 };
 #define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
 
 typedef struct probe {
@@ -1081,6 +1084,10 @@ static void on_site(unsigned int vcpu, void *ud)
         }
         if (!have) {
             read_context(v, s->addr);
+            if (p->flags & ADD_FTRACE) {
+                /* arch/x86/kernel/ftrace_64.S, save_mcount_regs: movq $0, ORIG_RAX(%rsp) */
+                v->regs[KREG_ORIG_AX] = 0;
+            }
             have = 1;
         }
         if (!filter_ok(v, p)) {

@@ -22,6 +22,8 @@ CASES = {
     "mid-function push": (["p:m1 do_sys_openat2+5 r12=%r12:x64 si=%si:x64"], OPEN),
     "mid-function mov": (["p:m2 do_sys_openat2+7 si=%si:x64 r12=%r12:x64"], OPEN),
     "ip convention": (["p:ip do_sys_openat2 ip=%ip:x64"], OPEN),
+    # an ftrace site's regs: orig_ax 0 (ftrace_64.S), not an int3 frame's -1 (kph fuzz)
+    "orig_ax at an ftrace site": (["p:oa do_sys_openat2 o=%orig_ax"], OPEN),
     "comm": (["p:c do_sys_openat2 comm=$comm"], OPEN),
     "stack entries": (["p:s do_sys_openat2 s0=$stack0:x64 s1=$stack1:x64"], OPEN),
     "symbol type": (["p:sym do_sys_openat2 caller=$stack0:symbol"], OPEN),
