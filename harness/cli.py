@@ -634,11 +634,10 @@ def _load_specs(args: argparse.Namespace) -> list[Any]:
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not lines:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
-    for ln in lines:
-        if ln.lstrip().startswith("-"):
-            raise SetupError(f"{ln!r} deletes probes; kph places the probe definitions it is "
-                             "given", "leave '-:' lines out (the guest's events are removed "
-                             "after the run)")
+    if all(ln.lstrip().startswith("-") for ln in lines):
+        raise SetupError(f"{lines[0]!r} deletes probes, and no line defines one",
+                         "give the definitions the -: lines delete (after `--`), e.g. "
+                         "kph diff --run true -- 'p:e do_sys_openat2' '-:e'")
     if args.kernel is not None:
         # no facts before boot: the grammar of the newest rules; the booted kernel's own
         # rules, BTF and symbols decide at registration (harness.backends.tracelayer)
@@ -890,7 +889,8 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
             pool = fuzz.symbol_pool(vm, workload)
         listed = [list(ex) for ex in fuzz.list_examples(pool, examples=args.examples,
                                                          seed=args.seed * 1000,
-                                                         rules=img.facts.rules)]
+                                                         rules=img.facts.rules,
+                                                         guest=args.guest)]
         out.progress.clear()
         for ex in listed:
             out.text("  |  ".join(ex))

@@ -183,9 +183,46 @@ class EventTable:
         """Record an accepted line (``dyn_event_add()``)."""
         self.defined.setdefault((spec.group, spec.event), []).append(spec)
 
+    def release(self, spec: ProbeSpec) -> list[ProbeSpec]:
+        """A ``-:[GROUP/]EVENT [MATCH...]`` line: ``dyn_event_release()``
+        (kernel/trace/trace_dynevent.c) frees every kprobe event ``trace_kprobe_match()``
+        (kernel/trace/trace_kprobe.c) takes: the name (or any, for ``GROUP/``), the group
+        when written, then ``trace_kprobe_match_command_head()``: ``SYM``, ``SYM+OFFS``
+        (decimal) or the probed address, and ``NAME=COMM`` of the first arguments
+        (``trace_probe_match_command_args()``). The freed lines leave the table and are
+        returned; none is the kernel's -ENOENT (the caller's, with no error_log entry)."""
+        gone = []
+        for key, olds in list(self.defined.items()):
+            keep = []
+            for old in olds:
+                if (not old.is_uprobe and (not spec.event or old.event == spec.event)
+                        and (not spec.group or old.group == spec.group)
+                        and _match_head(old, spec.match)):
+                    gone.append(old)
+                else:
+                    keep.append(old)
+            if keep:
+                self.defined[key] = keep
+            else:
+                del self.defined[key]
+        return gone
+
     def appended(self, spec: ProbeSpec) -> bool:
         """Whether ``spec`` would join an event that exists (a multi-probe event)."""
         return bool(self.defined.get((spec.group, spec.event)))
+
+
+def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
+    """``trace_kprobe_match_command_head()``: a raw-address probe prints as ``0x%p``
+    (hashed: no text a user writes matches it)."""
+    if not argv:
+        return True
+    if old.symbol is None:
+        return False
+    head = old.symbol_name + (f"+{old.offset}" if old.offset else "")
+    if argv[0] != head or len(argv) - 1 > len(old.args):
+        return False
+    return all(a == f"{p.name}={_comm(p)}" for a, p in zip(argv[1:], old.args))
 
 
 def resolve_fetch_symbols(spec: ProbeSpec, lookup: Callable[[str], int | None]

@@ -130,7 +130,7 @@ def symbol_pool(vm: Any, workload: str) -> list[str]:
 
 # -- strategies -------------------------------------------------------------------------
 
-def strategies(pool: list[str], *, rules: Any = None) -> Any:
+def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> Any:
     """A Hypothesis strategy of examples: tuples of one (mostly) or two lines.
 
     Three of five examples are well formed from end to end (they reach registration and,
@@ -141,7 +141,8 @@ def strategies(pool: list[str], *, rules: Any = None) -> Any:
     The grammar is the booted kernel's (``rules``, :class:`harness.kernelrules.KernelRules`,
     default 6.1's): its fetch types, and the constructs its series added (BTF names and
     ``$arg*``, ``%pd``/``%pD``, ``$current``, ``this_cpu_*()``, typecasts) are drawn where it
-    has them, and offered as defects where it does not.
+    has them, and offered as defects where it does not. With ``guest="module"`` no uprobe
+    and no ``-:`` line is drawn: the module registers kprobes and has neither.
     """
     from hypothesis import strategies as st
 
@@ -243,7 +244,7 @@ def strategies(pool: list[str], *, rules: Any = None) -> Any:
                   st.lists(st.tuples(aname, st.one_of(st.just("$retval"), ufetch), utype)
                            .map(argtext), max_size=2)))
 
-    good_parts = st.one_of(p_line, p_line, r_line, u_line)
+    good_parts = st.one_of(p_line, p_line, r_line, *([u_line] if guest != "module" else []))
     good = good_parts.map(line)
 
     # -- one defect each
@@ -298,8 +299,16 @@ def strategies(pool: list[str], *, rules: Any = None) -> Any:
     same_event = st.tuples(
         st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line),
         st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line))
+    # a -: line after a definition (dyn_event_release(): by name, group, place, arguments)
+    release = st.tuples(
+        st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line),
+        st.one_of(st.sampled_from(["-:kph/e", "-:e", "-:kph/", "-:kph/x", "-:x/e", "-:"]),
+                  syms.map(lambda s: f"-:kph/e {s}")))
+    if guest == "module":
+        defective = defective.filter(lambda s: not s.lstrip().startswith("-"))
     return st.one_of(good.map(lambda s: (s,)), good.map(lambda s: (s,)),
-                     good.map(lambda s: (s,)), defective.map(lambda s: (s,)), same_event)
+                     good.map(lambda s: (s,)), defective.map(lambda s: (s,)), same_event,
+                     *([release] if guest != "module" else []))
 
 
 # -- the oracle -------------------------------------------------------------------------
@@ -449,8 +458,9 @@ def repro_line(f: Finding, *, image: str | None = None, guest: str = "events",
                workload: str = DEFAULT_WORKLOAD) -> str:
     """The ``kph diff`` one-liner that shows ``f`` again."""
     opts = (f" --image {image}" if image else "") + (f" --guest {guest}" if guest != "events" else "")
-    return "kph diff" + opts + " " + " ".join(shlex.quote(ln) for ln in f.lines) + \
-        f" --run {shlex.quote(workload)}"
+    # "--" first: a -: line would read as an option
+    return "kph diff" + opts + f" --run {shlex.quote(workload)} -- " + \
+        " ".join(shlex.quote(ln) for ln in f.lines)
 
 
 # -- running ----------------------------------------------------------------------------
@@ -486,7 +496,7 @@ def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
     # Examples past MAX_TRACE_ARGS are generated on purpose; the parser's warning about
     # them (one per example) is not news here.
     logging.getLogger("harness.probespec").setLevel(logging.ERROR)
-    strat = strategies(symbol_pool(vm, workload), rules=vm.facts.rules)
+    strat = strategies(symbol_pool(vm, workload), rules=vm.facts.rules, guest=guest)
     known: set[str] = set()
     t0 = time.monotonic()
     say = progress or (lambda s: None)
@@ -565,7 +575,7 @@ def _is_flaky(exc: BaseException) -> bool:
 
 
 def list_examples(pool: list[str], *, examples: int, seed: int,
-                  rules: Any = None) -> list[tuple[str, ...]]:
+                  rules: Any = None, guest: str = "events") -> list[tuple[str, ...]]:
     """The examples a run with ``seed`` draws first on a kernel of ``rules`` (no database,
     nothing judged): the same list every time."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -578,7 +588,7 @@ def list_examples(pool: list[str], *, examples: int, seed: int,
 
     test = settings(max_examples=examples, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate])(
-        given(strategies(pool, rules=rules))(body))
+        given(strategies(pool, rules=rules, guest=guest))(body))
     hseed(seed)(test)()
     return out[:examples]
 

@@ -104,6 +104,12 @@ class EventsBackend:
         for spec in specs:
             line = shlex.quote(guest_line(spec))
             enable = f"events/{spec.group}/{spec.event}/enable"
+            if spec.kind == "-":        # dyn_event_release(): nothing to enable after it
+                script.append(
+                    f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; "
+                    "then echo '@ok'; else echo \"@err $(cat /tmp/kph.err)\"; "
+                    "grep 'error:' error_log | tail -n 1; fi")
+                continue
             script.append(
                 f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
                 f"if echo 1 > {enable} 2>/tmp/kph.err; then echo 0 > {enable}; echo '@ok'; "
@@ -123,7 +129,8 @@ class EventsBackend:
             detail = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("@") else ""
             i += 1
             if status == "@ok":
-                self.specs.setdefault(name, spec)
+                if spec.kind != "-":
+                    self.specs.setdefault(name, spec)
                 out.append(Outcome(name, True, index=n))
             else:
                 msg = status[5:].strip().rsplit("write error: ", 1)[-1]
@@ -141,14 +148,17 @@ class EventsBackend:
             return {}
         # Unquoted: the substitution's newlines become spaces (one CPU per line, else).
         script = [f"cd {TRACING}", "echo @cpus $(ls per_cpu)"]
-        for name in self.specs:
-            script.append(f"echo '@fmt {name}'; cat events/{name}/format")
+        for name in self.specs:     # an event a later -: line freed has no format left
+            script.append(f"if [ -e events/{name}/format ]; then echo '@fmt {name}'; "
+                          f"cat events/{name}/format; else echo '@gone {name}'; fi")
         text = self._sh("\n".join(script), timeout=60)
         out: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
         for chunk in text.split("@")[1:]:
             head, _, body = chunk.partition("\n")
             if head.startswith("cpus "):
                 self._cpus = [int(c[3:]) for c in head.split()[1:] if c[3:].isdigit()]
+            elif head.startswith("gone "):
+                self.specs.pop(head[5:].strip(), None)
             elif head.startswith("fmt "):
                 name = head[4:].strip()
                 try:
@@ -166,7 +176,7 @@ class EventsBackend:
         return out
 
     def _with_mode(self, o: Outcome, spec: ProbeSpec, modes: dict[int, str]) -> Outcome:
-        if not o.accepted:
+        if not o.accepted or spec.kind == "-":
             return o
         if spec.is_uprobe:
             return Outcome(o.probe, True, mode="uprobe", index=o.index)

@@ -150,6 +150,8 @@ class HostBackend:
         self.recording = False
         self._hits: list[Hit] = []
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
+        #: the probe placed for each accepted line (id of its spec), for `-:` lines
+        self._placed: dict[int, Kprobe | Kretprobe | Uprobe] = {}
         self._returns: dict[str, int] = {}
         self.layer: TraceLayer | None = None
         self._comm_probe: Kprobe | None = None
@@ -168,6 +170,9 @@ class HostBackend:
         out = []
         for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
+            if spec.kind == "-":
+                out.append(self._release(layer, spec, name, i))
+                continue
             adm = layer.admit(spec)
             spec = adm.spec          # as the booted kernel parsed it
             reason = adm.reason
@@ -195,6 +200,7 @@ class HostBackend:
                 else:
                     layer.registered(spec, None)
                     self._probes.append((name, p))
+                    self._placed[id(spec)] = p
                     out.append(Outcome(name, True, mode="host", index=i))
                     continue
             elif adm.pending:
@@ -206,6 +212,26 @@ class HostBackend:
             else:
                 out.append(Outcome(name, True, mode="host", index=i, pending=adm.pending))
         return out
+
+    def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
+        unregistered; none matching is -ENOENT."""
+        gone, ref = layer.release(spec)
+        if ref is not None:
+            return Outcome.rejected(name, ref.errno, ref.message, index=i,
+                                    reason="no event matches it (dyn_event_release())")
+        for s in gone:
+            p = self._placed.pop(id(s), None)
+            if p is None:
+                continue                    # kept unregistered (pending): nothing placed
+            self._probes = [(n, q) for n, q in self._probes if q is not p]
+            if isinstance(p, Uprobe):
+                self.engine.unregister_uprobe(p)
+            elif isinstance(p, Kretprobe):
+                self.engine.unregister_kretprobe(p)
+            else:
+                self.engine.unregister_kprobe(p)
+        return Outcome(name, True, mode="host", index=i)
 
     def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe | Uprobe:
         if spec.is_uprobe:

@@ -471,7 +471,10 @@ class ModuleBackend:
         for index, spec in batch:
             name = f"{spec.group}/{spec.event}"
             if spec.kind == "-":
-                raise ValueError(f"{spec.text or name!r} deletes a probe; register adds them")
+                results.append(Outcome.rejected(
+                    name, _errno.EINVAL, "kph_kprobes.ko has no -: lines (dyn_event_release() "
+                    "is kprobe_events'); compare them with --guest events", index=index))
+                continue
             if spec.is_uprobe:
                 results.append(Outcome.rejected(
                     name, _errno.EINVAL, "kph_kprobes.ko registers kprobes only; compare "

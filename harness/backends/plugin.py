@@ -112,6 +112,9 @@ class PluginBackend:
         out = []
         for i, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
+            if spec.kind == "-":
+                out.append(self._release(layer, spec, name, i))
+                continue
             adm = layer.admit(spec)
             spec = adm.spec          # as the booted kernel parsed it
             reason = adm.reason
@@ -139,6 +142,22 @@ class PluginBackend:
             else:
                 out.append(Outcome(name, True, mode="plugin", index=i, pending=adm.pending))
         return out
+
+    def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
+        removed; none matching is -ENOENT."""
+        gone, ref = layer.release(spec)
+        if ref is not None:
+            return Outcome.rejected(name, ref.errno, ref.message, index=i,
+                                    reason="no event matches it (dyn_event_release())")
+        gone_ids = {id(s) for s in gone}
+        for ev, ps in list(self._probes.items()):
+            for p in [p for p in ps if id(self._specs[p.id][0]) in gone_ids]:
+                self.engine.remove_probe(p)
+                ps.remove(p)
+            if not ps:
+                del self._probes[ev]
+        return Outcome(name, True, mode="plugin", index=i)
 
     def _place(self, spec: ProbeSpec) -> Any:
         """One admitted line as a plugin probe (registered disabled; ``enable`` arms)."""

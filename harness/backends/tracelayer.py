@@ -305,6 +305,14 @@ class TraceLayer:
             return Admission(spec, pending=self._pending_reason(spec))
         return Admission(spec, ref)
 
+    def release(self, spec: ProbeSpec) -> tuple[list[ProbeSpec], Refusal | None]:
+        """A ``-:`` line: the lines it frees (``EventTable.release``), or -ENOENT when it
+        matches none (``dyn_event_release()`` logs nothing then)."""
+        gone = self.table.release(spec)
+        if not gone:
+            return [], Refusal(_errno.ENOENT, os.strerror(_errno.ENOENT), 0)
+        return gone, None
+
     def accept_pending(self, spec: ProbeSpec) -> None:
         self.table.add(spec)
 

@@ -87,12 +87,17 @@ def test_verdicts_name_refusals_and_stderr():
     assert not res.equivalent and res.first.field == "registration"
 
 
-def test_deletion_lines_are_a_usage_error(tmp_path):
+def test_deletion_lines_alone_are_a_usage_error(tmp_path):
+    """-: lines are mirrored (dyn_event_release()), after the definitions they delete; a
+    run of nothing but deletions is a usage error."""
     f = tmp_path / "specs"
-    f.write_text("p:kprobes/testevent kernel_clone\n-:kprobes/testevent\n")
+    f.write_text("-:kprobes/testevent\n")
     r = _kph("diff", "-f", str(f), "--run", "true", "--kernel", "/nonexistent")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "deletes probes" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    f.write_text("p:kprobes/testevent kernel_clone\n-:kprobes/testevent\n")
+    r = _kph("diff", "-f", str(f), "--run", "true", "--kernel", "/nonexistent")
+    assert r.returncode == 2 and "deletes probes" not in r.stderr      # the kernel path
 
 
 # -- the output convention (docs/cli.md) ---------------------------------------------------
