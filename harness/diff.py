@@ -8,7 +8,9 @@ Normalizations, all listed here and named in every report (nothing else is norma
 
 - ``agent``: hits whose comm is ``qemu-ga`` are left out on both sides. They are the
   harness's own guest agent switching tracing on and off, at moments the two sides see
-  differently by construction.
+  differently by construction. A child the agent forked hits before it execs the
+  command (comm ``qemu-ga`` host-side); the trace prints that hit under the comm the pid
+  took by the exec (``comm-change``), and it is left out too.
 - ``trampoline``: when a host-side return probe and an in-guest one sit on the same
   function, the host hijacks the return address first, so the guest's record shows the
   host trampoline (``_etext+0x0``; for uretprobes the padding address past the program's
@@ -166,6 +168,26 @@ def _relevant(hits: list[Hit]) -> list[Hit]:
     return [h for h in hits if h.comm not in AGENT_COMMS]
 
 
+def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
+    """Side ``b``'s hits that are side ``a``'s agent hits under a later comm: a child the
+    agent forked hits before it execs (it opens /dev/null for the command's stdin), side
+    ``a`` (the host) saw comm ``qemu-ga`` there, and the trace prints the comm the pid had
+    when ``saved_cmdlines`` caught it, after the exec (``comm-change``). Per pid, as many
+    of ``b``'s first hits of that pid as ``a`` left out, when their comm is one the pid
+    took after ``a``'s hit."""
+    owed: dict[int, list[Hit]] = {}
+    for h in a:
+        if h.comm in AGENT_COMMS and h.pid is not None and h.comm_alts:
+            owed.setdefault(h.pid, []).append(h)
+    out = []
+    for h in b:
+        left = owed.get(h.pid) if h.pid is not None else None
+        if left and h.probe == left[0].probe and h.comm in left[0].comm_alts:
+            left.pop(0)
+            out.append(h)
+    return out
+
+
 def _fields(h: Hit) -> dict[str, str]:
     out = {"kind": h.kind, "comm": h.comm, "ip": h.ip, "ret_from": h.ret_from or ""}
     if h.pid is not None:
@@ -204,10 +226,14 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             res.divergences.append(Divergence(
                 label, "registration", -1, _outcome_text(x), _outcome_text(y)))
     ha, hb = _relevant(a.hits), _relevant(b.hits)
+    renamed = _agent_in_b(a.hits, hb)
+    if renamed:
+        gone = {id(h) for h in renamed}
+        hb = [h for h in hb if id(h) not in gone]
     res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb))
     for side, hits in ((0, a.hits), (1, b.hits)):
         for h in hits:
-            if h.comm in AGENT_COMMS:
+            if h.comm in AGENT_COMMS or (side == 1 and any(h is r for r in renamed)):
                 n = list(res.left_out.get(h.probe, (0, 0)))
                 n[side] += 1
                 res.left_out[h.probe] = (n[0], n[1])

@@ -181,7 +181,11 @@ def build_module(tc: Toolchain, sources: list[Path], name: str, dest: Path) -> N
             raise SetupError(f"building {name}.ko took more than {BUILD_TIMEOUT} s") from exc
         ko = Path(tmp) / f"{name}.ko"
         if proc.returncode != 0 or not ko.exists():
-            why = (proc.stderr or proc.stdout).strip()[-400:]
+            text = (proc.stderr or proc.stdout).strip()
+            # the compiler's first error names the cause; make's last lines only say "Error 1"
+            first = next((ln.strip() for ln in text.splitlines() if " error: " in ln
+                          or ln.startswith("error:")), "")
+            why = (first + " ... " if first else "") + text[-300:]
             hint = f"check {sources[0].parent} and {tc.describe()}"
             if tc.kind == "chroot" and ("unshare" in why or "Operation not permitted" in why):
                 hint = ("building for this kernel needs a chroot: run as root, or allow "

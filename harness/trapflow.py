@@ -123,6 +123,12 @@ class _Observer:
         stub, steps, prev = self.stub, [], {}
         self.arm(observers)
         out: dict[str, Any] = {}
+        # The demo holds the guest stopped at each step while it reads registers and code
+        # (seconds on a loaded machine): the workload's vm.run must wait, not take that
+        # for a stuck guest (Machine's stall check asks the stop holders first).
+        def holder() -> None:
+            return None
+        self.vm.add_stop_holder(holder)
         t = threading.Thread(target=lambda: out.setdefault("r", self.vm.run(workload, timeout=timeout)))
         stub.cont()
         t.start()
@@ -182,6 +188,7 @@ class _Observer:
             self.disarm()
             stub.cont()
             t.join(timeout)
+            self.vm.remove_stop_holder(holder)
 
 
 def _module(vm: Any, post: bool) -> Any:

@@ -121,3 +121,20 @@ def test_values_fetched_from_a_hijacked_return_ip_follow_the_trampoline_rule():
     # the host did not say the argument came from %ip: compared
     assert not cmp(ret("host", "0x401711", "0x8b48c389", ret_ip_args=()),
                    ret("events", "0x478cb1", "0x0")).equivalent
+
+
+def test_an_agent_child_s_hit_under_its_later_comm_is_left_out_on_both_sides():
+    """The agent's forked child opens /dev/null before it execs sh: the host saw comm
+    qemu-ga (and, later, sh); the trace prints sh. Only as many of the guest's first hits
+    of that pid as the host left out go; sh's own hits after the exec are compared."""
+    def h(side, seq, comm, alts=()):
+        return Hit(side=side, probe="kprobes/open", kind="p", seq=seq, cpu=0, pid=9, comm=comm,
+                   ip="do_sys_openat2+0x0/0x170", args=(("dfd", "-100"),), comm_alts=alts)
+    host = [h("host", 0, "qemu-ga", ("sh", "cat")), h("host", 1, "sh", ("cat",)), h("host", 2, "cat")]
+    guest = [h("events", 0, "sh"), h("events", 1, "sh"), h("events", 2, "cat")]
+    res = compare(run("host", host), run("events", guest))
+    assert res.equivalent and res.matched == {"kprobes/open": 2}
+    assert res.applied["agent"] == 2
+    # without the host's agent hit nothing is left out of the guest's side
+    res = compare(run("host", host[1:]), run("events", guest))
+    assert not res.equivalent

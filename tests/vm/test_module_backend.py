@@ -176,7 +176,9 @@ def test_agrees_with_tracefs(vm, backend):
             assert h.ip == e.ip_text
         else:
             assert h.ret_from == e.ret_from == "do_sys_openat2"
-            assert h.ip == "arch_rethook_trampoline+0x0/0x60"
+            # the saved address is the rethook trampoline, which the trace prints as
+            # kretprobed() does (kernel/trace/trace_output.c)
+            assert h.ip == "[unknown/kretprobe'd]"
             assert e.ip_text.startswith("__x64_sys_openat+")
     opened = [h for h in mine if h.kind == "p" and h.arg("path") == '"/proc/version"']
     assert opened[0].arg("kpath") == '"/proc/version"'      # kernel-typed read of a user

@@ -115,6 +115,13 @@ CASES = [
                                       "p:kprobes/testevent do_exit",
                                       "p:kprobes/testevent kernel_clone $stack"], FORK,
       "hit", "hit", EEXIST_ARG),
+    # "-:EVENT" removes both probes; "-:EVENT SYM1" only kernel_clone's (dyn_event_release())
+    C("kprobe/kprobe_multiprobe.tc", ["p:kprobes/testevent kernel_clone",
+                                      "p:kprobes/testevent do_exit",
+                                      "-:kprobes/testevent"], FORK, "ok", "ok", "ok"),
+    C("kprobe/kprobe_multiprobe.tc", ["p:kprobes/testevent kernel_clone",
+                                      "p:kprobes/testevent do_exit",
+                                      "-:kprobes/testevent kernel_clone"], FORK, "ok", "hit", "ok"),
     C("kprobe/kprobe_syntax_errors.tc", "p vfs_read+3", "true",
       "EILSEQ: Probe point is not an instruction boundary"),
     C("kprobe/kprobe_syntax_errors.tc", ["p:kprobes/testevent kernel_clone",
@@ -218,9 +225,6 @@ SKIPPED = {
     "kprobe/busy_check.tc: 'echo > kprobe_events' refused while an event is enabled":
         "a property of clearing kprobe_events, not of a probe definition (its definition is "
         "in CASES)",
-    "kprobe/kprobe_multiprobe.tc: '-:kprobes/testevent kernel_clone' removes one probe":
-        "deleting lines is not placing probes: the harness registers, the guest's tracefs "
-        "deletes at cleanup",
     "dynevent/clear_select_events.tc, dynevent/generic_clear_event.tc":
         "their kprobe definitions are add_remove_kprobe.tc's (in CASES); what they test is "
         "synthetic events ('s:') and '!' removal, which are not probe definitions",
@@ -237,11 +241,11 @@ def test_selftest_case(probe_diff, case):
     check_case(probe_diff, case, probe_diff.vm.facts.series)
 
 
-#: The cases with the harness's module as the in-guest side (uprobe lines have none);
+#: The cases with the harness's module as the in-guest side (uprobe lines and -: lines have none);
 #: the ones written for the module above are already there.
 MODULE_CASES = [dataclasses.replace(c, guest="module") for c in CASES
                 if c.guest == "events" and not any(
-                    "/" in (s.split() + ["", ""])[1] and not s.startswith("-") for s in c.specs)]
+                    s.startswith("-") or "/" in (s.split() + ["", ""])[1] for s in c.specs)]
 
 
 @pytest.mark.parametrize("case", MODULE_CASES, ids=ids(MODULE_CASES, case_id))

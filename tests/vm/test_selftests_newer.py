@@ -111,6 +111,13 @@ _KPROBE = [
                                       "p:kprobes/testevent do_exit",
                                       "p:kprobes/testevent kernel_clone $stack"], FORK,
       "hit", "hit", EEXIST_ARG),
+    # "-:EVENT" removes both probes; "-:EVENT SYM1" only kernel_clone's (dyn_event_release())
+    C("kprobe/kprobe_multiprobe.tc", ["p:kprobes/testevent kernel_clone",
+                                      "p:kprobes/testevent do_exit",
+                                      "-:kprobes/testevent"], FORK, "ok", "ok", "ok"),
+    C("kprobe/kprobe_multiprobe.tc", ["p:kprobes/testevent kernel_clone",
+                                      "p:kprobes/testevent do_exit",
+                                      "-:kprobes/testevent kernel_clone"], FORK, "ok", "hit", "ok"),
     C("kprobe/kprobe_syntax_errors.tc", "p vfs_read+3", "true",
       "EILSEQ: Probe point is not an instruction boundary"),
     C("kprobe/kprobe_syntax_errors.tc", ["p:kprobes/testevent kernel_clone",
@@ -288,8 +295,6 @@ _SKIPPED_COMMON = {
         "trace_printk.ko is not built (CONFIG_SAMPLES is off in Debian's kernels)",
     "kprobe/busy_check.tc: 'echo > kprobe_events' refused while an event is enabled":
         "a property of clearing kprobe_events, not of a probe definition",
-    "kprobe/kprobe_multiprobe.tc: '-:kprobes/testevent kernel_clone' removes one probe":
-        "deleting lines is not placing probes",
     "dynevent/clear_select_events.tc, generic_clear_event.tc":
         "their kprobe definitions are add_remove_kprobe.tc's; they test synthetic events",
     "dynevent/test_duplicates.tc: the 'e:' lines": "eprobes: the harness has no eprobe side",
@@ -365,7 +370,7 @@ def test_own_selftest_case(series, case, diff):
 
 def _kprobe_only(c) -> bool:
     return c.guest == "events" and not any(
-        "/" in (s.split() + ["", ""])[1] and not s.startswith("-") for s in c.specs)
+        s.startswith("-") or "/" in (s.split() + ["", ""])[1] for s in c.specs)
 
 
 def _hot(c) -> bool:
@@ -378,7 +383,7 @@ def _hot(c) -> bool:
 
 
 #: The same cases with the harness's module as the in-guest side (its register_kprobe()
-#: and the trace layer's per-kernel parse); uprobe lines have no module side.
+#: and the trace layer's per-kernel parse); uprobe and -: lines have no module side.
 _MODULE_PARAMS = [(s, dataclasses.replace(c, guest="module")) for s, c in _CASE_PARAMS
                   if _kprobe_only(c) and not _hot(c)]
 
