@@ -225,13 +225,16 @@ class HostBackend:
             if p is None:
                 continue                    # kept unregistered (pending): nothing placed
             self._probes = [(n, q) for n, q in self._probes if q is not p]
-            if isinstance(p, Uprobe):
-                self.engine.unregister_uprobe(p)
-            elif isinstance(p, Kretprobe):
-                self.engine.unregister_kretprobe(p)
-            else:
-                self.engine.unregister_kprobe(p)
+            self._unregister(p)
         return Outcome(name, True, mode="host", index=i)
+
+    def _unregister(self, p: Kprobe | Kretprobe | Uprobe) -> None:
+        if isinstance(p, Uprobe):
+            self.engine.unregister_uprobe(p)
+        elif isinstance(p, Kretprobe):
+            self.engine.unregister_kretprobe(p)
+        else:
+            self.engine.unregister_kprobe(p)
 
     def _make(self, spec: ProbeSpec, name: str) -> Kprobe | Kretprobe | Uprobe:
         if spec.is_uprobe:
@@ -456,12 +459,7 @@ class HostBackend:
             self._comm_probe = None
         for _, p in probes:
             try:
-                if isinstance(p, Uprobe):
-                    self.engine.unregister_uprobe(p)
-                elif isinstance(p, Kretprobe):
-                    self.engine.unregister_kretprobe(p)
-                else:
-                    self.engine.unregister_kprobe(p)
+                self._unregister(p)
             except HandlerError as exc:
                 handler_error = handler_error or exc
             except HarnessError as exc:
