@@ -41,6 +41,11 @@ STALL_CHECK_INTERVAL = 0.5
 HANDLER_STUCK_TIMEOUT = 20.0
 #: The calls a host-side engine runs with the guest halted (register, read, close).
 ENGINE_CALL_TIMEOUT = 30.0
+#: A settled halt (HostEngine.halted(settle=True)): tries, the pause between them, and
+#: how much of a vCPU's stack is read for a hit under way.
+SETTLE_TRIES = 25
+SETTLE_PAUSE = 0.002
+SETTLE_SCAN = 4096
 #: ``kph doctor`` and ``--accel kvm``: a one-instruction guest must finish in this long.
 KVM_PROBE_TIMEOUT = 5.0
 #: Grace time for QEMU to exit after ``quit`` before it is killed.

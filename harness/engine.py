@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable
 
 from . import constants as C
 from .emulate import Emulation, decode
-from .errors import HandlerError, HarnessError, ProbeRejectedError, VMLostError
+from .errors import GdbMIError, HandlerError, HarnessError, ProbeRejectedError, VMLostError
 from .gdbstub import GdbStub, Stop
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
@@ -85,6 +85,13 @@ EXCEPTION_ENTRIES = {
 #: Vectors whose exception frame starts with an error code.
 ERROR_CODE_VECTORS = {8, 10, 11, 12, 13, 14, 17, 21}
 _GENERAL = tuple(PT_REGS_FIELDS.values())
+_CALL_INSN_SIZE = 5      # the call an ftrace site holds (MCOUNT_INSN_SIZE)
+_KERNEL_SPACE = 0xFFFF800000000000
+_STACK_SIZE = 16384      # THREAD_SIZE, and IRQ_STACK_SIZE, on x86_64
+#: GDB's refusal of a command while it has the target running, and how often a request
+#: that met it is served again after a fresh halt
+_TARGET_RUNNING = ("while the target is running", "Selected thread is running")
+_REHALTS = 3
 _MAX_CHAIN = 64          # probes handled back to back before resuming regardless
 _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 
@@ -129,6 +136,8 @@ class HostEngine(HandlerErrors):
         self._closing = False
         self._final_resume: int | None = None
         self._fatal: BaseException | None = None
+        self._again: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._rehalted: dict[int, int] = {}
         self._uprobes: Any = None
         self._task_off = {m: self._btf_offset("task_struct", m) for m in ("pid", "comm")}
         if self._task_off["comm"] is None:
@@ -156,7 +165,12 @@ class HostEngine(HandlerErrors):
         resume_at: int | None = None
         try:
             while True:
-                self._serve_requests()
+                if self._serve_requests():
+                    # GDB had the target running under a stop taken for current (a stop
+                    # that crossed a resume): halt for real, then serve the request again
+                    self.stats["rehalts"] += 1
+                    resume_at = self._on_stop(self.stub.interrupt())
+                    continue
                 if self._closing:
                     # The last hit's resume address must not be lost: after an emulated
                     # instruction the vCPU still sits on it (a plain continue would run it
@@ -187,21 +201,40 @@ class HostEngine(HandlerErrors):
             log.debug("dispatcher stopped: %r", exc)
             self._fail_requests(exc)
 
-    def _serve_requests(self) -> None:
+    def _serve_requests(self) -> bool:
+        """Run the queued calls; True when one met GDB with the target running (it is
+        queued again, first, for after a real halt; at most ``_REHALTS`` times)."""
         while _readable(self._wake_r):
             os.read(self._wake_r, 4096)
         while True:
-            try:
-                fn, fut = self._requests.get_nowait()
-            except queue.Empty:
-                return
-            if fut.set_running_or_notify_cancel():
+            if self._again:
+                fn, fut = self._again.pop(0)
+            else:
                 try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
+                    fn, fut = self._requests.get_nowait()
+                except queue.Empty:
+                    return False
+                if not fut.set_running_or_notify_cancel():
+                    continue
+            try:
+                fut.set_result(fn())
+            except GdbMIError as exc:
+                tries = self._rehalted.get(id(fut), 0)
+                if any(t in str(exc) for t in _TARGET_RUNNING) and tries < _REHALTS:
+                    log.debug("GDB has the target running (%s); halting again", exc)
+                    self._rehalted[id(fut)] = tries + 1
+                    self.stub.running = True
+                    self._again.insert(0, (fn, fut))
+                    return True
+                fut.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            self._rehalted.pop(id(fut), None)
 
     def _fail_requests(self, exc: BaseException) -> None:
+        while self._again:
+            _, fut = self._again.pop(0)
+            fut.set_exception(VMLostError(f"host-side probes stopped: {exc}"))
         while True:
             try:
                 _, fut = self._requests.get_nowait()
@@ -916,10 +949,92 @@ class HostEngine(HandlerErrors):
     def write(self, addr: int, data: bytes) -> None:
         self._call(lambda: self.stub.write_memory(addr, data))
 
-    def halted(self, fn: Callable[[], Any]) -> Any:
+    def halted(self, fn: Callable[[], Any], *, settle: bool = False) -> Any:
         """Run ``fn`` with the guest halted, as one step: no guest instruction runs between
-        what it does (arming probes and switching the guest's tracing at the same instant)."""
-        return self._call(fn)
+        what it does (arming probes and switching the guest's tracing at the same instant).
+
+        ``settle``: choose a halt where no vCPU is inside the kernel's handling of a hit
+        (:meth:`in_flight`): the host records a hit at its breakpoint, the guest's probe
+        records it in its handler, later (and a return probe the other way round), so a
+        vCPU the halt catches between the two would be counted by one side only. Up to
+        ``C.SETTLE_TRIES`` halts, the guest running a moment between them; the last one
+        is taken regardless (``stats["unsettled"]``)."""
+        if not settle:
+            return self._call(fn)
+        for attempt in range(C.SETTLE_TRIES):
+            last = attempt == C.SETTLE_TRIES - 1
+
+            def go() -> tuple[bool, Any]:
+                busy = self.in_flight()
+                if busy and not last:
+                    return False, busy
+                if busy:
+                    self.stats["unsettled"] += 1
+                    log.debug("no settled halt in %d tries: %s", C.SETTLE_TRIES, busy)
+                return True, fn()
+            done, val = self._call(go)
+            if done:
+                return val
+            self.stats["settle_retries"] += 1
+            time.sleep(C.SETTLE_PAUSE)
+        raise AssertionError("unreachable")
+
+    def in_flight(self) -> list[str]:
+        """The vCPUs inside the kernel's handling of a hit at one of this engine's probe
+        addresses, with the guest halted: its stack (from ``rsp``, at most
+        ``C.SETTLE_SCAN`` bytes, inside its 16 KiB stack) holds ``addr + 1``, which the
+        int3 exception frame holds (arch/x86/kernel/kprobes/core.c:
+        kprobe_int3_handler()) and ``kprobe_ftrace_handler()`` and
+        ``optimized_callback()`` write to the pt_regs they hand on; or ``addr + 5``, the
+        return address of an ftrace site's call (arch/x86/kernel/ftrace_64.S); or its pc
+        or a return address lies in the kernel's kretprobe trampoline
+        (``arch_rethook_trampoline``, arch/x86/kernel/rethook.c), where a return probe's
+        handler runs. A stale value in a frame only costs a retry."""
+        marks: set[int] = set()
+        for addr, probes in self._aggr.items():
+            marks.add(addr + INT3_INSN_SIZE)
+            if any(p.flags & ProbeFlags.FTRACE for p in probes):
+                marks.add(addr + _CALL_INSN_SIZE)
+        lo = hi = 0
+        name = next((n for n in ("arch_rethook_trampoline", "__kretprobe_trampoline",
+                                 "kretprobe_trampoline") if self.symbols.get(n)), None)
+        if name is not None:
+            sym = self.symbols.get(name)
+            lo, hi = sym.addr, sym.addr + max(sym.size, 1)
+        if not marks and not lo:
+            return []
+        busy = []
+        cur = self.stub.current_thread
+        try:
+            for th in range(1, self.vm.smp + 1):
+                try:
+                    if th != self.stub.current_thread:
+                        self.stub.select_thread(th)
+                    r = self.stub.read_registers(("rsp", "rip"))
+                except HarnessError:
+                    continue
+                sp, pc = r.get("rsp", 0), r.get("rip", 0)
+                if pc < _KERNEL_SPACE or sp < _KERNEL_SPACE:
+                    continue            # in user mode: no kernel handler under way
+                if lo <= pc < hi:
+                    busy.append(f"cpu{th - 1} at {pc:#x}")
+                    continue
+                top = (sp | (_STACK_SIZE - 1)) + 1
+                n = min(C.SETTLE_SCAN, top - sp) & ~7
+                try:
+                    data = self.stub.read_memory(sp, n) if n > 0 else b""
+                except HarnessError:
+                    continue
+                for i in range(0, len(data), 8):
+                    v = int.from_bytes(data[i:i + 8], "little")
+                    if v in marks or lo <= v < hi:
+                        busy.append(f"cpu{th - 1} at {pc:#x} ({v:#x} at {sp + i:#x})")
+                        break
+        finally:
+            # a pending ``-exec-jump`` must move the vCPU that stopped
+            if cur is not None and self.stub.current_thread != cur:
+                self.stub.select_thread(cur)
+        return busy
 
     def list(self) -> str:
         """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""

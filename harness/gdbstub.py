@@ -380,7 +380,8 @@ class GdbStub:
                 return self._stops.popleft()
         if not self.running:
             pc = self.read_registers(("rip",))["rip"]
-            return Stop(reason="already-stopped", addr=pc, thread=1, when=time.monotonic())
+            return Stop(reason="already-stopped", addr=pc, thread=self.current_thread or 1,
+                        when=time.monotonic())
         self._expect_reasonless = True
         try:
             self.command("-exec-interrupt")

@@ -120,7 +120,9 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
             h.arm()
         # With the gdbstub engine the guest's side (tracing_on, or the module's recording
         # flag) is switched on and off in the same halt of the guest as the host's probes:
-        # no hit of another task (idle, softirq) falls between the two sides' windows.
+        # no hit of another task (idle, softirq) falls between the two sides' windows,
+        # and the halt is one where no vCPU is between the host's breakpoint and the
+        # guest's handler (HostEngine.halted(settle=True)).
         same_halt = isinstance(h, HostBackend)
         g.enable(**({} if not same_halt else {"tracing": False} if guest == "events"
                     else {"recording": False}))

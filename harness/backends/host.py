@@ -357,7 +357,8 @@ class HostBackend:
     def enable(self, *, also: Callable[[], None] | None = None) -> None:
         """Arm and record. ``also`` runs in the same halt of the guest as the arming (the
         runner switches the guest's tracing on there): both sides then start at the same
-        guest instruction."""
+        guest instruction, in a halt where no vCPU is between the host's breakpoint and
+        the guest's handler (``HostEngine.halted(settle=True)``)."""
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
@@ -370,7 +371,7 @@ class HostBackend:
             self.arm()
             self.recording = True
             also()
-        self.engine.halted(start)
+        self.engine.halted(start, settle=True)
 
     def _watch_comms(self) -> None:
         """With the trace's comm rule, know every comm a task takes while recording: a
@@ -399,7 +400,8 @@ class HostBackend:
 
     def disable(self, *, disarm: bool = True, also: Callable[[], None] | None = None) -> None:
         """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later).
-        ``also`` runs in the same halt of the guest (the guest's tracing switched off)."""
+        ``also`` runs in the same halt of the guest (the guest's tracing switched off),
+        a settled one as in :meth:`enable`."""
         if also is None:
             self.recording = False
             if disarm:
@@ -411,7 +413,7 @@ class HostBackend:
             also()
             if disarm:
                 self.disarm()
-        self.engine.halted(stop)
+        self.engine.halted(stop, settle=True)
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file

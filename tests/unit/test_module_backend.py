@@ -180,8 +180,9 @@ class FakeVM:
 
     def run(self, cmd, stdin=None, **kw):
         import types
-        # available_filter_functions: every function asked about has an ftrace location
-        out = stdin.decode() if stdin and "available_filter_functions" in cmd else ""
+        # available_filter_functions: every function of the table has an ftrace location
+        out = ("".join(f"{s.name}\n" for s in self.symbols)
+               if "available_filter_functions" in cmd else "")
         return types.SimpleNamespace(stdout=out, out=out.encode(), status=0)
 
     def refresh_module_symbols(self):

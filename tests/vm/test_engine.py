@@ -264,3 +264,34 @@ def test_unregister_with_live_instances_keeps_the_trampoline(vm, host):
     t.join(30)
     assert not t.is_alive() and calls == []  # returned through the trampoline, no handler
     assert host.stats["returns"] == 1
+
+
+def test_in_flight_names_a_vcpu_inside_the_guests_handling_of_a_hit(vm, host):
+    """``HostEngine.in_flight()``, which the differential runner's settled halt asks: a
+    vCPU inside the guest's handling of a hit at one of the engine's probe addresses.
+    With a guest event on do_sys_openat2 (an ftrace site) and the host's probe there,
+    a host probe on ``trace_event_buffer_commit()``, which the guest's event handler
+    calls to commit its record (kernel/trace/trace_kprobe.c: __kprobe_trace_func()),
+    finds the vCPU in flight (``addr + 5`` and ``addr + 1`` on its stack); at the host's
+    own breakpoint on do_sys_openat2, before the guest's ftrace call ran, it is not."""
+    tracing = "/sys/kernel/tracing"
+    entry, commit = [], []
+    host.register_kprobes([
+        Kprobe(symbol_name="do_sys_openat2",
+               pre_handler=lambda p, r: entry.append((r.cpu, host.in_flight()))),
+        Kprobe(symbol_name="trace_event_buffer_commit",
+               pre_handler=lambda p, r: commit.append((r.cpu, host.in_flight())))])
+    vm.run(f"echo 'p:kph_inflight do_sys_openat2' >> {tracing}/kprobe_events && "
+           f"echo 1 > {tracing}/events/kprobes/kph_inflight/enable && "
+           f"echo 1 > {tracing}/tracing_on", check=True)
+    try:
+        host.invalidate_code()
+        vm.run("cat /proc/version", check=True)
+    finally:
+        vm.run(f"echo 0 > {tracing}/events/kprobes/kph_inflight/enable; "
+               f"echo '-:kph_inflight' >> {tracing}/kprobe_events", check=True)
+    assert entry and commit, (entry, commit)
+    for cpu, busy in entry:
+        assert not [b for b in busy if b.startswith(f"cpu{cpu} ")], (cpu, busy)
+    for cpu, busy in commit:
+        assert [b for b in busy if b.startswith(f"cpu{cpu} ")], (cpu, busy)

@@ -373,19 +373,10 @@ def _kprobe_only(c) -> bool:
         s.startswith("-") or "/" in (s.split() + ["", ""])[1] for s in c.specs)
 
 
-def _hot(c) -> bool:
-    """A probe on kfree(), or a return probe on vfs_read(): with the module the count or
-    the order of the interrupts' hits at the window's edge differs by one now and then
-    (an open divergence, docs/matrix.md); the events side of these cases runs above."""
-    return any((s.split() + ["", ""])[1].startswith("kfree")
-               or (s.startswith("r") and (s.split() + ["", ""])[1].startswith("vfs_read"))
-               for s in c.specs)
-
-
 #: The same cases with the harness's module as the in-guest side (its register_kprobe()
 #: and the trace layer's per-kernel parse); uprobe and -: lines have no module side.
 _MODULE_PARAMS = [(s, dataclasses.replace(c, guest="module")) for s, c in _CASE_PARAMS
-                  if _kprobe_only(c) and not _hot(c)]
+                  if _kprobe_only(c)]
 
 
 @pytest.mark.parametrize("series,case", _MODULE_PARAMS,
