@@ -915,8 +915,8 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
         finally:
             vm.close()
         shards = [{"examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
-                   "agreed_refusals": st.agreed_refusals, "events": st.events,
-                   "findings": [f.as_dict() for f in st.findings]}]
+                   "agreed_refusals": st.agreed_refusals, "not_mirrored": st.not_mirrored,
+                   "events": st.events, "findings": [f.as_dict() for f in st.findings]}]
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
             json.dump(cfg, tmp)
@@ -979,7 +979,9 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
     out.text(f"kph fuzz: {examples} examples in {wall:.0f} s ({rate:.0f}/min, {args.workers} "
              f"worker(s)); {sum(s['agreed_runs'] for s in shards)} agreed on events, "
              f"{sum(s['agreed_refusals'] for s in shards)} on refusals; "
-             f"{len(findings)} finding(s); in {runs}")
+             + (f"{unmirrored} not mirrored by this host engine or guest side; "
+                if (unmirrored := sum(s.get('not_mirrored', 0) for s in shards)) else "")
+             + f"{len(findings)} finding(s); in {runs}")
     for ln in report_lines:
         out.text(ln)
     out.result({**doc, "dir": str(runs)})

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants as C
-from .errors import HarnessError, ProbeSpecError, VMError
+from .errors import HarnessError, NotMirroredError, ProbeSpecError, VMError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class FuzzStats:
     seconds: float = 0.0
     agreed_refusals: int = 0
     agreed_runs: int = 0
+    #: examples with a construct the host engine or the guest side does not mirror
+    not_mirrored: int = 0
     events: int = 0
     known: dict[str, int] = field(default_factory=dict)
     #: The machine the run ended on (a reboot replaces the first).
@@ -369,26 +371,48 @@ class Oracle:
         """None when host and guest agree on ``lines``; else the finding."""
         from .probespec import parse
 
-        lines = tuple(self.kernel_form(ln) for ln in lines)
+        try:
+            lines = tuple(self.kernel_form(ln) for ln in lines)
+        except VMError as exc:          # the guest died (a panic) or hung under the last one
+            return self._vm_error(lines, exc)
         specs = []
         for ln in lines:
             try:
                 # the kernel's text only: a PATH:SYMBOL left (a mutated place) is its
                 # BAD_UPROBE_OFFS, not a symbol for the harness to look up
                 specs.append(parse(ln, uprobe_symbols=False, **self._parse_kw))
+            except NotMirroredError:
+                self.stats.not_mirrored += 1
+                return None
             except ProbeSpecError as exc:
                 return self._parse_refusal(ln, exc)
         try:
             return self._differential(lines, specs)
+        except NotMirroredError:
+            # a construct this host engine or in-guest side says it does not mirror
+            # (harness.fetchprog: the plugin engine's, 7.3's $current): not a verdict
+            self.stats.not_mirrored += 1
+            return None
         except VMError as exc:
-            return Finding(lines, "timeout" if "did not" in str(exc) else "crash",
-                           str(exc).splitlines()[0], f"crash:{type(exc).__name__}")
+            return self._vm_error(lines, exc)
         except HarnessError as exc:
             return Finding(lines, "crash", f"{type(exc).__name__}: {exc}",
                            f"crash:{type(exc).__name__}:{_shape(str(exc))}")
         except Exception as exc:  # noqa: BLE001 - a traceback is a finding, with its text
             tb = traceback.format_exc(limit=6)
             return Finding(lines, "crash", tb, f"crash:{type(exc).__name__}:{_where(exc)}")
+
+    def _vm_error(self, lines: tuple[str, ...], exc: Exception) -> Finding:
+        """A guest that died or hung: the finding, with the kernel's last console lines
+        when it panicked (the oops names the code and the call trace)."""
+        detail = str(exc).splitlines()[0]
+        if "panicked" in detail:
+            try:
+                detail += "\n" + self.vm.console_tail(60)
+            except Exception:  # noqa: BLE001 - the finding stands without the console
+                pass
+        return Finding(lines, "timeout" if "did not" in str(exc) else "crash", detail,
+                       f"crash:{type(exc).__name__}")
 
     def _parse_refusal(self, line: str, exc: ProbeSpecError) -> Finding | None:
         ok, code, msg, col = guest_error(self.vm, line)

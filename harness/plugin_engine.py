@@ -57,7 +57,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .engine import EXCEPTION_ENTRIES, _arity
-from .errors import HarnessError, ProbeRejectedError
+from .errors import HarnessError, ProbeRejectedError, SetupError
 from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
 from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 
 EINVAL, ENOENT = 22, 2
 #: The plugin's kretprobe trampoline: one byte past ``_etext``, the gdbstub engine's, so
-#: the two engines never share an address (a gdbstub breakpoint there would win).
+#: the two engines never share an address (a gdbstub breakpoint there would win); the
+#: byte before it where that one is not executable (:meth:`PluginEngine._executable_trampoline`).
 DEFAULT_TRAMPOLINE = "_etext+1"
 _HMP_LINE = re.compile(r"^([0-9a-f]+):((?:\s+0x[0-9a-f]{2})+)\s*$")
 
@@ -109,18 +110,20 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
+        # Python handlers (made on first use): per-vCPU channels and their threads
+        self._channels: list[Channel] = []
+        self._threads: list[threading.Thread] = []
+        self._tls = threading.local()
         tramp = trampoline if trampoline is not None else os.environ.get(
             "KPH_PLUGIN_TRAMPOLINE", DEFAULT_TRAMPOLINE)
         self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
+        if tramp == DEFAULT_TRAMPOLINE:
+            self.trampoline = self._executable_trampoline()
         self.task_offsets = (percpu_current_task(self.symbols, vm.btf) or 0, self._btf("pid"),
                              self._btf("comm"))
         self.link = PluginLink(vm.rundir / "plugin.sock")
         self.link.request(CMD_CONFIG, struct.pack("<4Q", *self.task_offsets, self.trampoline))
         self._closed = False
-        # Python handlers (made on first use): per-vCPU channels and their threads
-        self._channels: list[Channel] = []
-        self._threads: list[threading.Thread] = []
-        self._tls = threading.local()
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None
         vm.add_stop_holder(self._holding)
@@ -138,6 +141,28 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
             return 0
 
     # -- guest memory, without stopping anything -----------------------------------------
+    def _executable_trampoline(self) -> int:
+        """``_etext+1`` when that byte is on a page of kernel text; else the int3 padding
+        byte just before ``_etext``. The plugin's callback runs when the vCPU executes the
+        trampoline, after QEMU fetched it: on a page past the text (6.12's ``_etext`` is
+        2 MiB aligned, so the byte past it is NX rodata; arch/x86/mm/init_64.c:
+        mark_rodata_ro()) the fetch faults first and the guest oopses. A gdbstub
+        breakpoint is taken before the fetch, so the gdbstub engine's ``_etext`` works."""
+        etext = self.symbols.lookup("_etext").addr
+        if (etext + 1) & ~0xFFF < etext:
+            return etext + 1
+        try:
+            pad = self.read(etext - 1, 1)
+        except HarnessError:
+            pad = b""
+        if pad != b"\xcc":
+            raise SetupError(f"no trampoline for the plugin engine: _etext ({etext:#x}) ends "
+                             f"a page and the byte before it is {pad.hex() or 'unreadable'}, "
+                             "not int3 padding",
+                             "set $KPH_PLUGIN_TRAMPOLINE to an executable address the "
+                             "kernel never runs (int3 padding)")
+        return etext - 1
+
     def read(self, addr: int, n: int) -> bytes:
         """Guest virtual memory. In a handler: through its vCPU (that task's address
         space). Elsewhere: through the human monitor's ``x``, in CPU 0's address space,

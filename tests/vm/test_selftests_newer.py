@@ -477,3 +477,21 @@ def test_inventory():
         assert f"{s}: **{total} selftest-derived cases**" in readme, s
         for what in SKIPPED[s]:
             assert what in readme, what
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_plugin_engine_return_probes(series, newer_image):
+    """The plugin engine's kretprobe trampoline must be executable text: its callback runs
+    after QEMU fetched the instruction. 6.12's ``_etext`` is 2 MiB aligned, so the byte past
+    it is NX rodata and a return into it oopsed the guest (found by ``kph fuzz --host
+    plugin`` with ``r1:a.b do_sys_openat2``); the engine takes the int3 padding before it."""
+    from harness import Machine
+    from harness.pytest_plugin import DiffHelper
+
+    with Machine.boot(newer_image(series), host="plugin") as vm:
+        etext = vm.symbols.lookup("_etext").addr
+        tramp = vm.host.trampoline
+        assert tramp in (etext + 1, etext - 1) and tramp & ~0xFFF < etext, hex(tramp)
+        res = DiffHelper(vm, "events")(["r1:a/b do_sys_openat2 ret=$retval"], OPEN)
+        res.assert_equivalent()
+        assert res.matched.get("a/b", 0) >= 1
