@@ -805,6 +805,7 @@ def _matrix(args: argparse.Namespace, out: Output) -> int:
         lines += _spec_file_lines(args.spec_file)
     if not lines:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
+    _check_kernels(kernels)
     specs = _matrix_specs(kernels, lines)
     res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
                      qemu=args.qemu, progress=out.progress)
@@ -816,6 +817,20 @@ def _matrix(args: argparse.Namespace, out: Output) -> int:
             f.write(report.matrix_html(res))
         out.text(f"wrote {args.html}")
     return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
+
+
+def _check_kernels(kernels: list[str]) -> None:
+    """Every kernel named has an image or exists in the archives, before any machine boots
+    (``kph matrix --kernels 6.1,9.9`` once ran 6.1 first and only then said 9.9 does not
+    exist). :raise SetupError: the first one that does not, listing what is available."""
+    from .images import default_image
+    from .kernels import resolve
+
+    for k in kernels:
+        try:
+            default_image(k)
+        except SetupError:
+            resolve(k)
 
 
 def _matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:

@@ -60,3 +60,20 @@ def test_an_unknown_kernel_lists_what_there_is(archives, bad):
         K.resolve(bad)
     msg = str(ei.value)
     assert repr(bad) in msg and "available: 6.1, 6.12, 7.2, 7.3" in msg and "\n" not in msg
+
+
+def test_kph_matrix_checks_every_kernel_before_it_boots_one(archives, monkeypatch, tmp_path):
+    """``kph matrix --kernels 6.1,9.9`` once ran 6.1 and only then named 9.9 unknown."""
+    import argparse
+
+    from harness import cli
+    from harness import runner
+
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path))           # no image is built here
+    monkeypatch.setattr(runner, "run_matrix", lambda *a, **k: pytest.fail("booted first"))
+    args = argparse.Namespace(kernels="6.1,9.9", specs=["p do_sys_openat2"], spec_file=None,
+                              run="true", html=None)
+    out = argparse.Namespace(json_file=None)
+    with pytest.raises(SetupError) as ei:
+        cli._matrix(args, out)
+    assert "'9.9'" in str(ei.value) and "available: 6.1, 6.12, 7.2, 7.3" in str(ei.value)
