@@ -33,9 +33,14 @@ from .errors import SetupError
 from .kernels import KernelRelease
 
 Progress = Callable[[str], None]
-#: Tools kbuild runs besides the compiler (the headers package brings gcc and binutils).
+#: Tools kbuild runs besides the compiler. The headers package brings the compiler, but
+#: not always the assembler under the name gcc calls: 7.3's ``linux-headers`` depends on
+#: ``gcc-14-for-host`` (``x86_64-linux-gnu-gcc-14`` and ``x86_64-linux-gnu-as`` only), and
+#: gcc then fails with "cannot execute 'as'" (seen by kbuild as "Compiler does not support
+#: fentry?"); 6.12's depends on ``gcc-14``, which pulls ``binutils``. So ``binutils`` is
+#: named here, whatever the headers bring.
 TOOLS = ("make", "dash", "bash", "coreutils", "sed", "grep", "mawk", "findutils", "diffutils",
-         "xz-utils", "kmod")
+         "xz-utils", "kmod", "binutils")
 #: Links that Debian's maintainer scripts (update-alternatives) would make.
 ALTERNATIVES = {"usr/bin/awk": "mawk"}
 BUILD_TIMEOUT = 600
@@ -97,7 +102,10 @@ def _chroot_toolchain(rel: KernelRelease, progress: Progress | None) -> Toolchai
     with open(base / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"debs": []}
-        if (tree / headers / "Makefile").exists():
+        have = {d.split("_", 1)[0] for d in meta["debs"]}
+        # A tree made before a tool joined TOOLS gets it now (a tree from an older kph
+        # would otherwise fail the same way on every build).
+        if (tree / headers / "Makefile").exists() and have.issuperset(TOOLS):
             return Toolchain("chroot", Path("/") / headers, tree)
         apt = PrivateApt(TRIXIE)
         apt.update(progress)
@@ -139,7 +147,10 @@ def _q(s: str) -> str:
 def _gcc_version(tree: Path) -> str | None:
     for d in ("dev", "proc"):
         (tree / d).mkdir(exist_ok=True)
-    gccs = sorted((tree / "usr/bin").glob("gcc-[0-9]*"))
+    # gcc-14 from ``gcc-14``; only x86_64-linux-gnu-gcc-14 when the headers bring
+    # ``gcc-14-for-host`` alone (7.3): kbuild calls the latter (.kernelvariables' CC)
+    bindir = tree / "usr/bin"
+    gccs = sorted(bindir.glob("gcc-[0-9]*")) or sorted(bindir.glob("x86_64-linux-gnu-gcc-[0-9]*"))
     if not gccs:
         return None
     out = subprocess.run(_chroot_cmd(tree, [f"/usr/bin/{gccs[-1].name}", "--version"]),

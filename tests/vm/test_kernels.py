@@ -63,6 +63,24 @@ def test_a_function_entry_probe_goes_where_that_kernels_kprobes_put_it(kernel_im
         vm.host.unregister_kprobe(kp)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("series", ["6.12", "7.3"])
+def test_each_kernels_module_builds_in_an_empty_cache_of_its_own(series, tmp_path, monkeypatch):
+    """Not only after another kernel filled the shared toolchain tree: 7.3's headers bring
+    no ``as`` that gcc can call, 6.12's do, and the suite once passed only because it
+    built 6.12 first (a newcomer's ``kph image build --kernel 7.3`` failed with "Compiler
+    does not support fentry?")."""
+    from harness import kernels, toolchain
+    from harness.images import _kmod_sources
+
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path))    # $KPH_DOWNLOADS, if set, is shared
+    rel = kernels.resolve(series)
+    tc = toolchain.for_kernel(rel)
+    toolchain.build_module(tc, _kmod_sources(), "kph_kprobes", tmp_path / "kph_kprobes.ko")
+    assert (tmp_path / "kph_kprobes.ko").read_bytes()[:4] == b"\x7fELF"
+    assert "gcc-14 14." in tc.describe()       # the compiler kbuild calls, found and named
+
+
 def test_an_unknown_kernel_is_one_line_listing_the_available_ones():
     r = subprocess.run([sys.executable, "-m", "harness.cli", "image", "build", "--kernel", "5.4"],
                        capture_output=True, text=True, timeout=300)
