@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable
 from . import constants as C
 from .emulate import Emulation, decode
 from .errors import GdbMIError, HandlerError, HarnessError, ProbeRejectedError, VMLostError
-from .gdbstub import GdbStub, Stop
+from .gdbstub import GdbStub, Stop, readable
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
 from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
@@ -204,7 +204,7 @@ class HostEngine(HandlerErrors):
     def _serve_requests(self) -> bool:
         """Run the queued calls; True when one met GDB with the target running (it is
         queued again, first, for after a real halt; at most ``_REHALTS`` times)."""
-        while _readable(self._wake_r):
+        while readable(self._wake_r):
             os.read(self._wake_r, 4096)
         while True:
             if self._again:
@@ -1151,11 +1151,6 @@ def _arity(fn: Callable[..., Any]) -> int:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return 6
     return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
-def _readable(fd: int) -> bool:
-    import select
-    return bool(select.select([fd], [], [], 0)[0])
 
 
 register_host_engine("gdbstub", HostEngine)

@@ -230,10 +230,13 @@ class GdbStub:
             self._buf += chunk
         *lines, self._buf = self._buf.split(b"\n")
         out = []
+        trace = log.isEnabledFor(logging.DEBUG)
         for raw in lines:
             line = raw.decode("utf-8", "replace").rstrip("\r")
             if not line or line.startswith("(gdb)"):
                 continue
+            if trace:
+                log.debug("<-- %s", line[:300])
             out.append(parse_record(line))
         return out
 
@@ -282,6 +285,7 @@ class GdbStub:
         """Send a command without waiting for its result (checked on the next call)."""
         self._raise_pending()
         tok = next(self._tokens)
+        log.debug("--> %d%s (answer not awaited)", tok, cmd)
         try:
             self._in.write(f"{tok}{cmd}\n".encode())
         except OSError as exc:
@@ -336,11 +340,13 @@ class GdbStub:
         command, and the ``^running`` is consumed later by ``wait_stop``; an error
         surfaces on the next call.
         """
+        self._drop_queued("resuming")
         self.running = True
         self.send(f"-exec-jump *{addr:#x}" if addr is not None else "-exec-continue")
 
     def step(self, *, thread: int | None = None, timeout: float | None = None) -> Stop:
         """Execute one instruction on ``thread`` (default: the current one) and return the stop."""
+        self._drop_queued("stepping")     # the step's own stop is the one to wait for
         self.command("-exec-step-instruction" + self._th(thread))
         return self.wait_stop(timeout=timeout or self.timeout)
 
@@ -367,18 +373,26 @@ class GdbStub:
             self._last_reinserted = bpnum
 
     def interrupt(self, *, timeout: float | None = None) -> Stop:
-        """Stop a running guest (a halted one is left as it is and its position returned)."""
-        if not self.running:
-            self.poll_stop()
+        """Stop a running guest (a halted one is left as it is and its position returned).
+
+        When the guest turns out to be halted, the stop returned is this halt's own, and
+        no stop stays queued: a queued one would be taken as the answer to the next
+        command that resumes (a step returned at once with it while GDB was still
+        stepping, and the next read met "the target is running").
+        """
         if self.running and self._all_stopped():
             # Our flag is only a cache of GDB's view: seen stale under load (a stop already
             # consumed, the flag still set), and an -exec-interrupt to a halted target
-            # never produces the *stopped that wait_stop would wait for. A stop that was
-            # still in the pipe was dispatched while asking: it is the one to return.
+            # never produces the *stopped that wait_stop would wait for.
             self.running = False
-            if self._stops:
-                return self._stops.popleft()
         if not self.running:
+            # A stop still in the pipe, or dispatched while asking (a breakpoint hit that
+            # raced -thread-info), is this halt's: the newest one is where the vCPU is.
+            self.poll_stop(keep=True)
+            if self._stops:
+                stop = self._stops.pop()
+                self._drop_queued("an interrupt found the guest halted")
+                return stop
             pc = self.read_registers(("rip",))["rip"]
             return Stop(reason="already-stopped", addr=pc, thread=self.current_thread or 1,
                         when=time.monotonic())
@@ -414,15 +428,26 @@ class GdbStub:
         self._raise_pending()
         return self._stops.popleft()
 
-    def poll_stop(self) -> Stop | None:
-        """A stop that already arrived, without blocking."""
-        if not self._stops:
+    def poll_stop(self, *, keep: bool = False) -> Stop | None:
+        """A stop that already arrived, without blocking (``keep``: read what GDB sent,
+        leave the stops queued, return None)."""
+        if not self._stops or keep:
             try:
-                for rec in self._read_records(time.monotonic()) or []:
-                    self._dispatch(rec)
+                while b"\n" in self._buf or readable(self._fd):
+                    for rec in self._read_records(time.monotonic() + 0.05) or []:
+                        self._dispatch(rec)
             except TimeoutError:
                 pass
+        if keep:
+            return None
         return self._stops.popleft() if self._stops else None
+
+    def _drop_queued(self, why: str) -> None:
+        """Forget queued stops: they belong to a halt already being handled."""
+        for st in self._stops:
+            log.debug("dropping a queued stop at %#x (%s): %s", st.addr, st.reason, why)
+            self.stats["stale_stops"] += 1
+        self._stops.clear()
 
     # -- breakpoints ----------------------------------------------------------------------
     def insert_breakpoint(self, addr: int) -> int:
@@ -520,6 +545,11 @@ class GdbStub:
         if len(data) != size:
             raise GdbMIError(f"raw read at {addr:#x} failed: {reply[:40]!r}")
         return data
+
+
+def readable(fd: int) -> bool:
+    """``fd`` has data (or EOF) to read now."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def attach(vm: Any, *, resume: bool = True) -> GdbStub:
