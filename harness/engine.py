@@ -200,6 +200,28 @@ class HostEngine(HandlerErrors):
             self._fatal = exc
             log.debug("dispatcher stopped: %r", exc)
             self._fail_requests(exc)
+            self._recover(exc)
+
+    def _recover(self, exc: BaseException) -> None:
+        """After the dispatcher died: leave the guest as ``close()`` would (return
+        addresses put back, no breakpoint, running), so that the machine stays usable and
+        one failed call does not hold the guest stopped for every later one (a CI run's
+        next test once waited out the stall check on a guest nobody would resume)."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or getattr(self.vm, "aborting", False) \
+                or self._closing or self.stub.proc.poll() is not None:
+            return
+        try:
+            self.stub.running = True        # whatever our flag says: halt for real
+            self.stub.interrupt()
+            self._shutdown(closing=False)
+            self.stub.resume(None)
+            self._held = None
+            log.warning("the host-side probe dispatcher stopped (%s); its probes were "
+                        "removed and the guest resumed", str(exc).splitlines()[0])
+        except BaseException as again:  # noqa: BLE001 - the first cause is what callers get
+            log.debug("could not leave the guest running: %r", again)
+            self._held = (time.monotonic(), f"the host-side probe dispatcher (it stopped on: "
+                                            f"{str(exc).splitlines()[0]})")
 
     def _serve_requests(self) -> bool:
         """Run the queued calls; True when one met GDB with the target running (it is
@@ -1084,6 +1106,33 @@ class HostEngine(HandlerErrors):
     def closed(self) -> bool:
         return self._closing
 
+    def _shutdown(self, closing: bool = True) -> None:
+        """With the guest halted: every hijacked return address put back, every
+        breakpoint removed, every probe unregistered (``closing``: and the dispatcher
+        told to end after this call, leaving the guest halted for ``close()``)."""
+        if self._uprobes is not None:
+            self._uprobes.close()
+        restored = 0
+        for slot, chain in list(self._live.items()):
+            try:
+                cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
+            except HarnessError:
+                continue    # a dead task's stack, freed before rethook_flush_task()
+            if cur == self.trampoline:
+                self.stub.write_memory(slot, chain[0].ret_addr.to_bytes(8, "little"))
+                restored += 1
+        self._live.clear()
+        self._flush_kp = None
+        for a, num in list(self._bp.items()):
+            self._remove_bp(a, num)
+        self._bp.clear()
+        for probes in self._aggr.values():
+            for p in probes:
+                p.registered = False
+        self._aggr.clear()
+        self._closing = closing
+        log.debug("host-side probes closed; %d return addresses restored", restored)
+
     def close(self) -> None:
         """Put back every hijacked return address, remove every breakpoint, resume the guest.
 
@@ -1100,33 +1149,9 @@ class HostEngine(HandlerErrors):
             os.write(self._wake_w, b"!")
             return
 
-        def shutdown() -> None:
-            if self._uprobes is not None:
-                self._uprobes.close()
-            restored = 0
-            for slot, chain in list(self._live.items()):
-                try:
-                    cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
-                except HarnessError:
-                    continue    # a dead task's stack, freed before rethook_flush_task()
-                if cur == self.trampoline:
-                    self.stub.write_memory(slot, chain[0].ret_addr.to_bytes(8, "little"))
-                    restored += 1
-            self._live.clear()
-            self._flush_kp = None
-            for a, num in list(self._bp.items()):
-                self._remove_bp(a, num)
-            self._bp.clear()
-            for probes in self._aggr.values():
-                for p in probes:
-                    p.registered = False
-            self._aggr.clear()
-            self._closing = True
-            log.debug("host-side probes closed; %d return addresses restored", restored)
-
         if self._thread.is_alive() and self._fatal is None:
             try:
-                self._call(shutdown, timeout=15, errors="none")
+                self._call(self._shutdown, timeout=15, errors="none")
             except HarnessError as exc:
                 log.warning("host-side probes could not shut down cleanly: %s", exc)
         self._closing = True
