@@ -606,23 +606,28 @@ def evaluate(target: Any, ctx: FetchContext) -> Any:
     for i, a in enumerate(args):                    # store_trace_args()
         t = FETCH_TYPES[a.type]
         st.elems, st.loc = [], (dsize - pos, pos)
+        first = st.loc
         ctx.unknowable = False
         ret = _run(a.code, ctx, st)
         if ctx.unknowable:
             unknowable.add(i)
         if t.is_string and ret > 0:
             pos += ret
-        out.append((a, t, list(st.elems)))
+        out.append((a, t, list(st.elems), first))
     values = []
-    for i, (a, t, elems) in enumerate(out):
+    for i, (a, t, elems, first) in enumerate(out):
         n = a.count or 1
         if i in unknowable:
             values.append([UNKNOWN] * n if a.count else UNKNOWN)
             continue
         if t.is_string and not elems:
-            # store_trace_args(): a dynamic arg whose fetch failed (e.g. a deref before
-            # the string) gets an empty data_loc, which prints (fault).
-            elems = [(0, 0)]
+            # A fetch that failed before its store (a dereference in the 2nd stage of
+            # process_fetch_insn_bottom(), kernel/trace/trace_probe_tmpl.h, 6.1 to 7.3)
+            # leaves the data_loc store_trace_args() set up: (the dynamic space left, the
+            # current offset). No space left prints (fault); else whatever the next
+            # dynamic args store there (kph fuzz, seed 8128: "+0(%di):symstr $comm"
+            # prints arg1="qemu-ga"), and past the event's data, stale bytes.
+            elems = [first]
         elems += [UNKNOWN] * (n - len(elems))
         if t.is_string:
             elems = [_loc_string(st, e) if isinstance(e, tuple) else UNKNOWN for e in elems]

@@ -42,7 +42,7 @@ from .tracelayer import TraceLayer
 log = logging.getLogger(__name__)
 
 __all__ = ["ModuleBackend", "ModuleError", "UnsupportedFetchArgError", "compile_arg",
-           "add_line", "parse_events_line", "decode_arg", "ModuleRecord", "Item",
+           "add_line", "parse_events_line", "decode_arg", "decode_args", "ModuleRecord", "Item",
            "REG_OFFSET", "GUEST_KO", "KPH_DIR"]
 
 MODULE_NAME = "kph_kprobes"
@@ -314,6 +314,42 @@ def decode_arg(arg: ProbeArg, items: Sequence[Item],
     n = arg.count or 1
     elems = (elems + [UNKNOWN] * n)[:n]
     return elems if arg.count else elems[0]
+
+
+def decode_args(args: Sequence[ProbeArg], items: Sequence[Sequence[Item]],
+                symbolize: Callable[[int], str | None] | None = None) -> list[Any]:
+    """:func:`decode_arg` for each argument of one event, with what the kernel's event
+    shares between them: one dynamic area. A scalar string argument whose fetch was aborted
+    before its store (a failed dereference in the 2nd stage of
+    ``process_fetch_insn_bottom()``, kernel/trace/trace_probe_tmpl.h) keeps the data_loc
+    ``store_trace_args()`` set up: (the dynamic space left, the current offset). It prints
+    (fault) when no space is left, else what the next dynamic arguments store there (as
+    :func:`harness.fetchargs.evaluate` computes it host-side)."""
+    vals = [decode_arg(a, it, symbolize) for a, it in zip(args, items)]
+    dyn = [i for i, a in enumerate(args) if FETCH_TYPES[a.type].is_string and not a.count]
+    if not any(any(x.type == "e" for x in items[i]) for i in dyn):
+        return vals
+
+    def stored(i: int) -> bytes | None:
+        return vals[i] if isinstance(vals[i], bytes) else None
+    # __get_data_size(): what each stored string took (with its NUL), failures nothing
+    dsize = sum(len(v) + 1 for i in dyn if (v := stored(i)) is not None)
+    area, known, pos, first = bytearray(dsize), bytearray(dsize), 0, {}
+    for i in dyn:
+        first[i] = (dsize - pos, pos)
+        v = stored(i)
+        if v is None:
+            continue
+        area[pos:pos + len(v) + 1], known[pos:pos + len(v) + 1] = v + b"\0", b"\1" * (len(v) + 1)
+        # fetch_store_symstring() consumes no NUL: the next string starts on it
+        pos += len(v) + (0 if args[i].type == "symstr" else 1)
+    for i in dyn:
+        if any(x.type == "e" for x in items[i]):
+            left, at = first[i]
+            end = area.find(b"\0", at)
+            vals[i] = FAULT if left == 0 else (
+                UNKNOWN if end < 0 or b"\0" in known[at:end + 1] else bytes(area[at:end]))
+    return vals
 
 
 def _symbolizer(table: Any) -> Callable[[int], str | None]:
@@ -601,8 +637,8 @@ class ModuleBackend:
                 kretprobe_trampoline=kernel_rethook_trampoline(self.vm.symbols)).partition(" <- ")
         else:
             ip, ret_from = format_ip(rec.addr, symbolize), ""
-        args = tuple((a.name, format_value(a, decode_arg(a, items, symbolize), symbolize))
-                     for a, items in zip(spec.args, rec.args))
+        args = tuple((a.name, format_value(a, v, symbolize)) for a, v in
+                     zip(spec.args, decode_args(spec.args, rec.args, symbolize)))
         return Hit(side=self.side, probe=placed.name, kind=placed.kind, seq=rec.seq,
                    cpu=rec.cpu, pid=rec.pid, comm=rec.comm, ip=ip, ret_from=ret_from or None,
                    args=args, mode=rec.mode, irq=rec.irq)

@@ -373,6 +373,22 @@ def test_failed_inner_deref_of_a_string_is_a_fault():
     assert format_value(a, decode_arg(a, items)) == "(fault)"
 
 
+def test_an_aborted_string_fetch_shows_what_the_event_stores_after_it():
+    """The same rule as fetchargs.evaluate (store_trace_args() keeps the aborted arg's
+    data_loc): the module's items of one event, decoded together, give what the 6.1
+    guest's trace printed for the two kph fuzz findings of seed 8128."""
+    from harness.backends.module import decode_args
+
+    spec = parse("p:e do_sys_openat2 a=+0(%di):symstr c=$comm")
+    items = [[Item("e", -14)], [Item("s", ret=8, data=b"qemu-ga")]]
+    assert decode_args(spec.args, items) == [b"qemu-ga", b"qemu-ga"]
+    spec = parse("p:e do_sys_openat2 s=%r15:symstr t=+0(%r15):symstr")
+    items = [[Item("i", value=0)], [Item("e", -14)]]
+    assert decode_args(spec.args, items) == [b"0x0", b""]
+    spec = parse("p:e do_sys_openat2 t=+0(%r15):symstr n=%di")
+    assert decode_args(spec.args, [[Item("e", -14)], [Item("i", value=1)]]) == [FAULT, 1]
+
+
 def test_decode_pads_missing_elements():
     a = arg("x=+0(%di):u16[3]")
     assert decode_arg(a, [Item("i", value=5)]) == [5, UNKNOWN, UNKNOWN]

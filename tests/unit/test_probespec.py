@@ -509,6 +509,23 @@ def test_symstr_runs_into_a_following_string():
         (b"do_sys_openat2+0x0/0x1c0",)
 
 
+def test_a_dereference_that_fails_before_the_store_keeps_its_data_loc():
+    """process_fetch_insn_bottom() returns at a failed 2nd-stage dereference, before any
+    store, so the dynamic arg keeps store_trace_args()'s data_loc (space left, offset):
+    (fault) only when no dynamic data is left; else what the next dynamic arg stores
+    there, or the NUL a symstr left (kph fuzz seed 8128, both seen in the 6.1 guest)."""
+    ctx = FakeCtx(di=0xFFFFFFFFFFFFFF9C, r15=0)
+    assert evaluate(parse("p:e do_sys_openat2 +0(%di):symstr $comm"), ctx) == (b"cat", b"cat")
+    assert evaluate(parse("p:e do_sys_openat2 %r15:symstr +0(%r15):symstr"), ctx) == \
+        (b"0x0", b"")
+    assert evaluate(parse("p:e do_sys_openat2 +0(%di):symstr"), ctx) == (FAULT,)
+    # the string read itself failing is not this: set_data_loc() stores a 0 length
+    assert evaluate(parse("p:e do_sys_openat2 +0(%di):string $comm"), ctx) == (FAULT, b"cat")
+    # a dereference before a string, a string after it
+    assert evaluate(parse("p:e do_sys_openat2 +0(+0(%di)):string $comm"), ctx) == \
+        (b"cat", b"cat")
+
+
 def test_more_string_sources():
     ctx = FakeCtx(di=KBASE)
     ctx.poke(SYMS["jiffies"][0], b"js\0")
