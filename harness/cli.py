@@ -982,8 +982,9 @@ def _fuzz(args: argparse.Namespace, out: Output) -> int:
         # In a checkout, straight into the suite's regression cases; else beside the run.
         # One that did not repeat on replay is no case a suite can rely on: beside the run.
         in_checkout = (fuzz.REGRESSIONS.parent.parent / "vm").is_dir()
-        case = fuzz.write_regression(f) if in_checkout and not f.flaky \
-            else fuzz.write_regression(f, runs / "regressions")
+        kernel = img.series if args.image else None
+        case = fuzz.write_regression(f, kernel=kernel) if in_checkout and not f.flaky \
+            else fuzz.write_regression(f, runs / "regressions", kernel=kernel)
         report_lines.append(f"- {f.kind}: {f.detail.splitlines()[0]}\n  {repro}\n  case: {case}")
     doc = {"config": cfg, "examples": examples, "wall_seconds": wall,
            "findings": [f.as_dict() for f in findings]}

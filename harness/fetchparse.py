@@ -756,7 +756,14 @@ def _string_from_btf(lc: LineContext, tstr: str, a: _Arg) -> bool:
         return False
     if t.kind == KIND_ARRAY and _is_char(btf, t.extra[0]):
         return False
-    if t.kind == KIND_PTR and _is_char(btf, t.ref):
+    # btf_type_is_char_ptr() (kernel/trace/trace_probe.c, 6.12 and 7.3) reads
+    # type->type without checking that the type is a pointer: for an INT, STRUCT, UNION
+    # or ENUM that field is its size, taken as a type id. Where BTF id 8 is an unsigned
+    # 8-bit int (both kernels' vmlinux), a string of something 8 bytes wide (`$retval`
+    # of a function returning long) is accepted and the value dereferenced as a char *;
+    # an int (id 4) is refused. Seen in the guests: `r vfs_read $retval:ustring` is taken
+    # by 6.12 and 7.3, `r do_sys_openat2 ...` by 6.12 only (7.3's returns int).
+    if _is_char(btf, t.ref):
         if len(a.ops) >= FETCH_INSN_MAX - 2:
             raise lc.err("TOO_MANY_OPS", errno=E.E2BIG)
         a.ops.append(("uderef" if tstr.startswith("u") else "deref", 0))

@@ -26,6 +26,7 @@ record hits.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,7 +36,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import constants as C
 from .errors import HarnessError, NotMirroredError, ProbeSpecError, VMError
@@ -551,7 +552,8 @@ def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
                         report_multiple_bugs=False)(given(strat)(body))
         test = hseed(seed + rounds - 1)(test)
         try:
-            test()
+            with grammar_only():
+                test()
             break
         except BaseException as exc:  # noqa: BLE001 - _Found, or Hypothesis's flaky group
             found = _found_in(exc)
@@ -613,8 +615,35 @@ def list_examples(pool: list[str], *, examples: int, seed: int,
     test = settings(max_examples=examples, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate])(
         given(strategies(pool, rules=rules, guest=guest))(body))
-    hseed(seed)(test)()
+    with grammar_only():
+        hseed(seed)(test)()
     return out[:examples]
+
+
+@contextlib.contextmanager
+def grammar_only() -> Iterator[None]:
+    """Draws from the strategies alone, whatever has been imported.
+
+    Why: Hypothesis (6.13x on) mixes the literals of every local module imported so far
+    into its draws (``hypothesis.internal.conjecture.providers._get_local_constants``), so
+    one seed drew other examples once another module was loaded: ``kph fuzz --list``
+    against a run, a pytest session against the CLI. With that pool held empty the same
+    seed draws the same examples everywhere. A Hypothesis without it is left as it is.
+    """
+    try:
+        from hypothesis.internal.conjecture import providers
+        get, cache, empty = (providers._get_local_constants, providers.CONSTANTS_CACHE,
+                             type(providers._local_constants)())
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    cache.cache.clear()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = get
+        cache.cache.clear()
 
 
 # -- findings on disk -------------------------------------------------------------------
@@ -628,19 +657,33 @@ def regression_name(f: Finding) -> str:
     return hashlib.sha256(f.signature.encode()).hexdigest()[:12] + ".txt"
 
 
-def write_regression(f: Finding, directory: Path = REGRESSIONS) -> Path:
-    """The finding as a case the suite replays (it must agree once the class is fixed)."""
+def write_regression(f: Finding, directory: Path = REGRESSIONS,
+                     kernel: str | None = None) -> Path:
+    """The finding as a case the suite replays (it must agree once the class is fixed);
+    ``kernel``: the series it was found on, when not the default image's (a
+    ``# kernel: SERIES`` line: the suite replays it on that kernel)."""
     directory.mkdir(parents=True, exist_ok=True)
     p = directory / regression_name(f)
     p.write_text(f"# kph fuzz finding ({f.kind}): {f.detail.splitlines()[0][:300]}\n"
-                 f"# signature: {f.signature}\n" + "".join(ln + "\n" for ln in f.lines))
+                 + (f"# kernel: {kernel}\n" if kernel else "")
+                 + f"# signature: {f.signature}\n" + "".join(ln + "\n" for ln in f.lines))
     return p
 
 
+_KERNEL_LINE = re.compile(r"^# kernel: (\S+)\s*$", re.M)
+
+
 def read_regressions(directory: Path = REGRESSIONS) -> list[tuple[str, tuple[str, ...]]]:
+    """(file name, lines) of every case (see :func:`regression_kernel` for its kernel)."""
     out = []
     for p in sorted(directory.glob("*.txt")) if directory.is_dir() else []:
         lines = tuple(ln for ln in p.read_text().splitlines() if ln.strip() and not ln.startswith("#"))
         if lines:
             out.append((p.name, lines))
     return out
+
+
+def regression_kernel(name: str, directory: Path = REGRESSIONS) -> str | None:
+    """The series a case names (``# kernel: 6.12``), None for the default image."""
+    m = _KERNEL_LINE.search((directory / name).read_text())
+    return m[1] if m else None

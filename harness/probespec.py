@@ -220,11 +220,15 @@ class _Fail(Exception):
     """A parse error at ``pos`` in the token being parsed, worded as the kernel's ``ERRORS``
     list in trace_probe.h words it (or, where the kernel logs nothing, as ours)."""
 
-    def __init__(self, msg: str, pos: int, errno: int = 22, logged: bool = True) -> None:
+    def __init__(self, msg: str, pos: int, errno: int = 22, logged: bool = True,
+                 words: list[str] | None = None) -> None:
         super().__init__(msg)
         self.pos = pos
         self.errno = errno
         self.logged = logged
+        #: the words the kernel's log holds when they are not the line's own (then ``pos``
+        #: is a column of those words joined by single spaces)
+        self.words = words
 
 
 _FL_RETURN, _FL_FENTRY = 1, 4          # TPARG_FL_RETURN, TPARG_FL_FENTRY (KERNEL always set)
@@ -572,6 +576,9 @@ def parse(text: str, *,
         # The kernel splits the line into words (argv_split()) and logs the error against
         # the words joined by single spaces (trace_probe_log_err(): the "Command:" of
         # error_log), so a caret after doubled spaces or tabs moves left (kph fuzz found it).
+        if exc.words is not None:
+            raise ProbeSpecError(str(exc), " ".join(exc.words), exc.pos, errno=exc.errno,
+                                 logged=exc.logged) from None
         command = " ".join(t for _, t in toks)
         raise ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos), errno=exc.errno,
                              logged=exc.logged) from None
@@ -750,9 +757,17 @@ def _context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | N
             if rules.too_many_args == "E2BIG":
                 raise FP.Fail("Too many arguments (more than 128)", 0, 7, index=0, logged=False)
             items = items[:MAX_TRACE_ARGS]
+        logged: list[str] | None = None
         if not uprobe:
             d = kernel.dentry_offsets if kernel is not None else None
+            before = items
             items = FP.expand_dentry_args(lc, items, *(d or (0x28, 0x48)))
+            if items != before and [t for _, t in before] == raw:
+                # traceprobe_expand_dentry_args() rewrites argv in place; without a $arg
+                # expansion (a new argv) that is the array trace_probe_log holds, so
+                # error_log shows the rewritten words and places its caret in them
+                # (6.12: "+0(%di):%pd" is logged as "+0x0(+0x28(+0(%di))):string").
+                logged = [t for _, t in toks[:2]] + [t for _, t in items]
     except FP.Fail as exc:
         raise _Fail(str(exc) or "refused without an error_log entry", column(
             2 + (exc.index or 0), exc.pos), exc.errno, exc.logged) from None
@@ -762,8 +777,11 @@ def _context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | N
         try:
             name, body, written = FP.parse_arg(lc, tok, j, tuple(a.name for a in args), size)
         except FP.Fail as exc:
-            raise _Fail(str(exc) or "refused without an error_log entry",
-                        column(2 + j, exc.pos), exc.errno, exc.logged) from None
+            msg = str(exc) or "refused without an error_log entry"
+            if logged is not None:
+                col = sum(len(w) + 1 for w in logged[:2 + j]) + exc.pos
+                raise _Fail(msg, col, exc.errno, exc.logged, words=logged) from None
+            raise _Fail(msg, column(2 + j, exc.pos), exc.errno, exc.logged) from None
         fetch, tname, count, bf, explicit, code = body
         comm = tok[tok.find("=") + 1:] if written else tok
         args.append(ProbeArg(name, fetch, tname, count, bf, written, explicit, comm, code,

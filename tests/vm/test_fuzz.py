@@ -22,10 +22,30 @@ def oracle(default_image):
         yield fuzz.Oracle(vm)
 
 
+@pytest.fixture(scope="module")
+def oracles(oracle):
+    """An oracle per kernel a case names (``# kernel: 6.12``), booted on first use."""
+    import contextlib
+
+    from harness.imagebuild import build_image
+    from harness.vmctl import Machine
+
+    made = {None: oracle}
+    with contextlib.ExitStack() as stack:
+        def get(series):
+            if series not in made:
+                img = build_image(kernel=series, progress=lambda s: None)
+                made[series] = fuzz.Oracle(stack.enter_context(Machine.boot(img)))
+            return made[series]
+        yield get
+
+
 @pytest.mark.parametrize("name,lines", CASES, ids=[c[0] for c in CASES])
-def test_regression_case_agrees(oracle, name, lines):
-    f = oracle.judge(lines)
-    assert f is None, f"{name}: {f.kind}: {f.detail}\n{fuzz.repro_line(f)}"
+def test_regression_case_agrees(oracles, name, lines):
+    kernel = fuzz.regression_kernel(name)
+    f = oracles(kernel).judge(lines)
+    assert f is None, (f"{name}: {f.kind}: {f.detail}\n"
+                       f"{fuzz.repro_line(f, image=kernel)}")
 
 
 def test_a_seeded_budget_finds_nothing(oracle):
