@@ -52,7 +52,7 @@ def run_lock(exclusive: bool = False, item: pytest.Item | None = None):
     if not uid or _HELD:            # no xdist, or this process holds it already (a module
         yield                       # fixture set up inside a test's protocol)
         return
-    base = Path(tempfile.gettempdir()) / f"kph-tests-{uid}"
+    base = (_LOCK_DIR or Path(tempfile.gettempdir())) / f"kph-tests-{uid}"
     with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as f:
         deadline = time.monotonic() + ALONE_WAIT
         got = True
@@ -77,6 +77,18 @@ def run_lock(exclusive: bool = False, item: pytest.Item | None = None):
 
 #: the run lock holds of this process (at most one: nested takers pass through)
 _HELD: list[bool] = []
+
+#: where a run's lock files go: the run's own pytest temp directory, shared by its xdist
+#: workers (each worker's basetemp is ``<run>/popen-gwN``) and removed by pytest with the
+#: run's other old temp directories, so no run leaves files in /tmp
+_LOCK_DIR: Path | None = None
+
+
+@pytest.hookimpl(trylast=True)            # after the tmp_path plugin's own configure
+def pytest_configure(config: pytest.Config) -> None:
+    global _LOCK_DIR
+    if hasattr(config, "workerinput") and hasattr(config, "_tmp_path_factory"):
+        _LOCK_DIR = config._tmp_path_factory.getbasetemp().parent
 
 
 def _flock(f, mode: int, deadline: float) -> bool:
