@@ -190,6 +190,10 @@ class KernelRules:
     uprobe_no_symbol_types: bool
     #: probe kinds ``dynamic_events`` takes besides p, r and uprobe lines
     dynevent_kinds: tuple[str, ...]
+    #: a 64-bit process returns into the uretprobe syscall trampoline (6.11+), which
+    #: pushes rax, rcx and r11 below the returned-to stack pointer before the handlers run
+    #: and leaves r11, rcx and the return address there; 6.1's trampoline is one int3
+    uretprobe_syscall: bool = False
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -216,7 +220,8 @@ _6_12 = KernelRules(
     symbol_check="validate", symbols_vmlinux_first=False,
     fentry_on_return=False, entry_args_on_return=True, btf_args=True, dentry_types=True,
     comm_type_logged=True, current_var=False, this_cpu=False, typecasts=False,
-    max_nested=None, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"))
+    max_nested=None, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
+    uretprobe_syscall=True)
 
 _7_3 = KernelRules(
     series="7.3", errors=_ERRORS_7_3, arg_parser="context", maxact_on_kprobe="BAD_MAXACT_TYPE",
@@ -224,7 +229,8 @@ _7_3 = KernelRules(
     symbol_check="validate", symbols_vmlinux_first=True,
     fentry_on_return=False, entry_args_on_return=True, btf_args=True, dentry_types=True,
     comm_type_logged=True, current_var=True, this_cpu=True, typecasts=True,
-    max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"))
+    max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
+    uretprobe_syscall=True)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
 
@@ -245,6 +251,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                             "(kprobe_on_func_entry() == 0: TPARG_FL_FENTRY)",
         "btf_args": "kernel/trace/trace_probe.c: parse_probe_arg() (no BTF variables)",
         "comm_type_logged": "kernel/trace/trace_probe.c: traceprobe_parse_probe_arg_body()",
+        "uretprobe_syscall": "kernel/events/uprobes.c: __create_xol_area() (the "
+                             "trampoline slot is one UPROBE_SWBP_INSN)",
     },
     "6.12": {
         "errors": "kernel/trace/trace_probe.h: ERRORS",
@@ -268,6 +276,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
         "comm_type_logged": "kernel/trace/trace_probe.c: parse_probe_arg_type()",
         "uprobe_no_symbol_types": "kernel/trace/trace_probe.c: find_fetch_type()",
         "dynevent_kinds": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal()",
+        "uretprobe_syscall": "arch/x86/kernel/uprobes.c: uretprobe_trampoline_entry, "
+                             "arch_uretprobe_trampoline(), SYSCALL_DEFINE0(uretprobe)",
     },
     "7.3": {
         "errors": "kernel/trace/trace_probe.h: ERRORS",
@@ -295,6 +305,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                       "trace_probe.c: parse_probe_arg_nested()",
         "uprobe_no_symbol_types": "kernel/trace/trace_probe.c: find_fetch_type()",
         "dynevent_kinds": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal()",
+        "uretprobe_syscall": "arch/x86/kernel/uprobes.c: uretprobe_trampoline_entry, "
+                             "arch_uretprobe_trampoline(), SYSCALL_DEFINE0(uretprobe)",
     },
 }
 

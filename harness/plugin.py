@@ -48,6 +48,9 @@ SO_NAME = "kph_plugin.so"
 PROTO = 1
 
 CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
+#: CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
+#: (6.11+; ``harness.kernelrules.KernelRules.uretprobe_syscall``)
+CFG_URET_SYSCALL = 1
 CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL = 7, 8, 9, 10
 PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
 EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6

@@ -59,7 +59,7 @@ from typing import Any
 from .engine import EXCEPTION_ENTRIES, _arity
 from .errors import HarnessError, ProbeRejectedError, SetupError
 from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
-from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
+from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
                      decode)
@@ -122,7 +122,10 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
         self.task_offsets = (percpu_current_task(self.symbols, vm.btf) or 0, self._btf("pid"),
                              self._btf("comm"))
         self.link = PluginLink(vm.rundir / "plugin.sock")
-        self.link.request(CMD_CONFIG, struct.pack("<4Q", *self.task_offsets, self.trampoline))
+        facts = getattr(vm, "facts", None)
+        flags = CFG_URET_SYSCALL if facts is not None and facts.rules.uretprobe_syscall else 0
+        self.link.request(CMD_CONFIG, struct.pack("<5Q", *self.task_offsets, self.trampoline,
+                                                  flags))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None

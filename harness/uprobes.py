@@ -37,6 +37,7 @@ through the kernel's direct map, walking that mm's page tables, whatever process
 """
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import shlex
@@ -456,6 +457,28 @@ class UprobeManager:
         self._live[(mm, slot)] = UretprobeInstance(rets, func, ret, slot, mm, tgid)
         self._sync_clear_hook()
 
+    @functools.cached_property
+    def _syscall_trampoline(self) -> bool:
+        facts = getattr(self.vm, "facts", None)
+        return bool(facts is not None and facts.rules.uretprobe_syscall)
+
+    def _push_trampoline_args(self, sp: int, r11: int, cx: int, ax: int) -> None:
+        """6.11+ (``arch/x86/kernel/uprobes.c``): a 64-bit process returns into
+        ``uretprobe_trampoline_entry``, which pushes rax, rcx and r11 and calls
+        ``sys_uretprobe()``; that reads them back (``struct uretprobe_syscall_args`` at
+        ``sp - 24``), runs the handlers with sp as it was, and writes r11, cx and the
+        return address back for the trampoline's pops and ``ret``. So a handler (and a
+        ``-8($stack)`` fetch) sees rax, rcx and r11 just below sp, and the program finds
+        r11, rcx and its return address there afterwards. The host's trampoline is a
+        breakpoint: it writes what the kernel's would have."""
+        m = (1 << 64) - 1
+        data = b"".join((v & m).to_bytes(8, "little") for v in (r11, cx, ax))
+        try:
+            self.stub.write_memory((sp - 24) & m, data)
+        except HarnessError as exc:
+            # where the kernel's push or copy_to_user() faults it sends SIGILL: not mirrored
+            log.debug("uretprobe trampoline frame at %#x: %s", sp - 24, exc)
+
     def _on_trampoline(self, pc: int, th: int, regs: PtRegs, mm: int, tgid: int) -> int | None:
         slot = (regs.sp - 8) & ((1 << 64) - 1)
         ri = self._live.pop((mm, slot), None)
@@ -468,11 +491,19 @@ class UprobeManager:
             self.stats["uretprobe_inherited"] += 1
             return inherited.ret_addr
         self.stats["uretprobe_returns"] += 1
+        syscall_tramp = self._syscall_trampoline
+        sp = regs.sp
+        if syscall_tramp:
+            self._push_trampoline_args(sp, regs.get("r11"), regs.get("cx"), regs.get("ax"))
         regs.set("ip", ri.ret_addr)
         regs.clear_dirty()
         for up in ri.probes:
             if up.registered and not up.disabled and up.ret_handler is not None:
                 self.engine._handler(up.ret_handler, ri, regs)
+        if syscall_tramp and regs.sp == sp:
+            # sys_uretprobe() writes back r11, cx and, in ax's slot, the address its
+            # trampoline's ret goes to (a consumer that moved sp gets an iret instead)
+            self._push_trampoline_args(sp, regs.get("r11"), regs.get("cx"), ri.ret_addr)
         self.engine._flush(regs, th, keep_ip=False)
         self._drop_idle_trampoline(pc)
         self._sync_clear_hook()

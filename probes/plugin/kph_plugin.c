@@ -176,6 +176,10 @@ static uint64_t g_tramp;
 static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
 static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists */
+/* CMD_CONFIG flags: CFG_URET_SYSCALL, the kernel's 64-bit uretprobe trampoline pushes
+ * rax, rcx and r11 and calls sys_uretprobe() (6.11+, arch/x86/kernel/uprobes.c) */
+#define CFG_URET_SYSCALL 1u
+static _Atomic uint64_t g_cfg_flags;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
@@ -682,7 +686,7 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
 static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
 {
     inst *done[MAX_PER_SITE];
-    int n = 0, i;
+    int n = 0, i, uret_frame;
     uint64_t slot, real = 0, mm = 0;
     unsigned int b;
 
@@ -725,6 +729,14 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
     }
     /* rethook_trampoline_handler(): handlers see ip = the real return address. */
     v->regs[KREG_IP] = real;
+    uret_frame = tramp != g_tramp && (atomic_load(&g_cfg_flags) & CFG_URET_SYSCALL);
+    if (uret_frame) {
+        /* uretprobe_trampoline_entry pushed rax, rcx, r11: struct uretprobe_syscall_args
+         * at sp - 24 (SYSCALL_DEFINE0(uretprobe)), which the handlers see below sp */
+        uint64_t args[3] = {v->regs[KREG_R11], v->regs[KREG_CX], v->regs[KREG_AX]};
+
+        mem_write(v, v->regs[KREG_SP] - 24, args, sizeof(args));
+    }
     for (i = 0; i < n; i++) {
         probe *p = done[i]->rp;
 
@@ -742,6 +754,13 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
             emit(v, vcpu, p, REC_RET, p->addr,
                  tramp == g_tramp && done[i]->ret_addr == tramp ? tramp : real);
         }
+    }
+    if (uret_frame) {
+        /* sys_uretprobe() writes r11, cx and, in ax's slot, the address the trampoline's
+         * ret goes to (spec probes change no register) */
+        uint64_t args[3] = {v->regs[KREG_R11], v->regs[KREG_CX], real};
+
+        mem_write(v, v->regs[KREG_SP] - 24, args, sizeof(args));
     }
     pthread_mutex_lock(&rp_lock);
     for (i = 0; i < n; i++) {
@@ -1752,12 +1771,18 @@ static int serve(int fd)
             }
             break;
         case CMD_CONFIG:
-            /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline */
-            if (len != 32) {
+            /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
+             * u64 flags (CFG_*) */
+            if (len != 40) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
             pthread_mutex_lock(&g_lock);
+            {
+                uint64_t f;
+                memcpy(&f, pl + 32, 8);
+                atomic_store(&g_cfg_flags, f);
+            }
             memcpy(&g_cur_task_off, pl, 8);
             memcpy(&g_pid_off, pl + 8, 8);
             memcpy(&g_comm_off, pl + 16, 8);

@@ -6,6 +6,7 @@ example: host and guest agree on each kernel, and the kernels differ where the R
 says they do."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,36 @@ def test_matrix_example_agrees_on_each_kernel_and_shows_what_changed():
     out = r.stderr              # the text report (the CLI's convention: stdout is --json only)
     assert "kernel_clone+0x0 (6.1) | kernel_clone+0x4 (6.12, 7.3)" in out, out
     assert "printed in hex on 6.1 and in decimal on 6.12, 7.3" in out, out
+
+
+#: A uretprobe reading just below the returned-to stack pointer: what the kernel's
+#: trampoline left there (``uretprobe_syscall``), next to the registers it pushed.
+URET_FRAME = ("r /usr/bin/kph-loop:kph_add a=-8($stack) ax=%ax c=-16($stack) cx=%cx "
+              "e=-24($stack) r11=%r11")
+
+
+@pytest.mark.parametrize("series", SERIES)
+@pytest.mark.parametrize("side", ["events", "gdbstub", "plugin"])
+def test_uretprobe_trampoline_frame_below_sp(series, side):
+    """``uretprobe_syscall``: on 6.12 and 7.3 a 64-bit process returns into
+    ``uretprobe_trampoline_entry`` (push rax, rcx, r11; ``sys_uretprobe()``), so a handler
+    sees rax, rcx and r11 at sp-8, -16, -24. On 6.1 the trampoline is one int3 and sp-8
+    still holds what ``ret`` popped: the trampoline's address, never the return value.
+    The guest shows the rule; each host engine, alone on the execution, must mirror it
+    (found by ``kph fuzz`` on 7.3: the host read the function's leftovers there)."""
+    from harness.kernelrules import rules_for
+
+    cmd = [sys.executable, "-m", "harness.cli", "probe", "--image", series, "--json", URET_FRAME,
+           "--run", "/usr/bin/kph-loop 2 kph > /dev/null"]
+    cmd += ["--backend", "events"] if side == "events" else ["--backend", "host", "--host", side]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr
+    hits = json.loads(r.stdout)["hits"]
+    assert len(hits) == 2, r.stdout
+    for hit in hits:
+        args = dict(hit["args"])
+        if rules_for(series).uretprobe_syscall:
+            assert (args["a"], args["c"], args["e"]) == (args["ax"], args["cx"], args["r11"]), args
+        else:
+            assert args["a"] != args["ax"] and int(args["a"], 16) > 0x400000, args

@@ -27,6 +27,20 @@ def bg(cmd, out):
     return f"({cmd} > {out} 2>&1 < /dev/null &)"
 
 
+def until(cond, tries=150):
+    """Shell: wait (0.1 s a try) until ``cond`` holds. Fixed sleeps are not enough: under
+    TCG the guest runs slower while the host is loaded, its clock does not."""
+    return f"i=0; until {cond}; do [ $i -ge {tries} ] && break; sleep 0.1; i=$((i+1)); done"
+
+
+def wait_hits(vm, probe, n=1):
+    """Wait (in guest time, at most ~15 s) until ``probe`` was hit ``n`` times."""
+    for _ in range(150):
+        if probe.nhit >= n:
+            return
+        vm.run("sleep 0.1", check=True)
+
+
 def diff(vm, specs, workload):
     runs = run_differential(vm, [parse(s) for s in specs], workload)
     return runs, compare(*runs, trampoline=trampoline_text(vm))
@@ -74,14 +88,17 @@ def test_a_process_not_targeted_does_not_fire(vm, host):
     r = vm.run("rm -f /tmp/goA /tmp/goB; "
                f"{bg('/usr/bin/kph-loop 5 aa /tmp/goA', '/tmp/a.out')}; "
                f"{bg('/usr/bin/kph-loop 5 bbb /tmp/goB', '/tmp/b.out')}; "
-               "sleep 0.3; head -n1 /tmp/a.out; head -n1 /tmp/b.out", check=True)
+               f"{until('[ -s /tmp/a.out ] && [ -s /tmp/b.out ]')}; "
+               "head -n1 /tmp/a.out; head -n1 /tmp/b.out", check=True)
     pid_a, pid_b = (int(x) for x in r.stdout.split())
     seen, everyone = [], []
     up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add", pid=pid_a,
                                      handler=lambda u, regs: seen.append(regs.di)))
     host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
                                 handler=lambda u, regs: everyone.append(regs.di)))
-    vm.run("touch /tmp/goA /tmp/goB; sleep 0.5; cat /tmp/a.out /tmp/b.out", check=True)
+    vm.run(f"touch /tmp/goA /tmp/goB; "
+           f"{until(f'! kill -0 {pid_a} 2>/dev/null && ! kill -0 {pid_b} 2>/dev/null')}; "
+           "cat /tmp/a.out /tmp/b.out", check=True)
     assert seen == [0, 1, 2, 3, 4] and up.nhit == 5    # only process A
     assert sorted(everyone) == sorted([0, 1, 2, 3, 4] * 2)
     assert pid_a != pid_b
@@ -89,7 +106,7 @@ def test_a_process_not_targeted_does_not_fire(vm, host):
 
 def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
     r = vm.run("rm -f /tmp/go2; " + bg("/usr/bin/kph-forkexec /tmp/go2", "/tmp/fe2.out") +
-               "; sleep 0.3; head -n1 /tmp/fe2.out", check=True)
+               f"; {until('[ -s /tmp/fe2.out ]')}; head -n1 /tmp/fe2.out", check=True)
     pid = int(r.stdout.split()[0])
     seen = []
     up = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
@@ -97,7 +114,8 @@ def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
     rets = []
     rp = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
                                      ret_handler=lambda ri, regs: rets.append(regs.ax)))
-    out = vm.run("touch /tmp/go2; sleep 0.5; cat /tmp/fe2.out", check=True).stdout
+    done = until("grep -q 'after 201' /tmp/fe2.out")
+    out = vm.run(f"touch /tmp/go2; {done}; cat /tmp/fe2.out", check=True).stdout
     assert "after 201" in out                          # the exec'd image ran kph_tick(200)
     assert seen == [1, 2]                              # not the child's 100, not 200 after exec
     assert rets == [2, 3]
@@ -144,11 +162,12 @@ def test_close_puts_back_a_hijacked_return_address(vm):
                                      ret_handler=lambda ri, regs: None))
     vm.run("rm -f /tmp/goM; (/usr/bin/kph-loop 2 x /tmp/goM > /tmp/m.out 2>&1 < /dev/null; "
            "echo $? > /tmp/m.rc) > /dev/null 2>&1 < /dev/null &", check=True)
-    vm.run("sleep 0.3", check=True)
+    wait_hits(vm, up)
     assert up.nhit == 1
     host.close()
     assert host.stats["uretprobe_restored"] == 1
-    out = vm.run("touch /tmp/goM; sleep 0.5; cat /tmp/m.rc /tmp/m.out", check=True).stdout
+    out = vm.run(f"touch /tmp/goM; {until('[ -s /tmp/m.rc ]')}; cat /tmp/m.rc /tmp/m.out",
+                 check=True).stdout
     assert out.split()[0] == "0" and out.split()[2] == "6"   # exit 0; (0+0+1) + (1+3+1)
 
 
@@ -158,10 +177,11 @@ def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, 
                                      ret_handler=lambda ri, regs: calls.append(regs.ax)))
     vm.run("rm -f /tmp/goF; (/usr/bin/kph-loop 1 x /tmp/goF > /dev/null 2>&1 < /dev/null; "
            "echo $? > /tmp/f.rc) > /dev/null 2>&1 < /dev/null &", check=True)
-    vm.run("sleep 0.3", check=True)
+    wait_hits(vm, up)
     assert up.nhit == 1
     host.unregister_uprobe(up)
     assert host.uprobes.tramps                          # main is still running
-    assert vm.run("touch /tmp/goF; sleep 0.5; cat /tmp/f.rc", check=True).stdout == "0\n"
+    assert vm.run(f"touch /tmp/goF; {until('[ -s /tmp/f.rc ]')}; cat /tmp/f.rc",
+                  check=True).stdout == "0\n"
     assert calls == [] and not host.uprobes.tramps      # no handler; trampoline gone after
     assert host.stats["uretprobe_returns"] == 1
