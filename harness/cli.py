@@ -1245,10 +1245,35 @@ def _on_signal(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _on_unraisable(u: Any) -> None:
+    """``sys.unraisablehook`` while ``main`` runs. The KeyboardInterrupt ``_on_signal``
+    raises can land where Python cannot raise (an at-fork callback such as logging's
+    ``_releaseLock``, a ``__del__``): Python would print it as "Exception ignored in" with
+    a traceback and go on. Silent instead, and delivered again 10 ms later (SIGALRM), where
+    it can unwind ``main``."""
+    if _interrupted and u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
+    sys.__unraisablehook__(u)
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    if _interrupted and not _exiting:      # not once main is reporting the interruption
+        raise KeyboardInterrupt
+
+
+#: set when ``main`` reports an interruption (a late SIGALRM then raises nothing)
+_exiting: list[bool] = []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _interrupted.clear()
+    _exiting.clear()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _on_signal)
+    alarm = signal.getsignal(signal.SIGALRM)
+    unraisable, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     try:
         parser = make_parser()
         argv = list(sys.argv[1:] if argv is None else argv)
@@ -1272,9 +1297,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
+        sys.unraisablehook = unraisable
+        if signal.getsignal(signal.SIGALRM) is _on_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, alarm if alarm is not None else signal.SIG_DFL)
 
 
 def _interrupted_exit() -> int:
+    _exiting.append(True)
+    if signal.getsignal(signal.SIGALRM) is _on_alarm:
+        signal.setitimer(signal.ITIMER_REAL, 0)
     _clear_progress()
     name = signal.Signals(_interrupted[0]).name if _interrupted else "SIGINT"
     print(f"interrupted ({name})", file=sys.stderr)

@@ -46,6 +46,14 @@ Normalizations, all listed here and named in every report (nothing else is norma
   by construction. (An int3-based guest kprobe runs its handler inside
   ``irqentry_nmi_enter()``, so its entries carry NMI and HARDIRQ whatever the caller was;
   NMI entries count as task context, their SOFTIRQ bit as the caller's.)
+- ``preempt-order``: the same window across tasks. An interrupt taken between one side's
+  record and the other's may end in a preemption (``preempt_schedule_irq()``), and the
+  tasks that run then record their own hits in between: one side has task A's hit, then
+  B's run of hits; the other has B's run, then A's. Such a hit is moved back in front of
+  that run when the run is exactly the hits the first side recorded next (pids in the
+  same order): for entry probes only a hit of side b (the host records first, at its
+  breakpoint), for return probes of either side. Nothing else is reordered, and every
+  field is still compared.
 - ``nhit``: raw hit counters are not compared (each side counts from its own
   registration, which happens at different moments); hits recorded during the workload
   are compared one by one instead. ``nmissed`` is compared exactly.
@@ -65,6 +73,8 @@ NORMALIZATIONS = {
     "nhit": "raw nhit counters not compared; recorded hits are compared one by one",
     "irq-order": "hits compared per context of the probed call (task, interrupt), in order "
                  "within each",
+    "preempt-order": "a hit one side recorded after a run of other tasks' hits (a preemption "
+                     "between the two sides' records) moved back in front of that run",
     "comm-change": "a guest comm the same pid took after the hit (an exec renamed it before "
                    "saved_cmdlines recorded it) compares equal",
     "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
@@ -257,6 +267,20 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             lb = sorted(lb, key=lambda h: h.irq == "irq")
             res.applied["irq-order"] = res.applied.get("irq-order", 0) + 1
             res.normalized.append(Normalized(probe, -1, "order", "irq-order", "", ""))
+        if res.modes.get(probe) != "uprobe":
+            # an entry probe's side a (the host, at its breakpoint) records before side b
+            # (the guest's handler); on a return either trampoline may come first
+            ways = ((lb, la),) if all(h.kind == "p" for h in [*la, *lb]) else ((lb, la), (la, lb))
+            for moved, first in ways:
+                fixed, moves = _preempted(first, moved)
+                if moves:
+                    la, lb = (first, fixed) if moved is lb else (fixed, first)
+                    res.applied["preempt-order"] = res.applied.get("preempt-order", 0) + len(moves)
+                    for i in moves:
+                        res.normalized.append(Normalized(
+                            probe, i, "order", "preempt-order",
+                            f"{la[i].comm}-{la[i].pid}", f"{lb[i].comm}-{lb[i].pid}"))
+                    break
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
         matched = 0
@@ -321,6 +345,26 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             res.normalized.append(Normalized(probe, -1, "nhit", "nhit", str(a.counters[probe].nhit),
                                              str(b.counters[probe].nhit)))
     return res
+
+
+def _preempted(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[int]]:
+    """``later`` with each hit that it recorded after a run of other tasks' hits moved back
+    in front of that run, where ``first`` recorded it before the same run (the same pids
+    in the same order); and the positions moved to. Stops at the first difference that is
+    not such a run. Sides without pids are left as they are."""
+    if any(h.pid is None for h in (*first, *later)):
+        return later, []
+    out, moves = list(later), []
+    for i in range(min(len(first), len(out))):
+        pid = first[i].pid
+        if out[i].pid == pid:
+            continue
+        j = next((k for k in range(i + 1, len(out)) if out[k].pid == pid), None)
+        if j is None or [h.pid for h in out[i:j]] != [h.pid for h in first[i + 1:j + 1]]:
+            break
+        out.insert(i, out.pop(j))
+        moves.append(i)
+    return (out, moves) if moves else (later, [])
 
 
 def _by_line(outcomes: list[Outcome]) -> dict[object, Outcome]:

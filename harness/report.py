@@ -287,8 +287,16 @@ def _probe_section(res: DiffResult, probe: str, anchor: str, status: str, bad: b
             f"data-field=\"nmissed\">nmissed {c.nmissed}</span>"
             for side, c in ((A, ca), (B, cb)) if c is not None) + "</p>")
     if "order" in whole:
-        parts.append(f'<p>hits compared thread by thread <sup class="rule" title="'
-                     f'{e(NORMALIZATIONS["thread-order"])}">thread-order</sup></p>')
+        rule = whole["order"]
+        how = {"thread-order": "thread by thread",
+               "irq-order": "per context of the probed call (task, interrupt)"}.get(rule, "")
+        parts.append(f'<p>hits compared {e(how)} <sup class="rule" title="'
+                     f'{e(NORMALIZATIONS[rule])}">{e(rule)}</sup></p>')
+    moved = [nm.index for nm in res.normalized if nm.probe == probe and nm.rule == "preempt-order"]
+    if moved:
+        parts.append(f"<p>{len(moved)} hit(s) moved back in front of a preempting task's hits "
+                     f"(#{', #'.join(str(i + 1) for i in moved)}) <sup class=\"rule\" title=\""
+                     f'{e(NORMALIZATIONS["preempt-order"])}">preempt-order</sup></p>')
     out_a, out_b = res.left_out.get(probe, (0, 0))
     if out_a or out_b:
         parts.append(f"<p>left out by <b>agent</b>: {out_a} {e(A)} and {out_b} {e(B)} hits of "

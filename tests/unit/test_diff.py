@@ -1,3 +1,5 @@
+import dataclasses
+
 from harness.diff import compare
 from harness.records import Counters, Hit, Outcome, RunResult
 
@@ -82,10 +84,16 @@ def test_uprobe_hits_compare_per_thread_only_for_uprobes():
     res = compare(RunResult("host", [Outcome("u/work", True, mode="host")], host, {}),
                   RunResult("events", o, guest, {}))
     assert res.equivalent and res.applied["thread-order"] == 1
-    # the same streams as kprobe hits are not reordered: they diverge
+    # as kprobe hits, streams are not compared per thread. Here the guest recorded
+    # thread 11's hit before thread 10's two, the host after them: no preemption between
+    # the host's breakpoint and the guest's handler makes that (preempt-order moves only
+    # a guest hit back): they diverge
+    host = [uhit("host", 0, 10, i=0), uhit("host", 1, 10, i=1), uhit("host", 2, 11, i=0)]
+    guest = [uhit("events", 0, 11, i=0), uhit("events", 1, 10, i=0), uhit("events", 2, 10, i=1)]
     kp = compare(RunResult("host", [Outcome("u/work", True)], host, {}),
                  RunResult("events", [Outcome("u/work", True, mode="int3")], guest, {}))
     assert not kp.equivalent and "thread-order" not in kp.applied
+    assert "preempt-order" not in kp.applied
 
 
 def test_a_guest_value_that_is_the_uretprobe_trampoline_compares_equal():
@@ -138,3 +146,52 @@ def test_an_agent_child_s_hit_under_its_later_comm_is_left_out_on_both_sides():
     # without the host's agent hit nothing is left out of the guest's side
     res = compare(run("host", host[1:]), run("events", guest))
     assert not res.equivalent
+
+
+def _task_hit(side, seq, comm, pid, obj):
+    return Hit(side=side, probe="kprobes/kpevent", kind="p", seq=seq, cpu=0, pid=pid, comm=comm,
+               ip="kfree+0x4/0x3c0", args=(("object", obj),))
+
+
+def _kfree_run(side, order):
+    o = [Outcome("kprobes/kpevent", True)]
+    return run(side, [_task_hit(side, i, c, p, v) for i, (c, p, v) in enumerate(order)], o)
+
+
+LS = ("ls", 127, "0x0")
+KD1, KD2 = ("kdamond.0", 44, "0xffff888005930200"), ("kdamond.0", 44, "0xffff888005930300")
+
+
+def test_a_hit_recorded_after_a_preempting_task_s_run_is_moved_back():
+    """7.3, ``p:kpevent kfree $arg*`` during ``ls``: the host recorded ls's kfree at its
+    breakpoint, an interrupt preempted ls before the guest's handler ran, kdamond.0 freed
+    twice (both sides recorded those), then ls's guest record came."""
+    host = _kfree_run("host", [LS, LS, KD1, KD2, LS])
+    guest = _kfree_run("events", [LS, KD1, KD2, LS, LS])
+    res = compare(host, guest)
+    assert res.equivalent, res.first
+    assert res.applied["preempt-order"] == 1
+    moved = [n for n in res.normalized if n.rule == "preempt-order"]
+    assert [(n.index, n.a_value, n.b_value) for n in moved] == [(1, "ls-127", "ls-127")]
+    # the other way round: the guest cannot record an entry probe's hit first
+    assert not compare(guest, host).equivalent
+    # ... a return probe's, it can (its trampoline runs first when it hijacked last)
+    ret = [dataclasses.replace(h, kind="r") for h in guest.hits]
+    hret = [dataclasses.replace(h, kind="r") for h in host.hits]
+    assert compare(RunResult("events", guest.outcomes, ret, {}),
+                   RunResult("host", host.outcomes, hret, {})).equivalent
+
+
+def test_preempt_order_moves_nothing_that_is_not_such_a_run():
+    host = _kfree_run("host", [LS, KD1, KD2])
+    # the run differs from what the host recorded next (values): moved, then compared
+    bad = compare(host, _kfree_run("events", [KD2, KD1, LS]))
+    assert not bad.equivalent
+    # a hit of another task with no counterpart is no reorder: the first difference stays
+    res = compare(_kfree_run("host", [LS, LS]), _kfree_run("events", [KD1, LS]))
+    assert not res.equivalent and res.first.field in ("comm", "pid", "arg:object")
+    assert "preempt-order" not in res.applied
+    # a value that differs is still a divergence after the move
+    res = compare(_kfree_run("host", [LS, KD1]),
+                  _kfree_run("events", [KD1, ("ls", 127, "0x1")]))
+    assert not res.equivalent and res.first.field == "arg:object"
