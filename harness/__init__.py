@@ -23,6 +23,7 @@ _WHERE = {
     "StateError": "errors", "GuestStoppedError": "errors", "HandlerError": "errors",
     "GuestAgentError": "errors", "GuestExecError": "errors", "GdbMIError": "errors",
     "SymbolNotFoundError": "errors", "ProbeRejectedError": "errors", "ProbeSpecError": "errors",
+    "MemoryFaultError": "errors", "EngineReadError": "errors", "PluginRecordError": "errors",
 }
 
 __all__ = [
@@ -30,8 +31,8 @@ __all__ = [
     "KPROBE_FLAG_DISABLED", "HostEngine", "KernelFacts", "RunResult", "VmState",
     "HarnessError", "SetupError", "VMError", "GuestPanicError", "GuestShutdownError",
     "VMLostError", "StateError", "GuestStoppedError", "HandlerError", "GuestAgentError",
-    "GuestExecError", "GdbMIError", "SymbolNotFoundError", "ProbeRejectedError",
-    "ProbeSpecError",
+    "GuestExecError", "GdbMIError", "MemoryFaultError", "EngineReadError",
+    "PluginRecordError", "SymbolNotFoundError", "ProbeRejectedError", "ProbeSpecError",
 ]
 
 

@@ -9,7 +9,8 @@ One output convention for every verb (docs/cli.md):
   guest's own output of ``kph boot --run CMD``;
 - progress of long work is one live line on a terminal, plain lines otherwise;
 - exit status 0 success, 1 divergence / not met / failed command, 2 usage or setup error,
-  3 the VM was lost, 130 interrupted.
+  3 the VM was lost, 4 nothing measured (``kph diff``: no armed probe fired), 130
+  interrupted.
 
 Why over 1,000 lines: the parser (``make_parser``, which is also the help the docs quote)
 and each verb's output handling sit together, so the one convention above is visible in
@@ -29,10 +30,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .errors import (HarnessError, NotMirroredError, ProbeSpecError, ScenarioError, SetupError,
-                     VMError)
+from .errors import (EngineReadError, HarnessError, NotMirroredError, PluginRecordError,
+                     ProbeSpecError, ScenarioError, SetupError, VMError)
 
-EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA, EXIT_EMPTY = 0, 1, 2, 3, 4
 
 DESCRIPTION = """\
 kprobe-harness: boot a real x86_64 Linux kernel under QEMU and probe it with kprobe
@@ -56,7 +57,8 @@ first steps:
   kph diff  'p:open do_sys_openat2 path=+0(%si):ustring' --run 'cat /proc/version'
 every command has examples in its --help (kph COMMAND --help).
 exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
-3 the VM was lost (panic, QEMU died, timeout), 130 interrupted."""
+3 the VM was lost (panic, QEMU died, timeout), 4 empty (kph diff: nothing measured),
+130 interrupted."""
 
 #: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a
 #: directory holding the checkout's probes/ (paths are relative to the checkout).
@@ -239,6 +241,44 @@ def _sub(sub: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _verdict_group(p: argparse.ArgumentParser) -> None:
+    from .diff import NORMALIZATIONS
+
+    g = p.add_argument_group("Verdict", "what may make two sides equivalent "
+                             "(docs/diff.md lists every normalization)")
+    g.add_argument("--strict", action="store_true",
+                   help="no normalization except those --allow names: any other applied "
+                   "is exit 1, named with its count")
+    g.add_argument("--allow", metavar="RULE,...", default="",
+                   help="with --strict, the normalizations to accept: "
+                   + ", ".join(NORMALIZATIONS))
+    g.add_argument("--expect-empty", action="store_true",
+                   help="a run in which no armed probe fires on either side is the "
+                   "expected result (exit 0, not 4)")
+
+
+def _verdict_opts(args: argparse.Namespace) -> dict[str, Any]:
+    """compare()'s verdict options from --strict/--allow/--expect-empty; a rule that does
+    not exist is a usage error before anything boots."""
+    from .diff import NORMALIZATIONS
+
+    allow = tuple(r.strip() for r in args.allow.split(",") if r.strip())
+    bad = [r for r in allow if r not in NORMALIZATIONS]
+    if bad:
+        raise SetupError(f"--allow {','.join(bad)}: no such normalization",
+                         f"choose from {', '.join(NORMALIZATIONS)}")
+    if allow and not args.strict:
+        raise SetupError("--allow without --strict allows nothing more",
+                         "add --strict (without it every documented normalization applies)")
+    return {"strict": args.strict, "allow": allow, "expect_empty": args.expect_empty}
+
+
+def _exit_for(res: Any) -> int:
+    """0 equivalent, 1 diverged or not strict, 4 empty (nothing measured)."""
+    word = res.verdict_word
+    return {"equivalent": EXIT_OK, "empty": EXIT_EMPTY}.get(word, EXIT_DIVERGED)
+
+
 def _kernel_group(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Kernel selection (default: the embedded default image)")
     g.add_argument("--kernel", metavar="F", help="a bzImage, or a kernel build directory")
@@ -336,7 +376,10 @@ def make_parser() -> argparse.ArgumentParser:
     df = _sub(sub, "diff", help="Run a probe set on both sides and report the first divergence",
               description="Place the specs in the guest (--guest) and host-side on "
               "top, observing one execution of --run; compare every hit field by "
-              "field. Exit 0 equivalent, 1 divergent, 2 usage or setup error.",
+              "field. Exit 0 equivalent, 1 divergent (or, with --strict, a normalization "
+              "not allowed), 2 usage or setup error or a host engine that could not read "
+              "(never a value), 3 the VM was lost, 4 empty: no probe both sides armed "
+              "fired on either side, nothing was compared (--expect-empty: 0).",
               epilog=_examples("diff"))
     _spec_args(df)
     df.add_argument("--guest", choices=("events", "module"), default="events",
@@ -345,6 +388,7 @@ def make_parser() -> argparse.ArgumentParser:
                     help="the host-side engine: gdbstub (default), plugin, or both (three "
                     "worlds on one execution, every pair compared)")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    _verdict_group(df)
     _kernel_group(df)
     _qemu_group(df)
 
@@ -764,12 +808,13 @@ def _diff(args: argparse.Namespace, out: Output) -> int:
 
     _check_output("-o", out.json_file)
     _check_output("--html", args.html)
+    verdict = _verdict_opts(args)
     specs = _load_specs(args)
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
     if args.host == "both":
-        return _diff_three(args, specs, out)
+        return _diff_three(args, specs, out, verdict)
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with _machine(args) as vm:
         _booted(vm, args, out)
@@ -778,7 +823,7 @@ def _diff(args: argparse.Namespace, out: Output) -> int:
         tramp = trampoline_text(vm)
     _workload_ran(runs[0], args.run)
     out.progress("comparing the two sides")
-    res = compare(*runs, trampoline=tramp)
+    res = compare(*runs, trampoline=tramp, **verdict)
     out.progress.clear()
     out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
                          stderr=runs[0].workload_stderr))
@@ -787,7 +832,7 @@ def _diff(args: argparse.Namespace, out: Output) -> int:
         with open(args.html, "w") as f:
             f.write(report.to_html(res, runs, workload=args.run))
         out.text(f"wrote {args.html}")
-    return EXIT_OK if res.equivalent else EXIT_DIVERGED
+    return _exit_for(res)
 
 
 def _matrix(args: argparse.Namespace, out: Output) -> int:
@@ -1047,7 +1092,8 @@ def _worker(args: argparse.Namespace, out: Output) -> int:
     raise SetupError("kph worker needs an action", "try `kph worker prepare HOST --dir PATH`")
 
 
-def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output) -> int:
+def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output,
+                verdict: dict[str, Any]) -> int:
     """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.worlds)."""
     from . import report
     from .worlds import run_three
@@ -1056,12 +1102,13 @@ def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output) -> int:
     with _machine(args) as vm:
         _booted(vm, args, out)
         out.progress("three worlds: registering, running the workload, collecting")
-        three = run_three(vm, specs, args.run, guest=args.guest, timeout=args.timeout)
+        three = run_three(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
+                          **verdict)
     out.progress.clear()
     for res in three.pairs:
         out.text(report.text(res, workload=args.run, status=three.runs[0].workload_status))
     first = three.first_divergence()
-    out.text(f"three worlds: {'EQUIVALENT' if first is None else 'DIVERGED'}"
+    out.text(f"three worlds: {'EQUIVALENT' if first is None else first.verdict_word.upper()}"
              + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
     which = ((0, 2), (1, 2), (0, 1))
     out.result({"equivalent": first is None,
@@ -1072,7 +1119,7 @@ def _diff_three(args: argparse.Namespace, specs: list[Any], out: Output) -> int:
         i, j = which[k]
         with open(args.html, "w") as f:
             f.write(report.to_html(three.pairs[k], (three.runs[i], three.runs[j]), workload=args.run))
-    return EXIT_OK if first is None else EXIT_DIVERGED
+    return EXIT_OK if first is None else _exit_for(first)
 
 
 def _repro(args: argparse.Namespace, out: Output) -> int:
@@ -1359,6 +1406,13 @@ def _report_error(exc: BaseException) -> int | None:
     if isinstance(exc, HandlerError):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INFRA
+    if isinstance(exc, (EngineReadError, PluginRecordError)):
+        # never a value: the run is not compared; 3 when the VM was lost under it
+        print(f"error: {exc}", file=sys.stderr)
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, VMError):
+            cause = cause.__cause__
+        return EXIT_INFRA if cause is not None else EXIT_USAGE
     if isinstance(exc, HarnessError):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

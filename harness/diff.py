@@ -28,10 +28,20 @@ Normalizations, all listed here and named in every report (nothing else is norma
   sets ``regs->ip`` to the saved return address before the handlers run,
   kernel/events/uprobes.c: ``handle_trampoline()``, kernel/kprobes.c:
   ``__kretprobe_trampoline_handler()``).
-- ``unknown``: where a numeric fetch fails (e.g. a user page not present yet), the kernel
-  records whatever bytes the ring buffer slot held before; nothing can predict them. The
-  host side reports ``(unknown)`` there, which compares equal to any value (per array
-  element).
+- ``stale``, ``below-sp``, ``flags``: a host ``(unknown)`` matches any value, for that
+  argument of that hit only, and only where the host's record says why the kernel makes
+  it unknowable (``Hit.unknown``; a host read that fails for any other reason is no value:
+  the run fails, ``harness.errors.EngineReadError``). ``stale``: the fetch took a real
+  fault (the guest does not map the memory), so the kernel stores nothing and the event
+  keeps the ring buffer's old bytes (``store_trace_args()``, ``process_fetch_insn()``).
+  ``below-sp``: the fetch read the probed context's stack below its sp, where the guest
+  probe's own frames are by the time its handler reads. ``flags``: the plugin engine's
+  ``%flags`` (TCG keeps the arithmetic flags lazily; the plugin API cannot read them).
+- ``pid``: a hit whose pid one side cannot know (no ``task_struct`` offsets, or the task
+  not readable at the hit) has its pid left out of that comparison, counted. Where both
+  sides know it, the pid is compared, and so is the cpu, always.
+- ``refused-missing``: a line one side refused that the other side never placed (it
+  stopped before it): there is no registration on that side to compare, counted.
 - ``comm-change``: the trace prints a comm from ``saved_cmdlines``, saved at the CPU's
   first sched switch or wakeup after an event (kernel/trace/trace.c:
   ``tracing_record_taskinfo()``); a task that exec'd in between prints under its new
@@ -57,6 +67,11 @@ Normalizations, all listed here and named in every report (nothing else is norma
 - ``nhit``: raw hit counters are not compared (each side counts from its own
   registration, which happens at different moments); hits recorded during the workload
   are compared one by one instead. ``nmissed`` is compared exactly.
+
+Nothing measured is no verdict: when no probe both sides armed has a hit on either side,
+the result is *empty*, not equivalent (unless the caller expects it, ``expect_empty``),
+and each armed probe without a hit on either side is named (``DiffResult.silent``).
+``strict``: any normalization applied that the caller did not ``allow`` is a failure.
 """
 from __future__ import annotations
 
@@ -77,9 +92,19 @@ NORMALIZATIONS = {
                      "between the two sides' records) moved back in front of that run",
     "comm-change": "a guest comm the same pid took after the hit (an exec renamed it before "
                    "saved_cmdlines recorded it) compares equal",
-    "unknown": "a host (unknown) (a failed numeric fetch, stale bytes in the guest) matches any value",
+    "stale": "a host (unknown) where the fetch took a real fault (the kernel keeps stale "
+             "ring-buffer bytes) matches any value, that argument only",
+    "below-sp": "a host (unknown) where the fetch read the stack below the probed sp (the "
+                "guest probe's own frames) matches any value, that argument only",
+    "flags": "a plugin-engine (unknown) %flags (TCG's lazy flags) matches any value, that "
+             "argument only",
+    "pid": "a pid one side cannot know left out of that hit's comparison",
+    "refused-missing": "a line one side refused that the other side never placed: no "
+                       "registration to compare",
 }
 UNKNOWN_TEXT = "(unknown)"
+#: The rules that make a host (unknown) match, by the reason its record gives.
+UNKNOWN_RULES = ("stale", "below-sp", "flags")
 
 
 def _unknown_match(a: str, b: str) -> bool:
@@ -142,10 +167,56 @@ class DiffResult:
     normalized: list[Normalized] = field(default_factory=list)
     #: Per probe, how many hits each side had that the ``agent`` rule left out.
     left_out: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: An empty result (no armed probe fired) is what the caller expects.
+    expect_empty: bool = False
+    #: Fail on any normalization applied that is not in ``allow``.
+    strict: bool = False
+    allow: frozenset[str] = frozenset()
+
+    @property
+    def agrees(self) -> bool:
+        """No divergence (whether or not anything was measured)."""
+        return not self.divergences
+
+    @property
+    def silent(self) -> list[str]:
+        """Probes both sides armed that have no hit on either side (agent hits aside)."""
+        out = []
+        for k in self.armed:
+            p = self.outcomes[k][0].probe      # type: ignore[union-attr]
+            if self.counts.get(p, (0, 0)) == (0, 0) and p not in out:
+                out.append(p)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        """Both sides armed probes and none fired on either side: nothing was measured."""
+        return bool(self.armed) and len(self.silent) == len(
+            {self.outcomes[k][0].probe for k in self.armed})   # type: ignore[union-attr]
+
+    @property
+    def strict_violations(self) -> dict[str, int]:
+        """Under ``strict``: each normalization applied that ``allow`` does not name."""
+        if not self.strict:
+            return {}
+        return {k: n for k, n in self.applied.items() if n and k not in self.allow}
+
+    @property
+    def verdict_word(self) -> str:
+        """``equivalent``, ``diverged``, ``empty`` (nothing measured) or ``not-strict``."""
+        if self.divergences:
+            return "diverged"
+        if self.empty and not self.expect_empty:
+            return "empty"
+        if self.strict_violations:
+            return "not-strict"
+        return "equivalent"
 
     @property
     def equivalent(self) -> bool:
-        return not self.divergences
+        """No divergence, something measured (or an empty result expected), and under
+        ``strict`` no normalization the caller did not allow."""
+        return self.verdict_word == "equivalent"
 
     @property
     def first(self) -> Divergence | None:
@@ -199,7 +270,8 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
 
 
 def _fields(h: Hit) -> dict[str, str]:
-    out = {"kind": h.kind, "comm": h.comm, "ip": h.ip, "ret_from": h.ret_from or ""}
+    out = {"kind": h.kind, "cpu": str(h.cpu), "comm": h.comm, "ip": h.ip,
+           "ret_from": h.ret_from or ""}
     if h.pid is not None:
         out["pid"] = str(h.pid)
     out.update({f"arg:{k}": v for k, v in h.args})
@@ -216,13 +288,23 @@ def _is_trampoline(ip: str, trampoline: str | tuple[str, ...]) -> bool:
 
 
 def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | None = None,
-            context: int = 3) -> DiffResult:
+            context: int = 3, strict: bool = False, allow: "tuple[str, ...] | frozenset[str]" = (),
+            expect_empty: bool = False) -> DiffResult:
     """Compare side ``a`` (usually host) with side ``b`` (events or module).
 
     :param trampoline: how the host trampoline prints in the guest (``_etext+0x0/...``
         prefix), for the ``trampoline`` normalization.
+    :param strict: the result is not equivalent if any normalization other than those
+        in ``allow`` was applied (``DiffResult.strict_violations``).
+    :param expect_empty: a run in which no armed probe fired is equivalent, not empty.
+    :raise ValueError: ``allow`` names a rule that is not in :data:`NORMALIZATIONS`.
     """
-    res = DiffResult(a.side, b.side)
+    bad = sorted(set(allow) - set(NORMALIZATIONS))
+    if bad:
+        raise ValueError(f"unknown normalization(s) {', '.join(bad)}; "
+                         f"known: {', '.join(NORMALIZATIONS)}")
+    res = DiffResult(a.side, b.side, expect_empty=expect_empty, strict=strict,
+                     allow=frozenset(allow))
     oa, ob = _by_line(a.outcomes), _by_line(b.outcomes)
     for label, key in _labels([*oa.values(), *ob.values()]).items():
         x, y = oa.get(key), ob.get(key)
@@ -232,7 +314,14 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
             res.modes.setdefault(probe, y.mode)
         acc_x = x is not None and x.accepted
         acc_y = y is not None and y.accepted
-        if acc_x != acc_y or (not acc_x and x is not None and y is not None and x.errno != y.errno):
+        if (x is None and y is not None and not y.accepted) or (
+                y is None and x is not None and not x.accepted):
+            # refused on one side, never placed on the other: nothing to compare there
+            res.applied["refused-missing"] = res.applied.get("refused-missing", 0) + 1
+            res.normalized.append(Normalized(label, -1, "registration", "refused-missing",
+                                             _outcome_text(x), _outcome_text(y)))
+        elif acc_x != acc_y or (not acc_x and x is not None and y is not None
+                                and x.errno != y.errno):
             res.divergences.append(Divergence(
                 label, "registration", -1, _outcome_text(x), _outcome_text(y)))
     ha, hb = _relevant(a.hits), _relevant(b.hits)
@@ -309,17 +398,24 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
                     note(i, k, "trampoline", fa[k], fb[k])
                     fb[k] = fa[k]
                     res.applied["trampoline"] = res.applied.get("trampoline", 0) + 1
-                if k.startswith("arg:") and k in fb and fa[k] != fb[k] and _unknown_match(fa[k], fb[k]):
-                    note(i, k, "unknown", fa[k], fb[k])
-                    fb[k] = fa[k]
-                    res.applied["unknown"] = res.applied.get("unknown", 0) + 1
+                if k.startswith("arg:") and k in fb and fa[k] != fb[k]:
+                    # only an argument the record says the kernel makes unknowable
+                    ra, rb = dict(la[i].unknown).get(k[4:]), dict(lb[i].unknown).get(k[4:])
+                    rule = (ra if ra in UNKNOWN_RULES and _unknown_match(fa[k], fb[k]) else
+                            rb if rb in UNKNOWN_RULES and _unknown_match(fb[k], fa[k]) else None)
+                    if rule is not None:
+                        note(i, k, rule, fa[k], fb[k])
+                        fb[k] = fa[k]
+                        res.applied[rule] = res.applied.get(rule, 0) + 1
             if fa["comm"] != fb.get("comm") and fb.get("comm") in la[i].comm_alts:
                 note(i, "comm", "comm-change", fa["comm"], fb.get("comm", ""))
                 fb["comm"] = fa["comm"]
                 res.applied["comm-change"] = res.applied.get("comm-change", 0) + 1
-            if "pid" not in fa or "pid" not in fb:  # a side that cannot know pids
+            if ("pid" in fa) != ("pid" in fb):      # a side that cannot know this pid
+                note(i, "pid", "pid", fa.get("pid", "<none>"), fb.get("pid", "<none>"))
                 fa.pop("pid", None)
                 fb.pop("pid", None)
+                res.applied["pid"] = res.applied.get("pid", 0) + 1
             bad = next((k for k in dict.fromkeys([*fa, *fb]) if fa.get(k) != fb.get(k)), None)
             if bad is not None:
                 div = Divergence(probe, bad, i, fa.get(bad, "<none>"), fb.get(bad, "<none>"),

@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterable
 
 from . import constants as C
 from .emulate import Emulation, decode
-from .errors import GdbMIError, HandlerError, HarnessError, ProbeRejectedError, VMLostError
+from .errors import (GdbMIError, HandlerError, HarnessError, MemoryFaultError, ProbeRejectedError,
+                     VMLostError)
 from .gdbstub import GdbStub, Stop, readable
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
@@ -543,7 +544,7 @@ class HostEngine(HandlerErrors):
             return None
         try:
             return int.from_bytes(self.stub.read_memory(task + off, 4), "little", signed=True)
-        except HarnessError:
+        except MemoryFaultError:
             return None
 
     def task_comm_bytes(self, task: int | None) -> bytes | None:
@@ -552,7 +553,7 @@ class HostEngine(HandlerErrors):
             return None
         try:
             raw = self.stub.read_memory(task + self._comm_off, 16)
-        except HarnessError:
+        except MemoryFaultError:
             return None
         return raw.split(b"\0", 1)[0]
 
@@ -562,7 +563,7 @@ class HostEngine(HandlerErrors):
             return None
         try:
             raw = self.stub.read_memory(task + self._comm_off, 16)
-        except HarnessError:
+        except MemoryFaultError:
             return None
         return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -602,7 +603,7 @@ class HostEngine(HandlerErrors):
             base = regs.read_sys("k_gs_base" if regs.get("cs") & 3 == 3 else "gs_base")
             addr = (base + sym.addr + offset) & ((1 << 64) - 1)
             return int.from_bytes(self.stub.read_memory(addr, 8), "little")
-        except HarnessError:
+        except MemoryFaultError:
             return None
 
     def percpu_base(self, regs: PtRegs) -> int | None:
@@ -624,7 +625,7 @@ class HostEngine(HandlerErrors):
             # MSR_KERNEL_GS_BASE until swapgs on the next kernel entry.
             base = regs.read_sys("k_gs_base" if regs.get("cs") & 3 == 3 else "gs_base")
             return int.from_bytes(self.stub.read_memory(base + self._current_task_off, 8), "little")
-        except HarnessError:
+        except MemoryFaultError:
             return None
 
     def _on_trampoline(self, th: int) -> int:
@@ -959,7 +960,7 @@ class HostEngine(HandlerErrors):
                 n = min(maxlen - len(out), 4096 - (a & 4095))
                 try:
                     chunk = self.stub.read_memory(a, n)
-                except HarnessError:
+                except MemoryFaultError:
                     return out if out else None
                 end = chunk.find(b"\0")
                 if end >= 0:

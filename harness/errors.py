@@ -19,6 +19,15 @@ refuses a probe is a *result* (see ``harness.engine``), not an error here.
      ├─ GuestAgentError(.error_class)     the guest agent answered with an error
      ├─ GuestExecError(.exitcode, .stdout, .stderr)   a guest command failed (check=True)
      ├─ GdbMIError(.token, .msg)          GDB answered a command with ^error
+     │   └─ MemoryFaultError(.address)    ... because the guest's page tables do not map
+     │                                    the memory (the kernel's read would fault too)
+     ├─ EngineReadError(.address, .size)  a host engine could not read guest memory for a
+     │                                    reason the kernel would not fault on (GDB timed
+     │                                    out or refused, a capture the plugin lacks): the
+     │                                    hit has no value, and the run fails, never
+     │                                    "equivalent"
+     ├─ PluginRecordError(.counts)        the plugin's records of a run are incomplete
+     │                                    (ring overflow, truncated or refused records)
      ├─ SymbolNotFoundError(.name)        also a KeyError
      ├─ ProbeRejectedError(.errno, .addr) the kernel's rules refuse this probe address
      ├─ ProbeSpecError(.text, .column, .errno)   a probe spec the kernel would not parse
@@ -125,6 +134,55 @@ class GdbMIError(HarnessError):
         super().__init__(msg)
         self.token = token
         self.msg = msg
+
+
+class MemoryFaultError(GdbMIError):
+    """GDB could not read guest memory because the guest does not map it (QEMU's stub
+    answers ``E14`` when its page walk fails): the one read failure that is a *value*,
+    the fault ``copy_from_kernel_nofault()`` would take in the guest."""
+
+    def __init__(self, msg: str, address: int, token: int | None = None) -> None:
+        super().__init__(msg, token)
+        self.address = address
+
+
+class EngineReadError(HarnessError):
+    """A host engine could not read guest memory during a probe hit, for a reason that is
+    not a fault the guest kernel would take: GDB timed out or refused, the VM was lost,
+    the plugin did not capture what the fetch program needed. Never a value: the hit
+    cannot be evaluated, so the run fails (``kph diff`` exit 3) and says why."""
+
+    def __init__(self, msg: str, address: int = 0, size: int = 0) -> None:
+        super().__init__(msg)
+        self.address = address
+        self.size = size
+
+    @classmethod
+    def raise_first(cls, errors: "list[tuple[str, EngineReadError]]") -> None:
+        """Fail a run in which any hit could not be evaluated: one error whose message
+        counts them per probe and gives the first (``errors``: (probe, error) pairs).
+
+        :raise EngineReadError: when ``errors`` is not empty.
+        """
+        if not errors:
+            return
+        per: dict[str, int] = {}
+        for name, _ in errors:
+            per[name] = per.get(name, 0) + 1
+        first = errors[0][1]
+        counts = ", ".join(f"{n} of {p}" for p, n in per.items())
+        raise cls(f"{len(errors)} host hit(s) could not be evaluated ({counts}); first: {first}",
+                  first.address, first.size) from first
+
+
+class PluginRecordError(HarnessError):
+    """The plugin's records of a run are incomplete: records dropped on a full ring,
+    truncated records, or programs the plugin refused. ``counts`` has each kind's number.
+    A run with any of them is not compared (``kph diff`` exit 3)."""
+
+    def __init__(self, msg: str, counts: dict[str, int] | None = None) -> None:
+        super().__init__(msg)
+        self.counts = dict(counts or {})
 
 
 class SymbolNotFoundError(HarnessError, KeyError):

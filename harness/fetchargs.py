@@ -28,7 +28,7 @@ __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "F
            "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
            "EntryArg", "Current", "PerCpu", "BtfVar",
            "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "UnknowableRead", "FAULT",
-           "UNKNOWN",
+           "UNKNOWN", "UNKNOWN_WHY",
            "evaluate", "format_value", "format_fields", "format_ip", "escape_bytes", "TraceRecord",
            "parse_trace_line"]
 
@@ -581,11 +581,23 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
             break
 
 
-def evaluate(target: Any, ctx: FetchContext) -> Any:
+#: Why a value is :data:`UNKNOWN` host-side (``evaluate(..., why=...)``), each a case the
+#: kernel itself makes unknowable (docs/diff.md names the sources):
+#: ``below-sp``: the read touched the probed context's stack below its sp, where the
+#: guest probe's own frames are by the time its handler reads (:class:`UnknowableRead`);
+#: ``stale``: a fetch that failed (a real fault) stored nothing, so the event keeps the
+#: ring buffer's old bytes there (``store_trace_args()``, ``process_fetch_insn()``).
+UNKNOWN_WHY = ("below-sp", "stale")
+
+
+def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) -> Any:
     """Fetch what the kernel would record for a probe hit with ``ctx`` as its registers.
 
     :param target: a ``ProbeSpec`` (all its args, one tuple of values back, strings sharing
         one dynamic area as in one event) or a single ``ProbeArg``.
+    :param why: filled, per argument index whose value holds :data:`UNKNOWN`, with the
+        reason (one of :data:`UNKNOWN_WHY`). A read that fails for any other reason than
+        a fault the kernel would take (an engine error) is not a value: it raises.
     :return: per argument an ``int`` (signed for ``s*`` types), ``bytes`` for strings
         (without the NUL), :data:`FAULT`, :data:`UNKNOWN`, or a list of those for arrays.
     :raise KeyError: from ``ctx.symbol_addr`` for an ``@SYM`` the kernel could not resolve.
@@ -619,6 +631,8 @@ def evaluate(target: Any, ctx: FetchContext) -> Any:
         n = a.count or 1
         if i in unknowable:
             values.append([UNKNOWN] * n if a.count else UNKNOWN)
+            if why is not None:
+                why[i] = "below-sp"
             continue
         if t.is_string and not elems:
             # A fetch that failed before its store (a dereference in the 2nd stage of
@@ -633,6 +647,8 @@ def evaluate(target: Any, ctx: FetchContext) -> Any:
             elems = [_loc_string(st, e) if isinstance(e, tuple) else UNKNOWN for e in elems]
         else:
             elems = [_typed(t, e) for e in elems]
+        if why is not None and any(e is UNKNOWN for e in elems):
+            why[i] = "stale"
         values.append(elems if a.count else elems[0])
     return tuple(values) if hasattr(target, "args") else values[0]
 

@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from .errors import EngineReadError
 from .fetchargs import MAX_STRING_SIZE, THREAD_SIZE, FaultError
 
 log = logging.getLogger(__name__)
@@ -155,9 +156,10 @@ def parse_blocks(buf: bytes | memoryview, n: int, off: int = 0) -> list[Block]:
     return out
 
 
-class CaptureMiss(FaultError):
-    """``evaluate`` asked for memory the plugin did not capture: a bug in the compiler
-    or the interpreter (never expected); the read is treated as a fault and counted."""
+class CaptureMiss(EngineReadError):
+    """``evaluate`` asked for memory the plugin did not capture: a bug in the compiler,
+    the interpreter or the plugin (never expected). Not a fault and not a value: the hit
+    cannot be evaluated and the run fails (``harness.errors.EngineReadError``)."""
 
 
 class CaptureContext:
@@ -195,8 +197,8 @@ class CaptureContext:
                     and b.length <= 4096 - (b.addr & 4095):
                 raise FaultError(addr, size)
         self.misses += 1
-        log.warning("plugin capture has no read of %d bytes at %#x", size, addr)
-        raise CaptureMiss(addr, size)
+        raise CaptureMiss(f"the plugin engine captured no read of {size} byte(s) at "
+                          f"{addr:#x}", addr, size)
 
     read_user = read
 

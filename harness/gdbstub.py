@@ -37,10 +37,13 @@ from typing import Any, Iterable
 
 from pygdbmi.gdbmiparser import parse_response
 
-from .errors import GdbMIError, HarnessError, SetupError, VMLostError
+from .errors import GdbMIError, HarnessError, MemoryFaultError, SetupError, VMLostError
 from .procs import pdeathsig
 
 log = logging.getLogger(__name__)
+#: GDB's answer (gdb/mi/mi-main.c, mi_cmd_data_read_memory_bytes) when no byte of the
+#: range could be read: the target's memory read failed (QEMU: its page walk did).
+_UNREADABLE = "Unable to read memory."
 
 #: Registers a kprobe handler may want, by GDB's names for QEMU's x86_64 target.
 GENERAL_REGS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r9", "r10",
@@ -361,7 +364,7 @@ class GdbStub:
         """
         try:
             plain = bpnum is None or self.read_memory(addr, 1) != b"\xcc"
-        except HarnessError:     # a user page not present yet: lift ours, to be safe
+        except MemoryFaultError:     # a user page not present yet: lift ours, to be safe
             plain = bpnum is None
         if plain:
             return self.step(thread=thread), bpnum
@@ -497,11 +500,22 @@ class GdbStub:
 
     # -- memory ---------------------------------------------------------------------------
     def read_memory(self, addr: int, size: int) -> bytes:
-        """Guest virtual memory as the current vCPU sees it (breakpoints shadowed)."""
-        r = self.command(f"-data-read-memory-bytes {addr:#x} {size}")
+        """Guest virtual memory as the current vCPU sees it (breakpoints shadowed).
+
+        :raise MemoryFaultError: the guest does not map (all of) it: GDB's "Unable to read
+            memory." (QEMU's stub answered ``E14``), or fewer bytes than asked.
+        :raise GdbMIError: any other refusal; ``HarnessError`` subclasses for a timeout or
+            a lost VM. Only the first is a fault the guest's own read would take.
+        """
+        try:
+            r = self.command(f"-data-read-memory-bytes {addr:#x} {size}")
+        except GdbMIError as exc:
+            if exc.msg.endswith(_UNREADABLE):
+                raise MemoryFaultError(exc.msg, addr, exc.token) from None
+            raise
         data = b"".join(bytes.fromhex(m["contents"]) for m in r["memory"])
         if len(data) != size:
-            raise GdbMIError(f"short read at {addr:#x}: {len(data)} of {size} bytes")
+            raise MemoryFaultError(f"short read at {addr:#x}: {len(data)} of {size} bytes", addr)
         return data
 
     def write_memory(self, addr: int, data: bytes) -> None:
@@ -543,6 +557,8 @@ class GdbStub:
         except ValueError:
             data = b""
         if len(data) != size:
+            if reply == "E14":          # gdb_target_memory_rw_debug() failed: not mapped
+                raise MemoryFaultError(f"raw read at {addr:#x} failed: {reply!r}", addr)
             raise GdbMIError(f"raw read at {addr:#x} failed: {reply[:40]!r}")
         return data
 

@@ -55,6 +55,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kph-evidence", metavar="DIR", default=None,
                     help="Write each failed test's evidence (diff report, diff JSON, "
                     "console tail) under DIR/<host>/<test>/, from local and remote workers")
+    group.addoption("--kph-strict", action="store_true",
+                    help="probe_diff results allow no normalization except --kph-allow's "
+                    "(as kph diff --strict)")
+    group.addoption("--kph-allow", metavar="RULE,...", default="",
+                    help="With --kph-strict, the normalizations to accept (docs/diff.md)")
     group.addoption("--kph-cold", action="store_true",
                     help="Boot every machine cold instead of from the image's ready snapshot")
     group.addoption("--kph-host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
@@ -172,12 +177,17 @@ def _boot_opts(config: pytest.Config) -> dict[str, Any]:
 class DiffHelper:
     """``probe_diff(specs, workload)``: run both sides on one execution and compare."""
 
-    def __init__(self, vm: Any, guest: str, host: str = "gdbstub") -> None:
+    def __init__(self, vm: Any, guest: str, host: str = "gdbstub", *, strict: bool = False,
+                 allow: Sequence[str] = ()) -> None:
         self.vm, self.guest, self.host = vm, guest, host
+        self.strict, self.allow = strict, tuple(allow)
         self.last: Any = None
 
     def __call__(self, specs: Sequence[str], workload: str, *, guest: str | None = None,
-                 hook: Callable[..., None] | None = None, timeout: float = 120.0) -> Any:
+                 hook: Callable[..., None] | None = None, timeout: float = 120.0,
+                 strict: bool | None = None, allow: Sequence[str] | None = None) -> Any:
+        """Run ``specs`` on both sides of one execution of ``workload``; ``strict`` and
+        ``allow`` as ``harness.diff.compare`` (default: the --kph-strict options)."""
         from harness.diff import compare
         from harness.probespec import parse
         from harness.runner import run_differential, trampoline_text
@@ -188,16 +198,18 @@ class DiffHelper:
         facts = getattr(self.vm, "facts", None)
         view = KernelView(facts.rules) if facts is not None else None
         parsed = [parse(s, kernel=view) for s in specs]
+        verdict = {"strict": self.strict if strict is None else strict,
+                   "allow": tuple(self.allow if allow is None else allow)}
         if self.host == "both" and hook is None:
             from harness.worlds import run_three
 
             three = run_three(self.vm, parsed, workload, guest=guest or self.guest,
-                              timeout=timeout)
+                              timeout=timeout, **verdict)
             self.last = three
             return _CheckedThree(three)
         runs = run_differential(self.vm, parsed, workload, guest=guest or self.guest,
                                 hook=hook, timeout=timeout)
-        res = compare(*runs, trampoline=trampoline_text(self.vm))
+        res = compare(*runs, trampoline=trampoline_text(self.vm), **verdict)
         res.runs = runs  # type: ignore[attr-defined]
         self.last = res
         return _Checked(res)
@@ -211,12 +223,25 @@ class _Checked:
         return getattr(self.result, name)
 
     def assert_equivalent(self, *, min_events: int = 1) -> Any:
-        from harness import report
-
-        text = report.text(self.result)
-        assert self.result.equivalent, text
-        assert self.result.total_matched >= min_events, f"too few events matched\n{text}"
+        """No divergence, no normalization ``strict`` forbids, and at least ``min_events``
+        matched hits *for each probe* both sides armed (0: an empty result is fine)."""
+        check_equivalent(self.result, min_events)
         return self.result
+
+
+def check_equivalent(res: Any, min_events: int) -> None:
+    """``assert_equivalent``'s rule, for one ``DiffResult``."""
+    from harness import report
+
+    text = report.text(res)
+    assert res.agrees, text
+    assert not res.strict_violations, text
+    if min_events > 0:
+        assert not res.empty, text
+        for probe in dict.fromkeys(res.outcomes[k][0].probe for k in res.armed):
+            n = res.matched.get(probe, 0)
+            assert n >= min_events, (f"{probe}: {n} matched hit(s), fewer than "
+                                     f"min_events={min_events}\n{text}")
 
 
 class _CheckedThree:
@@ -235,9 +260,7 @@ class _CheckedThree:
         from harness import report
 
         for res in self.three.pairs:
-            text = report.text(res)
-            assert res.equivalent, text
-            assert res.total_matched >= min_events, f"too few events matched\n{text}"
+            check_equivalent(res, min_events)
         return self.three
 
 
@@ -284,8 +307,10 @@ def probe_diff(request: pytest.FixtureRequest, kph_kernel: str | None) -> DiffHe
     # machine itself is looked up below (per test or per worker).
     per_test = request.config.getoption("--kph-machine-per") == "test"
     vm = request.getfixturevalue("kph_fresh_machine" if per_test else "kph_machine")
+    allow = [r.strip() for r in request.config.getoption("--kph-allow").split(",") if r.strip()]
     helper = DiffHelper(vm, request.config.getoption("--kph-guest"),
-                        request.config.getoption("--kph-host"))
+                        request.config.getoption("--kph-host"),
+                        strict=request.config.getoption("--kph-strict"), allow=allow)
     yield helper
     # No state may leak out of a test: no probes left on either side (on a fresh machine
     # this still catches a runner that does not clean up after itself).

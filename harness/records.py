@@ -35,6 +35,10 @@ class Hit:
     #: Host side, return probes: the arguments fetched from the return ip
     #: (``ProbeSpec.ret_ip_args``), for ``harness.diff``'s ``trampoline`` rule.
     ret_ip_args: tuple[str, ...] = ()
+    #: Host side: the arguments whose value holds ``(unknown)``, each with the kernel's
+    #: reason (``harness.fetchargs.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
+    #: lazily kept flags). Only these may match any guest value in ``harness.diff``.
+    unknown: tuple[tuple[str, str], ...] = ()
 
     def arg(self, name: str) -> str:
         for k, v in self.args:

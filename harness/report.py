@@ -24,15 +24,16 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None,
         elif x and y and (x.pending or y.pending):
             out.append(f"  {probe:28s} accepted, not registered: {a}: {x.pending or 'registered'}; "
                        f"{b}: {y.pending or 'registered'}")
+    if res.silent:
+        out.append("no hit on either side (armed on both, not part of any agreement): "
+                   + ", ".join(res.silent))
     applied = [f"{k} ({v})" for k, v in res.applied.items() if v]
     if applied:
         out.append("normalizations applied: " + ", ".join(applied)
-                   + "  (see harness/diff.py; nothing else is normalized)")
-    if res.equivalent:
-        out.append("result: " + verdict(res))
-    else:
+                   + "  (see docs/diff.md; nothing else is normalized)")
+    out.append("result: " + result_line(res))
+    if not res.agrees:
         d = res.divergences[0]
-        out.append(f"result: DIVERGED at {d.describe(a, b)}")
         for side, ctx in ((a, d.a_context), (b, d.b_context)):
             if ctx:
                 out.append(f"  context on {side}:")
@@ -40,6 +41,24 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None,
         if len(res.divergences) > 1:
             out.append(f"  ({len(res.divergences) - 1} more probe(s) diverge)")
     return "\n".join(out) + "\n"
+
+
+def result_line(res: DiffResult) -> str:
+    """The verdict in one line, its first word the result's kind: ``DIVERGED at ...``,
+    ``EMPTY: ...`` (nothing measured), ``NOT STRICT: ...`` or the equivalent verdict."""
+    word = res.verdict_word
+    if word == "diverged":
+        return "DIVERGED at " + res.divergences[0].describe(res.a_side, res.b_side)
+    if word == "empty":
+        return ("EMPTY: no probe both sides armed had a hit on either side ("
+                + ", ".join(res.silent) + "): nothing was compared (--expect-empty if "
+                "that is the expected result)")
+    if word == "not-strict":
+        v = res.strict_violations
+        return ("NOT STRICT: normalizations applied that were not allowed: "
+                + ", ".join(f"{k} ({n})" for k, n in v.items())
+                + f" (allow them with --allow {','.join(v)})")
+    return verdict(res)
 
 
 def verdict(res: DiffResult) -> str:
@@ -51,9 +70,11 @@ def verdict(res: DiffResult) -> str:
         if res.total_matched:
             per = ", ".join(str(n) for n in res.matched.values())
             parts.append(f"equivalent: {res.total_matched} events matched on each side ({per})")
-        else:
-            parts.append("equivalent: no events on either side (nothing to compare field by "
-                         "field)")
+            if res.silent:
+                parts.append("no hit on either side: " + ", ".join(res.silent))
+        elif res.empty:
+            parts.append("empty, as expected: no events on either side (nothing compared "
+                         "field by field)")
     refused = res.both_refused
     if refused:
         one = len(res.outcomes) == 1
@@ -100,12 +121,16 @@ def _o(o: Any) -> str:
 
 def to_json(res: DiffResult, runs: tuple[RunResult, RunResult] | None = None) -> str:
     doc: dict[str, Any] = {
-        "equivalent": res.equivalent, "sides": [res.a_side, res.b_side],
-        "verdict": verdict(res) if res.equivalent else
-        "DIVERGED at " + res.divergences[0].describe(res.a_side, res.b_side),
-        "both_refused": res.both_refused, "pending": res.pending,
+        "equivalent": res.equivalent, "result": res.verdict_word,
+        "sides": [res.a_side, res.b_side],
+        "verdict": result_line(res),
+        "both_refused": res.both_refused, "pending": res.pending, "silent": res.silent,
+        "strict": res.strict, "allow": sorted(res.allow),
+        "strict_violations": res.strict_violations,
         "matched": res.matched, "counts": {k: list(v) for k, v in res.counts.items()},
-        "modes": res.modes, "normalizations": {k: NORMALIZATIONS[k] for k in res.applied if res.applied[k]},
+        "modes": res.modes,
+        "normalizations": {k: {"count": n, "rule": NORMALIZATIONS[k]}
+                           for k, n in res.applied.items() if n},
         "divergences": [dataclasses.asdict(d) for d in res.divergences],
         "normalized": [dataclasses.asdict(n) for n in res.normalized],
     }
@@ -220,7 +245,7 @@ def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str
     A, B = res.a_side, res.b_side
     probes = list(dict.fromkeys([*res.outcomes, *res.counts, *(d.probe for d in res.divergences)]))
     first = res.first
-    said = verdict(res) if res.equivalent else "DIVERGED at " + first.describe(A, B)  # type: ignore[union-attr]
+    said = result_line(res)
     rows, sections = [], []
     for k, probe in enumerate(probes):
         status, bad = _probe_status(res, probe)
@@ -449,6 +474,8 @@ def _kernel_verdict(k: Any) -> str:
     d = k.diff
     if d.equivalent:
         return f"host = guest ({d.total_matched} events matched)"
+    if d.agrees:
+        return result_line(d)
     return "host != guest: " + d.divergences[0].describe(d.a_side, d.b_side)
 
 

@@ -51,8 +51,12 @@ class ThreeWay:
 
 
 def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str = "events",
-              timeout: float = 120.0) -> ThreeWay:
-    """Arm ``specs`` in the gdbstub engine, the plugin engine and the guest; run once."""
+              timeout: float = 120.0, **verdict: Any) -> ThreeWay:
+    """Arm ``specs`` in the gdbstub engine, the plugin engine and the guest; run once.
+
+    :param verdict: ``harness.diff.compare``'s ``strict``, ``allow``, ``expect_empty``,
+        for every pair.
+    """
     from .engine import HostEngine
 
     if getattr(vm, "host_kind", "") != "plugin":
@@ -89,7 +93,7 @@ def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str 
     tramps = tuple(trampoline_text(vm)) + ((f"{hs[0].name}+{hs[1]:#x}",) if hs else ())
     if stub._uprobes is not None:       # the gdbstub engine's uretprobe trampolines
         tramps += tuple(f"0x{t:x}" for t in stub._uprobes.used_trampolines)
-    pairs = (compare(runs[0], runs[2], trampoline=tramps),
-             compare(runs[1], runs[2], trampoline=tramps),
-             compare(runs[0], runs[1], trampoline=tramps))
+    pairs = (compare(runs[0], runs[2], trampoline=tramps, **verdict),
+             compare(runs[1], runs[2], trampoline=tramps, **verdict),
+             compare(runs[0], runs[1], trampoline=tramps, **verdict))
     return ThreeWay(runs, pairs)  # type: ignore[arg-type]

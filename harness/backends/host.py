@@ -14,7 +14,8 @@ import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
-from ..errors import HandlerError, HarnessError, ProbeRejectedError
+from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
+                      ProbeRejectedError)
 from ..fetchargs import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
 from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
@@ -80,11 +81,28 @@ class _Ctx:
         return self.regs.get(name)
 
     def read(self, addr: int, size: int) -> bytes:
+        """``copy_from_kernel_nofault()``: a fault only where the guest does not map the
+        memory, confirmed by a second, raw read; any other failure is the engine's, not a
+        value (:class:`EngineReadError`, the run fails)."""
         below_sp(self.regs.sp, addr, size)
+        stub = self.engine.stub
         try:
-            return self.engine.stub.read_memory(addr, size)
-        except HarnessError:
+            return stub.read_memory(addr, size)
+        except MemoryFaultError:
+            pass
+        except HarnessError as exc:
+            raise EngineReadError(f"the gdbstub engine could not read {size} byte(s) at "
+                                  f"{addr:#x}: {exc}", addr, size) from exc
+        try:
+            for a in range(addr, addr + size, 1024):    # the stub's packets hold 2 KiB
+                stub.read_memory_raw(a, min(1024, addr + size - a))
+        except MemoryFaultError:
             raise FaultError(addr, size) from None
+        except HarnessError as exc:
+            raise EngineReadError(f"the gdbstub engine could not check a fault at {addr:#x}: "
+                                  f"{exc}", addr, size) from exc
+        raise EngineReadError(f"the gdbstub engine's read of {size} byte(s) at {addr:#x} "
+                              "failed, yet the stub's raw read of it works", addr, size)
 
     read_user = read  # the current task's address space is the one the vCPU is in
 
@@ -149,6 +167,8 @@ class HostBackend:
         self.hook = hook
         self.recording = False
         self._hits: list[Hit] = []
+        #: Hits that could not be evaluated (probe, the engine's error): collect() fails.
+        self.engine_errors: list[tuple[str, EngineReadError]] = []
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
         #: the probe placed for each accepted line (id of its spec), for `-:` lines
         self._placed: dict[int, Kprobe | Kretprobe | Uprobe] = {}
@@ -276,11 +296,26 @@ class HostBackend:
         try:
             return int.from_bytes(self.engine.stub.read_memory(regs.sp + 8 * (n - 5), 8),
                                   "little")
-        except HarnessError:
+        except MemoryFaultError:    # regs_get_kernel_stack_nth(): 0 off the stack
             return 0
 
     def _record(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
                 up: Uprobe | None = None) -> int:
+        """The probe's handler: record the hit as the kernel's trace would. A failure of
+        the engine is not a value: the hit is not recorded and collect() fails the run
+        (only ``MemoryFaultError`` is a fault the guest takes too, handled below it)."""
+        try:
+            return self._record_hit(spec, name, regs, what, up)
+        except HarnessError as exc:
+            err = exc
+            if not isinstance(exc, EngineReadError):
+                err = EngineReadError(f"the gdbstub engine failed during a hit of {name}: {exc}")
+                err.__cause__ = exc
+            self.engine_errors.append((name, err))
+            return 0
+
+    def _record_hit(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
+                    up: Uprobe | None) -> int:
         eng = self.engine
         if up is None and eng.guest_kprobe_running(regs):
             # A call made from inside one of the guest's own kprobe handlers (an in-guest
@@ -324,15 +359,19 @@ class HostBackend:
         ctx = _Ctx(eng, regs, ip_val, overrides, up,
                    bytes(getattr(what, "data", b"") or b"") if spec.is_return else b"")
         ctx.entry_index = entry_args(spec)
-        values = evaluate(spec, ctx)
+        why: dict[int, str] = {}
+        values = evaluate(spec, ctx, why)
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
+        pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
+        irq = eng.hit_context(regs) if up is None else ""
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
-                              seq=len(self._hits), cpu=regs.cpu, pid=ctx.pid(),
-                              comm=escape_bytes(ctx.comm_bytes()), ip=ip_text,
+                              seq=len(self._hits), cpu=regs.cpu, pid=pid,
+                              comm=comm, ip=ip_text,
                               ret_from=ret_from, args=args,
-                              mode="host", irq=eng.hit_context(regs) if up is None else "",
-                              ret_ip_args=spec.ret_ip_args))
+                              mode="host", irq=irq,
+                              ret_ip_args=spec.ret_ip_args,
+                              unknown=tuple((spec.args[i].name, w) for i, w in why.items())))
         return 0
 
     def _symname(self, addr: int) -> str:
@@ -420,6 +459,7 @@ class HostBackend:
         stores only pids and prints comms from ``saved_cmdlines``, recorded after the
         events, so a child that execs after its first events prints with the new name.
         Each hit also carries the comms its pid took after it (``comm_alts``)."""
+        EngineReadError.raise_first(self.engine_errors)
         if self.comm_rule == "at_hit":
             return list(self._hits)
         last: dict[int, str] = {0: "<idle>"}        # trace_find_cmdline(): pid 0
@@ -431,7 +471,7 @@ class HostBackend:
             if h.pid is None:
                 out.append(h)
                 continue
-            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j >= i)
+            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j > i)
             out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
         return out
 

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
-from ..errors import HarnessError, ProbeRejectedError
+from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
 from ..fetchargs import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
 from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
 from ..kprobes import kernel_rethook_trampoline
@@ -34,6 +34,10 @@ EINVAL = 22
 
 def _unknown_like(v: Any) -> Any:
     return [UNKNOWN] * len(v) if isinstance(v, list) else UNKNOWN
+
+
+def _is_flags(a: Any) -> bool:
+    return isinstance(a.fetch, Reg) and a.fetch.name == "flags"
 
 
 class _RecordCtx:
@@ -94,6 +98,10 @@ class PluginBackend:
         self._hits: list[Hit] = []
         self.capture_misses = 0
         self.dropped = 0
+        #: Hits that could not be evaluated (probe, the error) and records the plugin
+        #: left incomplete (kind -> count): collect() fails the run on either.
+        self.engine_errors: list[tuple[str, EngineReadError]] = []
+        self.bad_records: dict[str, int] = {}
         self.layer: Any = None
         self._comm_probe: Any = None
         self._comm_changes: list[tuple[int, int, str]] = []
@@ -238,18 +246,39 @@ class PluginBackend:
         #: Records the plugin had to drop (a ring full: the host drained too slowly).
         self.dropped = self.engine.link.dropped - getattr(self, "_dropped0", 0)
         if self.dropped:
-            log.warning("the plugin dropped %d record(s): its ring was full", self.dropped)
+            self.bad_records["dropped (ring full)"] = self.dropped
 
     def _take(self) -> None:
         for rec in self.engine.records():
             if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
                 continue
+            name = self._specs[rec.probe_id][1]
+            if rec.flags & (RF_TRUNC | RF_BADPROG):
+                what = "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin"
+                self.bad_records[what] = self.bad_records.get(what, 0) + 1
+                continue
+            try:
+                h = self._hit(rec, len(self._hits))
+            except EngineReadError as exc:
+                self.engine_errors.append((name, exc))
+                continue
             if self._comm_probe is not None and rec.probe_id == self._comm_probe.id:
-                h = self._hit(rec, -1)
                 if h.pid:
                     self._comm_changes.append((len(self._hits), h.pid, h.arg("comm")[1:-1]))
                 continue
-            self._hits.append(self._hit(rec, len(self._hits)))
+            self._hits.append(h)
+
+    def _check(self) -> None:
+        """Fail the run on an incomplete record stream (never a warning alone).
+
+        :raise PluginRecordError: records dropped, truncated or refused, with counts.
+        :raise EngineReadError: a record the evaluator could not read from.
+        """
+        if self.bad_records:
+            what = ", ".join(f"{n} {k}" for k, n in self.bad_records.items())
+            raise PluginRecordError(f"the plugin engine's records are incomplete: {what}; "
+                                    "the run is not compared", self.bad_records)
+        EngineReadError.raise_first(self.engine_errors)
 
     def _watch_comms(self) -> None:
         """As the gdbstub backend does (``HostBackend._watch_comms``): a hidden probe on
@@ -296,29 +325,36 @@ class PluginBackend:
             ip_text = syms.format(rec.func)
             ret_from = None
         ctx = _RecordCtx(self, rec, ip, up)
-        if rec.flags & (RF_TRUNC | RF_BADPROG):
-            log.warning("%s: record %d %s", name, rec.seq,
-                        "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin")
-        values = evaluate(spec, ctx)
+        why: dict[int, str] = {}
+        try:
+            values = evaluate(spec, ctx, why)
+        finally:
+            self.capture_misses += ctx.mem.misses
         if spec.args:
             # TCG computes the arithmetic flags lazily and the plugin API cannot make it
             # (qemu_plugin_read_register gives eflags without ZF/SF/CF ...): a %flags the
-            # host cannot know is (unknown), never a wrong value; the diff's "unknown" rule
-            # matches it. Flags from an exception or interrupt frame are exact but are not
-            # what a probe's %flags reads.
-            values = tuple(_unknown_like(v) if isinstance(a.fetch, Reg) and a.fetch.name == "flags"
-                           else v for a, v in zip(spec.args, values))
-        self.capture_misses += ctx.mem.misses
+            # host cannot know is (unknown), never a wrong value; the diff's "flags" rule
+            # matches it, for that argument only. Flags from an exception or interrupt
+            # frame are exact but are not what a probe's %flags reads.
+            values = tuple(_unknown_like(v) if _is_flags(a) else v
+                           for a, v in zip(spec.args, values))
+            why.update({i: "flags" for i, a in enumerate(spec.args) if _is_flags(a)})
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
         return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
-                   ret_ip_args=spec.ret_ip_args)
+                   ret_ip_args=spec.ret_ip_args,
+                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
 
     def collect(self) -> list[Hit]:
-        """The hits, each pid under the comm of its last hit (see the module docstring)."""
+        """The hits, each pid under the comm of its last hit (see the module docstring).
+
+        :raise PluginRecordError: the plugin's records of the run are incomplete.
+        :raise EngineReadError: a hit could not be evaluated from its record.
+        """
         if self.recording:
             self._take()
+        self._check()
         if self.comm_rule == "at_hit":
             return list(self._hits)
         last: dict[int, str] = {}
@@ -330,7 +366,7 @@ class PluginBackend:
             if h.pid is None:
                 out.append(h)
                 continue
-            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j >= i)
+            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j > i)
             out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
         return out
 

@@ -63,13 +63,40 @@ def test_trampoline_return_address_normalization():
     assert res.equivalent and res.applied["trampoline"] == 1
 
 
-def test_host_unknown_matches_any_value_per_element():
-    a = run("host", [hit("host", 0, head="{(unknown),(unknown)}", n="(unknown)")])
+def test_host_unknown_matches_any_value_only_where_the_record_says_why():
+    """Applied: a host (unknown) the record gives a kernel reason for matches any guest
+    value, per element, that argument only, counted under the reason's rule."""
+    h = dataclasses.replace(hit("host", 0, head="{(unknown),(unknown)}", n="(unknown)"),
+                            unknown=(("head", "stale"), ("n", "below-sp")))
+    a = run("host", [h])
     b = run("events", [hit("events", 0, head="{20,0}", n="5")])
     res = compare(a, b)
-    assert res.equivalent and res.applied["unknown"] == 2
+    assert res.equivalent and res.applied["stale"] == 1 and res.applied["below-sp"] == 1
+    assert {(n.field, n.rule) for n in res.normalized} >= {("arg:head", "stale"),
+                                                           ("arg:n", "below-sp")}
     b = run("events", [hit("events", 0, head="{20,0,1}", n="5")])
     assert not compare(a, b).equivalent
+
+
+def test_host_unknown_without_a_reason_is_a_divergence():
+    """Refused: an (unknown) the record does not explain (an engine that failed to read)
+    never matches: the field diverges."""
+    a = run("host", [hit("host", 0, n="(unknown)", m="(unknown)")])
+    b = run("events", [hit("events", 0, n="5", m="6")])
+    res = compare(a, b)
+    assert not res.equivalent and res.first.field == "arg:n"
+    # a reason for another argument covers only that argument
+    h = dataclasses.replace(hit("host", 0, n="(unknown)", m="(unknown)"), unknown=(("n", "stale"),))
+    res = compare(run("host", [h]), b)
+    assert not res.equivalent and res.first.field == "arg:m" and res.applied["stale"] == 1
+
+
+def test_plugin_flags_unknown_matches_on_either_side():
+    """A three-way diff puts the plugin engine on side b: its %flags rule holds there too."""
+    a = run("host", [hit("host", 0, fl="0x246")])
+    h = dataclasses.replace(hit("plugin", 0, fl="(unknown)"), unknown=(("fl", "flags"),))
+    res = compare(a, run("plugin", [h]))
+    assert res.equivalent and res.applied["flags"] == 1
 
 
 def uhit(side, seq, pid, probe="u/work", ip="0x401780", **args):
@@ -195,3 +222,106 @@ def test_preempt_order_moves_nothing_that_is_not_such_a_run():
     res = compare(_kfree_run("host", [LS, KD1]),
                   _kfree_run("events", [KD1, ("ls", 127, "0x1")]))
     assert not res.equivalent and res.first.field == "arg:object"
+
+
+# -- every rule applied and refused; verdicts that are not "equivalent" (issue 25) -----------
+
+def test_irq_order_compares_per_context_and_only_when_every_context_is_known():
+    """Applied: an interrupt's hit recorded between the task's on one side only."""
+    t1, t2 = (dataclasses.replace(hit("host", i, dfd=i), irq="task") for i in (0, 1))
+    i1 = dataclasses.replace(hit("host", 2, comm="swapper", dfd=9), irq="irq")
+    g = [dataclasses.replace(h, side="events") for h in (t1, i1, t2)]
+    res = compare(run("host", [t1, t2, i1]), run("events", g))
+    assert res.equivalent and res.applied["irq-order"] == 1
+    # refused: a side that does not know a hit's context keeps the order, and diverges
+    g[1] = dataclasses.replace(g[1], irq="")
+    res = compare(run("host", [t1, t2, i1]), run("events", g))
+    assert not res.equivalent and "irq-order" not in res.applied
+
+
+def test_comm_change_takes_only_a_comm_the_pid_took_later():
+    h = dataclasses.replace(hit("host", 0, comm="sh", dfd=1), comm_alts=("cat",))
+    res = compare(run("host", [h]), run("events", [hit("events", 0, comm="cat", dfd=1)]))
+    assert res.equivalent and res.applied["comm-change"] == 1
+    res = compare(run("host", [h]), run("events", [hit("events", 0, comm="ls", dfd=1)]))
+    assert not res.equivalent and res.first.field == "comm"
+
+
+def test_pid_and_cpu_are_compared_and_a_pid_one_side_lacks_is_counted():
+    res = compare(run("host", [hit("host", 0, dfd=1)]),
+                  run("events", [dataclasses.replace(hit("events", 0, dfd=1), pid=8)]))
+    assert not res.equivalent and res.first.field == "pid"
+    res = compare(run("host", [hit("host", 0, dfd=1)]),
+                  run("events", [dataclasses.replace(hit("events", 0, dfd=1), cpu=1)]))
+    assert not res.equivalent and res.first.field == "cpu"
+    res = compare(run("host", [dataclasses.replace(hit("host", 0, dfd=1), pid=None)]),
+                  run("events", [hit("events", 0, dfd=1)]))
+    assert res.equivalent and res.applied["pid"] == 1
+    assert [n.rule for n in res.normalized if n.field == "pid"] == ["pid"]
+
+
+def test_a_line_refused_on_one_side_and_missing_on_the_other_is_counted():
+    a = run("host", [], [Outcome.rejected("kprobes/x", 22)])
+    b = RunResult("events", [], [], {})
+    res = compare(a, b)
+    assert res.applied["refused-missing"] == 1
+    assert compare(a, b, strict=True).verdict_word == "not-strict"
+    # refused: accepted on one side and missing on the other is no such case
+    res = compare(run("host", [], [Outcome("kprobes/x", True)]), b)
+    assert "refused-missing" not in res.applied and res.first.field == "registration"
+
+
+def test_nothing_measured_is_empty_not_equivalent():
+    a = run("host", [hit("host", 0, comm="qemu-ga", dfd=1)])
+    b = run("events", [])
+    res = compare(a, b)
+    assert not res.equivalent and res.verdict_word == "empty" and res.silent == ["kprobes/open"]
+    res = compare(a, b, expect_empty=True)
+    assert res.equivalent
+    # both refused and nothing armed: the refusals were measured
+    o = [Outcome.rejected("kprobes/open", 22)]
+    assert compare(run("host", [], o), run("events", [], o)).equivalent
+
+
+def test_a_probe_without_hits_is_named_not_folded_into_the_agreement():
+    from harness import report
+
+    o = [Outcome("kprobes/open", True, index=0), Outcome("kprobes/never", True, index=1)]
+    res = compare(run("host", [hit("host", 0, dfd=1)], o), run("events", [hit("events", 0, dfd=1)], o))
+    assert res.equivalent and res.silent == ["kprobes/never"]
+    assert "no hit on either side: kprobes/never" in report.verdict(res)
+
+
+def test_strict_refuses_every_rule_not_allowed_and_names_it():
+    from harness import report
+
+    a = run("host", [hit("host", 0, dfd=1), hit("host", 1, comm="qemu-ga", dfd=2)])
+    b = run("events", [hit("events", 0, dfd=1)])
+    assert compare(a, b).equivalent
+    res = compare(a, b, strict=True)
+    assert not res.equivalent and res.strict_violations == {"agent": 1}
+    assert "NOT STRICT" in report.text(res) and "--allow agent" in report.text(res)
+    assert compare(a, b, strict=True, allow=("agent",)).equivalent
+    import pytest
+    with pytest.raises(ValueError, match="unknown normalization"):
+        compare(a, b, strict=True, allow=("agnet",))
+
+
+def test_json_names_every_normalization_with_its_count():
+    import json
+
+    from harness import report
+
+    a = run("host", [hit("host", 0, dfd=1), hit("host", 1, comm="qemu-ga", dfd=2)])
+    doc = json.loads(report.to_json(compare(a, run("events", [hit("events", 0, dfd=1)]))))
+    assert doc["result"] == "equivalent" and doc["normalizations"]["agent"]["count"] == 1
+
+
+def test_docs_list_every_normalization():
+    from pathlib import Path
+
+    from harness.diff import NORMALIZATIONS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "diff.md").read_text()
+    missing = [k for k in NORMALIZATIONS if f"`{k}`" not in text]
+    assert not missing, f"docs/diff.md does not name: {missing}"

@@ -42,10 +42,16 @@ def oracles(oracle):
 
 @pytest.mark.parametrize("name,lines", CASES, ids=[c[0] for c in CASES])
 def test_regression_case_agrees(oracles, name, lines):
+    """The case agrees, and it ran: a case the oracle skips (not mirrored) fails."""
     kernel = fuzz.regression_kernel(name)
-    f = oracles(kernel).judge(lines)
+    o = oracles(kernel)
+    st = o.stats
+    before = (st.not_mirrored, st.agreed_runs + st.agreed_refusals)
+    f = o.judge(lines)
     assert f is None, (f"{name}: {f.kind}: {f.detail}\n"
                        f"{fuzz.repro_line(f, image=kernel)}")
+    assert st.not_mirrored == before[0], f"{name}: ran nothing (a construct not mirrored)"
+    assert st.agreed_runs + st.agreed_refusals == before[1] + 1, f"{name}: ran nothing"
 
 
 def test_a_seeded_budget_finds_nothing(oracle):
