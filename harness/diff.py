@@ -42,6 +42,9 @@ Normalizations, all listed here and named in every report (nothing else is norma
   sides know it, the pid is compared, and so is the cpu, always.
 - ``refused-missing``: a line one side refused that the other side never placed (it
   stopped before it): there is no registration on that side to compare, counted.
+- ``refusal-text``: a line both sides refused with the same errno is compared by errno;
+  where the words differ (the events side's "Failed to register probe event", the
+  host's rule), counted.
 - ``comm-change``: the trace prints a comm from ``saved_cmdlines``, saved at the CPU's
   first sched switch or wakeup after an event (kernel/trace/trace.c:
   ``tracing_record_taskinfo()``); a task that exec'd in between prints under its new
@@ -101,6 +104,8 @@ NORMALIZATIONS = {
     "pid": "a pid one side cannot know left out of that hit's comparison",
     "refused-missing": "a line one side refused that the other side never placed: no "
                        "registration to compare",
+    "refusal-text": "a refusal with the same errno on both sides and other words: "
+                    "compared by errno",
 }
 UNKNOWN_TEXT = "(unknown)"
 #: The rules that make a host (unknown) match, by the reason its record gives.
@@ -324,6 +329,13 @@ def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | N
                                 and x.errno != y.errno):
             res.divergences.append(Divergence(
                 label, "registration", -1, _outcome_text(x), _outcome_text(y)))
+        elif (not acc_x and x is not None and y is not None and x.message and y.message
+              and x.message != y.message):
+            # the same errno, other words (the events side writes "Failed to register
+            # probe event" where the host names the rule): compared by errno, counted
+            res.applied["refusal-text"] = res.applied.get("refusal-text", 0) + 1
+            res.normalized.append(Normalized(label, -1, "registration", "refusal-text",
+                                             x.message, y.message))
     ha, hb = _relevant(a.hits), _relevant(b.hits)
     renamed = _agent_in_b(a.hits, hb)
     if renamed:

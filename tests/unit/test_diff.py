@@ -42,7 +42,12 @@ def test_extra_hits_are_a_count_divergence():
 def test_refusals_compare_by_errno():
     a = run("host", [], [Outcome.rejected("kprobes/bl", 22)])
     b = run("events", [], [Outcome.rejected("kprobes/bl", 22)])
-    assert compare(a, b).equivalent
+    assert compare(a, b).equivalent and "refusal-text" not in compare(a, b).applied
+    a2 = run("host", [], [Outcome.rejected("kprobes/bl", 22, "blacklisted: do_int3")])
+    b2 = run("events", [], [Outcome.rejected("kprobes/bl", 22, "Failed to register probe event")])
+    res = compare(a2, b2)
+    assert res.equivalent and res.applied["refusal-text"] == 1
+    assert not compare(a2, b2, strict=True).equivalent
     b = run("events", [], [Outcome("kprobes/bl", True)])
     assert compare(a, b).first.field == "registration"
 
