@@ -43,7 +43,6 @@ TCG, so the guest sees no int3 anywhere; only the hijacked return address is vis
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import queue
@@ -55,12 +54,12 @@ from typing import Any, Callable, Iterable
 
 from . import constants as C
 from .emulate import Emulation, decode
-from .errors import (GdbMIError, HandlerError, HarnessError, MemoryFaultError, ProbeRejectedError,
-                     VMLostError)
+from .enginecore import EXCEPTION_ENTRIES, EngineCore, read_cstring
+from .errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedError, VMLostError
 from .gdbstub import GdbStub, Stop, readable
 from .facts import percpu_current_task
 from .handlerctx import HandlerErrors, mark_thread, probe_name
-from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Jprobe, Kprobe, Kretprobe,
+from .kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Kprobe, Kretprobe,
                       kernel_rethook_trampoline,
                       KretprobeInstance, ProbeFlags, PtRegs)
 from .symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
@@ -71,18 +70,6 @@ log = logging.getLogger(__name__)
 EINVAL, ENOENT = 22, 2
 INT3_INSN_SIZE = 1
 DEFAULT_TRAMPOLINE = "_etext"
-#: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
-EXCEPTION_ENTRIES = {
-    "asm_exc_divide_error": 0, "asm_exc_debug": 1, "asm_exc_nmi": 2, "asm_exc_int3": 3,
-    "asm_exc_overflow": 4, "asm_exc_bounds": 5, "asm_exc_invalid_op": 6,
-    "asm_exc_device_not_available": 7, "asm_exc_double_fault": 8,
-    "asm_exc_invalid_tss": 10, "asm_exc_segment_not_present": 11,
-    "asm_exc_stack_segment": 12, "asm_exc_general_protection": 13,
-    "asm_exc_page_fault": 14, "asm_exc_spurious_interrupt_bug": 15,
-    "asm_exc_coprocessor_error": 16, "asm_exc_alignment_check": 17,
-    "asm_exc_machine_check": 18, "asm_exc_simd_coprocessor_error": 19,
-    "asm_exc_control_protection": 21,
-}
 #: Vectors whose exception frame starts with an error code.
 ERROR_CODE_VECTORS = {8, 10, 11, 12, 13, 14, 17, 21}
 _GENERAL = tuple(PT_REGS_FIELDS.values())
@@ -97,7 +84,7 @@ _MAX_CHAIN = 64          # probes handled back to back before resuming regardles
 _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 
 
-class HostEngine(HandlerErrors):
+class HostEngine(EngineCore, HandlerErrors):
     """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
 
     def __init__(self, vm: Any, *, trampoline: str | int | None = None,
@@ -786,18 +773,7 @@ class HostEngine(HandlerErrors):
         """Register all or none: a failure unregisters those already done, then raises."""
         ps = list(ps)
         self._fresh_module_symbols(ps)
-        done: list[Kprobe] = []
-
-        def batch() -> None:
-            try:
-                for p in ps:
-                    self._register(p)
-                    done.append(p)
-            except BaseException:
-                for p in done:
-                    self._unregister(p)
-                raise
-        self._call(batch)
+        self._call(lambda: self._register_all(ps))
 
     def unregister_kprobes(self, ps: Iterable[Kprobe]) -> None:
         self._call(lambda: [self._unregister(p) for p in list(ps)], errors="after")
@@ -916,32 +892,6 @@ class HostEngine(HandlerErrors):
         if self._uprobes is not None:
             self._call(lambda: self._uprobes.unregister(up), errors="after")
 
-    def register_jprobe(self, jp: Jprobe) -> Jprobe:
-        """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
-        if jp.entry is None:
-            raise ProbeRejectedError("a jprobe needs an entry function (-EINVAL)", EINVAL)
-        entry = jp.entry
-        n = jp.nargs if jp.nargs is not None else _arity(entry)
-
-        def pre(p: Kprobe, regs: PtRegs) -> int:
-            entry(*self.function_args(regs, n))
-            return 0
-        jp.kp = self.register_kprobe(Kprobe(symbol_name=jp.symbol_name, offset=jp.offset,
-                                            addr=jp.addr, pre_handler=pre))
-        return jp
-
-    def unregister_jprobe(self, jp: Jprobe) -> None:
-        if jp.kp is not None:
-            self.unregister_kprobe(jp.kp)
-
-    def function_args(self, regs: PtRegs, n: int) -> list[int]:
-        """The first ``n`` integer arguments at a function entry (x86_64 SysV ABI)."""
-        order = ("di", "si", "dx", "cx", "r8", "r9")
-        args = [regs.get(r) for r in order[:n]]
-        for i in range(6, n):  # [sp] is the return address; the 7th argument follows it
-            args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
-        return args
-
     def invalidate_code(self) -> None:
         """Forget decoded instructions: the guest changed its text (its own kprobes were
         armed after ours: an ftrace nop became a call, an int3 or a jmp was planted)."""
@@ -954,20 +904,8 @@ class HostEngine(HandlerErrors):
     def read_string(self, addr: int, maxlen: int = 4096) -> bytes | None:
         """A NUL-terminated string, read a page at a time as ``strncpy_from_user`` does;
         None when its first byte cannot be read."""
-        def go() -> bytes | None:
-            out, a = b"", addr
-            while len(out) < maxlen:
-                n = min(maxlen - len(out), 4096 - (a & 4095))
-                try:
-                    chunk = self.stub.read_memory(a, n)
-                except MemoryFaultError:
-                    return out if out else None
-                end = chunk.find(b"\0")
-                if end >= 0:
-                    return out + chunk[:end]
-                out, a = out + chunk, a + n
-            return out
-        return self._call(go)
+        return self._call(lambda: read_cstring(self.stub.read_memory, addr, maxlen,
+                                                MemoryFaultError))
 
     def write(self, addr: int, data: bytes) -> None:
         self._call(lambda: self.stub.write_memory(addr, data))
@@ -1091,18 +1029,6 @@ class HostEngine(HandlerErrors):
         self.register_kprobe(p)
         return results
 
-    def exception_table(self) -> list[tuple[int, int]]:
-        """``(insn, fixup)`` of every ``__ex_table`` entry: the kernel's user-access sites."""
-        a = self.symbols.lookup("__start___ex_table").addr
-        b = self.symbols.lookup("__stop___ex_table").addr
-        data = self.read(a, b - a)
-        out = []
-        for i in range(0, len(data) - 11, 12):  # struct exception_table_entry {int insn, fixup, data}
-            insn = a + i + int.from_bytes(data[i:i + 4], "little", signed=True)
-            fixup = a + i + 4 + int.from_bytes(data[i + 4:i + 8], "little", signed=True)
-            out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
-        return out
-
     @property
     def closed(self) -> bool:
         return self._closing
@@ -1167,16 +1093,6 @@ class HostEngine(HandlerErrors):
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.raise_handler_errors()
-
-
-def _arity(fn: Callable[..., Any]) -> int:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return 6
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return 6
-    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 register_host_engine("gdbstub", HostEngine)

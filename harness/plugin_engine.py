@@ -1,6 +1,7 @@
 """Host-side kprobes in QEMU's TCG plugin API: ``vm.host`` of ``Machine.boot(host="plugin")``.
 
-The second host engine of issue 15 (DESIGN.md, "Two host engines, one API"). Where
+The second host engine (docs/plugin.md; the project's design notes: "Two host engines,
+one API"); what both engines share is ``harness.enginecore``. Where
 ``harness.engine`` stops the whole VM at a gdbstub breakpoint and decides in Python,
 here ``probes/plugin/kph_plugin.c`` runs inside QEMU: an instruction callback on the
 probed address runs on the vCPU that reached it, before the instruction, while the
@@ -56,9 +57,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .engine import EXCEPTION_ENTRIES, _arity
+from .enginecore import EXCEPTION_ENTRIES, EngineCore, read_cstring
 from .errors import HarnessError, ProbeRejectedError, SetupError
-from .kprobes import Jprobe, Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
+from .kprobes import Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
 from .plugin import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
@@ -91,7 +92,7 @@ class PluginProbe:
     invalidation: str = "done"
 
 
-class PluginEngine(HandlerDispatch, HandlerErrors):
+class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     """Host-side kprobes through the QEMU plugin. Use ``vm.host`` rather than constructing it."""
 
     kind = "plugin"
@@ -386,15 +387,7 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
     def register_kprobes(self, ps: Any) -> None:
         """Register all or none: a failure unregisters those already done, then raises."""
         self.raise_handler_errors()
-        done: list[Kprobe] = []
-        try:
-            for p in ps:
-                self._register(p)
-                done.append(p)
-        except BaseException:
-            for p in done:
-                self._unregister(p)
-            raise
+        self._register_all(ps)
 
     def unregister_kprobes(self, ps: Any) -> None:
         for p in list(ps):
@@ -446,32 +439,6 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
         self._unregister(rp)
         self.raise_handler_errors()
 
-    def register_jprobe(self, jp: Jprobe) -> Jprobe:
-        """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
-        if jp.entry is None:
-            raise ProbeRejectedError("a jprobe needs an entry function (-EINVAL)", EINVAL)
-        entry = jp.entry
-        n = jp.nargs if jp.nargs is not None else _arity(entry)
-
-        def pre(p: Kprobe, regs: PtRegs) -> int:
-            entry(*self.function_args(regs, n))
-            return 0
-        jp.kp = self.register_kprobe(Kprobe(symbol_name=jp.symbol_name, offset=jp.offset,
-                                            addr=jp.addr, pre_handler=pre))
-        return jp
-
-    def unregister_jprobe(self, jp: Jprobe) -> None:
-        if jp.kp is not None:
-            self.unregister_kprobe(jp.kp)
-
-    def function_args(self, regs: PtRegs, n: int) -> list[int]:
-        """The first ``n`` integer arguments at a function entry (x86_64 SysV ABI)."""
-        order = ("di", "si", "dx", "cx", "r8", "r9")
-        args = [regs.get(r) for r in order[:n]]
-        for i in range(6, n):  # [sp] is the return address; the 7th argument follows it
-            args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
-        return args
-
     # -- in a handler: the vCPU's own view --------------------------------------------------
     def _channel(self) -> Channel | None:
         return getattr(self._tls, "ch", None)
@@ -501,18 +468,7 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
 
     def read_string(self, addr: int, maxlen: int = 4096) -> bytes | None:
         """A NUL-terminated string, a page at a time; None when its first byte cannot be read."""
-        out, a = b"", addr
-        while len(out) < maxlen:
-            n = min(maxlen - len(out), 4096 - (a & 4095))
-            try:
-                chunk = self.read(a, n)
-            except HarnessError:
-                return out if out else None
-            end = chunk.find(b"\0")
-            if end >= 0:
-                return out + chunk[:end]
-            out, a = out + chunk, a + n
-        return out
+        return read_cstring(self.read, addr, maxlen, HarnessError)
 
     def write(self, addr: int, data: bytes) -> None:
         """Guest memory, from a handler (through its vCPU).
@@ -526,18 +482,6 @@ class PluginEngine(HandlerDispatch, HandlerErrors):
                                "use the gdbstub engine to write with the guest stopped")
         if not ch.write(addr, data):
             raise HarnessError(f"cannot write guest memory at {addr:#x}")
-
-    def exception_table(self) -> list[tuple[int, int]]:
-        """``(insn, fixup)`` of every ``__ex_table`` entry: the kernel's user-access sites."""
-        a = self.symbols.lookup("__start___ex_table").addr
-        b = self.symbols.lookup("__stop___ex_table").addr
-        data = self.read(a, b - a)
-        out = []
-        for i in range(0, len(data) - 11, 12):  # struct exception_table_entry {int insn, fixup, data}
-            insn = a + i + int.from_bytes(data[i:i + 4], "little", signed=True)
-            fixup = a + i + 4 + int.from_bytes(data[i + 4:i + 8], "little", signed=True)
-            out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
-        return out
 
     def list(self) -> str:
         """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""

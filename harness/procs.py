@@ -19,8 +19,10 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -129,3 +131,35 @@ def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def stop_process(proc: "subprocess.Popen[Any]", waits: Sequence[tuple[int | None, float]],
+                 log: logging.Logger | None = None) -> None:
+    """End ``proc`` by its pid, escalating: for each ``(signal, seconds)`` send the signal
+    (None: send nothing, the process was asked to quit already) and wait that long; stop
+    at the first wait that sees it gone. Never raises for a process already gone."""
+    for sig, wait in waits:
+        if sig is not None:
+            if log is not None:
+                log.debug("process %d still running; sending %s", proc.pid,
+                          signal.Signals(sig).name)
+            kill_pid(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def drain_fd(fd: int) -> bytes:
+    """Everything a non-blocking ``fd`` holds now (b"" at EOF or when nothing waits)."""
+    new = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        new += chunk
+    return new

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import atexit
 import enum
-import gzip
 import json
 import logging
 import os
@@ -66,7 +65,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -74,14 +72,14 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from . import constants as C
 from .aio import LoopThread, qmp_connect
 from .errors import SetupError, VMError
 from .images import _sha256
 from .qemu import QemuBinary, find_qemu
-from .procs import listen_unix, make_run_dir, pdeathsig
+from .procs import drain_fd, listen_unix, make_run_dir, pdeathsig, stop_process
 from .vmctl import _check_kernel_format
 
 log = logging.getLogger(__name__)
@@ -278,15 +276,7 @@ class _Run:
                           self.console_tail()) from exc
 
     def read_console(self) -> bytes:
-        new = b""
-        while self._console_fd is not None:
-            try:
-                chunk = os.read(self._console_fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            new += chunk
+        new = drain_fd(self._console_fd) if self._console_fd is not None else b""
         self.console += new
         return new
 
@@ -331,19 +321,8 @@ class _Run:
                     self.qmp("quit", timeout=2.0)
                 except Exception:  # noqa: BLE001 - signals follow
                     pass
-                for sig, wait in ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 3.0),
-                                  (signal.SIGKILL, 5.0)):
-                    if sig is not None:
-                        self.log.debug("QEMU %d still running; sending %s", proc.pid, sig.name)
-                        try:
-                            os.kill(proc.pid, sig)
-                        except ProcessLookupError:
-                            pass
-                    try:
-                        proc.wait(wait)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
+                stop_process(proc, ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 3.0),
+                                    (signal.SIGKILL, 5.0)), self.log)
             if self._loop is not None:
                 if self._qmp is not None:
                     try:

@@ -7,7 +7,7 @@ Models Linux 6.1: ``kernel/kallsyms.c`` (``kallsyms_lookup_size_offset()``, ``%p
 ``__copy_instruction()``). Nothing here talks to a VM: what needs guest memory takes a
 ``read(addr, n) -> bytes`` callable, so the same rules run on hand-assembled test bytes.
 
-At ~650 lines this is past the usual size: the symbol table and the probe rules share the
+At ~770 lines this is past the usual size: the symbol table and the probe rules share the
 kallsyms size rule and are one concept, and much of the length is kernel citations.
 """
 from __future__ import annotations

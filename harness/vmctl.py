@@ -55,7 +55,8 @@ from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestS
                      HandlerError, SetupError, StateError, VMError, VMLostError)
 from .handlerctx import ADVICE, stopped_reason
 from .images import Image, default_image
-from .procs import listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs
+from .procs import (drain_fd, listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs,
+                    stop_process)
 from .qemu import QemuBinary, find_qemu
 
 log = logging.getLogger(__name__)
@@ -610,17 +611,8 @@ class Machine:
                         self._loop.call(self._qmp.execute("quit"), 1.0)
                     except Exception:  # noqa: BLE001 - signals follow
                         pass
-                for sig, wait in ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-                    if sig is not None:
-                        try:
-                            os.kill(proc.pid, sig)
-                        except ProcessLookupError:
-                            pass
-                    try:
-                        proc.wait(wait)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
+                stop_process(proc, ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 2.0),
+                                    (signal.SIGKILL, 5.0)))
             if self._qmp is not None and self._loop is not None:
                 try:
                     self._loop.call(self._qmp.disconnect(), 1.0)
@@ -658,15 +650,7 @@ class Machine:
     def _read_console(self) -> bytes:
         if self._console_fd is None:
             return b""
-        new = b""
-        while True:
-            try:
-                chunk = os.read(self._console_fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            new += chunk
+        new = drain_fd(self._console_fd)
         if new:
             self._console += new
             if len(self._console) > _CONSOLE_KEEP:

@@ -10,7 +10,6 @@ the current address space.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,7 @@ from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..uprobes import Uprobe, UprobeNeverFires
-from .tracelayer import TraceLayer
+from .tracelayer import TraceLayer, register_lines, saved_cmdlines
 
 log = logging.getLogger(__name__)
 
@@ -185,53 +184,30 @@ class HostBackend:
         errno and ``error_log`` text."""
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
-        layer = self.layer
-        layer.prepare(specs)
-        out = []
-        for i, spec in enumerate(specs):
-            name = f"{spec.group}/{spec.event}"
-            if spec.kind == "-":
-                out.append(self._release(layer, spec, name, i))
-                continue
-            adm = layer.admit(spec)
-            spec = adm.spec          # as the booted kernel parsed it
-            reason = adm.reason
-            if adm.refusal is None and not adm.pending:
-                try:
-                    p = self._make(adm.spec, name)
-                    if isinstance(p, Uprobe):
-                        self.engine.register_uprobe(p)
-                    elif isinstance(p, Kretprobe):
-                        self.engine.register_kretprobe(p)
-                    else:
-                        self.engine.register_kprobe(p)
-                except UprobeNeverFires as exc:
-                    # uprobe_events takes it; uprobe_register() installs it nowhere
-                    layer.accept_pending(spec)
-                    out.append(Outcome(name, True, mode="host", index=i,
-                                       pending=f"kept, never installed: {exc.reason}"))
-                    continue
-                except ProbeRejectedError as exc:
-                    if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
-                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
-                                                    reason=exc.reason))
-                        continue
-                    adm, reason = layer.registered(spec, exc.errno), exc.reason
-                else:
-                    layer.registered(spec, None)
-                    self._probes.append((name, p))
-                    self._placed[id(spec)] = p
-                    out.append(Outcome(name, True, mode="host", index=i))
-                    continue
-            elif adm.pending:
-                layer.accept_pending(spec)
-            if adm.refusal is not None:
-                r = adm.refusal
-                out.append(Outcome.rejected(name, r.errno, r.message, index=i,
-                                            reason=reason or r.message))
+        return register_lines(self.layer, specs, self._place_line, self._release, "host")
+
+    def _place_line(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """``register_kprobe()`` (or a uprobe's) for one admitted line.
+
+        :raise ProbeRejectedError: the kernel's rules refuse it.
+        """
+        try:
+            p = self._make(spec, name)
+            if isinstance(p, Uprobe):
+                self.engine.register_uprobe(p)
+            elif isinstance(p, Kretprobe):
+                self.engine.register_kretprobe(p)
             else:
-                out.append(Outcome(name, True, mode="host", index=i, pending=adm.pending))
-        return out
+                self.engine.register_kprobe(p)
+        except UprobeNeverFires as exc:
+            # uprobe_events takes it; uprobe_register() installs it nowhere
+            self.layer.accept_pending(spec)
+            return Outcome(name, True, mode="host", index=i,
+                           pending=f"kept, never installed: {exc.reason}")
+        self.layer.registered(spec, None)
+        self._probes.append((name, p))
+        self._placed[id(spec)] = p
+        return Outcome(name, True, mode="host", index=i)
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -462,18 +438,7 @@ class HostBackend:
         EngineReadError.raise_first(self.engine_errors)
         if self.comm_rule == "at_hit":
             return list(self._hits)
-        last: dict[int, str] = {0: "<idle>"}        # trace_find_cmdline(): pid 0
-        for h in self._hits:
-            if h.pid:
-                last[h.pid] = h.comm
-        out = []
-        for i, h in enumerate(self._hits):
-            if h.pid is None:
-                out.append(h)
-                continue
-            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j > i)
-            out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
-        return out
+        return saved_cmdlines(self._hits, self._comm_changes)
 
     def counters(self) -> dict[str, Counters]:
         """Per event, summed over its probes (kprobe_profile has a line per probe)."""

@@ -13,7 +13,6 @@ and a trace prints each pid under the comm it had at its last hit (``saved_cmdli
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Sequence
 
@@ -25,6 +24,7 @@ from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, Ra
 from ..probespec import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..uprobes import Uprobe
+from .tracelayer import TraceLayer, register_lines, saved_cmdlines
 
 log = logging.getLogger(__name__)
 
@@ -111,45 +111,20 @@ class PluginBackend:
         """Place every line as ``kprobe_events`` would: the trace layer's checks in the
         kernel's order (``harness.backends.tracelayer``, as the gdbstub backend), then the
         plugin's ``register_kprobe()`` rules; one Outcome per line."""
-        from .tracelayer import TraceLayer
-
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
-        layer = self.layer
-        layer.prepare(specs)
-        out = []
-        for i, spec in enumerate(specs):
-            name = f"{spec.group}/{spec.event}"
-            if spec.kind == "-":
-                out.append(self._release(layer, spec, name, i))
-                continue
-            adm = layer.admit(spec)
-            spec = adm.spec          # as the booted kernel parsed it
-            reason = adm.reason
-            if adm.refusal is None and not adm.pending:
-                try:
-                    p = self._place(adm.spec)
-                except ProbeRejectedError as exc:
-                    if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
-                        out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
-                                                    reason=getattr(exc, "reason", "")))
-                        continue
-                    adm, reason = layer.registered(spec, exc.errno), getattr(exc, "reason", "")
-                else:
-                    layer.registered(spec, None)
-                    self._specs[p.id] = (adm.spec, name)
-                    self._probes.setdefault(name, []).append(p)
-                    out.append(Outcome(name, True, mode="plugin", index=i))
-                    continue
-            elif adm.pending:
-                layer.accept_pending(spec)
-            if adm.refusal is not None:
-                r = adm.refusal
-                out.append(Outcome.rejected(name, r.errno, r.message, index=i,
-                                            reason=reason or r.message))
-            else:
-                out.append(Outcome(name, True, mode="plugin", index=i, pending=adm.pending))
-        return out
+        return register_lines(self.layer, specs, self._place_line, self._release, "plugin")
+
+    def _place_line(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """The plugin's ``register_kprobe()`` for one admitted line.
+
+        :raise ProbeRejectedError: the kernel's rules refuse it.
+        """
+        p = self._place(spec)
+        self.layer.registered(spec, None)
+        self._specs[p.id] = (spec, name)
+        self._probes.setdefault(name, []).append(p)
+        return Outcome(name, True, mode="plugin", index=i)
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -357,18 +332,7 @@ class PluginBackend:
         self._check()
         if self.comm_rule == "at_hit":
             return list(self._hits)
-        last: dict[int, str] = {}
-        for h in self._hits:
-            if h.pid is not None:
-                last[h.pid] = h.comm
-        out = []
-        for i, h in enumerate(self._hits):
-            if h.pid is None:
-                out.append(h)
-                continue
-            later = tuple(c for j, pid, c in self._comm_changes if pid == h.pid and j > i)
-            out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
-        return out
+        return saved_cmdlines(self._hits, self._comm_changes)
 
     def counters(self) -> dict[str, Counters]:
         out = {}

@@ -35,13 +35,15 @@ import logging
 import os
 import shlex
 import weakref
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
-from ..errors import NotMirroredError, ProbeSpecError, SetupError
+from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
 from ..probespec import ProbeSpec, format as format_spec, parse, split_symbol_offset
+from ..records import Hit, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -343,3 +345,67 @@ class TraceLayer:
                     "a raw-address event on -ENOENT")
         return (f"kept unregistered: module {spec.module} is not loaded (6.1 registers it "
                 "when the module loads)")
+
+
+#: place(spec, name, index) -> the Outcome of a placed line; raises ProbeRejectedError
+#: with the kernel's errno when ``register_kprobe()`` would refuse it.
+Place = Callable[[ProbeSpec, str, int], Outcome]
+#: release(layer, spec, name, index) -> the Outcome of a ``-:`` line.
+Release = Callable[["TraceLayer", ProbeSpec, str, int], Outcome]
+
+
+def register_lines(layer: TraceLayer, specs: Sequence[ProbeSpec], place: Place,
+                   release: Release, mode: str) -> list[Outcome]:
+    """Place every line as ``kprobe_events`` would, for a host engine's backend: the
+    trace layer's checks in the kernel's order, then the engine's ``register_kprobe()``
+    rules (``place``); one Outcome per line, refusals with the kernel's errno and
+    ``error_log`` text, lines kept unregistered as pending."""
+    layer.prepare(specs)
+    out = []
+    for i, spec in enumerate(specs):
+        name = f"{spec.group}/{spec.event}"
+        if spec.kind == "-":
+            out.append(release(layer, spec, name, i))
+            continue
+        adm = layer.admit(spec)
+        spec = adm.spec          # as the booted kernel parsed it
+        reason = adm.reason
+        if adm.refusal is None and not adm.pending:
+            try:
+                out.append(place(spec, name, i))
+                continue
+            except ProbeRejectedError as exc:
+                if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
+                    out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
+                                                reason=exc.reason))
+                    continue
+                adm, reason = layer.registered(spec, exc.errno), exc.reason
+        elif adm.pending:
+            layer.accept_pending(spec)
+        if adm.refusal is not None:
+            r = adm.refusal
+            out.append(Outcome.rejected(name, r.errno, r.message, index=i,
+                                        reason=reason or r.message))
+        else:
+            out.append(Outcome(name, True, mode=mode, index=i, pending=adm.pending))
+    return out
+
+
+def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, str]]) -> list[Hit]:
+    """The hits as the trace file prints them: each pid under the comm of its *last* hit
+    (the trace stores pids and prints comms from ``saved_cmdlines``, recorded after the
+    events; pid 0 is ``<idle>``: kernel/trace/trace.c, ``trace_find_cmdline()``), each
+    hit carrying the comms its pid took after it (``comm_changes``: (hits recorded
+    before the rename, pid, new comm)) for ``harness.diff``'s ``comm-change`` rule."""
+    last: dict[int, str] = {0: "<idle>"}
+    for h in hits:
+        if h.pid:
+            last[h.pid] = h.comm
+    out = []
+    for i, h in enumerate(hits):
+        if h.pid is None:
+            out.append(h)
+            continue
+        later = tuple(c for j, pid, c in comm_changes if pid == h.pid and j > i)
+        out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
+    return out
