@@ -330,3 +330,19 @@ def test_docs_list_every_normalization():
     text = (Path(__file__).resolve().parents[2] / "docs" / "diff.md").read_text()
     missing = [k for k in NORMALIZATIONS if f"`{k}`" not in text]
     assert not missing, f"docs/diff.md does not name: {missing}"
+
+
+def test_agent_rule_leaves_out_only_the_agent_s_comm():
+    """Refused: a comm that only looks like the agent's is compared."""
+    a = run("host", [hit("host", 0, comm="qemu-gax", dfd=1)])
+    res = compare(a, run("events", []))
+    assert not res.equivalent and res.first.field == "count" and not res.applied["agent"]
+
+
+def test_nhit_counters_are_not_compared_but_nmissed_is():
+    a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 5, 0)})
+    b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
+    res = compare(a, b)
+    assert res.equivalent and res.applied["nhit"] == 1
+    b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 1)})
+    assert compare(a, b).first.field == "nmissed"
