@@ -6,6 +6,7 @@ equivalent first, or a kill means nothing."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.timeout(180)]
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "oracle_mutants.py"
 _spec = importlib.util.spec_from_file_location("oracle_mutants", _PATH)
 om = importlib.util.module_from_spec(_spec)
+sys.modules["oracle_mutants"] = om          # dataclasses look their module up there
 _spec.loader.exec_module(om)
 
 CASES = [(e, m) for e in ("gdbstub", "plugin") for m in om.MUTANTS if e in m.engines]
