@@ -235,6 +235,9 @@ static int run_one(kph_capture *c, const kph_insn *code, size_t end, const uint6
             if (pc >= end || code[pc].op != KOP_LP_ARRAY) {                         /* stage 5 */
                 return 0;
             }
+            if (code[pc].b == 0 || code[pc].b > KPH_MAX_ARRAY_LEN) {
+                return -1;          /* a count the kernel never accepts */
+            }
             if (++count_done >= code[pc].b) {
                 return 0;
             }
@@ -278,4 +281,16 @@ int kph_capture_args(kph_capture *c, const kph_insn *prog, size_t n, const uint6
         i = end + 1;
     }
     return (int)nargs;
+}
+
+int kph_check_prog(const kph_insn *prog, size_t n)
+{
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        if (prog[i].op == KOP_LP_ARRAY && (prog[i].b == 0 || prog[i].b > KPH_MAX_ARRAY_LEN)) {
+            return -1;
+        }
+    }
+    return 0;
 }

@@ -51,6 +51,7 @@ enum {
 enum { KBLK_DATA = 1, KBLK_FAULT = 2, KBLK_STR = 3, KBLK_STR_LIMIT = 4 };
 
 #define KPH_MAX_STRING 4096      /* MAX_STRING_SIZE = PATH_MAX (trace_probe.h) */
+#define KPH_MAX_ARRAY_LEN 64     /* MAX_ARRAY_LEN (trace_probe.h): "Array number is too big" */
 #define KPH_THREAD_SIZE 16384    /* x86_64 without KASAN */
 
 /* Read guest virtual memory; 0 on success, -1 when any byte cannot be read. */
@@ -69,5 +70,9 @@ typedef struct {
  * Returns the number of arguments run, or -1 for a malformed program. */
 int kph_capture_args(kph_capture *cap, const kph_insn *prog, size_t n,
                      const uint64_t regs[KREG_NUM]);
+
+/* 0 when every array count in prog[0..n) is one the kernel accepts (1..MAX_ARRAY_LEN,
+ * parse_probe_arg() in kernel/trace/trace_probe.c), else -1: the plugin refuses the probe. */
+int kph_check_prog(const kph_insn *prog, size_t n);
 
 #endif

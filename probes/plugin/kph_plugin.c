@@ -48,6 +48,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -64,7 +65,8 @@ KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
 #define MAX_PROG 1024               /* kph_insn per probe */
 #define REC_MAX (64 * 1024)
 #define REC_HDR 240
-#define MAX_PENDING 1024
+#define MAX_PENDING 1024            /* more pending invalidations: one full flush */
+#define RING_MAX_SIZE (1ull << 30)  /* bytes of ring per vCPU, at most */
 #define LIVE_SIZE 4096              /* buckets of live kretprobe instances */
 
 /* ---- wire protocol (harness/plugin.py mirrors these) ---- */
@@ -108,6 +110,7 @@ typedef struct probe {
     uint64_t mm_off;
     struct inst *insts;
     struct inst **freelist;
+    uint64_t born;                  /* the order of adds (CMD_STATS: the newest of an id) */
 } probe;
 
 typedef struct inst {
@@ -171,7 +174,8 @@ static int g_ctl_fd = -1;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;   /* control-side changes */
 static _Atomic(site *) g_table[TABLE_SIZE];
 static probe *g_probes[MAX_PROBES];
-static int g_nprobes;
+static int g_nprobes;               /* slots used; removed probes' slots are reused */
+static uint64_t g_born;
 static uint64_t g_tramp;
 static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
@@ -224,6 +228,8 @@ static pthread_mutex_t inval_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t inval_cond = PTHREAD_COND_INITIALIZER;
 static uint64_t inval_addr[MAX_PENDING];
 static int inval_n;
+static int inval_overflow;          /* more than MAX_PENDING: a full flush serves them all */
+static uint64_t inval_flush_upto;   /* the requests the next full flush completes */
 static atomic_int inval_pending;
 static uint64_t inval_requested, inval_done;
 static atomic_uint_fast64_t inval_count, inval_ns_total;
@@ -321,6 +327,8 @@ static void request_invalidate(uint64_t addr)
     pthread_mutex_lock(&inval_lock);
     if (inval_n < MAX_PENDING) {
         inval_addr[inval_n++] = addr;
+    } else {
+        inval_overflow = 1;         /* never dropped: see service_invalidations() */
     }
     if (!atomic_load(&inval_pending)) {
         inval_t0 = now_ns();
@@ -331,13 +339,16 @@ static void request_invalidate(uint64_t addr)
 }
 
 /* In a vCPU context: rewrite the first byte of each pending address with itself, which
- * invalidates the translations that hold it. */
+ * invalidates the translations that hold it. When more were requested than the list
+ * holds, the whole translation cache is flushed instead (qemu_plugin_reset(), the one
+ * full flush the plugin API offers); they are done when on_reset_done() says so. */
 static void service_reset(void);
+static atomic_int reset_wanted;
 
 static void service_invalidations(vcpu_t *v)
 {
     uint64_t addrs[MAX_PENDING], upto;
-    int n, i;
+    int n, i, overflow;
 
     service_reset();
     if (!atomic_load_explicit(&inval_pending, memory_order_relaxed)) {
@@ -347,11 +358,24 @@ static void service_invalidations(vcpu_t *v)
         return;
     }
     n = inval_n;
+    overflow = inval_overflow;
     memcpy(addrs, inval_addr, sizeof(uint64_t) * n);
     inval_n = 0;
+    inval_overflow = 0;
     upto = inval_requested;
+    if (overflow && upto > inval_flush_upto) {
+        inval_flush_upto = upto;
+    }
     atomic_store(&inval_pending, 0);
     pthread_mutex_unlock(&inval_lock);
+    if (overflow) {
+        /* A reset already in flight is not started again (plugin_reset_uninstall()), but
+         * its flush runs after this callback (exclusive work), so it covers these too. */
+        atomic_fetch_add(&inval_count, n);
+        atomic_store(&reset_wanted, 1);
+        service_reset();
+        return;
+    }
     for (i = 0; i < n; i++) {
         g_byte_array_set_size(v->gb, 0);
         if (qemu_plugin_read_memory_vaddr(addrs[i], v->gb, 1)) {
@@ -1326,9 +1350,10 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
     }
     v = calloc(1, sizeof(*v));
     if (!v) {
+        say("kph_plugin: out of memory: a vCPU without probes\n");
         return;
     }
-    v->gb = g_byte_array_new();
+    v->gb = g_byte_array_new();     /* g_malloc: aborts rather than return NULL */
     atomic_store(&v->chan, -1);
     pthread_mutex_init(&v->chan_lock, NULL);
     if (!atomic_load(&g_regs_ready)) {
@@ -1378,6 +1403,14 @@ static void on_reset_done(void *ud)
 {
     (void)ud;
     register_callbacks();
+    /* every translation is gone: so are the invalidations that overflowed */
+    pthread_mutex_lock(&inval_lock);
+    if (inval_flush_upto > inval_done) {
+        inval_done = inval_flush_upto;
+        atomic_fetch_add(&inval_ns_total, now_ns() - inval_t0);
+    }
+    pthread_cond_broadcast(&inval_cond);
+    pthread_mutex_unlock(&inval_lock);
     pthread_mutex_lock(&reset_lock);
     reset_done_flag = 1;
     pthread_cond_broadcast(&reset_cond);
@@ -1387,7 +1420,6 @@ static void on_reset_done(void *ud)
 /* qemu_plugin_reset() flushes the translation cache only when called with a current
  * vCPU (plugin_reset_uninstall(), plugins/core.c: without one it just drops the
  * callbacks): so a vCPU calls it, at its next callback, like an invalidation. */
-static atomic_int reset_wanted;
 
 static void service_reset(void)
 {
@@ -1554,6 +1586,7 @@ static void unlink_probe(probe *p)
             keep[n++] = l->p[i];
         }
     }
+    /* Out of memory, the old list stays: the probe is dead, which every callback checks. */
     site_set(s, keep, n);
 }
 
@@ -1601,10 +1634,10 @@ static void reset_session(void)
 
 static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
 {
-    uint64_t size, total;
+    uint64_t size, ctl, total;
     uint32_t n;
+    struct stat st;
     void *m;
-
     ring_t *r;
 
     if (len < 12 || fd < 0) {
@@ -1612,10 +1645,23 @@ static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
     }
     memcpy(&size, pl, 8);
     memcpy(&n, pl + 8, 4);
-    if (n == 0 || n > MAX_VCPUS || size < 65536 || (size & (size - 1))) {
+    /* one ring per vCPU (fewer would lose the others' records without a word) */
+    if (n == 0 || n < (uint32_t)g_nvcpus || n > MAX_VCPUS || size < 65536 ||
+        size > RING_MAX_SIZE || (size & (size - 1))) {
         return EINVAL;
     }
-    total = RING_CTL_OFF + 4096 * ((n * RING_CTL_SIZE + 4095) / 4096) + size * n;
+    ctl = RING_CTL_OFF + 4096 * (((uint64_t)n * RING_CTL_SIZE + 4095) / 4096);
+    if (size > (UINT64_MAX - ctl) / n) {
+        return EINVAL;              /* the bounds above exclude it; kept next to the product */
+    }
+    total = ctl + size * n;
+    /* a mapping past the memfd's end would SIGBUS QEMU at the first record */
+    if (fstat(fd, &st) != 0) {
+        return errno;
+    }
+    if (st.st_size < 0 || (uint64_t)st.st_size < total) {
+        return EINVAL;
+    }
     m = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (m == MAP_FAILED) {
         return errno;
@@ -1628,9 +1674,37 @@ static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
     r->base = m;
     r->size = size;
     r->n = (int)n;
-    r->data_off = RING_CTL_OFF + 4096 * ((n * RING_CTL_SIZE + 4095) / 4096);
+    r->data_off = ctl;
     atomic_store_explicit(&g_ring, r, memory_order_release);
     return 0;
+}
+
+/* A probe that was never published (no site list or table slot holds it). */
+static void probe_free(probe *p)
+{
+    free(p->prog);
+    free(p->insts);
+    free(p->freelist);
+    free(p);
+}
+
+/* Under g_lock: the g_probes slot for a new probe, or -1 when MAX_PROBES are live. Once
+ * the table is full, a removed probe's slot is taken again (its struct stays allocated:
+ * a callback or a kretprobe instance in flight may still use it), so add/remove cycles
+ * never run out. */
+static int probe_slot(void)
+{
+    int i;
+
+    if (g_nprobes < MAX_PROBES) {
+        return g_nprobes;
+    }
+    for (i = 0; i < MAX_PROBES; i++) {
+        if (atomic_load(&g_probes[i]->dead)) {
+            return i;
+        }
+    }
+    return -1;
 }
 
 /* CMD_ADD: u32 id, u32 kind, u64 addr, u32 maxactive, u32 enabled, u32 nprog, u32 pad,
@@ -1642,7 +1716,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     probe *p, *list[MAX_PER_SITE];
     site *s;
     plist *l;
-    int n = 0;
+    int n = 0, slot, post;
 
     if (len < 32) {
         return reply(fd, EINVAL, NULL, 0);
@@ -1669,7 +1743,15 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     p->nprog = nprog;
     if (nprog) {
         p->prog = malloc(nprog * sizeof(kph_insn));
+        if (!p->prog) {
+            probe_free(p);
+            return reply(fd, ENOMEM, NULL, 0);
+        }
         memcpy(p->prog, pl + 32, nprog * sizeof(kph_insn));
+        if (kph_check_prog(p->prog, nprog) != 0) {
+            probe_free(p);
+            return reply(fd, EINVAL, NULL, 0);
+        }
     }
     p->flags = enabled;
     p->tramp = g_tramp;
@@ -1681,8 +1763,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         memcpy(p->filter, x + 16, 32);
         memcpy(&p->expect, x + 48, 8);
         if (p->nfilter > 4 || !p->tramp) {
-            free(p->prog);
-            free(p);
+            probe_free(p);
             return reply(fd, EINVAL, NULL, 0);
         }
         if (p->nfilter) {
@@ -1690,8 +1771,21 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
             g_mm_off = p->filter[0];
         }
     }
-    if (kind == PK_KPROBE && (enabled & ADD_POST) && atomic_fetch_add(&g_n_post, 1) == 0 &&
-        !atomic_load(&g_post_mode)) {
+    if (kind == PK_SPEC_R || kind == PK_KRET) {
+        p->maxactive = p->nfree = maxactive;
+        p->insts = calloc(maxactive, sizeof(inst));
+        p->freelist = calloc(maxactive, sizeof(inst *));
+        if (!p->insts || !p->freelist) {
+            probe_free(p);
+            return reply(fd, ENOMEM, NULL, 0);
+        }
+        for (i = 0; i < maxactive; i++) {
+            p->insts[i].rp = p;
+            p->freelist[i] = &p->insts[i];
+        }
+    }
+    post = kind == PK_KPROBE && (enabled & ADD_POST);
+    if (post && atomic_fetch_add(&g_n_post, 1) == 0 && !atomic_load(&g_post_mode)) {
         /* The first post_handler: from now on every block gets the conditional
          * callback, and blocks translated before are flushed once to get it too.
          * (It costs every block an inline test: ~20% on a busy guest; it goes when the
@@ -1702,34 +1796,37 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         atomic_store(&g_post_mode, 1);
         reset_all(5000);
     }
-    if (kind == PK_SPEC_R || kind == PK_KRET) {
-        p->maxactive = p->nfree = maxactive;
-        p->insts = calloc(maxactive, sizeof(inst));
-        p->freelist = calloc(maxactive, sizeof(inst *));
-        for (i = 0; i < maxactive; i++) {
-            p->insts[i].rp = p;
-            p->freelist[i] = &p->insts[i];
-        }
-    }
     atomic_store(&p->enabled, (enabled & ADD_ENABLED) ? 1 : 0);
     pthread_mutex_lock(&g_lock);
-    if (g_nprobes >= MAX_PROBES || !(s = site_get(addr))) {
-        pthread_mutex_unlock(&g_lock);
-        return reply(fd, ENOSPC, NULL, 0);
+    slot = probe_slot();
+    if (slot < 0 || !(s = site_get(addr))) {
+        st = ENOSPC;
+        goto refused;
+    }
+    if ((kind == PK_SPEC_R || kind == PK_KRET) && p->tramp != g_tramp) {
+        site *t = site_get(p->tramp);   /* a uretprobe's trampoline in its program */
+
+        if (!t) {
+            st = ENOSPC;            /* its returns could not be serviced */
+            goto refused;
+        }
+        t->tramp = 1;
     }
     list[n++] = p;                  /* newest first */
     l = atomic_load(&s->list);
     for (i = 0; l && i < (uint32_t)l->n && n < MAX_PER_SITE; i++) {
-        list[n++] = l->p[i];
-    }
-    site_set(s, list, n);
-    g_probes[g_nprobes++] = p;
-    if ((kind == PK_SPEC_R || kind == PK_KRET) && p->tramp != g_tramp) {
-        site *t = site_get(p->tramp);   /* a uretprobe's trampoline in its program */
-
-        if (t) {
-            t->tramp = 1;
+        if (!atomic_load(&l->p[i]->dead)) {
+            list[n++] = l->p[i];
         }
+    }
+    if (site_set(s, list, n) != 0) {
+        st = ENOMEM;
+        goto refused;
+    }
+    p->born = ++g_born;
+    g_probes[slot] = p;
+    if (slot == g_nprobes) {
+        g_nprobes++;
     }
     pthread_mutex_unlock(&g_lock);
     if (enabled & ADD_FLUSH) {
@@ -1743,6 +1840,15 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         st = (uint32_t)wait_invalidated(2000);
     }
     return reply(fd, 0, &st, 4);
+
+refused:
+    pthread_mutex_unlock(&g_lock);
+    if (post && atomic_fetch_sub(&g_n_post, 1) == 1) {
+        g_post_off = 1;
+    }
+    post_mode_check();
+    probe_free(p);
+    return reply(fd, st, NULL, 0);
 }
 
 static int serve(int fd)
@@ -1788,11 +1894,18 @@ static int serve(int fd)
             memcpy(&g_comm_off, pl + 16, 8);
             {
                 uint64_t t;
+                site *ts;
+
                 memcpy(&t, pl + 24, 8);
                 if (t && (!g_tramp || t == g_tramp)) {
-                    g_tramp = t;
-                    g_tramp_site = site_get(t);
-                    if (g_tramp_site && !g_tramp_site->tramp) {
+                    ts = site_get(t);
+                    if (!ts) {
+                        st = ENOSPC;    /* returns to it could not be serviced */
+                    } else {
+                        g_tramp = t;
+                        g_tramp_site = ts;
+                    }
+                    if (ts && !g_tramp_site->tramp) {
                         g_tramp_site->tramp = 1;
                         pthread_mutex_unlock(&g_lock);
                         request_invalidate(t);
@@ -1872,8 +1985,8 @@ static int serve(int fd)
             }
             pthread_mutex_lock(&g_lock);
             for (i = 0; i < g_nprobes; i++) {
-                if (g_probes[i] && g_probes[i]->id == id) {
-                    p = g_probes[i];
+                if (g_probes[i] && g_probes[i]->id == id && (!p || g_probes[i]->born > p->born)) {
+                    p = g_probes[i];    /* a removed one's stats too, unless its slot was reused */
                 }
             }
             pthread_mutex_unlock(&g_lock);

@@ -206,11 +206,8 @@ def driver(tmp_path_factory):
     return exe
 
 
-@pytest.mark.parametrize("text", SPECS)
-def test_c_interpreter_captures_what_the_reference_does(driver, text):
-    spec = parse(text)
-    mem = Memory(7)
-    prog = fetchprog.compile_spec(spec.args, resolve=SYMBOLS.__getitem__)
+def run_driver(driver, mem: Memory, prog: bytes) -> tuple[int, int, bytes]:
+    """fetch.c over ``mem`` and REGS: (its return value, blocks, the output)."""
     inp = struct.pack("<I", len(mem.pages))
     for b, data in sorted(mem.pages.items()):
         inp += struct.pack("<Q", b) + bytes(data)
@@ -220,9 +217,29 @@ def test_c_interpreter_captures_what_the_reference_does(driver, text):
     out = subprocess.run([str(driver)], input=inp, capture_output=True, check=True,
                          timeout=30).stdout
     nargs, nblocks = struct.unpack_from("<iI", out)
+    return nargs, nblocks, out
+
+
+@pytest.mark.parametrize("text", SPECS)
+def test_c_interpreter_captures_what_the_reference_does(driver, text):
+    spec = parse(text)
+    mem = Memory(7)
+    prog = fetchprog.compile_spec(spec.args, resolve=SYMBOLS.__getitem__)
+    nargs, nblocks, out = run_driver(driver, mem, prog)
     assert nargs == len(spec.args)
     c_blocks = fetchprog.parse_blocks(out, nblocks, 8)
     ref = []
     for a in spec.args:
         ref += fetchprog.simulate(a.code, REGS, mem.read, resolve=SYMBOLS.__getitem__)
     assert c_blocks == ref
+
+
+@pytest.mark.parametrize("count,ok", [(64, True), (65, False), (0, False), (1 << 31, False)])
+def test_c_interpreter_refuses_array_counts_the_kernel_refuses(driver, count, ok):
+    """MAX_ARRAY_LEN is 64 (kernel/trace/trace_probe.h) and 0 is "Invalid array size": a
+    program with another count is malformed (-1), never a loop of 2^31 reads."""
+    prog = bytearray(fetchprog.compile_spec(parse("p:a do_sys_openat2 v=+0(%dx):x32[2]").args))
+    at = next(i for i in range(0, len(prog), 16) if prog[i] == fetchprog.KOP["lp_array"])
+    prog[at + 4:at + 8] = count.to_bytes(4, "little")
+    nargs = run_driver(driver, Memory(7), bytes(prog))[0]
+    assert nargs == (1 if ok else -1)

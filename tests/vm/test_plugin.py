@@ -178,3 +178,92 @@ def test_maxactive_1_on_two_vcpus_misses_as_the_guest_counts(default_image):
     assert runs[0].side == "plugin"
     assert runs[0].counters["kprobes/ns"].nmissed == runs[1].counters["kprobes/ns"].nmissed == 1
     assert {h.cpu for h in runs[0].hits if h.comm == "sleep"} <= {0, 1}
+
+
+# ---------------------------------------------------------------- hardening (issue 25)
+
+def test_bad_ring_sizes_are_refused_and_qemu_lives_on(pvm):
+    """CMD_RING with a size or count out of bounds, a size * count that overflows, or a
+    memfd smaller than what would be mapped: refused with EINVAL (mapped, each would crash
+    QEMU at the next record), and the session's own ring goes on."""
+    import errno
+    import os
+    import struct
+
+    from harness.plugin import CMD_RING, PluginError
+
+    link = pvm.host.link
+    n = link.nvcpus
+    cases = [(65536, n, 4096),                # the memfd is smaller than the rings
+             (1 << 63, max(n, 2), 8192),      # size * n wraps to 0
+             (1 << 40, n, 65536),             # larger than any ring
+             (65536 + 8, n, 1 << 20),         # not a power of two
+             (65536, 0, 1 << 20), (65536, 65, 1 << 20)]
+    for size, count, have in cases:
+        fd = os.memfd_create("kph-bad-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, have)
+            with pytest.raises(PluginError) as err:
+                link.request(CMD_RING, struct.pack("<QI", size, count), fds=[fd])
+        finally:
+            os.close(fd)
+        assert err.value.errno == errno.EINVAL, (size, count, have)
+    _open_probe(pvm)
+    pvm.run(OPEN)
+    assert b"cat" in [r.comm for r in pvm.host.records()]
+
+
+def test_more_than_1024_pending_invalidations_flush_everything(pvm):
+    """With the machine stopped (every vCPU idle), 1,200 invalidations pile up, the last
+    for a probe on code translated before; at resume the plugin flushes every translation
+    instead of dropping what did not fit, so the probe's hits are seen."""
+    eng = pvm.host
+    for _ in range(3):
+        pvm.run(OPEN)
+    other = pvm.symbols.lookup("vfs_read").addr
+    flushes = eng.global_stats()["flushes"]
+    pvm.qmp("stop")
+    try:
+        states = {eng.invalidate(other) for _ in range(1200)}
+        p = _open_probe(pvm)
+    finally:
+        pvm.qmp("cont")
+    assert states <= {"all vCPUs idle", "done"} and p.invalidation == "all vCPUs idle"
+    pvm.run(OPEN)
+    assert b"cat" in [r.comm for r in eng.records()]
+    assert eng.global_stats()["flushes"] > flushes
+
+
+def test_removed_probe_slots_are_reused_past_8192_adds(pvm):
+    """8,300 add/remove cycles on one machine (the plugin holds 8,192 probes): no ENOSPC,
+    and the last probe still records."""
+    eng = pvm.host
+    addr = pvm.symbols.lookup("do_sys_openat2").addr
+    prog = fetchprog.compile_spec(parse("p:o do_sys_openat2 dfd=%di:s32").args)
+    pvm.qmp("stop")                 # every invalidation answers at once: all vCPUs idle
+    try:
+        for _ in range(8300):
+            eng.remove_probe(eng.add_spec_probe(addr, ret=False, program=prog, invalidate=False))
+        eng.add_spec_probe(addr, ret=False, program=prog)
+    finally:
+        pvm.qmp("cont")
+    pvm.run(OPEN)
+    assert b"cat" in [r.comm for r in eng.records()]
+
+
+def test_array_count_over_the_kernels_max_is_refused(pvm):
+    """A fetch program whose array count is over MAX_ARRAY_LEN (64, trace_probe.h) is
+    refused at CMD_ADD, as the kernel refuses ``:x32[65]``; 64 is accepted."""
+    import errno
+
+    from harness.plugin import PluginError
+
+    addr = pvm.symbols.lookup("do_sys_openat2").addr
+    prog = bytearray(fetchprog.compile_spec(parse("p:a do_sys_openat2 v=+0(%dx):x32[64]").args))
+    at = next(i for i in range(0, len(prog), 16) if prog[i] == fetchprog.KOP["lp_array"])
+    assert int.from_bytes(prog[at + 4:at + 8], "little") == 64
+    pvm.host.add_spec_probe(addr, ret=False, program=bytes(prog))
+    prog[at + 4:at + 8] = (65).to_bytes(4, "little")
+    with pytest.raises(PluginError) as err:
+        pvm.host.add_spec_probe(addr, ret=False, program=bytes(prog))
+    assert err.value.errno == errno.EINVAL
