@@ -167,7 +167,7 @@ static u64 seq;
 static u64 dropped;
 static bool recording;
 
-static DEFINE_MUTEX(ctl_mutex);		/* probes, last_error */
+static DEFINE_MUTEX(ctl_mutex);		/* probes, last_error, each control file's line buffer */
 static DEFINE_MUTEX(drain_mutex);	/* the inactive buffer */
 static LIST_HEAD(probes);
 static char last_error[160] = "-";
@@ -873,13 +873,13 @@ static int kph_ctl_open(struct inode *inode, struct file *file)
 	return 0;
 }
 
-/* Run every complete line in ctl->buf; keep a trailing partial one. */
+/* Under ctl_mutex: run every complete line in ctl->buf; keep a trailing partial one. */
 static int kph_ctl_lines(struct kph_ctl *ctl, bool all)
 {
 	char *start = ctl->buf, *nl;
 	int ret = 0;
 
-	mutex_lock(&ctl_mutex);
+	lockdep_assert_held(&ctl_mutex);
 	while (!ret) {
 		nl = memchr(start, '\n', ctl->buf + ctl->len - start);
 		if (!nl) {
@@ -891,7 +891,6 @@ static int kph_ctl_lines(struct kph_ctl *ctl, bool all)
 		ret = kph_exec(start);
 		start = nl + (nl < ctl->buf + ctl->len);
 	}
-	mutex_unlock(&ctl_mutex);
 	if (ret)
 		ctl->len = 0;
 	else {
@@ -907,12 +906,21 @@ static ssize_t kph_ctl_write(struct file *file, const char __user *ubuf, size_t 
 	struct kph_ctl *ctl = file->private_data;
 	int ret;
 
-	if (count >= KPH_MAX_LINE - ctl->len)
-		return -E2BIG;
-	if (copy_from_user(ctl->buf + ctl->len, ubuf, count))
-		return -EFAULT;
-	ctl->len += count;
-	ret = kph_ctl_lines(ctl, false);
+	/*
+	 * One writer at a time, the whole command: writers sharing an open file (threads,
+	 * a forked shell's `>&3`) share ctl->buf and ctl->len, and the checks below, the
+	 * append and the lines it completes must not interleave with another's.
+	 */
+	mutex_lock(&ctl_mutex);
+	if (count >= KPH_MAX_LINE - ctl->len) {
+		ret = -E2BIG;
+	} else if (copy_from_user(ctl->buf + ctl->len, ubuf, count)) {
+		ret = -EFAULT;
+	} else {
+		ctl->len += count;
+		ret = kph_ctl_lines(ctl, false);
+	}
+	mutex_unlock(&ctl_mutex);
 	return ret ? ret : count;
 }
 
@@ -920,8 +928,10 @@ static int kph_ctl_release(struct inode *inode, struct file *file)
 {
 	struct kph_ctl *ctl = file->private_data;
 
+	mutex_lock(&ctl_mutex);
 	if (ctl->len)
 		kph_ctl_lines(ctl, true);
+	mutex_unlock(&ctl_mutex);
 	kvfree(ctl);
 	return 0;
 }
