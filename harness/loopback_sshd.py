@@ -4,7 +4,9 @@ SSH gateways) on one machine: the tests of issue 18 and ``bench/xdist.py``.
 Nothing is installed and no system service is touched: Debian's ``openssh-server`` (and
 the ``libwrap0`` it links) are downloaded with ``apt-get download`` into
 ``$KPH_CACHE/sshd/`` and unpacked there; sshd runs with a throwaway host key, one
-authorized key, ``ListenAddress 127.0.0.1`` and a random port. As root, sshd insists on
+authorized key, ``ListenAddress 127.0.0.1`` and a random port; the client's ssh_config pins
+that host key (its own known_hosts file, ``StrictHostKeyChecking yes``), so whatever else
+answers on the port is refused. As root, sshd insists on
 its privilege-separation user and ``/run/sshd``; neither exists on a host without
 openssh-server, so it runs in a private mount namespace (``unshare --mount``) in which
 ``/etc/passwd`` has an ``sshd`` line and ``/run`` is a fresh tmpfs: nothing changes
@@ -109,10 +111,16 @@ class LoopbackSshd:
             self.stop()
         else:
             raise SetupError(f"the loopback sshd did not start: {(d / 'sshd.log').read_text()[-300:]}")
+        # The host key is known before the first connection: pin it under the alias (the
+        # port changes from run to run), and never learn another.
+        key_type, key = (d / "hostkey.pub").read_text().split()[:2]
+        (d / "known_hosts").write_text(f"{HOST_ALIAS} {key_type} {key}\n")
         self.ssh_config.write_text(
             f"Host {HOST_ALIAS}\n  HostName 127.0.0.1\n  Port {self.port}\n  User {self.user}\n"
-            f"  IdentityFile {d}/userkey\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
-            "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+            f"  IdentityFile {d}/userkey\n  IdentitiesOnly yes\n  HostKeyAlias {HOST_ALIAS}\n"
+            f"  StrictHostKeyChecking yes\n  UserKnownHostsFile {d}/known_hosts\n"
+            "  GlobalKnownHostsFile /dev/null\n  CheckHostIP no\n  UpdateHostKeys no\n"
+            "  LogLevel ERROR\n  BatchMode yes\n")
 
     def _wait_listening(self) -> bool:
         deadline = time.monotonic() + START_TIMEOUT

@@ -12,10 +12,12 @@ kernels' images, writes ``.kph-worker/python`` (the worker's interpreter with it
 ``KPH_CACHE``), asks the host for its identity (``kph worker identity``) and compares it
 with the controller's.
 
-Identity: the harness commit, the QEMU version, and per image the kernel ABI, the sha256
-of its kernel and the recipe hash (the initramfs itself is rebuilt on every host and is
-not byte-identical: file times differ). The core count tells how many workers the host
-takes (one per core: TCG runs one guest per core).
+Identity: the harness commit and whether either checkout has uncommitted changes (only
+the commit is sent, so a dirty tree on either side runs other code), the QEMU version,
+and per image the kernel ABI, the sha256 of its kernel and the recipe hash (the initramfs
+itself is rebuilt on every host and is not byte-identical: file times differ). The core
+count tells how many workers the host takes (one per core: TCG runs one guest per core).
+The commit the worker checked out is checked against the one sent before anything else.
 """
 from __future__ import annotations
 
@@ -62,6 +64,11 @@ def differences(local: dict[str, Any], remote: dict[str, Any]) -> list[str]:
     out = []
     if local["commit"] != remote["commit"]:
         out.append(f"harness commit {remote['commit'][:12]} (here {local['commit'][:12]})")
+    # Only the commit travels: uncommitted changes on either side are code the other lacks.
+    if remote.get("dirty"):
+        out.append("uncommitted changes in the worker's checkout")
+    if local.get("dirty"):
+        out.append("uncommitted changes here (commit them: only the commit is sent)")
     if local["qemu"] != remote["qemu"]:
         out.append(f"QEMU {remote['qemu']} (here {local['qemu']})")
     for series, mine in local["images"].items():
@@ -76,6 +83,18 @@ def differences(local: dict[str, Any], remote: dict[str, Any]) -> list[str]:
         if not theirs.get("current"):
             out.append(f"{series}: image not current")
     return out
+
+
+def check_checkout(target: str, sent: str, checked_out: str) -> None:
+    """The worker's checkout is the commit ``prepare`` sent (``--commit``).
+
+    :raise SetupError: it is another one (both named).
+    """
+    if checked_out != sent:
+        raise SetupError(f"{target} checked out commit {checked_out[:12] or '(none)'}, not the "
+                         f"commit sent ({sent[:12]})",
+                         "check the worker's --dir (another checkout, a hook) and run "
+                         "kph worker prepare again")
 
 
 def _git(*args: str, cwd: Path = ROOT) -> str:
@@ -163,7 +182,8 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
         differs from this checkout's (the message names every difference).
     """
     ssh = Ssh(target, ssh_config)
-    rev = _git("rev-parse", commit).strip()
+    # ^{commit}: a tag names its commit (git checkout --detach lands there, not on the tag)
+    rev = _git("rev-parse", "--verify", "--end-of-options", f"{commit}^{{commit}}").strip()
     d = shlex.quote(directory)
     env = f"KPH_CACHE={shlex.quote(cache)} " if cache else ""
     with tempfile.TemporaryDirectory(prefix="kph-bundle-") as tmp:
@@ -171,9 +191,10 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
         _git("bundle", "create", str(bundle), rev, "--branches", "--tags")
         progress(f"{target}: sending commit {rev[:12]} ({bundle.stat().st_size // 1024} KiB bundle)")
         ssh.run(f"mkdir -p {d} && cat > {d}.bundle", stdin=bundle.read_bytes(), what="upload")
-    ssh.run(f"set -e; if [ -d {d}/.git ]; then cd {d} && git fetch -q {d}.bundle; "
-            f"else git clone -q {d}.bundle {d} && cd {d}; fi; git checkout -q --detach {rev}; "
-            f"rm -f {d}.bundle", what="checkout")
+    head = ssh.run(f"set -e; if [ -d {d}/.git ]; then cd {d} && git fetch -q {d}.bundle; "
+                   f"else git clone -q {d}.bundle {d} && cd {d}; fi; git checkout -q --detach {rev}; "
+                   f"rm -f {d}.bundle; git rev-parse HEAD", what="checkout")
+    check_checkout(target, rev, head.strip())
     progress(f"{target}: running setup.sh")
     ssh.run(f"cd {d} && {env}./setup.sh", timeout=PREPARE_TIMEOUT, progress=progress,
             what="setup.sh")
@@ -189,6 +210,7 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
     remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity --json --kernels "
                                 + shlex.quote(",".join(["default", *(kernels or [])])),
                                 what="kph worker identity"))
+    check_checkout(target, rev, remote["commit"])       # setup.sh may not move it either
     local = local_identity(["default", *(kernels or [])])
     diff = differences(local, remote)
     if diff:

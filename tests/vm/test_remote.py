@@ -4,7 +4,9 @@ Only loopback is allowed here, so "another machine" is a private sshd on 127.0.0
 (``harness.loopback_sshd``: a random port, throwaway keys, stopped by its pid) and a
 worker checkout made by ``kph worker prepare`` in a temporary directory with its own,
 empty ``KPH_CACHE``: setup.sh, the private QEMU, the image and its snapshot are all made
-there afresh, as on a new host.
+there afresh, as on a new host. ``prepare`` refuses a checkout with uncommitted changes
+(only the commit is sent), so a dirty one is prepared from a commit of its working tree
+made in a throwaway clone: the worker runs the code under test either way.
 """
 from __future__ import annotations
 
@@ -46,11 +48,41 @@ def worker(tmp_path_factory):
         shutil.rmtree(sshd.dir, ignore_errors=True)
 
 
+def _git(*args, cwd=ROOT):
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                          timeout=120).stdout
+
+
+def _committed_tree(base: Path) -> Path:
+    """ROOT if it has no uncommitted change, else a clone of it whose HEAD is a commit of
+    ROOT's working tree (tracked and untracked files git does not ignore). ROOT's own
+    index, refs and files are not touched."""
+    if not _git("status", "--porcelain", "--untracked-files=no").strip():
+        return ROOT
+    clone = base / "snapshot"
+    _git("clone", "-q", str(ROOT), str(clone))
+    for name in _git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0"):
+        src, dst = ROOT / name, clone / name
+        if not name:
+            continue
+        if src.is_file() and not src.is_symlink():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+            dst.chmod(src.stat().st_mode & 0o777)
+        elif not src.exists() and not src.is_symlink():
+            dst.unlink(missing_ok=True)             # deleted in the working tree
+    _git("add", "-A", cwd=clone)
+    _git("-c", "user.name=kph tests", "-c", "user.email=kph@localhost", "commit", "-q", "-m",
+         "the working tree under test", cwd=clone)
+    return clone
+
+
 def _prepare(sshd, base, cache):
+    # ``-m harness.cli`` imports the harness of the tree it runs in (cwd is first on sys.path)
     return subprocess.run([sys.executable, "-m", "harness.cli", "-q", "--json", "worker", "prepare",
                            HOST_ALIAS, "--dir", str(base / "w"), "--cache", str(cache),
                            "--ssh-config", str(sshd.ssh_config)],
-                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                          capture_output=True, text=True, timeout=1200, cwd=_committed_tree(base))
 
 
 def _pytest(args, timeout=900):
@@ -81,6 +113,28 @@ def _processes_with(*texts: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def test_the_loopback_sshd_host_key_is_pinned(tmp_path):
+    """The client's ssh_config trusts the sshd's generated host key and no other: with
+    another key in its known_hosts the connection is refused, never accepted."""
+    sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-pin-{os.getpid()}"))
+    ssh = ["ssh", "-F", str(sshd.ssh_config), HOST_ALIAS, "echo ok"]
+    try:
+        sshd.start()
+        assert "StrictHostKeyChecking yes" in sshd.ssh_config.read_text()
+        assert subprocess.run(ssh, capture_output=True, text=True, timeout=60).stdout == "ok\n"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")],
+                       check=True, timeout=60)
+        key_type, key = (tmp_path / "k.pub").read_text().split()[:2]
+        (sshd.dir / "known_hosts").write_text(f"{HOST_ALIAS} {key_type} {key}\n")
+        r = subprocess.run(ssh, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and r.stdout == "", r.stdout
+        assert "Host key verification failed" in r.stderr, r.stderr
+    finally:
+        sshd.stop()
+        import shutil
+        shutil.rmtree(sshd.dir, ignore_errors=True)
 
 
 @pytest.mark.timeout(1500)
