@@ -6,10 +6,13 @@ Used for the private QEMU (``harness.qemu``), for the kernels of the kernel matr
 for the toolchain that builds their modules (``harness.kernels``, ``harness.toolchain``).
 
 The mirror is the one the host's own ``/etc/apt`` uses (no address is written here).
-``$KPH_DOWNLOADS``, when set, keeps the downloaded .deb files for other caches.
+``$KPH_DOWNLOADS``, when set, keeps the downloaded .deb files for other caches. apt does
+not look again at a .deb it finds there (``fetch_only`` does not even ask it), so every
+.deb is checked against the SHA256 of apt's package index before it is used.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -17,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import unquote
 
 from .constants import DOWNLOADS_ENV, cache_dir
 from .errors import SetupError
@@ -166,7 +170,50 @@ class PrivateApt:
             have = {p.name[:p.name.rindex("_") + 1] for p in debs}
             raise SetupError(f"apt did not download {', '.join(sorted(set(want) - have))[:200]}",
                              "try again (the mirror may have changed meanwhile)")
+        names = sorted({deb_identity(d)[0] for d in debs})
+        check_debs(debs, index_sha256(self.cache("show", *names)))
         return debs
+
+
+def deb_identity(deb: Path) -> tuple[str, str, str]:
+    """``(package, version, architecture)`` from apt's archive name
+    ``NAME_VERSION_ARCH.deb`` (an epoch's colon written ``%3a``)."""
+    name, version, arch = deb.name[:-len(".deb")].split("_")
+    return name, unquote(version), arch
+
+
+def index_sha256(text: str) -> dict[tuple[str, str, str], set[str]]:
+    """``(package, version, architecture)`` -> the SHA256 sums apt's package index lists
+    (``apt-cache show`` output: the Packages stanzas)."""
+    out: dict[tuple[str, str, str], set[str]] = {}
+    for stanza in re.split(r"\n\s*\n", text):
+        f = dict(re.findall(r"^(Package|Version|Architecture|SHA256): *(\S+)", stanza, re.M))
+        if {"Package", "Version", "Architecture", "SHA256"} <= f.keys():
+            key = (f["Package"], f["Version"], f["Architecture"])
+            out.setdefault(key, set()).add(f["SHA256"].lower())
+    return out
+
+
+def check_debs(debs: list[Path], index: dict[tuple[str, str, str], set[str]]) -> None:
+    """Each .deb has a SHA256 apt's package index lists for its package, version and
+    architecture.
+
+    :raise SetupError: one that does not (a corrupt or foreign file, in ``$KPH_DOWNLOADS``
+        for instance), naming it and the fix.
+    """
+    for deb in debs:
+        name, version, arch = deb_identity(deb)
+        want = index.get((name, version, arch), set())
+        h = hashlib.sha256()
+        with open(deb, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() not in want:
+            why = (f"its SHA256 {h.hexdigest()[:16]}... is not the {sorted(want)[0][:16]}... "
+                   "apt's package index lists" if want else
+                   f"apt's package index lists no {name} {version} ({arch})")
+            raise SetupError(f"{deb} is not the package apt knows: {why}",
+                             f"delete {deb} and run again (apt downloads it anew)")
 
 
 def unpack(debs: list[Path], tree: Path) -> None:
