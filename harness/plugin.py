@@ -2,7 +2,7 @@
 
 - :func:`build_plugin` compiles the plugin on demand into ``$KPH_CACHE/plugin/<key>/``,
   the key being a hash of its sources, the compiler and flags, and the QEMU identity it is
-  loaded into (``harness.snapshot.qemu_identity``). A failed build is one ``SetupError``
+  loaded into (``harness.qemu.qemu_identity``). A failed build is one ``SetupError``
   naming the fix.
 - :func:`qemu_args` is what ``harness.vmctl`` adds to QEMU's command line:
   ``-plugin PATH,ctl=FD``, FD being a listening UNIX socket the harness made in the
@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from . import constants as C
 from .errors import HarnessError, SetupError, VMLostError
+from .qemu import qemu_identity
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,6 @@ def _compiler() -> str:
 
 def plugin_key(qemu: Any) -> str:
     """Sources, compiler, flags and the QEMU identity the plugin is built for."""
-    from .snapshot import qemu_identity
-
     cc = _compiler()
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20,

@@ -60,6 +60,19 @@ class QemuBinary:
         return out + args
 
 
+def qemu_identity(qemu: QemuBinary) -> dict[str, object]:
+    """Version plus (path, size, mtime) of every executable file in QEMU's argv: a
+    replaced binary or loader counts as a different QEMU even at the same version (the
+    key of snapshots and of the plugin's build)."""
+    files = []
+    for arg in qemu.argv:
+        p = Path(arg)
+        if arg.startswith("/") and p.is_file():
+            st = p.stat()
+            files.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return {"version": qemu.version_str, "files": files}
+
+
 def private_dir() -> Path:
     return cache_dir() / "qemu"
 

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import constants as C
 from .errors import HarnessError, SetupError, VMError
+from .qemu import qemu_identity
 
 if TYPE_CHECKING:
     from .vmctl import Machine
@@ -102,18 +103,6 @@ def file_sha256(path: Path) -> str:
     """sha256 of a file, computed once per process for an unchanged (size, mtime)."""
     st = path.stat()
     return _sha256(str(path), st.st_size, st.st_mtime_ns)
-
-
-def qemu_identity(qemu: Any) -> dict[str, Any]:
-    """Version plus (path, size, mtime) of every executable file in QEMU's argv: a
-    replaced binary or loader counts as a different QEMU even at the same version."""
-    files = []
-    for arg in qemu.argv:
-        p = Path(arg)
-        if arg.startswith("/") and p.is_file():
-            st = p.stat()
-            files.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    return {"version": qemu.version_str, "files": files}
 
 
 def snapshot_key(m: "Machine") -> dict[str, Any]:
