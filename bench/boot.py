@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.images import HOST_BUSYBOX, _pack_cpio, default_image  # noqa: E402
+from harness.images import HOST_BUSYBOX, pack_cpio, default_image  # noqa: E402
 from harness.qemu import find_qemu  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
@@ -34,7 +34,7 @@ def bare_initrd(dst: Path) -> None:
         os.chmod(root / "bin/busybox", 0o755)
         (root / "init").write_text("#!/bin/busybox sh\n/bin/busybox poweroff -f\n")
         os.chmod(root / "init", 0o755)
-        _pack_cpio(root, dst)
+        pack_cpio(root, dst)
 
 
 def bare_boot(qemu, kernel: Path, initrd: Path) -> float:

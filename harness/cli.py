@@ -580,11 +580,11 @@ def _image(args: argparse.Namespace, out: Output) -> int:
         out.result(_image_doc(img))
         return EXIT_OK
     if args.image_cmd == "list":
-        from .images import _read_default, built_images, image_is_current
+        from .images import read_default, built_images, image_is_current
         from .snapshot import snapshots_of
 
         imgs = built_images()
-        default = _read_default()
+        default = read_default()
         rows = [{"series": i.series, "kernel": i.version, "built": i.manifest.get("built", "?"),
                  "state": "current" if image_is_current(i) else "stale",
                  "snapshots": len(snapshots_of(i)), "default": i.version == default,
@@ -837,7 +837,6 @@ def _diff(args: argparse.Namespace, out: Output) -> int:
 
 def _matrix(args: argparse.Namespace, out: Output) -> int:
     from . import report
-    from .probespec import parse
     from .runner import run_matrix
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]

@@ -105,11 +105,11 @@ def _tools() -> list[Check]:
 
 def _matrix() -> list[Check]:
     """The other kernels' images, and the private compiler their modules are built with."""
-    from .images import _read_default, built_images, image_is_current
+    from .images import read_default, built_images, image_is_current
     from .toolchain import compiler_version, tree_dir
 
     out = []
-    default = _read_default()
+    default = read_default()
     for img in built_images():
         if img.version == default:
             continue

@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .probespec import (ProbeArg, ProbeSpec, _render_body, format as format_spec,
+from .probespec import (ProbeArg, ProbeSpec, render_body, format as format_spec,
                         split_symbol_offset)
 
 __all__ = ["Refusal", "EventTable", "target_refusal", "resolve_fetch_symbols",
@@ -119,7 +119,7 @@ def _compare_arg_type(a: ProbeSpec, b: ProbeSpec) -> int:
 
 def _comm(arg: ProbeArg) -> str:
     """``probe_arg.comm``: the argument's text after ``NAME=`` as written."""
-    return arg.comm or _render_body(arg)
+    return arg.comm or render_body(arg)
 
 
 @dataclass

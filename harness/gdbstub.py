@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 from pygdbmi.gdbmiparser import parse_response
 
-from .errors import GdbMIError, HarnessError, MemoryFaultError, SetupError, VMLostError
+from .errors import GdbMIError, MemoryFaultError, SetupError, VMLostError
 from .procs import pdeathsig
 
 log = logging.getLogger(__name__)

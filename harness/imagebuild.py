@@ -27,8 +27,8 @@ from . import facts as F
 from . import kernels, toolchain
 from .constants import cache_dir
 from .errors import SetupError
-from .images import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, Image, Progress, _assemble_root,
-                     _kmod_sources, _pack_cpio, image_is_current, load_image, recipe_hash,
+from .images import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, Image, Progress, assemble_root,
+                     kmod_sources, pack_cpio, image_is_current, load_image, recipe_hash,
                      write_manifest)
 
 
@@ -88,10 +88,10 @@ def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress
         progress(f"image: assembling the initramfs (busybox, qemu-ga, modules, init; "
                  f"{KMOD_NAME}.ko with {tc.describe()})")
         root = work / "root"
-        mods = _assemble_root(root, tree.modules, lambda dest: toolchain.build_module(
-            tc, _kmod_sources(), KMOD_NAME, dest))
+        mods = assemble_root(root, tree.modules, lambda dest: toolchain.build_module(
+            tc, kmod_sources(), KMOD_NAME, dest))
         shutil.rmtree(kdir)
-        _pack_cpio(root, out / "initrd.img")
+        pack_cpio(root, out / "initrd.img")
         progress(f"image: initramfs {(out / 'initrd.img').stat().st_size // 1024} KiB, "
                  f"modules: {', '.join(mods) or '(all built in)'}")
         manifest: dict[str, Any] = {

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -87,7 +86,7 @@ class Image:
         return KernelFacts(self.dir)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -95,7 +94,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _kmod_sources() -> list[Path]:
+def kmod_sources() -> list[Path]:
     """The module's sources; a local ``make`` leaves .o/.ko/.cmd files next to them,
     which must not change the hash."""
     return sorted(f for f in KMOD_DIR.glob("*")
@@ -108,12 +107,12 @@ def recipe_hash() -> str:
         for f in sorted(d.rglob("*")):
             if f.is_file() and f.suffix != ".md":
                 h.update(f.relative_to(d.parent).as_posix().encode() + b"\0" + f.read_bytes())
-    for f in _kmod_sources():
+    for f in kmod_sources():
         h.update(f.relative_to(KMOD_DIR.parent).as_posix().encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
-def _read_default() -> str | None:
+def read_default() -> str | None:
     f = cache_dir() / "default"
     return f.read_text().strip() if f.exists() else None
 
@@ -168,7 +167,7 @@ def default_image(name: str | os.PathLike[str] | None = None) -> Image:
         raise SetupError(f"no image for kernel {sel!r} in {cache_dir()}",
                          f"run `kph image build --kernel {sel}`"
                          + (f"; built: {built}" if built else ""))
-    version = _read_default()
+    version = read_default()
     if not version:
         raise SetupError(f"no default image in {cache_dir()}",
                          "run `kph image build` (or ./setup.sh) first")
@@ -181,14 +180,14 @@ def image_is_current(img: Image) -> bool:
         return False
     for name, meta in img.manifest.get("artifacts", {}).items():
         p = img.dir / name
-        if not p.exists() or p.stat().st_size != meta["size"] or _sha256(p) != meta["sha256"]:
+        if not p.exists() or p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
             return False
     return all(n in img.manifest.get("artifacts", {}) for n in ARTIFACTS)
 
 
 def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     manifest["artifacts"] = {
-        p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
+        p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
         for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -198,7 +197,7 @@ def _modinfo_depends(ko: Path) -> list[str]:
     return [d for d in m[1].decode().split(",") if d] if m else []
 
 
-def _assemble_root(root: Path, moddir: Path,
+def assemble_root(root: Path, moddir: Path,
                    build_kmod: Callable[[Path], None] | None = None) -> list[str]:
     """The initramfs tree: busybox, qemu-ga, the test programs, the harness's module
     (``build_kmod(dest)`` builds it, default: with the host's headers for ``moddir``'s
@@ -279,7 +278,7 @@ def _build_kmod(dest: Path, abi: str) -> None:
     from .kernels import KernelRelease
     from .toolchain import build_module, for_kernel
 
-    build_module(for_kernel(KernelRelease(abi, "host")), _kmod_sources(), KMOD_NAME,
+    build_module(for_kernel(KernelRelease(abi, "host")), kmod_sources(), KMOD_NAME,
                  dest / f"{KMOD_NAME}.ko")
 
 
@@ -323,7 +322,7 @@ def _copy_with_libs(binary: str, root: Path, rel: str) -> None:
             shutil.copy(Path("/" + interp).resolve(), root / interp)
 
 
-def _pack_cpio(root: Path, dst: Path) -> None:
+def pack_cpio(root: Path, dst: Path) -> None:
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
     proc = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet", "-R", "0:0"], cwd=root,
                           input=("\n".join(["."] + files) + "\n").encode(),

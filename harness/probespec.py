@@ -107,9 +107,9 @@ class ProbeArg:
             object.__setattr__(self, "explicit_type", True)     # such a type is written
         if not self.code:       # built in Python: compile its canonical text
             try:
-                code = _parse_body(_render_body(self), _FL_ANY, [0])[5]
+                code = _parse_body(render_body(self), _FL_ANY, [0])[5]
             except _Fail as exc:
-                raise ValueError(f"{_render_body(self)!r}: {exc}") from None
+                raise ValueError(f"{render_body(self)!r}: {exc}") from None
             object.__setattr__(self, "code", code)
 
     @property
@@ -844,7 +844,7 @@ def default_event_name(is_return: bool, symbol_name: str | None, offset: int = 0
 
 # ---------------------------------------------------------------- formatting
 
-def _render_body(arg: ProbeArg) -> str:
+def render_body(arg: ProbeArg) -> str:
     """The canonical ``FETCHARG[:TYPE]`` text of an argument built in Python."""
     body = render_fetch(arg.fetch)
     if arg.explicit_type:
@@ -866,7 +866,7 @@ def _arg_text(arg: ProbeArg, is_return: bool, uprobe: bool = False) -> str:
             again = None
         if again == (arg.fetch, arg.type, arg.count, arg.bitfield, arg.explicit_type):
             return arg.comm
-    return _render_body(arg)
+    return render_body(arg)
 
 
 def format(spec: ProbeSpec) -> str:  # noqa: A001 - the module's verb, as in the guide

@@ -257,8 +257,6 @@ class _CheckedThree:
         return getattr(self.three.pairs[0], name)
 
     def assert_equivalent(self, *, min_events: int = 1) -> Any:
-        from harness import report
-
         for res in self.three.pairs:
             check_equivalent(res, min_events)
         return self.three

@@ -202,7 +202,7 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
         progress(f"{target}: building the {k} image")
         ssh.run(f"cd {d} && {env}.venv/bin/kph image build --kernel {shlex.quote(k)}",
                 timeout=PREPARE_TIMEOUT, progress=progress, what=f"kph image build --kernel {k}")
-    wrapper = (f"#!/bin/sh\n# The pytest-xdist interpreter of this worker (kph worker prepare).\n"
+    wrapper = ("#!/bin/sh\n# The pytest-xdist interpreter of this worker (kph worker prepare).\n"
                + (f"export KPH_CACHE={shlex.quote(cache)}\n" if cache else "")
                + f"exec {shlex.quote(directory)}/.venv/bin/python \"$@\"\n")
     ssh.run(f"mkdir -p {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "

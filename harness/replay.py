@@ -77,10 +77,10 @@ from typing import Any, Callable
 from . import constants as C
 from .aio import LoopThread, qmp_connect
 from .errors import SetupError, VMError
-from .images import _sha256
+from .images import sha256_file
 from .qemu import QemuBinary, find_qemu
 from .procs import drain_fd, listen_unix, make_run_dir, pdeathsig, stop_process
-from .vmctl import _check_kernel_format
+from .vmctl import check_kernel_format
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def script_initrd(base: Path, script: str, dst: Path) -> Path:
     one after the other, into the same rootfs (``init/initramfs.c``, ``unpack_to_rootfs``),
     so the image itself stays untouched and shared.
     """
-    from .images import _pack_cpio
+    from .images import pack_cpio
 
     with tempfile.TemporaryDirectory(prefix="kph-script-") as tmp:
         root = Path(tmp) / "root"
@@ -187,7 +187,7 @@ def script_initrd(base: Path, script: str, dst: Path) -> Path:
         (root / SCRIPT_PATH).write_text(script if script.endswith("\n") else script + "\n")
         os.chmod(root / SCRIPT_PATH, 0o755)
         extra = Path(tmp) / "script.cpio.gz"
-        _pack_cpio(root, extra)
+        pack_cpio(root, extra)
         with open(dst, "wb") as out:
             with open(base, "rb") as f:
                 shutil.copyfileobj(f, out)
@@ -430,7 +430,7 @@ def _resolve(image: Any, kernel: Any, initrd: Any) -> tuple[Path, Path, str | No
     for what, p in (("kernel", kpath), ("initrd", ipath)):
         if not p.is_file():
             raise SetupError(f"{what} not found: {p}", f"pass an existing file with --{what}")
-    _check_kernel_format(kpath)
+    check_kernel_format(kpath)
     return kpath, ipath, version
 
 
@@ -531,13 +531,13 @@ def record(script: str, out_dir: str | os.PathLike[str], *, image: Any = None,
     if end is None:  # finished without a reason of its own: only a replay break does that
         end = End.TIMEOUT
     res = RecordResult(out, end, seen.exit_code if end is End.EXIT else None,
-                       _text(console), icount, round(seconds, 3), seen.panic_line)
+                       decode_console(console), icount, round(seconds, 3), seen.panic_line)
     meta = {"format": FORMAT, "end": end.value, "exit_code": res.exit_code, "icount": icount,
             "console_bytes": len(console),
             "seconds": res.seconds, "panic_line": res.panic_line, "append": append,
             "snapshot": snapshot, "image": version, "kernel_source": str(kpath),
             "initrd_source": str(ipath), "qemu": {"version": q.version_str, "source": q.source},
-            "files": {n: _sha256(out / n) for n in (LOG, INITRD, KERNEL, CONSOLE)}}
+            "files": {n: sha256_file(out / n) for n in (LOG, INITRD, KERNEL, CONSOLE)}}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     log.info("recorded %s: %s after %.1f s, %s instructions", out, end.value, seconds, icount)
     return res
@@ -550,7 +550,7 @@ def hmp(run: Any, command: str) -> str:
     return str(run.qmp("human-monitor-command", {"command-line": command}))
 
 
-def _text(console: bytes | bytearray) -> str:
+def decode_console(console: bytes | bytearray) -> str:
     """Console bytes as text, with the UART's CRLF line ends made plain newlines (the
     files keep the raw bytes)."""
     return bytes(console).decode("utf-8", "replace").replace("\r\n", "\n")
@@ -605,11 +605,11 @@ def load_recording(out_dir: str | os.PathLike[str]) -> RecordResult:
         raise SetupError(f"no recording in {out} ({META} unreadable: {exc})",
                          "pass a directory made by `kph repro --record`") from exc
     for name, digest in meta["files"].items():
-        if not (out / name).is_file() or _sha256(out / name) != digest:
+        if not (out / name).is_file() or sha256_file(out / name) != digest:
             raise SetupError(f"{out / name} is missing or changed since it was recorded",
                              "restore the recording's files unchanged")
     return RecordResult(out, End(meta["end"]), meta["exit_code"],
-                        _text((out / CONSOLE).read_bytes()[:meta.get("console_bytes")]), meta["icount"],
+                        decode_console((out / CONSOLE).read_bytes()[:meta.get("console_bytes")]), meta["icount"],
                         meta["seconds"], meta.get("panic_line"))
 
 
@@ -666,7 +666,7 @@ def replay(out_dir: str | os.PathLike[str], *, qemu: QemuBinary | str | None = N
         icount = run.pause() if not run.exited() else None
         end = (seen.end() or End.TIMEOUT) if finished else End.STALLED
         res = ReplayResult(out, end, seen.exit_code if end is End.EXIT else None,
-                           _text(run.console), icount, round(seconds, 3), rec,
+                           decode_console(run.console), icount, round(seconds, 3), rec,
                            run.rundir / "gdb.sock" if gdb else None,
                            run.proc.pid if gdb else None, run if gdb else None)  # type: ignore[union-attr]
         keep = gdb

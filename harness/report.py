@@ -244,7 +244,6 @@ def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str
     a_run, b_run = runs
     A, B = res.a_side, res.b_side
     probes = list(dict.fromkeys([*res.outcomes, *res.counts, *(d.probe for d in res.divergences)]))
-    first = res.first
     said = result_line(res)
     rows, sections = [], []
     for k, probe in enumerate(probes):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import constants as C
-from .backends.events import _STRERROR, KPROBES_LIST, TRACING
+from .backends.events import STRERROR, KPROBES_LIST, TRACING
 from .backends.module import FLAG_BUG_NULL, GUEST_KO, KPH_DIR, add_line, compile_arg
 from .errors import HarnessError, ScenarioError, SetupError
 from .fetchargs import MAX_STRING_SIZE
@@ -142,7 +142,7 @@ def observe(scn: Scenario, console: str, stack: str, *, timed_out: bool, panicke
             events.append(Outcome(m[1], True))
         elif m:
             msg = m[3].rsplit("write error: ", 1)[-1].strip()
-            events.append(Outcome.rejected(m[1], _STRERROR.get(msg, _errno.EINVAL), msg))
+            events.append(Outcome.rejected(m[1], STRERROR.get(msg, _errno.EINVAL), msg))
     if events:
         obs.outcomes["events"] = events
     names = {}
@@ -278,9 +278,9 @@ def record_scenario(scn: Scenario, *, out_dir: Path | None = None, qemu: str | N
 
     def at_end(run: Any) -> None:
         nonlocal state
-        from .replay import _text
+        from .replay import decode_console
 
-        state = read_end_state(run, symbols, _text(run.console))
+        state = read_end_state(run, symbols, decode_console(run.console))
 
     m = scn.machine
     timeout = scn.timeouts.get("boot", C.BOOT_TIMEOUT) + scn.timeouts.get("trigger", 60) + 60

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import constants as C
 from .errors import HarnessError, SetupError, VMError
+from .images import sha256_file
 from .qemu import qemu_identity
 
 if TYPE_CHECKING:
@@ -94,9 +95,7 @@ class Snapshot:
 
 @functools.lru_cache(maxsize=64)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:  # size, mtime: cache key only
-    from .images import _sha256 as sha256_of
-
-    return sha256_of(Path(path))
+    return sha256_file(Path(path))
 
 
 def file_sha256(path: Path) -> str:

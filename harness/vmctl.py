@@ -113,7 +113,7 @@ class RunResult:
         return self.status == 0
 
 
-def _check_kernel_format(path: Path) -> None:
+def check_kernel_format(path: Path) -> None:
     """Refuse files QEMU would load as garbage and then hang on: bzImage or ELF only."""
     with open(path, "rb") as f:
         head = f.read(0x206)
@@ -382,7 +382,7 @@ class Machine:
                 raise SetupError(f"{what} not found: {p}",
                                  f"pass an existing file with --{what}" +
                                  (" or run `kph image build`" if img is None else ""))
-        _check_kernel_format(kpath)
+        check_kernel_format(kpath)
         q = qemu if isinstance(qemu, QemuBinary) else find_qemu(qemu)
         if accel == "kvm":
             ok, detail = probe_accel(q, "kvm", kpath)

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 TRACING = "/sys/kernel/tracing"
 KPROBES_LIST = "/sys/kernel/debug/kprobes/list"
 #: glibc's strerror() text -> errno, for the shell's "write error: ..." message.
-_STRERROR = {os.strerror(n): n for n in range(1, 134)}
+STRERROR = {os.strerror(n): n for n in range(1, 134)}
 #: Pages read per CPU at most (16 MiB buffers, see register()).
 _MAX_PAGES = 16384 * 1024 // PAGE_SIZE + 64
 
@@ -140,7 +140,7 @@ class EventsBackend:
             else:
                 msg = status[5:].strip().rsplit("write error: ", 1)[-1]
                 text_err = detail.split("error:", 1)[1].strip() if "error:" in detail else msg
-                out.append(Outcome.rejected(name, _STRERROR.get(msg, _errno.EINVAL), text_err,
+                out.append(Outcome.rejected(name, STRERROR.get(msg, _errno.EINVAL), text_err,
                                             index=n))
         modes = probe_modes(listing)
         self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]

@@ -4,7 +4,7 @@ import pytest
 
 from harness.errors import SetupError
 from harness.images import _modinfo_depends, recipe_hash
-from harness.vmctl import _check_kernel_format
+from harness.vmctl import check_kernel_format
 
 
 def test_modinfo_depends(tmp_path):
@@ -24,10 +24,10 @@ def test_kernel_format_check(tmp_path):
     bad = tmp_path / "junk"
     bad.write_bytes(b"\0" * 1024)
     with pytest.raises(SetupError, match="not a bootable x86 kernel: .*junk"):
-        _check_kernel_format(bad)
+        check_kernel_format(bad)
     bz = tmp_path / "bz"
     bz.write_bytes(b"\0" * 0x202 + b"HdrS" + b"\0" * 10)
-    _check_kernel_format(bz)
+    check_kernel_format(bz)
     elf = tmp_path / "vmlinux"
     elf.write_bytes(b"\x7fELF" + b"\0" * 0x300)
-    _check_kernel_format(elf)
+    check_kernel_format(elf)

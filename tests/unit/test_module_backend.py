@@ -401,11 +401,11 @@ def test_decode_pads_missing_elements():
 def test_recipe_hash_covers_the_module_sources_only(tmp_path, monkeypatch):
     from harness import images
 
-    names = [p.name for p in images._kmod_sources()]
+    names = [p.name for p in images.kmod_sources()]
     assert "kph_kprobes.c" in names and "Makefile" in names
     kmod = tmp_path / "kmod"
     kmod.mkdir()
-    for p in images._kmod_sources():
+    for p in images.kmod_sources():
         (kmod / p.name).write_bytes(p.read_bytes())
     monkeypatch.setattr(images, "KMOD_DIR", kmod)
     base = images.recipe_hash()

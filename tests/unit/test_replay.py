@@ -83,8 +83,8 @@ def test_load_recording_refuses_other_directories(tmp_path):
     (tmp_path / rr.CONSOLE).write_text("hello\r\n")
     (tmp_path / rr.LOG).write_bytes(b"x")
     meta = {"end": "exit", "exit_code": 0, "icount": 5, "seconds": 1.0,
-            "files": {rr.CONSOLE: rr._sha256(tmp_path / rr.CONSOLE),
-                      rr.LOG: rr._sha256(tmp_path / rr.LOG)}}
+            "files": {rr.CONSOLE: rr.sha256_file(tmp_path / rr.CONSOLE),
+                      rr.LOG: rr.sha256_file(tmp_path / rr.LOG)}}
     (tmp_path / rr.META).write_text(json.dumps(meta))
     res = rr.load_recording(tmp_path)
     assert res.end is rr.End.EXIT and res.console == "hello\n" and res.icount == 5

@@ -71,12 +71,12 @@ def test_each_kernels_module_builds_in_an_empty_cache_of_its_own(series, tmp_pat
     built 6.12 first (a newcomer's ``kph image build --kernel 7.3`` failed with "Compiler
     does not support fentry?")."""
     from harness import kernels, toolchain
-    from harness.images import _kmod_sources
+    from harness.images import kmod_sources
 
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))    # $KPH_DOWNLOADS, if set, is shared
     rel = kernels.resolve(series)
     tc = toolchain.for_kernel(rel)
-    toolchain.build_module(tc, _kmod_sources(), "kph_kprobes", tmp_path / "kph_kprobes.ko")
+    toolchain.build_module(tc, kmod_sources(), "kph_kprobes", tmp_path / "kph_kprobes.ko")
     assert (tmp_path / "kph_kprobes.ko").read_bytes()[:4] == b"\x7fELF"
     assert "gcc-14 14." in tc.describe()       # the compiler kbuild calls, found and named
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.images import _pack_cpio, load_image
+from harness.images import pack_cpio, load_image
 from harness.snapshot import file_sha256, snapshot_key
 from harness.vmctl import Machine
 
@@ -107,7 +107,7 @@ def _image_copy(src, dest: Path, marker: str):
     extra = dest.parent / f"{dest.name}-extra"
     (extra / "etc/kph").mkdir(parents=True, exist_ok=True)
     (extra / "etc/kph/marker").write_text(marker + "\n")
-    _pack_cpio(extra, dest / "extra.cpio.gz")
+    pack_cpio(extra, dest / "extra.cpio.gz")
     (dest / "initrd.img").write_bytes(src.initrd.read_bytes() + (dest / "extra.cpio.gz").read_bytes())
     return load_image(dest)
 
