@@ -402,9 +402,25 @@ class GdbStub:
         self._expect_reasonless = True
         try:
             self.command("-exec-interrupt")
-            return self.wait_stop(timeout=timeout or self.timeout)
+            stop = self.wait_stop(timeout=timeout or self.timeout)
         finally:
             self._expect_reasonless = False
+        if stop is not None and stop.signal != "SIGINT":
+            self._drain_interrupt_stop()
+        return stop
+
+    def _drain_interrupt_stop(self, wait: float = 0.05) -> None:
+        """The guest stopped on its own (a breakpoint hit read after -thread-info's
+        refusal) before -exec-interrupt reached it. The interrupt's own ``*stopped``
+        (SIGINT), when GDB sends one, comes after: it belongs to this halt, never to the
+        next step or resume (a step once returned it at once while GDB was stepping)."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self.poll_stop(keep=True)
+            if any(s.signal == "SIGINT" for s in self._stops):
+                break
+            time.sleep(0.002)
+        self._drop_queued("the interrupt's own stop, after the guest had stopped on its own")
 
     def _all_stopped(self) -> bool:
         """GDB's own view: every thread it knows is stopped (``-thread-info``)."""
