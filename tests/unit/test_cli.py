@@ -38,7 +38,7 @@ def test_a_bad_output_path_is_one_line_exit_2_before_any_boot(tmp_path):
 
 
 def test_a_workload_that_did_not_run_is_a_usage_error(monkeypatch, capsys):
-    from harness import cli
+    from harness.cli.common import workload_ran
     from harness.errors import SetupError
     from harness.records import RunResult
 
@@ -46,12 +46,12 @@ def test_a_workload_that_did_not_run_is_a_usage_error(monkeypatch, capsys):
         r = RunResult("host", workload_status=status,
                       workload_stderr="/bin/sh: no_such_cmd: not found\n")
         try:
-            cli._workload_ran(r, "no_such_cmd")
+            workload_ran(r, "no_such_cmd")
         except SetupError as exc:
             assert "did not run" in str(exc) and "no_such_cmd: not found" in str(exc)
         else:
             raise AssertionError(f"exit {status} passed")
-    cli._workload_ran(RunResult("host", workload_status=1, workload_stderr="x"), "false")
+    workload_ran(RunResult("host", workload_status=1, workload_stderr="x"), "false")
 
 
 def test_verdicts_name_refusals_and_stderr():
@@ -191,10 +191,10 @@ def test_progress_plain_lines_off_a_terminal_and_a_live_line_on_one():
 def test_step_does_not_block_or_crash_without_a_terminal(monkeypatch):
     import io
 
-    from harness import cli
+    from harness.cli.demo import wait_enter
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    assert cli._wait_enter() is False
+    assert wait_enter() is False
 
 
 _UNRAISABLE = r'''

@@ -66,8 +66,8 @@ def test_kph_matrix_checks_every_kernel_before_it_boots_one(archives, monkeypatc
     """``kph matrix --kernels 6.1,9.9`` once ran 6.1 and only then named 9.9 unknown."""
     import argparse
 
-    from harness import cli
     from harness import runner
+    from harness.cli import matrix
 
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))           # no image is built here
     monkeypatch.setattr(runner, "run_matrix", lambda *a, **k: pytest.fail("booted first"))
@@ -75,5 +75,5 @@ def test_kph_matrix_checks_every_kernel_before_it_boots_one(archives, monkeypatc
                               run="true", html=None)
     out = argparse.Namespace(json_file=None)
     with pytest.raises(SetupError) as ei:
-        cli._matrix(args, out)
+        matrix.run(args, out)
     assert "'9.9'" in str(ei.value) and "available: 6.1, 6.12, 7.2, 7.3" in str(ei.value)

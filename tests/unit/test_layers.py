@@ -27,11 +27,12 @@ def _imports() -> dict[str, set[str]]:
                 else:
                     target = node.module or ""
                 if target.startswith("harness"):
-                    deps.add(target)
-                    for alias in node.names:            # from . import facts
-                        sub = f"{target}.{alias.name}"
-                        if (PKG.parent / (sub.replace(".", "/") + ".py")).exists():
-                            deps.add(sub)
+                    subs = [f"{target}.{a.name}" for a in node.names]
+                    subs = [m for m in subs                 # from . import facts
+                            if (PKG.parent / (m.replace(".", "/") + ".py")).exists()]
+                    deps |= set(subs)
+                    if len(subs) < len(node.names):     # names of the package itself
+                        deps.add(target)
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("harness")}
         graph[mod] = {d for d in deps if d != mod and d != "harness"}

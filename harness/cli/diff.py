@@ -1,0 +1,103 @@
+"""``kph diff``: run a probe set on both sides of one execution and report the first
+divergence (``--host both``: the gdbstub engine, the plugin engine and the guest)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import SetupError
+from .common import (booted, examples, exit_for, kernel_group, load_specs, machine, qemu_group,
+                     spec_args, sub, verdict_group, verdict_opts, workload_ran)
+from .output import EXIT_OK, Output, check_output
+
+NAME = "diff"
+EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
+            "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
+            "kph diff -f probes/examples/open.spec --run 'cat /proc/version' --json "
+            "--html open.html"]
+
+
+def add_parser(subparsers: Any) -> None:
+    df = sub(subparsers, NAME, help="Run a probe set on both sides and report the first divergence",
+             description="Place the specs in the guest (--guest) and host-side on "
+             "top, observing one execution of --run; compare every hit field by "
+             "field. Exit 0 equivalent, 1 divergent (or, with --strict, a normalization "
+             "not allowed), 2 usage or setup error or a host engine that could not read "
+             "(never a value), 3 the VM was lost, 4 empty: no probe both sides armed "
+             "fired on either side, nothing was compared (--expect-empty: 0).",
+             epilog=examples(EXAMPLES))
+    spec_args(df)
+    df.add_argument("--guest", choices=("events", "module"), default="events",
+                    help="the in-guest side (default: tracefs kprobe_events)")
+    df.add_argument("--host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
+                    help="the host-side engine: gdbstub (default), plugin, or both (three "
+                    "worlds on one execution, every pair compared)")
+    df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    verdict_group(df)
+    kernel_group(df)
+    qemu_group(df)
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from .. import report
+    from ..diff import compare
+    from ..runner import run_differential, trampoline_text
+
+    check_output("-o", out.json_file)
+    check_output("--html", args.html)
+    verdict = verdict_opts(args)
+    specs = load_specs(args)
+    if args.guest == "module" and any(s.is_uprobe for s in specs):
+        raise SetupError("the module backend has kprobes only; these specs include uprobes",
+                         "use --guest events (uprobe_events) for uprobe lines")
+    if args.host == "both":
+        return run_three(args, specs, out, verdict)
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
+    with machine(args) as vm:
+        booted(vm, args, out)
+        runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
+                                progress=out.progress)
+        tramp = trampoline_text(vm)
+    workload_ran(runs[0], args.run)
+    out.progress("comparing the two sides")
+    res = compare(*runs, trampoline=tramp, **verdict)
+    out.progress.clear()
+    out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
+                         stderr=runs[0].workload_stderr))
+    out.result(json.loads(report.to_json(res, runs)))
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(report.to_html(res, runs, workload=args.run))
+        out.text(f"wrote {args.html}")
+    return exit_for(res)
+
+
+def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
+              verdict: dict[str, Any]) -> int:
+    """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.worlds)."""
+    from .. import report
+    from ..worlds import run_three as three_worlds
+
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
+    with machine(args) as vm:
+        booted(vm, args, out)
+        out.progress("three worlds: registering, running the workload, collecting")
+        three = three_worlds(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
+                             **verdict)
+    out.progress.clear()
+    for res in three.pairs:
+        out.text(report.text(res, workload=args.run, status=three.runs[0].workload_status))
+    first = three.first_divergence()
+    out.text(f"three worlds: {'EQUIVALENT' if first is None else first.verdict_word.upper()}"
+             + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
+    which = ((0, 2), (1, 2), (0, 1))
+    out.result({"equivalent": first is None,
+                "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
+                          for r, (i, j) in zip(three.pairs, which)]})
+    if args.html:
+        k = three.pairs.index(first) if first is not None else 0
+        i, j = which[k]
+        with open(args.html, "w") as f:
+            f.write(report.to_html(three.pairs[k], (three.runs[i], three.runs[j]), workload=args.run))
+    return EXIT_OK if first is None else exit_for(first)

@@ -1,0 +1,88 @@
+"""``kph image``: build, list or show the images (one per kernel)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import SetupError
+from .common import examples, sub
+from .output import EXIT_OK, Output
+
+NAME = "image"
+EXAMPLES = ["kph image build", "kph image list", "kph image info --json"]
+
+
+def add_parser(subparsers: Any) -> None:
+    img = sub(subparsers, NAME, help="Build, list or show the images (one per kernel)",
+              epilog=examples(EXAMPLES))
+    isub = img.add_subparsers(dest="image_cmd", metavar="ACTION")
+    b = sub(isub, "build", help="Provision an image: kernel, initramfs, kernel facts, "
+            "module, ready snapshot",
+            description="Build the image of a Debian cloud kernel: its packages, "
+            "a busybox initramfs with qemu-ga, the test programs and kph_kprobes.ko "
+            "(built with that kernel's own compiler), its kernel facts (kallsyms, "
+            "blacklist, BTF, ...) harvested on a first boot, and its ready snapshot.",
+            epilog=examples(EXAMPLES))
+    b.add_argument("--kernel", metavar="SERIES|ABI", default=None,
+                   help="which kernel: a series (6.1, 6.12, 7.3: what Debian 12, Debian 13 "
+                   "and Debian 13 backports ship today) or a full ABI such as "
+                   "6.12.117+deb13-cloud-amd64; default: Debian 12's, the default image")
+    b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
+    b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot and the snapshot")
+    b.add_argument("--no-snapshot", action="store_true",
+                   help="do not make the ready snapshot (the first boot makes it)")
+    inf = sub(isub, "info", help="Show an image's manifest and its snapshots",
+              epilog=examples(EXAMPLES))
+    inf.add_argument("--image", metavar="SERIES|ABI|DIR", help="the image (default: the default)")
+    sub(isub, "list", help="List the images in the cache", epilog=examples(EXAMPLES))
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from ..imagebuild import build_image
+    from ..images import default_image
+
+    if args.image_cmd == "build":
+        img = build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
+                          snapshot=not args.no_snapshot, progress=out.progress)
+        out.progress.clear()
+        out.result(image_doc(img))
+        return EXIT_OK
+    if args.image_cmd == "list":
+        from ..images import built_images, image_is_current, read_default
+        from ..snapshot import snapshots_of
+
+        imgs = built_images()
+        default = read_default()
+        rows = [{"series": i.series, "kernel": i.version, "built": i.manifest.get("built", "?"),
+                 "state": "current" if image_is_current(i) else "stale",
+                 "snapshots": len(snapshots_of(i)), "default": i.version == default,
+                 "dir": str(i.dir)} for i in imgs]
+        out.result({"images": rows})
+        if not imgs:
+            out.text("no images; run `kph image build` (or --kernel 6.12, 7.3)")
+            return EXIT_OK
+        out.text(f"{'series':7s} {'kernel':32s} {'built':26s} {'state':8s} snapshots")
+        for r in rows:
+            out.text(f"{r['series']:7s} {r['kernel']:32s} {r['built']:26s} {r['state']:8s} "
+                     f"{r['snapshots']}{' (default)' if r['default'] else ''}")
+        return EXIT_OK
+    if args.image_cmd == "info":
+        img = default_image(args.image)
+        doc = image_doc(img)
+        out.result(doc)
+        out.text(f"image {img.version} ({img.series}) in {img.dir}")
+        out.text(f"  built {img.manifest.get('built', '?')}, recipe {img.manifest.get('recipe', '?')}")
+        for name, a in sorted(img.manifest.get("artifacts", {}).items()):
+            out.text(f"  {name:18s} sha256 {a.get('sha256', '?')[:16]}...  {a.get('size', '')}")
+        for s in doc["snapshots"]:
+            out.text(f"  snapshot {s['dir']}")
+        return EXIT_OK
+    raise SetupError("kph image needs an action", "try `kph image build`, `list` or `info`")
+
+
+def image_doc(img: Any) -> dict[str, Any]:
+    """An image's manifest, its directory and its snapshots (the JSON of build and info)."""
+    from ..snapshot import snapshots_of
+
+    snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
+    return dict(img.manifest, dir=str(img.dir), snapshots=snaps)

@@ -1,0 +1,192 @@
+"""``kph``'s entry: the top parser, the verbs' registry, signals, and the one place that
+maps what a verb raised to one line and an exit status (``harness.cli.output``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import typing
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+from . import boot, demo, diff, doctor, fuzz, image, matrix, probe, qemu, repro, worker
+from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
+                     clear_progress, output_options, report_error)
+
+DESCRIPTION = """\
+kprobe-harness: boot a real x86_64 Linux kernel under QEMU and probe it with kprobe
+semantics, from the host through QEMU's gdbstub and inside the guest as real kprobes.
+
+With no kernel named, every command uses the embedded default image (the current Debian
+cloud kernel with a busybox initramfs), built by `kph image build` into $KPH_CACHE
+(default ~/.cache/kprobe-harness).
+
+Output: human text and progress go to stderr (-q silences them); --json puts the result
+on stdout as JSON and nothing else; -o FILE writes that JSON to FILE. The options
+--json, -o, -q and --log-level go before or after the command.
+"""
+
+EPILOG = """\
+first steps:
+  kph doctor                              what QEMU, gdb and image will be used
+  kph image build                         provision the default image (idempotent)
+  kph boot --run 'uname -r'               boot it, run a command, power off
+  kph probe 'p:open do_sys_openat2 dfd=%di:s32' --run 'cat /proc/version'
+  kph diff  'p:open do_sys_openat2 path=+0(%si):ustring' --run 'cat /proc/version'
+every command has examples in its --help (kph COMMAND --help).
+exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
+3 the VM was lost (panic, QEMU died, timeout), 4 empty (kph diff: nothing measured),
+130 interrupted."""
+
+#: Every verb, in the order ``kph --help`` lists them. A verb is one module with ``NAME``,
+#: ``EXAMPLES``, ``add_parser(subparsers)`` and ``run(args, out) -> exit status``: adding
+#: one is that module and a line here.
+VERBS: tuple[ModuleType, ...] = (image, qemu, boot, probe, diff, matrix, fuzz, worker, repro,
+                                 demo, doctor)
+
+#: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a
+#: directory holding the checkout's probes/ (paths are relative to the checkout).
+#: An example that cannot run on one machine says so after "# not run:".
+EXAMPLES: dict[str, list[str]] = {v.NAME: v.EXAMPLES for v in VERBS}
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {v.NAME: v.run for v in VERBS}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kprobe-harness")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2), naming the way to the help."""
+
+    def error(self, message: str) -> "typing.NoReturn":  # type: ignore[name-defined]
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kph", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kph (kprobe-harness) {_version()}")
+    output_options(p, top=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for v in VERBS:
+        v.add_parser(sub)
+    return p
+
+
+def _old_json_form(argv: list[str]) -> str | None:
+    """``--json FILE`` was the old form of ``kph diff``/``matrix`` (a file); ``--json`` is
+    now a flag and FILE would be taken for a stray argument. Returns FILE if used so."""
+    for i, a in enumerate(argv[:-1]):
+        nxt = argv[i + 1]
+        if a == "--json" and nxt.lower().endswith(".json") and " " not in nxt:
+            return nxt
+    return None
+
+
+_interrupted: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM: from now on nothing talks to a guest (every live machine is
+    aborted, its QEMU and gdb ended by pid during the unwinding), further signals are
+    ignored so the teardown cannot be cut in half, and ``main`` exits 130 with one line."""
+    if _interrupted:
+        return
+    _interrupted.append(signum)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    # Teardown after an interruption is quiet: what fails there fails because of it.
+    logging.disable(logging.CRITICAL)
+    vmctl = sys.modules.get("harness.vmctl")   # not loaded yet: no machine to abort
+    if vmctl is not None:
+        vmctl.abort_all()
+    raise KeyboardInterrupt
+
+
+def _on_unraisable(u: Any) -> None:
+    """``sys.unraisablehook`` while ``main`` runs. The KeyboardInterrupt ``_on_signal``
+    raises can land where Python cannot raise (an at-fork callback such as logging's
+    ``_releaseLock``, a ``__del__``): Python would print it as "Exception ignored in" with
+    a traceback and go on. Silent instead, and delivered again 10 ms later (SIGALRM), where
+    it can unwind ``main``."""
+    if _interrupted and u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
+    sys.__unraisablehook__(u)
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    if _interrupted and not _exiting:      # not once main is reporting the interruption
+        raise KeyboardInterrupt
+
+
+#: set when ``main`` reports an interruption (a late SIGALRM then raises nothing)
+_exiting: list[bool] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _interrupted.clear()
+    _exiting.clear()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _on_signal)
+    alarm = signal.getsignal(signal.SIGALRM)
+    unraisable, sys.unraisablehook = sys.unraisablehook, _on_unraisable
+    try:
+        parser = make_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        old = _old_json_form(argv)
+        if old is not None:
+            print(f"error: --json takes no file name ({old!r}): it writes the JSON to stdout; "
+                  f"write a file with -o {old} (or --json-file {old})", file=sys.stderr)
+            return EXIT_USAGE
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level),
+                            format="%(name)s: %(message)s", handlers=[LogHandler()])
+        logging.getLogger("qemu.qmp").setLevel(max(logging.CRITICAL, logging.getLogger().level))
+        if not args.cmd:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        return _dispatch(args)
+    except BaseException:  # noqa: BLE001 - an interruption wins over what it caused
+        if _interrupted:
+            return _interrupted_exit()
+        raise
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
+        sys.unraisablehook = unraisable
+        if signal.getsignal(signal.SIGALRM) is _on_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, alarm if alarm is not None else signal.SIG_DFL)
+
+
+def _interrupted_exit() -> int:
+    _exiting.append(True)
+    if signal.getsignal(signal.SIGALRM) is _on_alarm:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    clear_progress()
+    name = signal.Signals(_interrupted[0]).name if _interrupted else "SIGINT"
+    print(f"interrupted ({name})", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    try:
+        out = Output(args)
+        check_output("-o", out.json_file)       # before any work, for every command
+        return COMMANDS[args.cmd](args, out)
+    except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
+        if _interrupted or isinstance(exc, KeyboardInterrupt):
+            return _interrupted_exit()
+        code = report_error(exc)
+        if code is None:
+            raise
+        return code

@@ -1,0 +1,99 @@
+"""``kph matrix``: run a probe set on several kernels; show where they differ."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import NotMirroredError, ProbeSpecError, SetupError
+from .common import examples, spec_args, spec_file_lines, sub
+from .output import EXIT_DIVERGED, EXIT_OK, Output, check_writable
+
+NAME = "matrix"
+EXAMPLES = ["kph matrix -f probes/examples/matrix.spec --run 'sh -c \"true & wait\"' "
+            "--kernels 6.1,6.12,7.3"]
+
+
+def add_parser(subparsers: Any) -> None:
+    mx = sub(subparsers, NAME, help="Run a probe set on several kernels; show where they differ",
+             description="For each kernel (--kernels), boot its image (built first "
+             "if missing), place the specs host-side and in the guest on one "
+             "execution of --run and compare them (as kph diff); then compare the "
+             "kernels' guests with each other: registration, probe mode, event "
+             "counts and the printed fields. Exit 0 when host and guest agree on "
+             "every kernel, 1 otherwise, 2 on usage or setup errors.",
+             epilog=examples(EXAMPLES))
+    spec_args(mx)
+    mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
+                    help="kernel series or ABIs, comma-separated (default 6.1,6.12,7.3)")
+    mx.add_argument("--guest", choices=("events", "module"), default="events",
+                    help="the in-guest side (default: tracefs kprobe_events)")
+    mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from .. import report
+    from ..runner import run_matrix
+
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not kernels:
+        raise SetupError("--kernels names no kernel", "e.g. --kernels 6.1,6.12,7.3")
+    for path in (out.json_file, args.html):
+        check_writable(path)
+    lines = list(args.specs)
+    if args.spec_file:
+        lines += spec_file_lines(args.spec_file)
+    if not lines:
+        raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
+    check_kernels(kernels)
+    specs = matrix_specs(kernels, lines)
+    res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
+                     qemu=args.qemu, progress=out.progress)
+    out.progress.clear()
+    out.text(report.matrix_text(res))
+    out.result(json.loads(report.matrix_json(res)))
+    if args.html:
+        with open(args.html, "w") as f:
+            f.write(report.matrix_html(res))
+        out.text(f"wrote {args.html}")
+    return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
+
+
+def check_kernels(kernels: list[str]) -> None:
+    """Every kernel named has an image or exists in the archives, before any machine boots
+    (``kph matrix --kernels 6.1,9.9`` once ran 6.1 first and only then said 9.9 does not
+    exist). :raise SetupError: the first one that does not, listing what is available."""
+    from ..images import default_image
+    from ..kernels import resolve
+
+    for k in kernels:
+        try:
+            default_image(k)
+        except SetupError:
+            resolve(k)
+
+
+def matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:
+    """Each line parsed with the grammar of every kernel named (its series' rules, no BTF
+    yet): a line no kernel parses is a usage error, one some kernel parses goes on (each
+    kernel's own parse at registration refuses it where it must, a per-kernel result)."""
+    from ..kernelrules import rules_for
+    from ..probespec import KernelView, parse
+
+    views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in kernels]
+    out = []
+    for ln in lines:
+        first: ProbeSpecError | None = None
+        for v in views:
+            try:
+                out.append(parse(ln, kernel=v))
+                break
+            except NotMirroredError:
+                raise
+            except ProbeSpecError as exc:
+                first = first or exc
+        else:
+            assert first is not None
+            raise first
+    return out

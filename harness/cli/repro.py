@@ -1,0 +1,121 @@
+"""``kph repro``: run a scenario file, decide whether its expectation is met and keep the
+evidence; ``--record`` / ``--replay`` under QEMU record/replay."""
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from typing import Any
+
+from ..errors import SetupError
+from .common import examples, sub
+from .output import EXIT_DIVERGED, EXIT_OK, Output, check_output
+
+NAME = "repro"
+EXAMPLES = ["kph repro probes/scenarios/blacklisted.toml",
+            "kph repro probes/scenarios/blacklisted.toml --out bundle --json"]
+
+
+def add_parser(subparsers: Any) -> None:
+    rp = sub(subparsers, NAME, help="Reproduce a probe bug and keep the evidence",
+             description="Run a scenario file (probes/scenarios/*.toml), decide "
+             "whether its expectation is met and write an evidence bundle (--out DIR, "
+             "default kph-runs/repro-NAME-TIME/). Exit 0 met, 1 not met, 2 for a bad "
+             "scenario (the key at fault is named).", epilog=examples(EXAMPLES))
+    rp.add_argument("scenario", metavar="SCENARIO.toml", nargs="?",
+                    help="the scenario (optional with --replay: the bundle holds its own)")
+    rp.add_argument("--out", metavar="DIR", help="bundle directory (default "
+                    "kph-runs/repro-NAME-TIME)")
+    rp.add_argument("--record", action="store_true",
+                    help="run under QEMU record/replay (-icount rr=record, one vCPU, in-guest "
+                    "probes only); the bundle then holds the replay log")
+    rp.add_argument("--replay", metavar="DIR", help="replay a --record bundle to its end and "
+                    "check the console and the final registers are identical")
+    rp.add_argument("--gdb", action="store_true",
+                    help="with --replay: stay stopped at the end with the gdbstub open for "
+                    "reverse-stepi / reverse-continue; Ctrl-C ends QEMU")
+    rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from .. import repro, scenario
+
+    if args.record and args.replay:
+        raise SetupError("--record and --replay together", "record first, then replay the bundle")
+    if args.gdb and not args.replay:
+        raise SetupError("--gdb goes with --replay DIR", "kph repro --replay DIR --gdb")
+    if args.scenario is None and not args.replay:
+        raise SetupError("kph repro needs a scenario file", "kph repro probes/scenarios/NAME.toml")
+    check_output("-o", out.json_file)
+    scn = scenario.load(args.scenario) if args.scenario else None
+    if args.replay:
+        return replay(scn, args, out)
+    assert scn is not None
+    if args.record:
+        from .. import repro_rr
+
+        res = repro_rr.record_scenario(scn, out_dir=Path(args.out) if args.out else None,
+                                       qemu=args.qemu, progress=out.progress)
+    else:
+        res = repro.run(scn, out_dir=Path(args.out) if args.out else None, qemu=args.qemu,
+                        progress=out.progress)
+    out.progress.clear()
+    out.text(f"{'MET' if res.met else 'NOT MET'}: {scn.name}" + (" (recorded)" if args.record else ""))
+    out.text(f"  cause: {res.cause}")
+    for r in res.reasons:
+        out.text(f"  - {r}")
+    out.text(f"  evidence: {res.bundle}/summary.md")
+    doc = {"met": res.met, "scenario": scn.name, "file": str(scn.path), "cause": res.cause,
+           "reasons": list(res.reasons), "bundle": str(res.bundle),
+           "summary": f"{res.bundle}/summary.md"}
+    if args.record:
+        out.text(f"  replay:   kph repro --replay {res.bundle}")
+        doc["replay"] = f"kph repro --replay {res.bundle}"
+    out.result(doc)
+    return EXIT_OK if res.met else EXIT_DIVERGED
+
+
+def replay(scn: Any, args: argparse.Namespace, out: Output) -> int:
+    """``kph repro --replay DIR [--gdb]``: 0 when the replay is identical to the recording."""
+    from ..repro_rr import replay_scenario
+
+    bundle = Path(args.replay)
+    if scn is not None and (bundle / "scenario.toml").is_file() and \
+            (bundle / "scenario.toml").read_text() != scn.text:
+        raise SetupError(f"{bundle} recorded another scenario than {scn.path}",
+                         f"run `kph repro --replay {bundle}` without the scenario")
+    rep = replay_scenario(bundle, qemu=args.qemu, keep=args.gdb, progress=out.progress)
+    res = rep.result
+    same = rep.same_console and rep.same_registers is not False
+    regs = {True: "identical", False: "DIFFERENT", None: "not compared (the run did not end in a panic)"}
+    end = res.end.value if res.end else "?"
+    console_same = res.console == res.recorded.console
+    out.progress.clear()
+    out.text(f"{'REPLAYED' if same else 'DIVERGED'}: end {end} (recorded {res.recorded.end.value}) at "
+             f"instruction {res.icount} (recorded {res.recorded.icount}), console "
+             f"{'identical' if console_same else 'DIFFERENT'} "
+             f"({len(res.console)} of {len(res.recorded.console)} chars), registers at the end "
+             f"{regs[rep.same_registers]}")
+    for r in rep.reasons:
+        out.text(f"  - {r}")
+    out.text(f"  stack at the end: {bundle}/replay-stack.txt")
+    doc = {"replayed": same, "met": rep.met, "end": end, "recorded_end": res.recorded.end.value,
+           "icount": res.icount, "recorded_icount": res.recorded.icount,
+           "console_identical": console_same, "registers_identical": rep.same_registers,
+           "reasons": list(rep.reasons), "stack": f"{bundle}/replay-stack.txt"}
+    if args.gdb:
+        with res:
+            doc["gdb_socket"] = str(res.gdb_socket)
+            out.result(doc)
+            out.text(f"gdb is welcome: gdb -ex 'target remote {res.gdb_socket}' "
+                     "(reverse-stepi, reverse-continue; `monitor quit` or Ctrl-C here ends QEMU)")
+            old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+            try:
+                res.wait()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                signal.signal(signal.SIGTERM, old)
+    else:
+        out.result(doc)
+    return EXIT_OK if same and rep.met else EXIT_DIVERGED
