@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.facts import REQUIRED, KernelFacts
-from harness.images import _sha256
+from harness.images import sha256_file
 from harness.kprobes import Kprobe
 from harness.vmctl import Machine
 
@@ -18,7 +18,7 @@ def test_the_image_carries_its_facts_hashed_in_its_manifest(default_image):
     assert facts.missing() == []
     arts = json.loads((default_image.dir / "manifest.json").read_text())["artifacts"]
     for name in REQUIRED:
-        assert arts[name]["sha256"] == _sha256(default_image.dir / name), name
+        assert arts[name]["sha256"] == sha256_file(default_image.dir / name), name
     assert facts.release == default_image.version
     assert "virtio_console" in facts.modules
     assert facts.config.get("CONFIG_KPROBES") == "y"
