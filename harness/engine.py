@@ -822,18 +822,8 @@ class HostEngine(EngineCore, HandlerErrors):
         already done, then raises."""
         rps = list(rps)
         self._fresh_module_symbols(rps)
-        done: list[Kretprobe] = []
-
-        def batch() -> None:
-            try:
-                for rp in rps:
-                    self._register_kretprobe(rp)
-                    done.append(rp)
-            except BaseException:
-                for rp in done:
-                    self._unregister_kretprobe(rp)
-                raise
-        self._call(batch)
+        self._call(lambda: self._register_all(rps, self._register_kretprobe,
+                                              self._unregister_kretprobe))
 
     def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
         self._call(lambda: [self._unregister_kretprobe(rp) for rp in list(rps)], errors="after")

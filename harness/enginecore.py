@@ -81,17 +81,21 @@ class EngineCore:
     def read(self, addr: int, n: int) -> bytes:
         raise NotImplementedError
 
-    def _register_all(self, ps: Iterable[Kprobe]) -> None:
-        """``register_kprobes()``: all or none; a failure unregisters those already done,
-        then raises."""
-        done: list[Kprobe] = []
+    def _register_all(self, ps: Iterable[Any],
+                      register: Callable[[Any], Any] | None = None,
+                      unregister: Callable[[Any], Any] | None = None) -> None:
+        """``register_kprobes()`` / ``register_kretprobes()``: all or none; a failure
+        unregisters those already done, then raises (default: the kprobe calls)."""
+        register = register or self._register
+        unregister = unregister or self._unregister
+        done: list[Any] = []
         try:
             for p in ps:
-                self._register(p)
+                register(p)
                 done.append(p)
         except BaseException:
             for p in done:
-                self._unregister(p)
+                unregister(p)
             raise
 
     def register_jprobe(self, jp: Jprobe) -> Jprobe:
