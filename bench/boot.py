@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.images import HOST_BUSYBOX, pack_cpio, default_image  # noqa: E402
-from harness.qemu import find_qemu  # noqa: E402
+from harness.machine.image.store import HOST_BUSYBOX, pack_cpio, default_image  # noqa: E402
+from harness.machine.qemu import find_qemu  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 

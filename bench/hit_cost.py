@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.gdbstub import attach  # noqa: E402
-from harness.images import default_image  # noqa: E402
-from harness.qemu import find_qemu, system_qemu  # noqa: E402
-from harness.symbols import load_kallsyms_cached  # noqa: E402
+from harness.machine.image.store import default_image  # noqa: E402
+from harness.machine.qemu import find_qemu, system_qemu  # noqa: E402
+from harness.kernel.symbols import load_kallsyms_cached  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 from rsp import RawStub  # noqa: E402
 
@@ -241,8 +241,8 @@ def dense_stub(vm: Machine, addr: int, n: int, raw: bool) -> tuple[float, int]:
 
 
 def dense_plugin_spec(vm: Machine, n: int) -> tuple[float, int]:
-    from harness import fetchprog
-    from harness.probespec import parse
+    from harness.kernel.grammar import program as fetchprog
+    from harness.kernel.grammar.kprobe import parse
 
     eng = vm.host
     addr = vm.symbols.lookup("vfs_read").addr
@@ -257,7 +257,7 @@ def dense_plugin_spec(vm: Machine, n: int) -> tuple[float, int]:
 
 
 def dense_plugin_handler(vm: Machine, n: int) -> tuple[float, int]:
-    from harness.kprobes import Kprobe
+    from harness.kernel.kprobes import Kprobe
 
     eng = vm.host
     kp = eng.register_kprobe(Kprobe(symbol_name="vfs_read", pre_handler=lambda p, r: r.di and 0))

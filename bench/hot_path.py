@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.backends.events import EventsBackend  # noqa: E402
 from harness.backends.host import HostBackend  # noqa: E402
 from harness.backends.plugin import PluginBackend  # noqa: E402
-from harness.engine import HostEngine  # noqa: E402
-from harness.probespec import parse  # noqa: E402
+from harness.engines.gdbstub_engine import HostEngine  # noqa: E402
+from harness.kernel.grammar.kprobe import parse  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 SPEC = "p:rd vfs_read count=%dx:u64"

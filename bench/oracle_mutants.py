@@ -34,11 +34,12 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import cli, errors, fetchprog, gdbstub  # noqa: E402
+from harness import cli, errors, gdbstub
+from harness.kernel.grammar import program as fetchprog  # noqa: E402
 from harness.backends import host as host_backend  # noqa: E402
 from harness.backends import plugin as plugin_backend  # noqa: E402
-from harness.plugin import REC_HIT, RF_TRUNC, PluginLink  # noqa: E402
-from harness.plugin_engine import PluginEngine  # noqa: E402
+from harness.machine.pluginlink import REC_HIT, RF_TRUNC, PluginLink  # noqa: E402
+from harness.engines.plugin_engine import PluginEngine  # noqa: E402
 
 WORKLOAD = "dd if=/proc/version of=/dev/null bs=64 count=4 2>/dev/null"
 READS = ("p:rd vfs_read f=+16(%di):x64 cnt=%dx:u64", "r:rr vfs_read ret=$retval:s64")
@@ -296,7 +297,7 @@ def _accept(outs: list[Any]) -> list[Any]:
 
 def _offset_probe(stack: contextlib.ExitStack, p: Parts) -> None:
     """The probe placed 5 bytes into the function (past the ftrace nop): wrong offset."""
-    from harness.probespec import ProbeSpec
+    from harness.kernel.grammar.kprobe import ProbeSpec
     if p.engine == "gdbstub":
         _wrap(stack, p.backend, "_make", lambda orig: lambda self, spec, name: orig(
             self, dataclasses.replace(spec, offset=spec.offset + 5) if isinstance(spec, ProbeSpec)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.kprobes import Kprobe, Kretprobe  # noqa: E402
+from harness.kernel.kprobes import Kprobe, Kretprobe  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 

@@ -6,8 +6,8 @@ The run: boot the default image with a script (an in-guest kprobe through tracef
 
 - plain:  the same machine and initramfs, no icount (QEMU start to QEMU exit)
 - icount: plain with ``-icount shift=auto,sleep=off`` and no record/replay
-- record: ``harness.replay.record`` (QEMU start to the end marker and poweroff)
-- replay: ``harness.replay.replay`` of that recording (QEMU start to the recorded end)
+- record: ``harness.machine.replay.record`` (QEMU start to the end marker and poweroff)
+- replay: ``harness.machine.replay.replay`` of that recording (QEMU start to the recorded end)
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import constants as C  # noqa: E402
-from harness import replay as rr  # noqa: E402
-from harness.images import default_image  # noqa: E402
-from harness.qemu import find_qemu  # noqa: E402
+from harness.machine import replay as rr  # noqa: E402
+from harness.machine.image.store import default_image  # noqa: E402
+from harness.machine.qemu import find_qemu  # noqa: E402
 
 SCRIPT = """echo 'p:kprobes/o do_sys_openat2 dfd=%di:s32' > /sys/kernel/tracing/kprobe_events
 echo 1 > /sys/kernel/tracing/events/kprobes/enable

@@ -2,7 +2,7 @@
 """``r1:`` (maxactive=1) under real concurrency: two vCPUs, two processes, one kretprobe.
 
 ``-smp 2``; the same ``r1:`` line placed by the plugin engine and by the guest's own
-tracefs (one execution, ``harness.runner.run_differential``), and, on a second run of
+tracefs (one execution, ``harness.diff.runner.run_differential``), and, on a second run of
 the same workload, by the gdbstub engine. ``nmissed`` is what pre_handler_kretprobe()
 (kernel/kprobes.c, 6.1) counts when the instance pool is empty; the guest's number is
 its ``kprobe_profile`` column. Two workloads:
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.probespec import parse  # noqa: E402
-from harness.runner import run_differential  # noqa: E402
+from harness.kernel.grammar.kprobe import parse  # noqa: E402
+from harness.diff.runner import run_differential  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 CASES = {

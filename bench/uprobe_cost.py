@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.uprobes import Uprobe  # noqa: E402
+from harness.engines.uprobes import Uprobe  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 

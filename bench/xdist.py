@@ -53,7 +53,7 @@ def remote(repeat: int) -> int:
     import tempfile
 
     sys.path.insert(0, str(ROOT))
-    from harness.loopback_sshd import HOST_ALIAS, LoopbackSshd
+    from harness.apps.loopback_sshd import HOST_ALIAS, LoopbackSshd
 
     base = Path(tempfile.mkdtemp(prefix="kph-bench-remote-"))
     sshd = LoopbackSshd(Path(tempfile.mkdtemp(prefix="kbs", dir="/tmp")))

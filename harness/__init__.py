@@ -15,9 +15,9 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _WHERE = {
     "Machine": "vmctl", "RunResult": "vmctl", "VmState": "vmctl",
-    "Kprobe": "kprobes", "Kretprobe": "kprobes", "KretprobeInstance": "kprobes",
-    "Jprobe": "kprobes", "PtRegs": "kprobes", "ProbeFlags": "kprobes",
-    "KPROBE_FLAG_DISABLED": "kprobes", "HostEngine": "engine", "KernelFacts": "facts",
+    "Kprobe": "kernel.kprobes", "Kretprobe": "kernel.kprobes", "KretprobeInstance": "kernel.kprobes",
+    "Jprobe": "kernel.kprobes", "PtRegs": "kernel.kprobes", "ProbeFlags": "kernel.kprobes",
+    "KPROBE_FLAG_DISABLED": "kernel.kprobes", "HostEngine": "engines.gdbstub_engine", "KernelFacts": "machine.image.facts",
     "HarnessError": "errors", "SetupError": "errors", "VMError": "errors",
     "GuestPanicError": "errors", "GuestShutdownError": "errors", "VMLostError": "errors",
     "StateError": "errors", "GuestStoppedError": "errors", "HandlerError": "errors",

@@ -10,7 +10,7 @@ DEFAULT_MEMORY = "512M"
 BOOT_TIMEOUT = 60.0
 #: Default limit for one guest command.
 RUN_TIMEOUT = 60.0
-#: A recorded or replayed run (harness.replay), QEMU start to the end; a replay runs ~1.3x
+#: A recorded or replayed run (harness.machine.replay), QEMU start to the end; a replay runs ~1.3x
 #: longer than its recording.
 RR_TIMEOUT = 120.0
 #: One QMP command.

@@ -1,7 +1,7 @@
 """Every error the harness raises, in one leaf module.
 
 An exception means the harness itself could not do what was asked; a kernel that
-refuses a probe is a *result* (see ``harness.engine``), not an error here.
+refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an error here.
 
 ::
 

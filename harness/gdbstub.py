@@ -13,7 +13,7 @@ meanwhile are queued for ``wait_stop``. Nothing sleeps a fixed time.
 GDB runs in all-stop mode with ``mi-async on`` (so ``-exec-interrupt`` works while the
 guest runs) and ``breakpoint always-inserted on`` (breakpoints stay in guest memory
 across stops: no z/Z packets per hit). GDB knows nothing about kprobes; this module
-knows nothing about them either (see ``harness.engine``).
+knows nothing about them either (see ``harness.engines.gdbstub_engine``).
 
 Connection: GDB 13 connects to a UNIX socket by plain path
 (``-target-select remote /run/dir/gdb.sock``); the socket is the one the Machine created
@@ -434,7 +434,7 @@ class GdbStub:
         """The next stop; raise TimeoutError if the guest keeps running past ``timeout``.
 
         With ``wake_fd``, return None as soon as that descriptor is readable (another
-        thread wants the guest halted; see ``harness.engine``).
+        thread wants the guest halted; see ``harness.engines.gdbstub_engine``).
         """
         deadline = time.monotonic() + timeout
         while not self._stops:

@@ -1,7 +1,7 @@
-"""The records every probe backend produces and ``harness.diff`` compares (no I/O).
+"""The records every probe backend produces and ``harness.diff.verdict`` compares (no I/O).
 
 A ``Hit`` is one probe firing as the kernel's trace file would show it: values are the
-*text* the kernel prints for each fetch arg (``format_value`` of ``harness.fetchargs``),
+*text* the kernel prints for each fetch arg (``format_value`` of ``harness.kernel.grammar.fetch``),
 so host-side, tracefs and module records compare field by field. An ``Outcome`` is what
 registering one spec gave: accepted, or refused with the kernel's errno (a result, not an
 error: the diff compares refusals too).
@@ -27,17 +27,17 @@ class Hit:
     args: tuple[tuple[str, str], ...] = ()
     mode: str = ""               # in-guest probe mode: ftrace, int3, optimized ("" host-side)
     #: Host side: comms this pid took *after* the hit (an exec renames it); the trace may
-    #: print one of them (``harness.diff``'s ``comm-change`` normalization).
+    #: print one of them (``harness.diff.verdict``'s ``comm-change`` normalization).
     comm_alts: tuple[str, ...] = ()
     #: The context of the probed call: ``task`` or ``irq`` (a softirq or hardirq; "" not
     #: known): the trace entry's ``common_flags`` in the guest, ``preempt_count`` host-side.
     irq: str = ""
     #: Host side, return probes: the arguments fetched from the return ip
-    #: (``ProbeSpec.ret_ip_args``), for ``harness.diff``'s ``trampoline`` rule.
+    #: (``ProbeSpec.ret_ip_args``), for ``harness.diff.verdict``'s ``trampoline`` rule.
     ret_ip_args: tuple[str, ...] = ()
     #: Host side: the arguments whose value holds ``(unknown)``, each with the kernel's
-    #: reason (``harness.fetchargs.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
-    #: lazily kept flags). Only these may match any guest value in ``harness.diff``.
+    #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
+    #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.
     unknown: tuple[tuple[str, str], ...] = ()
 
     def arg(self, name: str) -> str:

@@ -11,20 +11,20 @@ SHUTDOWN | PANICKED | LOST. QEMU is ended by its pid on every path: ``close()`` 
 from ``__exit__`` and an ``atexit`` hook) and, if this process is killed outright, by
 the kernel through ``PR_SET_PDEATHSIG``.
 
-Fresh starts: ``Machine.boot()`` restores the image's ready snapshot (``harness.snapshot``)
+Fresh starts: ``Machine.boot()`` restores the image's ready snapshot (``harness.machine.snapshot``)
 when one matches, else boots cold and logs why once. Nothing on the host side crosses
 the snapshot boundary (every Machine has its own QEMU, sockets, gdbstub session and
 HostEngine); what the guest carries across it (the agent channel, the clock, the random
 state) is resynchronised before ``boot()`` returns.
 
-Kernel facts: ``vm.facts`` (``harness.facts.KernelFacts``: kallsyms, blacklist, BTF, ...)
+Kernel facts: ``vm.facts`` (``harness.machine.image.facts.KernelFacts``: kallsyms, blacklist, BTF, ...)
 is complete when ``boot()`` returns: the image's own, or harvested right then for a
 kernel booted without an image. Nothing is fetched from the guest on demand, so nothing
 the host side reads inside a probe handler can wait on the stopped guest.
 
 Waiting on the guest: every call that needs the guest running (``run``, ``push``,
 ``pull``, ``write_file``) raises ``GuestStoppedError`` at once from a probe handler's
-thread (``harness.handlerctx``), and, from any thread, as soon as the guest is seen
+thread (``harness.machine.handlerctx``), and, from any thread, as soon as the guest is seen
 stopped for good (QMP ``query-status`` not running for a second, or a host-side engine
 holding it in one handler for ``HANDLER_STUCK_TIMEOUT``). No wait can outlive its cause.
 """
@@ -48,16 +48,20 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import constants as C
-from . import facts as F
-from .agent import GuestAgent
+from .machine.image import facts as F
+from .machine.agent import GuestAgent
 from .aio import LoopThread, qmp_connect
 from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
                      HandlerError, SetupError, StateError, VMError, VMLostError)
-from .handlerctx import ADVICE, stopped_reason
-from .images import Image, default_image
+from .machine.handlerctx import ADVICE, stopped_reason
+from .machine.image.store import Image, default_image
 from .procs import (drain_fd, listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs,
                     stop_process)
-from .qemu import QemuBinary, find_qemu
+from .machine.qemu import QemuBinary, find_qemu
+from .machine.pluginlink import build_plugin, qemu_args
+from .machine.snapshot import ensure, file_sha256, say_once
+from .gdbstub import attach
+from .kernel.symbols import SymbolTable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ _plugin_said: set[str] = set()
 HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
 #: The module that registers each engine: imported by name on first use, so this lower
 #: layer never imports an engine (which sits above it) statically.
-ENGINE_MODULES = {"gdbstub": "harness.engine", "plugin": "harness.plugin_engine"}
+ENGINE_MODULES = {"gdbstub": "harness.engines.gdbstub_engine", "plugin": "harness.engines.plugin_engine"}
 #: A function that says whether something holds the guest stopped: None, or (since, who)
 #: with ``since`` a ``time.monotonic()`` value.
 StopHolder = Callable[[], "tuple[float, str] | None"]
@@ -196,8 +200,8 @@ class Machine:
                  vmlinux: Path | None = None, ram_file: Path | None = None,
                  host: str = "gdbstub") -> None:
         self.kernel, self.initrd, self.append = kernel, initrd, append
-        #: The host-side engine ``vm.host`` is: "gdbstub" (harness.engine) or "plugin"
-        #: (harness.plugin_engine, QEMU started with probes/plugin loaded, inert).
+        #: The host-side engine ``vm.host`` is: "gdbstub" (harness.engines.gdbstub_engine) or "plugin"
+        #: (harness.engines.plugin_engine, QEMU started with probes/plugin loaded, inert).
         self.host_kind = host
         self.plugin_path: Path | None = None
         self.vmlinux = vmlinux
@@ -209,7 +213,7 @@ class Machine:
         self.extra_args = list(extra_args)
         #: Guest RAM in this file, shared (only the machine that builds a snapshot).
         self.ram_file = ram_file
-        #: The snapshot this machine starts from (``harness.snapshot.Snapshot``), or None.
+        #: The snapshot this machine starts from (``harness.machine.snapshot.Snapshot``), or None.
         self.snapshot: Any = None
         #: "cold" or "snapshot" once started; ``cold_reason`` says why a fresh boot was cold.
         self.start_mode = "cold"
@@ -235,7 +239,7 @@ class Machine:
         self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
-        #: What the host side knows about the kernel (``harness.facts``); set by ``boot()``.
+        #: What the host side knows about the kernel (``harness.machine.image.facts``); set by ``boot()``.
         self.facts: F.KernelFacts | None = image.facts if image is not None else None
         #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
         self.aborting = False
@@ -255,11 +259,11 @@ class Machine:
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
 
         ``fresh`` (the default) starts from the image's ready snapshot, building it on first
-        use; when there is none to be had (``harness.snapshot.unsupported``), or ``$KPH_COLD``
+        use; when there is none to be had (``harness.machine.snapshot.unsupported``), or ``$KPH_COLD``
         is set, or the restore fails, the guest boots cold and the reason is logged once.
         ``fresh=False`` always boots cold. Either way the guest has never run anything else.
-        ``host`` picks the engine ``vm.host`` is: "gdbstub" (``harness.engine``) or "plugin"
-        (``harness.plugin_engine``: QEMU starts with ``probes/plugin`` loaded, inert; it is
+        ``host`` picks the engine ``vm.host`` is: "gdbstub" (``harness.engines.gdbstub_engine``) or "plugin"
+        (``harness.engines.plugin_engine``: QEMU starts with ``probes/plugin`` loaded, inert; it is
         built on first use, a failed build is a SetupError).
 
         :raise SetupError: a kernel, initrd or image that does not exist.
@@ -282,8 +286,6 @@ class Machine:
                 if isinstance(exc, VMError):
                     exc.console_log = m.saved_console
                 raise
-            from .snapshot import say_once
-
             # A snapshot that does not restore must not cost the caller the machine.
             why = f"restoring {m.snapshot.dir} failed: {str(exc).splitlines()[0]}"
             say_once(why)
@@ -316,8 +318,6 @@ class Machine:
         """
         kaslr = "nokaslr" not in self.append.split()
         if self.facts is None:
-            from .snapshot import file_sha256
-
             key = file_sha256(self.kernel)[:16] + "-" + (
                 file_sha256(self.initrd)[:16] if self.initrd is not None else "none")
             d = C.cache_dir() / "kernels" / key
@@ -335,14 +335,19 @@ class Machine:
 
         Returns False, with ``cold_reason`` set and logged once, when there is none.
         """
-        from .snapshot import ensure, say_once
-
         snap, why = ensure(self, progress)
         self.snapshot = snap
         if snap is None:
             self.cold_reason = why
             say_once(why)
         return snap is not None
+
+    def twin(self, *, ram_file: Path, name: str) -> Machine:
+        """A machine of this one's configuration, not started, whose RAM is ``ram_file``
+        (``harness.machine.snapshot`` boots it cold and saves it)."""
+        return Machine(kernel=self.kernel, initrd=self.initrd, append=self.append, smp=self.smp,
+                       accel=self.accel, memory=self.memory, qemu=self.qemu, name=name,
+                       image=self.image, ram_file=ram_file)
 
     @classmethod
     def prepare(cls, image: Any = None, *, kernel: str | os.PathLike[str] | None = None,
@@ -391,10 +396,9 @@ class Machine:
         m = cls(kernel=kpath, initrd=ipath, append=append or C.DEFAULT_APPEND, smp=smp,
                 accel=accel, memory=memory, qemu=q, name=name, extra_args=extra_args,
                 image=img, vmlinux=vpath, host=host)
-        # The TCG plugin (harness.plugin) goes into every machine whose QEMU can load it,
+        # The TCG plugin (harness.machine.pluginlink) goes into every machine whose QEMU can load it,
         # inert until an engine connects (no measurable cost: bench in docs/plugin.md). The
         # plugin engine needs it; for the others it is best effort.
-        from .plugin import build_plugin
         try:
             m.plugin_path = build_plugin(q)
         except SetupError as exc:
@@ -424,8 +428,7 @@ class Machine:
         if mem is not None:
             args[args.index("-machine") + 1] += ",memory-backend=kph-ram"
             args += ["-object", f"memory-backend-file,id=kph-ram,size={self.memory},{mem}"]
-        if self.plugin_path is not None:  # harness.plugin: loaded inert, not guest-visible
-            from .plugin import qemu_args
+        if self.plugin_path is not None:  # harness.machine.pluginlink: loaded inert, not guest-visible
             args += qemu_args(self.plugin_path, (fds or {}).get("plugin", 6))
         return self.qemu.command(args + self.extra_args)
 
@@ -812,8 +815,6 @@ class Machine:
         closed (gdb ended by its pid) before QEMU when the machine closes.
         """
         if self._stub is None or self._stub.proc.poll() is not None:
-            from .gdbstub import attach
-
             # A panicked guest is paused by QEMU (-action panic=pause): exactly when its
             # registers matter. Only a dead QEMU has no stub.
             if self.proc is None or self.proc.poll() is not None or self.rundir is None:
@@ -824,7 +825,7 @@ class Machine:
     @property
     def host(self) -> Any:
         """Host-side kprobes on this machine: the engine named by ``host_kind``
-        (``harness.engine.HostEngine`` for "gdbstub"), started on first use."""
+        (``harness.engines.gdbstub_engine.HostEngine`` for "gdbstub"), started on first use."""
         if self._host is None or self._host.closed:
             if self.host_kind not in HOST_ENGINES and self.host_kind in ENGINE_MODULES:
                 import importlib
@@ -859,8 +860,6 @@ class Machine:
         kallsyms (``vm.facts``)."""
         if self._symbols is None:
             if self.vmlinux is not None:
-                from .symbols import SymbolTable
-
                 self._symbols = SymbolTable.from_vmlinux(self.vmlinux)
             else:
                 self._symbols = self._facts().symbols

@@ -134,7 +134,7 @@ def _no_leftover_processes():
 @pytest.fixture(scope="session")
 def default_image():
     from harness.errors import HarnessError
-    from harness.images import default_image as _default
+    from harness.machine.image.store import default_image as _default
 
     try:
         return _default()

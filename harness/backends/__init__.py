@@ -2,10 +2,10 @@
 
 Every backend implements ``ProbeBackend``; adding one (eBPF, say) is adding a file here.
 
-- ``host``   host-side kprobes through the gdbstub (``harness.engine``), fetch args
-             evaluated on the host exactly as the kernel does (``harness.fetchargs``);
+- ``host``   host-side kprobes through the gdbstub (``harness.engines.gdbstub_engine``), fetch args
+             evaluated on the host exactly as the kernel does (``harness.kernel.grammar.fetch``);
 - ``events`` the guest's own tracefs ``kprobe_events``;
-- ``plugin`` host-side kprobes in QEMU's TCG plugin (``harness.plugin_engine``), fetch
+- ``plugin`` host-side kprobes in QEMU's TCG plugin (``harness.engines.plugin_engine``), fetch
              args compiled and run in C at each hit, evaluated on the host afterwards;
 - ``module`` the harness's kernel module ``kph_kprobes.ko`` (``probes/kmod/``), real
              kprobes/kretprobes registered by a module with pre, post, entry and return
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from ..probespec import ProbeSpec
+from ..kernel.grammar.kprobe import ProbeSpec
 from ..records import Counters, Hit, Outcome
 
 

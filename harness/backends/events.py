@@ -4,7 +4,7 @@
 Each spec line is appended to ``/sys/kernel/tracing/kprobe_events`` as written (the
 grammar is the kernel's, so the kernel is the judge: a refusal comes back as the write's
 errno and the ``error_log`` text), its event enabled. The events are read back from the
-binary ring buffer (``per_cpu/cpuN/trace_pipe_raw``, decoded by ``harness.ringbuf`` with
+binary ring buffer (``per_cpu/cpuN/trace_pipe_raw``, decoded by ``harness.kernel.ringbuf`` with
 each event's ``format``), not from the ``trace`` text: the text prints a string's bytes
 raw, so a newline in a string splits its record and bytes that are not UTF-8 are
 whatever the reader makes of them; the records keep the bytes the kernel stored.
@@ -27,11 +27,11 @@ import shlex
 from typing import Any, Sequence
 
 from ..errors import GuestAgentError
-from ..fetchargs import escape_bytes, format_ip, format_value
-from ..kprobes import kernel_rethook_trampoline
-from ..probespec import ProbeSpec, guest_line
+from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
+from ..kernel.kprobes import kernel_rethook_trampoline
+from ..kernel.grammar.kprobe import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
-from ..ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
+from ..kernel.ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
 from .tracelayer import TraceLayer
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class EventsBackend:
                 out[fmt.id] = (name, self.specs[name], fmt)
                 try:
                     # The guest's own names and types: a 6.12+ kernel types $retval and
-                    # names BTF arguments itself (harness.ringbuf.format_args).
+                    # names BTF arguments itself (harness.kernel.ringbuf.format_args).
                     self._args[fmt.id] = tuple(format_args(fmt))
                 except ValueError as exc:
                     log.warning("%s: arguments read as the spec says: %s", name, exc)
@@ -200,7 +200,7 @@ class EventsBackend:
 
     def switch(self, on: bool) -> None:
         """``echo 1|0 > tracing_on`` done in guest memory, for a caller that holds the
-        guest halted (``harness.engine.HostEngine.halted``): ``tracer_tracing_on()``/
+        guest halted (``harness.engines.gdbstub_engine.HostEngine.halted``): ``tracer_tracing_on()``/
         ``_off()`` (kernel/trace/trace.c) are ``ring_buffer_record_on()``/``_off()`` on
         ``global_trace``'s buffer (the ``RB_BUFFER_OFF`` bit, 1 << 20, of
         ``record_disabled`` in kernel/trace/ring_buffer.c of 6.1, 6.12 and 7.3) and

@@ -1,7 +1,7 @@
 """kprobe_events specs placed host-side: HostEngine probes that fetch like the kernel.
 
 Each ``p`` spec becomes a ``Kprobe`` whose pre_handler evaluates the spec's fetch args on
-the stopped vCPU (``harness.fetchargs.evaluate``) and records a ``Hit`` with the text the
+the stopped vCPU (``harness.kernel.grammar.fetch.evaluate``) and records a ``Hit`` with the text the
 guest's trace file would print; each ``r`` spec a ``Kretprobe`` doing the same at the
 return. What the context gives the evaluator mirrors the kernel's view in a kprobe
 handler: ``%ip`` is the probe address + 1 (the int3 convention that ftrace-based and
@@ -15,11 +15,11 @@ from typing import Any, Callable, Sequence
 
 from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
                       ProbeRejectedError)
-from ..fetchargs import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
-from ..kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
-from ..probespec import ProbeSpec
+from ..kernel.grammar.fetch import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
+from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
+from ..kernel.grammar.kprobe import ProbeSpec
 from ..records import Counters, Hit, Outcome
-from ..uprobes import Uprobe, UprobeNeverFires
+from ..engines.uprobes import Uprobe, UprobeNeverFires
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ FetchHook = Callable[[str, int, dict[str, int]], None]
 
 
 class _Ctx:
-    """``harness.fetchargs.FetchContext`` over one host-side hit."""
+    """``harness.kernel.grammar.fetch.FetchContext`` over one host-side hit."""
 
     def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int],
                  uprobe: Uprobe | None = None, entry: bytes = b"") -> None:

@@ -6,7 +6,7 @@ The module (``probes/kmod/kph_kprobes.c``, built into the default image as
 every hit in a buffer that ``events`` drains. Each fetch arg travels as a small postfix
 program (the C file's header documents the ops): this module compiles a ``ProbeArg``'s
 fetch tree and type into one, and turns the raw items the module recorded back into the
-text the trace file would print (:func:`harness.fetchargs.format_value`), so module hits
+text the trace file would print (:func:`harness.kernel.grammar.fetch.format_value`), so module hits
 compare with tracefs and host-side hits field by field.
 
 What the compiled programs keep from ``process_fetch_insn()`` (Linux 6.1): a failed
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import HarnessError, ProbeSpecError, SymbolNotFoundError
-from ..fetchargs import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
+from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
-from ..kprobes import kernel_rethook_trampoline
-from ..probespec import ProbeArg, ProbeSpec
+from ..kernel.kprobes import kernel_rethook_trampoline
+from ..kernel.grammar.kprobe import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .tracelayer import TraceLayer
 
@@ -295,7 +295,7 @@ def _number(it: Item, arg: ProbeArg) -> Any:
 
 def decode_arg(arg: ProbeArg, items: Sequence[Item],
                symbolize: Callable[[int], str | None] | None = None) -> Any:
-    """The value :func:`harness.fetchargs.evaluate` would give, from the module's items:
+    """The value :func:`harness.kernel.grammar.fetch.evaluate` would give, from the module's items:
     an int, bytes, ``FAULT``, ``UNKNOWN``, or a list of those for an array."""
     t = FETCH_TYPES[arg.type]
     aborted = any(it.type == "e" for it in items)
@@ -324,7 +324,7 @@ def decode_args(args: Sequence[ProbeArg], items: Sequence[Sequence[Item]],
     ``process_fetch_insn_bottom()``, kernel/trace/trace_probe_tmpl.h) keeps the data_loc
     ``store_trace_args()`` set up: (the dynamic space left, the current offset). It prints
     (fault) when no space is left, else what the next dynamic arguments store there (as
-    :func:`harness.fetchargs.evaluate` computes it host-side)."""
+    :func:`harness.kernel.grammar.fetch.evaluate` computes it host-side)."""
     vals = [decode_arg(a, it, symbolize) for a, it in zip(args, items)]
     dyn = [i for i, a in enumerate(args) if FETCH_TYPES[a.type].is_string and not a.count]
     if not any(any(x.type == "e" for x in items[i]) for i in dyn):
@@ -604,7 +604,7 @@ class ModuleBackend:
     def switch(self, on: bool) -> None:
         """``record on|off`` done in guest memory (``WRITE_ONCE(recording, ...)`` of the
         control write), for a caller that holds the guest halted
-        (``harness.engine.HostEngine.halted``): the host's probes and the module's then
+        (``harness.engines.gdbstub_engine.HostEngine.halted``): the host's probes and the module's then
         start and stop at the same guest instruction."""
         self.vm.host.write(self._recording_addr(), bytes([1 if on else 0]))
 

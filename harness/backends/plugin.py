@@ -1,11 +1,11 @@
-"""kprobe_events specs placed host-side in QEMU's TCG plugin (``harness.plugin_engine``).
+"""kprobe_events specs placed host-side in QEMU's TCG plugin (``harness.engines.plugin_engine``).
 
 The plugin counterpart of ``harness.backends.host``: same specs, same ``Hit`` records,
 same text, so ``kph diff`` compares it with the guest (or with the gdbstub engine) field
-by field. Each spec's fetch args are compiled (``harness.fetchprog``) and run in C at
+by field. Each spec's fetch args are compiled (``harness.kernel.grammar.program``) and run in C at
 every hit, which records the registers, ``current``'s pid and comm, and every memory read
 the program made; no hit waits for the host. ``collect()`` evaluates each record with
-``harness.fetchargs.evaluate`` over exactly those reads and prints it with
+``harness.kernel.grammar.fetch.evaluate`` over exactly those reads and prints it with
 ``format_value``, under the kernel's conventions the gdbstub backend mirrors too:
 ``%ip`` is the probe address + 1 (int3 convention, emulated by ftrace-based and
 optimized probes), a return probe prints its real return address ``<-`` the function,
@@ -17,13 +17,13 @@ import logging
 from typing import Any, Sequence
 
 from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
-from ..fetchargs import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
-from ..fetchprog import REGS, CaptureContext, compile_spec, parse_blocks
-from ..kprobes import kernel_rethook_trampoline
-from ..plugin import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
-from ..probespec import ProbeSpec
+from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
+from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
+from ..kernel.kprobes import kernel_rethook_trampoline
+from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
+from ..kernel.grammar.kprobe import ProbeSpec
 from ..records import Counters, Hit, Outcome
-from ..uprobes import Uprobe
+from ..engines.uprobes import Uprobe
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def _is_flags(a: Any) -> bool:
 
 
 class _RecordCtx:
-    """``harness.fetchargs.FetchContext`` over one plugin record."""
+    """``harness.kernel.grammar.fetch.FetchContext`` over one plugin record."""
 
     def __init__(self, backend: "PluginBackend", rec: RawRecord, ip: int,
                  up: Uprobe | None = None) -> None:
@@ -157,12 +157,12 @@ class PluginBackend:
 
     def _add_uprobe(self, spec: ProbeSpec) -> tuple[Any, Uprobe]:
         """A ``uprobe_events`` line: the same checks as the gdbstub engine's
-        (``harness.uprobes.UprobeManager.prepare``: ELF, executable text, inode, no PIE),
+        (``harness.engines.uprobes.UprobeManager.prepare``: ELF, executable text, inode, no PIE),
         then a plugin probe at the program's address, for processes whose executable is
         that file (``current->mm->exe_file->f_inode->i_ino``, offsets from BTF)."""
         from types import SimpleNamespace
 
-        from ..uprobes import UprobeManager
+        from ..engines.uprobes import UprobeManager
 
         assert spec.path is not None
         eng = self.engine
@@ -264,7 +264,7 @@ class PluginBackend:
         pid_off = self.engine.task_offsets[1]
         if self.engine.symbols.get("__set_task_comm") is None or not pid_off:
             return
-        from ..probespec import parse
+        from ..kernel.grammar.kprobe import parse
 
         spec = parse(f"p:kphinternal/comm __set_task_comm pid=+{pid_off}(%di):s32 "
                      "comm=+0(%si):string")

@@ -7,19 +7,19 @@ the kernel's order (``__trace_kprobe_create()`` then ``register_trace_kprobe()``
 
 1. uprobe lines: the file (``kern_path()``: ENOENT "Failed to find the given file"; not
    ``d_is_reg()``: EINVAL "Not a regular file"), before anything else of the line;
-2. the line parsed again as the booted kernel parses it (:func:`harness.probespec.parse`
-   with the kernel's :class:`harness.probespec.KernelView`: its series' rules, its BTF,
+2. the line parsed again as the booted kernel parses it (:func:`harness.kernel.grammar.kprobe.parse`
+   with the kernel's :class:`harness.kernel.grammar.kprobe.KernelView`: its series' rules, its BTF,
    the running guest's symbols): a line written before the kernel was known (``kph
    matrix``) gets that kernel's types, names and refusals, with its errno and caret;
    ``number_of_same_symbols()`` over vmlinux and the loaded modules is part of it (6.1:
    after the return-probe check; 6.12+: ``validate_probe_symbol()`` first; 7.3: vmlinux
    alone when it has the name);
-3. the event name: EEXIST and its three texts, or appending (:class:`harness.dynevent.EventTable`);
+3. the event name: EEXIST and its three texts, or appending (:class:`harness.kernel.dynevent.EventTable`);
 4. ``within_notrace_func()``: a function without an ftrace location (``notrace``, or built
    without ``-pg`` such as kernel/trace/) is EINVAL, as Debian's 6.1 has
    ``CONFIG_KPROBE_EVENTS_ON_NOTRACE`` off; the guest's ``available_filter_functions`` says
    which functions have one (a ``.isra.0`` piece counts as its stem's);
-5. ``traceprobe_update_arg()``: ``@SYM`` resolved once (:func:`harness.dynevent.resolve_fetch_symbols`);
+5. ``traceprobe_update_arg()``: ``@SYM`` resolved once (:func:`harness.kernel.dynevent.resolve_fetch_symbols`);
 6. ``register_kprobe()`` (the backend's own), whose -ENOENT the kernel forgives for a raw
    address and for ``MOD:SYM`` of a module not loaded (the event stays, unregistered).
 
@@ -39,10 +39,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
+from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
-from ..probespec import ProbeSpec, format as format_spec, parse, split_symbol_offset
+from ..kernel.grammar.kprobe import ProbeSpec, format as format_spec, parse, split_symbol_offset
 from ..records import Hit, Outcome
 
 log = logging.getLogger(__name__)
@@ -237,16 +237,16 @@ class TraceLayer:
 
     @property
     def rules(self) -> Any:
-        """The booted kernel's probe-event rules (``harness.kernelrules``)."""
+        """The booted kernel's probe-event rules (``harness.kernel.rules``)."""
         facts = getattr(self.vm, "facts", None)
         if facts is None:
-            from ..kernelrules import rules_for
+            from ..kernel.rules import rules_for
             return rules_for(None)
         return facts.rules
 
     def view(self) -> Any:
-        """The booted kernel as the parser sees it (``harness.probespec.KernelView``)."""
-        from ..facts import kernel_view
+        """The booted kernel as the parser sees it (``harness.kernel.grammar.kprobe.KernelView``)."""
+        from ..machine.image.facts import kernel_view
 
         def read(addr: int, n: int) -> bytes:
             return self.vm.host.read(addr, n)
@@ -396,7 +396,7 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     (the trace stores pids and prints comms from ``saved_cmdlines``, recorded after the
     events; pid 0 is ``<idle>``: kernel/trace/trace.c, ``trace_find_cmdline()``), each
     hit carrying the comms its pid took after it (``comm_changes``: (hits recorded
-    before the rename, pid, new comm)) for ``harness.diff``'s ``comm-change`` rule."""
+    before the rename, pid, new comm)) for ``harness.diff.verdict``'s ``comm-change`` rule."""
     last: dict[int, str] = {0: "<idle>"}
     for h in hits:
         if h.pid:

@@ -63,7 +63,7 @@ def spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def verdict_group(p: argparse.ArgumentParser) -> None:
-    from ..diff import NORMALIZATIONS
+    from ..diff.verdict import NORMALIZATIONS
 
     g = p.add_argument_group("Verdict", "what may make two sides equivalent "
                              "(docs/diff.md lists every normalization)")
@@ -81,7 +81,7 @@ def verdict_group(p: argparse.ArgumentParser) -> None:
 def verdict_opts(args: argparse.Namespace) -> dict[str, Any]:
     """compare()'s verdict options from --strict/--allow/--expect-empty; a rule that does
     not exist is a usage error before anything boots."""
-    from ..diff import NORMALIZATIONS
+    from ..diff.verdict import NORMALIZATIONS
 
     allow = tuple(r.strip() for r in args.allow.split(",") if r.strip())
     bad = [r for r in allow if r not in NORMALIZATIONS]
@@ -113,7 +113,7 @@ def load_specs(args: argparse.Namespace) -> list[Any]:
     """Parse every spec, with the image's symbols where the kernel's parser uses them
     (``kprobe_on_func_entry()``, ``number_of_same_symbols()``), before booting: what the
     kernel refuses while parsing a line is refused here, in its order and words."""
-    from ..probespec import parse
+    from ..kernel.grammar.kprobe import parse
 
     lines = list(args.specs)
     if args.spec_file:
@@ -127,12 +127,12 @@ def load_specs(args: argparse.Namespace) -> list[Any]:
     if args.kernel is not None:
         # no facts before boot: the grammar of the newest rules; the booted kernel's own
         # rules, BTF and symbols decide at registration (harness.backends.tracelayer)
-        from ..kernelrules import SERIES
-        from ..probespec import KernelView
+        from ..kernel.rules import SERIES
+        from ..kernel.grammar.kprobe import KernelView
         newest = KernelView(list(SERIES.values())[-1])
         return [parse(ln, kernel=newest) for ln in lines]
-    from ..facts import kernel_view
-    from ..images import default_image
+    from ..machine.image.facts import kernel_view
+    from ..machine.image.store import default_image
 
     # the image's kernel: its series' rules, its BTF, its symbols
     view = kernel_view(default_image(args.image).facts)

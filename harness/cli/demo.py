@@ -42,7 +42,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import report, trapflow
+    from ..apps import trapflow
     from ..vmctl import Machine
 
     if args.demo_cmd != "trap-flow":
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.progress.clear()
     pause = args.step and not out.quiet
     for f in flows:
-        blocks = report.trapflow_blocks(f)
+        blocks = trapflow.trapflow_blocks(f)
         for i, block in enumerate(blocks):
             out.text(block)
             if pause and 1 <= i <= len(f.steps):     # after each step, not header or facts
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
                 "guest_left_clean": left.strip() in ("", "0")})
     if args.html:
         with open(args.html, "w") as f:
-            f.write(report.trapflow_html(flows))
+            f.write(trapflow.trapflow_html(flows))
         out.text(f"demo: wrote {args.html}")
     return EXIT_OK
 

@@ -40,9 +40,9 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import report
-    from ..diff import compare
-    from ..runner import run_differential, trampoline_text
+    from ..diff import report
+    from ..diff.verdict import compare
+    from ..diff.runner import run_differential, trampoline_text
 
     check_output("-o", out.json_file)
     check_output("--html", args.html)
@@ -75,9 +75,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
               verdict: dict[str, Any]) -> int:
-    """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.worlds)."""
-    from .. import report
-    from ..worlds import run_three as three_worlds
+    """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.diff.worlds)."""
+    from ..diff import report
+    from ..diff.worlds import run_three as three_worlds
 
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with machine(args) as vm:

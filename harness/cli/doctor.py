@@ -18,7 +18,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..doctor import run_checks
+    from ..apps.doctor import run_checks
 
     checks = run_checks()
     bad = 0

@@ -1,5 +1,5 @@
 """``kph fuzz``: draw probe definitions from the grammar, run each host against guest,
-shrink every divergence to one line (harness.fuzz; workers through pytest-xdist)."""
+shrink every divergence to one line (harness.apps.fuzz; workers through pytest-xdist)."""
 from __future__ import annotations
 
 import argparse
@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import fuzz
+    from ..apps import fuzz
 
     if args.examples < 1:
         raise SetupError(f"--examples {args.examples}: nothing to run", "give 1 or more")
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise SetupError(f"-n {args.workers} is not a worker count", "use -n 1 or more")
     if args.time_budget is not None and args.time_budget <= 0:
         raise SetupError("--time-budget must be positive", "give seconds, e.g. --time-budget 600")
-    from ..images import default_image
+    from ..machine.image.store import default_image
     img = default_image(args.image)                        # an unknown image: one line, exit 2
     workload = args.workload or fuzz.DEFAULT_WORKLOAD
     say = out.progress
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         with open(log, "w") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p",
                                      "no:cacheprovider", "-p", "no:randomly", "--pyargs",
-                                     "harness.fuzzshard", "-n", str(args.workers), "-o",
+                                     "harness.apps.fuzzshard", "-n", str(args.workers), "-o",
                                      "timeout=0"], env=env, stdout=logf,
                                     stderr=subprocess.STDOUT, text=True)
             try:

@@ -38,8 +38,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..imagebuild import build_image
-    from ..images import default_image
+    from ..machine.image.build import build_image
+    from ..machine.image.store import default_image
 
     if args.image_cmd == "build":
         img = build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
@@ -48,8 +48,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.result(image_doc(img))
         return EXIT_OK
     if args.image_cmd == "list":
-        from ..images import built_images, image_is_current, read_default
-        from ..snapshot import snapshots_of
+        from ..machine.image.store import built_images, image_is_current, read_default
+        from ..machine.snapshot import snapshots_of
 
         imgs = built_images()
         default = read_default()
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 def image_doc(img: Any) -> dict[str, Any]:
     """An image's manifest, its directory and its snapshots (the JSON of build and info)."""
-    from ..snapshot import snapshots_of
+    from ..machine.snapshot import snapshots_of
 
     snaps = [dict(s.meta, dir=str(s.dir)) for s in snapshots_of(img)]
     return dict(img.manifest, dir=str(img.dir), snapshots=snaps)

@@ -33,8 +33,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import report
-    from ..runner import run_matrix
+    from ..diff import report
+    from ..diff.runner import run_matrix
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not kernels:
@@ -64,8 +64,8 @@ def check_kernels(kernels: list[str]) -> None:
     """Every kernel named has an image or exists in the archives, before any machine boots
     (``kph matrix --kernels 6.1,9.9`` once ran 6.1 first and only then said 9.9 does not
     exist). :raise SetupError: the first one that does not, listing what is available."""
-    from ..images import default_image
-    from ..kernels import resolve
+    from ..machine.image.store import default_image
+    from ..machine.image.kernels import resolve
 
     for k in kernels:
         try:
@@ -78,8 +78,8 @@ def matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:
     """Each line parsed with the grammar of every kernel named (its series' rules, no BTF
     yet): a line no kernel parses is a usage error, one some kernel parses goes on (each
     kernel's own parse at registration refuses it where it must, a per-kernel result)."""
-    from ..kernelrules import rules_for
-    from ..probespec import KernelView, parse
+    from ..kernel.rules import rules_for
+    from ..kernel.grammar.kprobe import KernelView, parse
 
     views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in kernels]
     out = []

@@ -34,8 +34,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import report
-    from ..runner import run_single
+    from ..diff import report
+    from ..diff.runner import run_single
 
     check_output("-o", out.json_file)
     specs = load_specs(args)

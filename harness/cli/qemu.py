@@ -23,7 +23,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..qemu import find_qemu, provision_private_qemu, system_qemu, why_chosen
+    from ..machine.qemu import find_qemu, provision_private_qemu, system_qemu, why_chosen
 
     if args.qemu_cmd == "provision":
         s = system_qemu()

@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import repro, scenario
+    from ..apps import repro, scenario
 
     if args.record and args.replay:
         raise SetupError("--record and --replay together", "record first, then replay the bundle")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         return replay(scn, args, out)
     assert scn is not None
     if args.record:
-        from .. import repro_rr
+        from ..apps import repro_rr
 
         res = repro_rr.record_scenario(scn, out_dir=Path(args.out) if args.out else None,
                                        qemu=args.qemu, progress=out.progress)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
 def replay(scn: Any, args: argparse.Namespace, out: Output) -> int:
     """``kph repro --replay DIR [--gdb]``: 0 when the replay is identical to the recording."""
-    from ..repro_rr import replay_scenario
+    from ..apps.repro_rr import replay_scenario
 
     bundle = Path(args.replay)
     if scn is not None and (bundle / "scenario.toml").is_file() and \

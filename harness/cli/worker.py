@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from .. import remote
+    from ..apps import remote
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if args.worker_cmd == "identity":

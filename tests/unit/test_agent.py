@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from harness.agent import GuestAgent
+from harness.machine.agent import GuestAgent
 from harness.errors import GuestAgentError, VMLostError
 
 
@@ -124,7 +124,7 @@ def test_an_overdue_reply_asks_stalled_which_may_end_the_wait():
 def test_no_reply_is_awaited_longer_than_the_reply_timeout(monkeypatch):
     import time
 
-    import harness.agent as agent_mod
+    import harness.machine.agent as agent_mod
     monkeypatch.setattr(agent_mod, "AGENT_REPLY_TIMEOUT", 0.4)
     ag = _agent(_synced_then(lambda req: b""))
     ag.sync(2)

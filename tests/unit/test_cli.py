@@ -55,8 +55,8 @@ def test_a_workload_that_did_not_run_is_a_usage_error(monkeypatch, capsys):
 
 
 def test_verdicts_name_refusals_and_stderr():
-    from harness import report
-    from harness.diff import compare
+    from harness.diff import report
+    from harness.diff.verdict import compare
     from harness.records import Hit, Outcome, RunResult
 
     def run(side, outcomes, hits=()):

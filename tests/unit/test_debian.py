@@ -1,4 +1,4 @@
-"""harness.debian: a .deb is checked against the SHA256 of apt's package index before it
+"""harness.machine.image.debian: a .deb is checked against the SHA256 of apt's package index before it
 is used, wherever it came from ($KPH_DOWNLOADS keeps them across caches)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import debian
+from harness.machine.image import debian
 from harness.constants import DOWNLOADS_ENV
 from harness.errors import SetupError
 

@@ -1,6 +1,6 @@
 import dataclasses
 
-from harness.diff import compare
+from harness.diff.verdict import compare
 from harness.records import Counters, Hit, Outcome, RunResult
 
 
@@ -289,7 +289,7 @@ def test_nothing_measured_is_empty_not_equivalent():
 
 
 def test_a_probe_without_hits_is_named_not_folded_into_the_agreement():
-    from harness import report
+    from harness.diff import report
 
     o = [Outcome("kprobes/open", True, index=0), Outcome("kprobes/never", True, index=1)]
     res = compare(run("host", [hit("host", 0, dfd=1)], o), run("events", [hit("events", 0, dfd=1)], o))
@@ -298,7 +298,7 @@ def test_a_probe_without_hits_is_named_not_folded_into_the_agreement():
 
 
 def test_strict_refuses_every_rule_not_allowed_and_names_it():
-    from harness import report
+    from harness.diff import report
 
     a = run("host", [hit("host", 0, dfd=1), hit("host", 1, comm="qemu-ga", dfd=2)])
     b = run("events", [hit("events", 0, dfd=1)])
@@ -315,7 +315,7 @@ def test_strict_refuses_every_rule_not_allowed_and_names_it():
 def test_json_names_every_normalization_with_its_count():
     import json
 
-    from harness import report
+    from harness.diff import report
 
     a = run("host", [hit("host", 0, dfd=1), hit("host", 1, comm="qemu-ga", dfd=2)])
     doc = json.loads(report.to_json(compare(a, run("events", [hit("events", 0, dfd=1)]))))
@@ -325,7 +325,7 @@ def test_json_names_every_normalization_with_its_count():
 def test_docs_list_every_normalization():
     from pathlib import Path
 
-    from harness.diff import NORMALIZATIONS
+    from harness.diff.verdict import NORMALIZATIONS
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "diff.md").read_text()
     missing = [k for k in NORMALIZATIONS if f"`{k}`" not in text]

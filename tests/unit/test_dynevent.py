@@ -1,15 +1,15 @@
-"""harness.dynevent: the trace-event layer's decisions, with the messages and carets the
+"""harness.kernel.dynevent: the trace-event layer's decisions, with the messages and carets the
 6.1 guest gave for the same lines (tests/vm/test_fidelity.py checks them in the guest)."""
 import errno
 
 import pytest
 
-from harness.dynevent import (BAD_PROBE_ADDR, DIFF_ARG_TYPE, DIFF_PROBE_TYPE, EVENT_EXIST,
+from harness.kernel.dynevent import (BAD_PROBE_ADDR, DIFF_ARG_TYPE, DIFF_PROBE_TYPE, EVENT_EXIST,
                               FAIL_REG_PROBE, NON_UNIQ_SYMBOL, SAME_PROBE, EventTable, Refusal,
                               arg_column, module_pending, registration_refusal,
                               resolve_fetch_symbols, target_refusal)
-from harness.fetchargs import MemSymbol
-from harness.probespec import parse
+from harness.kernel.grammar.fetch import MemSymbol
+from harness.kernel.grammar.kprobe import parse
 
 FORK = "kernel_clone"
 

@@ -1,6 +1,6 @@
 import pytest
 
-from harness.emulate import decode
+from harness.kernel.emulate import decode
 
 A = 0xFFFFFFFF81000000
 

@@ -1,5 +1,5 @@
 """KernelFacts from recorded files (no guest)."""
-from harness.facts import DONE, REQUIRED, KernelFacts, is_harvested
+from harness.machine.image.facts import DONE, REQUIRED, KernelFacts, is_harvested
 
 
 def _write(d, **files):

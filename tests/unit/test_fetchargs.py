@@ -1,7 +1,7 @@
 
 
 def test_a_return_address_on_the_kernel_trampoline_prints_as_kretprobed():
-    from harness.fetchargs import format_ip
+    from harness.kernel.grammar.fetch import format_ip
 
     names = {0x1000: "arch_rethook_trampoline+0x0/0x60", 0x2000: "__x64_sys_openat+0x6a/0xa0",
              0x3000: "do_sys_openat2+0x0/0x170"}

@@ -1,4 +1,4 @@
-"""harness.fetchprog: the plugin's captures answer exactly what evaluate() reads.
+"""harness.kernel.grammar.program: the plugin's captures answer exactly what evaluate() reads.
 
 For each spec, ``evaluate`` runs twice over one memory model: once reading the model
 directly (what the gdbstub engine does at a stop), once from what ``simulate`` (the C
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import fetchprog
-from harness.fetchargs import FaultError, evaluate
-from harness.probespec import parse
+from harness.kernel.grammar import program as fetchprog
+from harness.kernel.grammar.fetch import FaultError, evaluate
+from harness.kernel.grammar.kprobe import parse
 
 PAGE = 4096
 USER = 0x7ffd_1000_0000

@@ -1,5 +1,5 @@
 """kph fuzz's pure parts: strategies, classes of findings, regression files."""
-from harness import fuzz
+from harness.apps import fuzz
 
 
 def test_listing_is_deterministic_and_mostly_well_formed():
@@ -8,7 +8,7 @@ def test_listing_is_deterministic_and_mostly_well_formed():
     assert a == fuzz.list_examples(pool, examples=60, seed=11)
     assert a != fuzz.list_examples(pool, examples=60, seed=12)
     from harness.errors import ProbeSpecError
-    from harness.probespec import parse
+    from harness.kernel.grammar.kprobe import parse
     parsed = 0
     for ex in a:
         try:
@@ -33,8 +33,8 @@ def test_regressions_round_trip(tmp_path):
 
 
 def test_each_kernel_s_grammar_is_drawn_from_its_own_rules():
-    from harness import fuzz
-    from harness.kernelrules import SERIES
+    from harness.apps import fuzz
+    from harness.kernel.rules import SERIES
 
     pool = ["vfs_read", "do_sys_openat2"]
     # several seeds: Hypothesis leans each run toward some choices, so one seed's 400
@@ -66,10 +66,10 @@ def test_the_same_seed_draws_the_same_examples_whatever_was_imported():
 
     code = ("import sys, json\n"
             "for m in sys.argv[1:]: __import__(m)\n"
-            "from harness import fuzz\n"
+            "from harness.apps import fuzz\n"
             "print(json.dumps(fuzz.list_examples(['vfs_read'], examples=150, seed=5)))\n")
     runs = [subprocess.run([sys.executable, "-c", code, *mods], capture_output=True,
                            text=True, check=True, timeout=120).stdout
-            for mods in ((), ("harness.cli", "harness.backends.module", "harness.plugin_engine"))]
+            for mods in ((), ("harness.cli", "harness.backends.module", "harness.engines.plugin_engine"))]
     import json
     assert len(json.loads(runs[0])) == 150 and runs[0] == runs[1]

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import SetupError
-from harness.images import _modinfo_depends, recipe_hash
+from harness.machine.image.store import _modinfo_depends, recipe_hash
 from harness.vmctl import check_kernel_format
 
 

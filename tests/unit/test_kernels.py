@@ -1,7 +1,7 @@
 """Kernel selectors and package layouts, without the archives (recorded apt answers)."""
 import pytest
 
-from harness import kernels as K
+from harness.machine.image import kernels as K
 from harness.errors import SetupError
 
 
@@ -66,7 +66,7 @@ def test_kph_matrix_checks_every_kernel_before_it_boots_one(archives, monkeypatc
     """``kph matrix --kernels 6.1,9.9`` once ran 6.1 and only then named 9.9 unknown."""
     import argparse
 
-    from harness import runner
+    from harness.diff import runner
     from harness.cli import matrix
 
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))           # no image is built here

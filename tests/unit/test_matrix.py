@@ -1,5 +1,5 @@
-"""Comparing the guests of several kernels (harness.matrix), on recorded runs."""
-from harness.matrix import KernelRun, compare_kernels
+"""Comparing the guests of several kernels (harness.diff.matrix), on recorded runs."""
+from harness.diff.matrix import KernelRun, compare_kernels
 from harness.records import Hit, Outcome, RunResult
 
 

@@ -10,9 +10,9 @@ from harness.backends.module import (FLAG_POST, REG_OFFSET, Item, ModuleBackend,
                                      UnsupportedFetchArgError, _Placed, _symbolizer, add_line,
                                      compile_arg, decode_arg, parse_events_line)
 from harness.errors import SymbolNotFoundError
-from harness.fetchargs import FAULT, UNKNOWN, FaultError, evaluate, format_value
-from harness.probespec import parse, parse_arg
-from harness.symbols import SymbolTable
+from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
+from harness.kernel.grammar.kprobe import parse, parse_arg
+from harness.kernel.symbols import SymbolTable
 
 KALLSYMS = """\
 ffffffff81000000 T _stext
@@ -399,7 +399,7 @@ def test_decode_pads_missing_elements():
 # ---------------------------------------------------------------- the image step
 
 def test_recipe_hash_covers_the_module_sources_only(tmp_path, monkeypatch):
-    from harness import images
+    from harness.machine.image import store as images
 
     names = [p.name for p in images.kmod_sources()]
     assert "kph_kprobes.c" in names and "Makefile" in names
@@ -418,7 +418,7 @@ def test_recipe_hash_covers_the_module_sources_only(tmp_path, monkeypatch):
 
 def test_missing_headers_name_the_package(tmp_path):
     from harness.errors import SetupError
-    from harness.images import _build_kmod
+    from harness.machine.image.store import _build_kmod
 
     with pytest.raises(SetupError, match="apt-get install linux-headers-0.0.0-kph-none"):
         _build_kmod(tmp_path, "0.0.0-kph-none")

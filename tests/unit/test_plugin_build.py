@@ -1,4 +1,4 @@
-"""harness.plugin: building the QEMU plugin on demand, cached per sources and QEMU."""
+"""harness.machine.pluginlink: building the QEMU plugin on demand, cached per sources and QEMU."""
 from __future__ import annotations
 
 import shutil
@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from harness import plugin
+from harness.machine import pluginlink as plugin
 from harness.errors import SetupError
-from harness.qemu import QemuBinary
+from harness.machine.qemu import QemuBinary
 
 
 @pytest.fixture

@@ -1,14 +1,14 @@
-"""harness/probespec.py (the kprobe_events grammar) and harness/fetchargs.py (what fetch args
+"""harness/kernel/grammar/kprobe.py (the kprobe_events grammar) and harness/kernel/grammar/fetch.py (what fetch args
 yield), against the rules of Linux 6.1's trace_kprobe.c / trace_probe.c. No QEMU needed."""
 import logging
 
 import pytest
 
-from harness import fetchargs as fa
-from harness import probespec as ps
+from harness.kernel.grammar import fetch as fa
+from harness.kernel.grammar import kprobe as ps
 from harness.errors import ProbeSpecError
-from harness.fetchargs import FAULT, UNKNOWN, FaultError, evaluate, format_value
-from harness.probespec import format, kernel_format, parse
+from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
+from harness.kernel.grammar.kprobe import format, kernel_format, parse
 
 # ---------------------------------------------------------------- round trip
 
@@ -220,7 +220,7 @@ def test_errors_the_kernel_does_not_log():
     assert _err("x:e sym")[0].startswith("Unknown probe type")
     msg, col = _err("p:e")
     assert msg.startswith("No probe point") and col == 4
-    assert parse("p:e /bin/sh:0x10").is_uprobe           # uprobe_events: harness.uprobespec
+    assert parse("p:e /bin/sh:0x10").is_uprobe           # uprobe_events: harness.kernel.grammar.uprobe
     assert _err("p:e sym x=$comm:u32")[1] == len("p:e sym x=$comm:")
     assert _err("p:e sym x=$comm:string[2]")[0].startswith("$comm and immediate")
     assert _err(" -:ev")[0].startswith("Unknown probe type")
@@ -237,7 +237,7 @@ def test_event_too_big_counts_record_bytes():
 
 def test_args_past_max_trace_args_are_ignored_like_the_kernel(caplog):
     text = "p:e sym " + " ".join("%di" for _ in range(130))
-    with caplog.at_level(logging.WARNING, logger="harness.probespec"):
+    with caplog.at_level(logging.WARNING, logger="harness.kernel.grammar.kprobe"):
         spec = parse(text)
     assert len(spec.args) == ps.MAX_TRACE_ARGS == 128
     assert spec.args[-1].name == "arg128"

@@ -1,7 +1,7 @@
 import pytest
 
 from harness.errors import SetupError
-from harness.qemu import QemuBinary, _parse_version, find_qemu
+from harness.machine.qemu import QemuBinary, _parse_version, find_qemu
 
 
 def test_parse_version_debian_strings():

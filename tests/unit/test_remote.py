@@ -1,12 +1,12 @@
-"""What makes a remote worker's results incomparable (harness.remote.differences), and the
+"""What makes a remote worker's results incomparable (harness.apps.remote.differences), and the
 check that the worker checked out the commit ``prepare`` sent."""
 import subprocess
 
 import pytest
 
-from harness import remote
+from harness.apps import remote
 from harness.errors import SetupError
-from harness.remote import check_checkout, differences
+from harness.apps.remote import check_checkout, differences
 
 IMG = {"abi": "6.1.0-56-cloud-amd64", "current": True, "kernel_sha256": "aa", "recipe": "r1"}
 

@@ -1,4 +1,4 @@
-"""harness/replay.py without QEMU: the script's initramfs, the machine's arguments, the
+"""harness/machine/replay.py without QEMU: the script's initramfs, the machine's arguments, the
 checks on a recording's directory."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from harness import replay as rr
+from harness.machine import replay as rr
 from harness.errors import SetupError
 
 

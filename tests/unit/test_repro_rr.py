@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import repro_rr
+from harness.apps import repro_rr
 from harness.errors import ScenarioError
-from harness.scenario import load
-from harness.symbols import SymbolTable
+from harness.apps.scenario import load
+from harness.kernel.symbols import SymbolTable
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 KALLSYMS = """ffffffff81000000 T _stext

@@ -1,10 +1,10 @@
-"""harness.ringbuf against pages laid out as 6.1's ring buffer lays them out, and the
+"""harness.kernel.ringbuf against pages laid out as 6.1's ring buffer lays them out, and the
 format file of a kprobe event as the 6.1 guest printed it."""
 import struct
 
-from harness.fetchargs import FAULT, escape_bytes, format_value
-from harness.probespec import parse
-from harness.ringbuf import decode_args, parse_format, parse_page, read_pages
+from harness.kernel.grammar.fetch import FAULT, escape_bytes, format_value
+from harness.kernel.grammar.kprobe import parse
+from harness.kernel.ringbuf import decode_args, parse_format, parse_page, read_pages
 
 FORMAT = """name: b
 ID: 1392
@@ -123,7 +123,7 @@ print fmt: "(%lx) arg1=0x%Lx arg2={\"%s\",\"%s\"} x=%u", REC->__probe_ip, REC->a
 
 
 def test_arguments_after_a_string_array_are_read():
-    from harness.ringbuf import format_args
+    from harness.kernel.ringbuf import format_args
 
     got = [(a.name, a.type, a.count) for a in format_args(parse_format(STRING_ARRAY))]
     assert got == [("arg1", "x64", 0), ("arg2", "string", 2), ("x", "u32", 0)]

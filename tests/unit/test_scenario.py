@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import ScenarioError
-from harness.scenario import load
+from harness.apps.scenario import load
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.images import Image
-from harness.qemu import QemuBinary
-from harness.snapshot import snapshot_key, unsupported, why_changed, _slot
+from harness.machine.image.store import Image
+from harness.machine.qemu import QemuBinary
+from harness.machine.snapshot import snapshot_key, unsupported, why_changed, _slot
 from harness.vmctl import Machine
 
 
@@ -48,7 +48,7 @@ def test_reasons_to_boot_cold(tmp_path):
 
 
 def test_restore_command_line_maps_the_ram_file_private_and_read_only(tmp_path):
-    from harness.snapshot import Snapshot
+    from harness.machine.snapshot import Snapshot
 
     m = _machine(tmp_path)
     m.snapshot = Snapshot(tmp_path / "snap,dir", {"key": {}})

@@ -1,4 +1,4 @@
-"""harness/symbols.py: kallsyms, vmlinux, the blacklist and register_kprobe()'s address
+"""harness/kernel/symbols.py: kallsyms, vmlinux, the blacklist and register_kprobe()'s address
 rules, on inline fixtures and hand-assembled x86-64 bytes (no VM)."""
 import errno
 import os
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from harness.errors import ProbeRejectedError, ProbeSpecError, SetupError, SymbolNotFoundError
-from harness.symbols import (ARCH, Blacklist, Insn, SymbolTable, X86_64, check_probe_address,
+from harness.kernel.symbols import (ARCH, Blacklist, Insn, SymbolTable, X86_64, check_probe_address,
                              instruction_at, kprobe_addr, load_kallsyms_cached)
 
 KALLSYMS = textwrap.dedent("""\
@@ -561,7 +561,7 @@ def test_too_far_into_a_symbol(table, blacklist, mem):
 def test_reserved_text_reads_self_relative_tables():
     """jump_label_text_reserved(), static_call_text_reserved() and find_bug() on tables laid
     out as vmlinux's: self-relative s32 entries of 16, 8 and 12 bytes."""
-    from harness.symbols import ReservedText, SymbolTable
+    from harness.kernel.symbols import ReservedText, SymbolTable
 
     text = 0xFFFFFFFF81000000
     tables = {0xFFFFFFFF82000000: (16, [text + 0x10]),           # a 2-byte nop, jump label

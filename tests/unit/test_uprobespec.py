@@ -1,12 +1,13 @@
-"""The uprobe_events grammar (harness/uprobespec.py) and the uprobe fetch rules."""
+"""The uprobe_events grammar (harness/kernel/grammar/uprobe.py) and the uprobe fetch rules."""
 from __future__ import annotations
 
 import pytest
 
 from harness.errors import ProbeSpecError
-from harness.fetchargs import FAULT, FaultError, evaluate
-from harness.probespec import format, kernel_format, parse
-from harness.uprobes import ElfImage, _maps_base
+from harness.kernel.grammar.fetch import FAULT, FaultError, evaluate
+from harness.kernel.grammar.kprobe import format, kernel_format, parse
+from harness.engines.uprobes import _maps_base
+from harness.kernel.elf import ElfImage
 
 
 @pytest.mark.parametrize("line", [

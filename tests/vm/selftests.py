@@ -112,7 +112,7 @@ def fill(text: str, vm) -> str:
                        "echo $f && break; done", timeout=120)
             return r.stdout.split()[0]
         if kind == "entry":       # REALBIN=`readlink -f PATH`, then its entry's file offset
-            from harness.uprobes import ElfImage
+            from harness.kernel.elf import ElfImage
             name = vm.run(f"readlink -f {name}", check=True).stdout.strip()
             img = ElfImage(vm.pull(name))
             return f"{name}:0x{img.file_offset(img._elf['e_entry']):x}"
@@ -169,7 +169,7 @@ def check_case(probe_diff, case: Case, series: str):
             if want != "ok":    # ok: accepted, registered or kept unregistered
                 assert bool(h.pending) == (want == "pending"), where
             if want == "hit":
-                from harness import report
+                from harness.diff import report
                 assert res.matched.get(h.probe, 0) >= 1, \
                     f"{where}: no hit\n{report.text(res.result)}"
         else:
@@ -189,8 +189,8 @@ def check_parse_refusals(vm, items, *, carets: bool = True) -> tuple[int, int, i
     ``carets``: the selftest's caret must be the kernel's too (its own kernel's list).
     Returns (logged, silent, accepted) counts."""
     from harness.errors import ProbeSpecError
-    from harness.facts import kernel_view
-    from harness.probespec import parse
+    from harness.machine.image.facts import kernel_view
+    from harness.kernel.grammar.kprobe import parse
 
     view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
     bad, logged, silent, accepted = [], 0, 0, 0
@@ -238,7 +238,7 @@ def check_registration(vm, lines: list[str]) -> list:
     accepted or refused alike (errno and message). Returns the guest's outcomes."""
     from harness.backends.events import EventsBackend
     from harness.backends.host import HostBackend
-    from harness.probespec import KernelView, parse
+    from harness.kernel.grammar.kprobe import KernelView, parse
 
     view = KernelView(vm.facts.rules)
     specs = [parse(ln, kernel=view) for ln in lines]
@@ -260,8 +260,8 @@ def check_lines(vm, lines: list[str]) -> list[str]:
     written to its ``kprobe_events``/``uprobe_events``: both accept it, or both refuse it
     with the same ``error_log`` text, caret and errno. Returns what differs."""
     from harness.errors import ProbeSpecError
-    from harness.facts import kernel_view
-    from harness.probespec import parse
+    from harness.machine.image.facts import kernel_view
+    from harness.kernel.grammar.kprobe import parse
 
     view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
     bad = []
@@ -279,7 +279,7 @@ def check_lines(vm, lines: list[str]) -> list[str]:
             # refused at registration, not while parsing: the host side's trace layer and
             # register_kprobe() rules say it (no caret: the outcome has none)
             from harness.backends.host import HostBackend
-            from harness.probespec import KernelView
+            from harness.kernel.grammar.kprobe import KernelView
             host = HostBackend(vm, armed=False)
             try:
                 (o,) = host.register([parse(line, kernel=KernelView(vm.facts.rules))])

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from harness.diff import compare
-from harness.probespec import parse
-from harness.runner import run_differential, trampoline_text
+from harness.diff.verdict import compare
+from harness.kernel.grammar.kprobe import parse
+from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = pytest.mark.vm
 

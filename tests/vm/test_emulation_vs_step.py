@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.emulate import decode
-from harness.kprobes import Kprobe
+from harness.kernel.emulate import decode
+from harness.kernel.kprobes import Kprobe
 
 pytestmark = pytest.mark.vm
 
@@ -29,7 +29,7 @@ SYNTHETIC = {
 def real_sites(vm, host, func="do_sys_openat2"):
     """Offsets in ``func`` whose instruction the engine would emulate, one per class+width."""
     sym = vm.symbols.lookup(func)
-    from harness.symbols import instruction_at
+    from harness.kernel.symbols import instruction_at
 
     code = host.read(sym.addr, sym.size)
     sites, kinds, off = {}, set(), 0

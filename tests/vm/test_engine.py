@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from harness.errors import ProbeRejectedError
-from harness.kprobes import Jprobe, Kprobe, Kretprobe
+from harness.kernel.kprobes import Jprobe, Kprobe, Kretprobe
 
 pytestmark = pytest.mark.vm
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from harness.facts import REQUIRED, KernelFacts
-from harness.images import sha256_file
-from harness.kprobes import Kprobe
+from harness.machine.image.facts import REQUIRED, KernelFacts
+from harness.machine.image.store import sha256_file
+from harness.kernel.kprobes import Kprobe
 from harness.vmctl import Machine
 
 pytestmark = pytest.mark.vm
@@ -31,7 +31,7 @@ def test_a_kernel_without_an_image_is_harvested_before_boot_returns(default_imag
     """The empty-cache deadlock of issue 13: a pre_handler that needs BTF (task comm and
     pid) on a kernel whose facts nobody harvested before. It must work the first time."""
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))
-    from harness.qemu import find_qemu
+    from harness.machine.qemu import find_qemu
 
     with Machine.boot(kernel=default_image.kernel, initrd=default_image.initrd,
                       qemu=find_qemu()) as vm:

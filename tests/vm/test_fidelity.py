@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from harness.errors import ProbeRejectedError
-from harness.kprobes import Kprobe
-from harness.probespec import parse
+from harness.kernel.kprobes import Kprobe
+from harness.kernel.grammar.kprobe import parse
 
 pytestmark = pytest.mark.vm
 
@@ -227,7 +227,7 @@ def test_a_nonzero_pre_handler_resumes_where_it_left_regs_ip(kph_fresh_machine):
 def test_uprobe_targets_that_are_not_regular_files(probe_diff):
     """uprobe_syntax_errors.tc: /sys is EINVAL "Not a regular file", a missing file ENOENT
     "Failed to find the given file", on both sides and through the API."""
-    from harness.uprobes import Uprobe
+    from harness.engines.uprobes import Uprobe
 
     res = probe_diff(["p /sys:100", "p /non_exist_file:100", "p:u/dev /dev/null:0"], "true")
     res.assert_equivalent(min_events=0)

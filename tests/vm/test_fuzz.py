@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import fuzz
+from harness.apps import fuzz
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 
@@ -27,7 +27,7 @@ def oracles(oracle):
     """An oracle per kernel a case names (``# kernel: 6.12``), booted on first use."""
     import contextlib
 
-    from harness.imagebuild import build_image
+    from harness.machine.image.build import build_image
     from harness.vmctl import Machine
 
     made = {None: oracle}

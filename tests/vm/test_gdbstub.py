@@ -9,7 +9,7 @@ import pytest
 
 from harness.errors import ProbeRejectedError
 from harness.gdbstub import GdbStub
-from harness.symbols import Blacklist, check_probe_address, load_kallsyms_cached
+from harness.kernel.symbols import Blacklist, check_probe_address, load_kallsyms_cached
 from harness.vmctl import Machine
 
 pytestmark = pytest.mark.vm
@@ -189,7 +189,7 @@ def test_gdb_is_reaped_when_a_test_fails_mid_stop(default_image):
 def test_symbols_of_a_bare_kernel_are_harvested_from_the_guest(default_image, tmp_path,
                                                               monkeypatch):
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))
-    from harness.qemu import find_qemu
+    from harness.machine.qemu import find_qemu
 
     with Machine.boot(kernel=default_image.kernel, initrd=default_image.initrd,
                       qemu=find_qemu()) as vm:

@@ -8,7 +8,7 @@ import pytest
 
 from harness import constants as C
 from harness.errors import GuestStoppedError, HandlerError
-from harness.kprobes import Kprobe, Kretprobe
+from harness.kernel.kprobes import Kprobe, Kretprobe
 
 pytestmark = pytest.mark.vm
 
@@ -144,7 +144,7 @@ def test_a_dispatcher_that_dies_leaves_the_guest_running_and_says_why(vm, monkey
     running' in the middle of a step). The call that needed it fails with the cause; the
     guest is not left held by nobody: its probes are removed, it runs, and the next
     vm.run works at once (before, the next test waited out the stall check)."""
-    from harness import engine as E
+    from harness.engines import gdbstub_engine as E
     from harness.errors import VMLostError
 
     h = vm.host

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness.kprobes import Kprobe
+from harness.kernel.kprobes import Kprobe
 from harness.vmctl import Machine
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
@@ -19,7 +19,7 @@ SERIES = ["6.1", "6.12", "7.3"]
 @pytest.fixture(scope="session")
 def kernel_image():
     """Build (or find current) the image of a series; one build per image across workers."""
-    from harness.imagebuild import build_image
+    from harness.machine.image.build import build_image
 
     made = {}
 
@@ -70,8 +70,8 @@ def test_each_kernels_module_builds_in_an_empty_cache_of_its_own(series, tmp_pat
     no ``as`` that gcc can call, 6.12's do, and the suite once passed only because it
     built 6.12 first (a newcomer's ``kph image build --kernel 7.3`` failed with "Compiler
     does not support fentry?")."""
-    from harness import kernels, toolchain
-    from harness.images import kmod_sources
+    from harness.machine.image import kernels, toolchain
+    from harness.machine.image.store import kmod_sources
 
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))    # $KPH_DOWNLOADS, if set, is shared
     rel = kernels.resolve(series)

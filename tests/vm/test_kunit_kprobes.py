@@ -5,7 +5,7 @@ functions in a module, built here against the image's headers and loaded in the 
 the same handlers and expectations; the kprobes are host-side (``vm.host``). What
 ``KUNIT_EXPECT_FALSE(preemptible())`` asks becomes: handlers run with the guest halted
 (the dispatcher owns the stopped vCPUs; nothing else can run). ``stack_trace_save()`` /
-``stack_trace_save_regs()`` are ``harness.unwind.stack_trace`` (frame pointers; the module
+``stack_trace_save_regs()`` are ``harness.kernel.unwind.stack_trace`` (frame pointers; the module
 is built with them). The targets are module functions named without their module
 (``kprobe_target``), as the suite names them: ``kallsyms_lookup_name()`` finds them in the
 module, and the harness takes module symbols from the running guest.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.kprobes import Kprobe, Kretprobe
-from harness.unwind import stack_trace
+from harness.kernel.kprobes import Kprobe, Kretprobe
+from harness.kernel.unwind import stack_trace
 
 pytestmark = [pytest.mark.vm]
 

@@ -54,7 +54,7 @@ def test_sockets_live_in_a_private_run_dir(vm):
     st = os.stat(vm.rundir)
     assert st.st_mode & 0o777 == 0o700
     socks = sorted(p.name for p in vm.rundir.iterdir() if p.suffix == ".sock")
-    # plugin.sock: the TCG plugin's control socket (harness.plugin), when QEMU loads it
+    # plugin.sock: the TCG plugin's control socket (harness.machine.pluginlink), when QEMU loads it
     assert socks == sorted(["gdb.sock", "qga.sock", "qmp.sock"]
                            + (["plugin.sock"] if vm.plugin_path else []))
     # Nothing of ours listens on TCP.

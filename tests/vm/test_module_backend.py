@@ -7,8 +7,8 @@ import errno
 import pytest
 
 from harness.backends.module import KPH_DIR, ModuleBackend
-from harness.fetchargs import parse_trace_line
-from harness.probespec import parse
+from harness.kernel.grammar.fetch import parse_trace_line
+from harness.kernel.grammar.kprobe import parse
 
 pytestmark = pytest.mark.vm
 

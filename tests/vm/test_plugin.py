@@ -1,4 +1,4 @@
-"""The QEMU plugin engine (harness.plugin_engine, probes/plugin/) against the default image."""
+"""The QEMU plugin engine (harness.engines.plugin_engine, probes/plugin/) against the default image."""
 from __future__ import annotations
 
 import threading
@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from harness import Machine, fetchprog
-from harness.diff import compare
-from harness.probespec import parse
-from harness.runner import run_differential, run_single, trampoline_text
+from harness import Machine
+from harness.kernel.grammar import program as fetchprog
+from harness.diff.verdict import compare
+from harness.kernel.grammar.kprobe import parse
+from harness.diff.runner import run_differential, run_single, trampoline_text
 
 pytestmark = pytest.mark.vm
 
@@ -190,7 +191,7 @@ def test_bad_ring_sizes_are_refused_and_qemu_lives_on(pvm):
     import os
     import struct
 
-    from harness.plugin import CMD_RING, PluginError
+    from harness.machine.pluginlink import CMD_RING, PluginError
 
     link = pvm.host.link
     n = link.nvcpus
@@ -256,7 +257,7 @@ def test_array_count_over_the_kernels_max_is_refused(pvm):
     refused at CMD_ADD, as the kernel refuses ``:x32[65]``; 64 is accepted."""
     import errno
 
-    from harness.plugin import PluginError
+    from harness.machine.pluginlink import PluginError
 
     addr = pvm.symbols.lookup("do_sys_openat2").addr
     prog = bytearray(fetchprog.compile_spec(parse("p:a do_sys_openat2 v=+0(%dx):x32[64]").args))

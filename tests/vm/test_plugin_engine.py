@@ -1,4 +1,4 @@
-"""Python handlers in the plugin engine: the kprobes API of harness.engine, same semantics.
+"""Python handlers in the plugin engine: the kprobes API of harness.engines.gdbstub_engine, same semantics.
 
 Mirrors tests/vm/test_engine.py case by case (where the gdbstub engine emulates or
 single-steps, the plugin lets QEMU run the instruction), plus what only this engine
@@ -16,7 +16,7 @@ from harness.errors import HandlerError
 
 from harness import Machine
 from harness.errors import ProbeRejectedError
-from harness.kprobes import Jprobe, Kprobe, Kretprobe
+from harness.kernel.kprobes import Jprobe, Kprobe, Kretprobe
 
 pytestmark = pytest.mark.vm
 

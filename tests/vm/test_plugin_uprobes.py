@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from harness import Machine
-from harness.diff import compare
-from harness.probespec import parse
-from harness.runner import run_differential, trampoline_text
+from harness.diff.verdict import compare
+from harness.kernel.grammar.kprobe import parse
+from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = pytest.mark.vm
 

@@ -1,7 +1,7 @@
 """Issue 18: the differential suite across machines on pytest-xdist's SSH gateways.
 
 Only loopback is allowed here, so "another machine" is a private sshd on 127.0.0.1
-(``harness.loopback_sshd``: a random port, throwaway keys, stopped by its pid) and a
+(``harness.apps.loopback_sshd``: a random port, throwaway keys, stopped by its pid) and a
 worker checkout made by ``kph worker prepare`` in a temporary directory with its own,
 empty ``KPH_CACHE``: setup.sh, the private QEMU, the image and its snapshot are all made
 there afresh, as on a new host. ``prepare`` refuses a checkout with uncommitted changes
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.loopback_sshd import HOST_ALIAS, LoopbackSshd
+from harness.apps.loopback_sshd import HOST_ALIAS, LoopbackSshd
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

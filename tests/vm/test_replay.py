@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from harness.replay import End, record, replay
+from harness.machine.replay import End, record, replay
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(180)]
 
@@ -149,7 +149,7 @@ def test_in_guest_kprobe_trace_replays_to_the_same_lines(default_image, tmp_path
 
 
 def _kallsyms_addr(name: str) -> int:
-    from harness.images import default_image
+    from harness.machine.image.store import default_image
 
     for line in default_image().kallsyms.read_text().splitlines():
         addr, _, sym = line.split()[:3]

@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from harness import report
-from harness.diff import compare
-from harness.probespec import parse
-from harness.runner import run_differential, trampoline_text
+from harness.diff import report
+from harness.diff.verdict import compare
+from harness.kernel.grammar.kprobe import parse
+from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 

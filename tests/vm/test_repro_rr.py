@@ -80,7 +80,7 @@ def test_replay_gdb_keeps_the_stub_for_reverse_stepping_until_ctrl_c(null_bundle
 
 @pytest.mark.timeout(240)
 def test_recorded_events_scenario_replays_the_same_trace(tmp_path, default_image):
-    from harness import repro_rr, scenario
+    from harness.apps import repro_rr, scenario
 
     scn_file = tmp_path / "ev.toml"
     scn_file.write_text(

@@ -1,4 +1,4 @@
-"""Each rule of ``harness.kernelrules`` checked in the guest of every kernel series it
+"""Each rule of ``harness.kernel.rules`` checked in the guest of every kernel series it
 names: a line that tells the series apart is parsed host-side as that kernel's rules say
 and written to that kernel's ``kprobe_events``; both sides must accept it, or refuse it
 with the same ``error_log`` text, caret and errno. Then ``kph matrix`` on the shipped
@@ -51,9 +51,9 @@ RULE_LINES = {
 @pytest.fixture
 def machine(request):
     from harness.errors import HarnessError
-    from harness.imagebuild import build_image
-    from harness.images import default_image
-    from harness.pytest_plugin import _boot_opts, boot_machine
+    from harness.machine.image.build import build_image
+    from harness.machine.image.store import default_image
+    from harness.apps.pytest_plugin import _boot_opts, boot_machine
 
     series = request.node.callspec.params["series"]
     try:
@@ -101,7 +101,7 @@ def test_uretprobe_trampoline_frame_below_sp(series, side):
     still holds what ``ret`` popped: the trampoline's address, never the return value.
     The guest shows the rule; each host engine, alone on the execution, must mirror it
     (found by ``kph fuzz`` on 7.3: the host read the function's leftovers there)."""
-    from harness.kernelrules import rules_for
+    from harness.kernel.rules import rules_for
 
     cmd = [sys.executable, "-m", "harness.cli", "probe", "--image", series, "--json", URET_FRAME,
            "--run", "/usr/bin/kph-loop 2 kph > /dev/null"]

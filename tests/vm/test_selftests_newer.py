@@ -320,8 +320,8 @@ SKIPPED = {"6.12": _SKIPPED_COMMON, "7.3": _SKIPPED_COMMON | {
 def newer_image():
     """The image of a series, built on first use (one build per image across workers)."""
     from harness.errors import HarnessError
-    from harness.imagebuild import build_image
-    from harness.images import default_image
+    from harness.machine.image.build import build_image
+    from harness.machine.image.store import default_image
 
     made: dict[str, object] = {}
 
@@ -338,7 +338,7 @@ def newer_image():
 @pytest.fixture
 def machine(request, newer_image):
     """A fresh machine of the test's ``series``, from that image's ready snapshot."""
-    from harness.pytest_plugin import _boot_opts, boot_machine
+    from harness.apps.pytest_plugin import _boot_opts, boot_machine
 
     series = request.node.callspec.params["series"]
     vm = boot_machine(newer_image(series), **_boot_opts(request.config))
@@ -349,7 +349,7 @@ def machine(request, newer_image):
 
 @pytest.fixture
 def diff(machine):
-    from harness.pytest_plugin import DiffHelper
+    from harness.apps.pytest_plugin import DiffHelper
 
     helper = DiffHelper(machine, "events")
     yield helper
@@ -454,8 +454,8 @@ def test_fprobe_and_tprobe_lines_are_refused_host_side(series, machine):
     """What the host cannot mirror it refuses, with one line, before placing anything;
     the guest takes the same lines (written to ``dynamic_events``)."""
     from harness.errors import NotMirroredError
-    from harness.facts import kernel_view
-    from harness.probespec import parse
+    from harness.machine.image.facts import kernel_view
+    from harness.kernel.grammar.kprobe import parse
 
     view = kernel_view(machine.facts, machine.symbols)
     for source, raw in NOT_MIRRORED[series]:
@@ -486,7 +486,7 @@ def test_plugin_engine_return_probes(series, newer_image):
     it is NX rodata and a return into it oopsed the guest (found by ``kph fuzz --host
     plugin`` with ``r1:a.b do_sys_openat2``); the engine takes the int3 padding before it."""
     from harness import Machine
-    from harness.pytest_plugin import DiffHelper
+    from harness.apps.pytest_plugin import DiffHelper
 
     with Machine.boot(newer_image(series), host="plugin") as vm:
         etext = vm.symbols.lookup("_etext").addr

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.images import pack_cpio, load_image
-from harness.snapshot import file_sha256, snapshot_key
+from harness.machine.image.store import pack_cpio, load_image
+from harness.machine.snapshot import file_sha256, snapshot_key
 from harness.vmctl import Machine
 
 pytestmark = pytest.mark.vm
@@ -117,7 +117,7 @@ def _marker(m) -> str:
 
 
 def test_changed_initramfs_makes_the_snapshot_stale(default_image, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="harness.snapshot")
+    caplog.set_level(logging.INFO, logger="harness.machine.snapshot")
     img = _image_copy(default_image, tmp_path / "img", "one")
     with Machine.boot(img) as m:
         assert m.start_mode == "snapshot", m.cold_reason
@@ -136,7 +136,7 @@ def test_changed_initramfs_makes_the_snapshot_stale(default_image, tmp_path, cap
 
 
 def test_changed_qemu_makes_the_snapshot_stale(default_image, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="harness.snapshot")
+    caplog.set_level(logging.INFO, logger="harness.machine.snapshot")
     img = _image_copy(default_image, tmp_path / "img", "q")
     real = Machine.prepare(img).qemu
     exe = next(a for a in reversed(real.argv) if Path(a).is_file())
@@ -174,7 +174,7 @@ def test_cli_boot_says_how_it_started():
 
 
 def test_fresh_machine_fixture(kph_fresh_machine, kph_image):
-    from harness.pytest_plugin import boot_machine
+    from harness.apps.pytest_plugin import boot_machine
 
     assert kph_fresh_machine.start_mode == "snapshot", kph_fresh_machine.cold_reason
     kph_fresh_machine.run("echo x > /tmp/left-behind", check=True)

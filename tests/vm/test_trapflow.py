@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness import report, trapflow
+from harness.apps import trapflow
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(180)]
 
@@ -73,14 +73,14 @@ def test_page_renders_offline_in_chromium(flows, page_layout):
     inside it), no clipped cell, and in every diagram no two texts overlap, no label sits
     on a circle, every step number is inside its circle, and no connecting line runs
     through a circle or over a label. Each diagram has only the lanes its flow visits."""
-    page = report.trapflow_html(list(flows.values()))
+    page = trapflow.trapflow_html(list(flows.values()))
     for width in (1100, 1600):
         res = page_layout(page, width, "trap-flow")
         assert res["problems"] == [], (width, res["problems"], res["screenshot"])
         steps = sum(len(f.steps) for f in flows.values())
         assert res["counts"]["circles"] == steps and res["counts"]["lines"] >= steps, res
     for f in flows.values():
-        svg = report._svg(f)
+        svg = trapflow._svg(f)
         shown = re.findall(r'<text class="lane"[^>]*>([^<]+)</text>', svg)
         assert shown == [ln for ln in trapflow.LANES if any(s.lane == ln for s in f.steps)]
         if f.kind in ("int3", "ftrace", "optimized", "kretprobe"):

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from harness.diff import compare
+from harness.diff.verdict import compare
 from harness.errors import ProbeRejectedError
-from harness.kprobes import ProbeFlags
-from harness.probespec import parse
-from harness.runner import run_differential, trampoline_text
-from harness.uprobes import Uprobe
+from harness.kernel.kprobes import ProbeFlags
+from harness.kernel.grammar.kprobe import parse
+from harness.diff.runner import run_differential, trampoline_text
+from harness.engines.uprobes import Uprobe
 
 pytestmark = pytest.mark.vm
 

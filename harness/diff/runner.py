@@ -1,0 +1,223 @@
+"""Run probe specs on one side, or on two sides observing one execution, for a workload.
+
+Why one execution and not two runs: fetch args such as ``%dx`` at ``do_sys_openat2`` are
+kernel stack pointers, different in every process; only the very same hits can be
+compared field by field. So both sides are armed at once: host-side first (its address
+checks see the original instructions, not the guest's int3), then in-guest, then the host
+forgets what it decoded (the guest's probes changed the text). At a shared address the
+host breakpoint fires before the guest's own ftrace call, int3 or jump, records, then
+executes the instruction, which runs the guest's probe. One workload, the same calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+from ..backends import make_backend
+from ..errors import HarnessError, SetupError
+from ..backends.host import FetchHook, HostBackend
+from ..kernel.grammar.kprobe import ProbeSpec
+from ..progress import ProgressFn, hits_text, say, ticking
+from ..records import RunResult
+
+log = logging.getLogger(__name__)
+
+
+def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
+    """Turn the harness's ``PATH:SYMBOL[+OFFS]`` uprobe form into the file offset the
+    kernel needs, from the program's ELF read out of the guest; other specs pass as is."""
+    from ..kernel.grammar.uprobe import resolve_symbol
+
+    from ..backends.tracelayer import uprobe_file_refusal
+
+    out = []
+    for spec in specs:
+        if spec.is_uprobe and spec.symbol is not None:
+            if uprobe_file_refusal(vm, spec) is not None:
+                # The kernel checks the file before the offset: leave the offset at 0 so
+                # every side refuses the line for its file, with the kernel's text.
+                out.append(dataclasses.replace(spec, symbol=None, offset=0,
+                                               event=spec.event if spec.explicit_event else ""))
+                continue
+            try:
+                elf = vm.pull(spec.path)
+            except HarnessError as exc:
+                raise SetupError(f"cannot read {spec.path} in the guest to resolve "
+                                 f"{spec.symbol} ({exc})",
+                                 "give a program that exists in the image, or PATH:OFFSET") from None
+            new = resolve_symbol(spec, elf)
+            log.info("%s:%s resolved to file offset %#x", spec.path, spec.symbol, new.offset)
+            spec = new
+        out.append(spec)
+    return out
+
+
+def _live_hits(side: Any) -> Any:
+    """What ``ticking`` shows while the workload runs: the hits counted so far by a
+    host-side backend (its counters are host memory, readable while the guest runs);
+    in-guest counts are read only after the workload."""
+    return lambda s: f"workload running {s:.0f} s: {side.side} {hits_text(side.counters())}"
+
+
+def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
+               timeout: float = 120.0, progress: ProgressFn | None = None) -> RunResult:
+    """Place ``specs`` with one backend, run ``workload``, collect, unregister.
+
+    :param progress: told each phase (``harness.progress``), and the host-side hit count
+        while the workload runs when it can show live lines.
+    """
+    specs = resolve_uprobes(vm, specs)
+    be = make_backend(backend, vm)
+    try:
+        say(progress, f"registering {len(specs)} probe line(s) on {be.side}")
+        outcomes = be.register(specs)
+        be.enable()
+        say(progress, f"workload running: {workload}")
+        live = _live_hits(be) if be.side in ("host", "plugin") else (
+            lambda s: f"workload running {s:.0f} s")
+        with ticking(progress, live):
+            r = vm.run(workload, timeout=timeout)
+        be.disable()
+        say(progress, f"collecting the hits ({be.side})")
+        return RunResult(be.side, outcomes, be.collect(), be.counters(), r.status,
+                         r.stdout + r.stderr, r.stderr)
+    finally:
+        be.close()
+
+
+def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
+                     guest: str = "events", hook: FetchHook | None = None,
+                     timeout: float = 120.0, progress: ProgressFn | None = None
+                     ) -> tuple[RunResult, RunResult]:
+    """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
+
+    :param progress: told each phase (``harness.progress``), and the host-side hit count
+        while the workload runs when it can show live lines.
+    """
+    specs = resolve_uprobes(vm, specs)
+    g = make_backend(guest, vm)
+    h: Any = None
+    try:
+        comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
+        if getattr(vm, "host_kind", "gdbstub") == "plugin":   # issue 15: the plugin engine
+            from ..backends.plugin import PluginBackend
+            if hook is not None:
+                raise SetupError("a fetch hook needs the gdbstub engine",
+                                 "boot with host='gdbstub' to use hook=")
+            h = PluginBackend(vm, comm_rule=comm_rule)
+        else:
+            h = HostBackend(vm, hook=hook, comm_rule=comm_rule)
+        say(progress, f"registering {len(specs)} probe line(s): {h.side} and {guest}")
+        h_out = h.register(specs)
+        g_out = g.register(specs)
+        vm.host.invalidate_code()
+        # Both sides' probes are live over the same window, so that return-probe pools
+        # (and their nmissed) see the same calls: events and host probes are enabled
+        # together; the module's are live from its registration to its unloading, so the
+        # host arms right after registering it and disarms after reading its counters.
+        if guest == "module":
+            h.arm()
+        # With the gdbstub engine the guest's side (tracing_on, or the module's recording
+        # flag) is switched on and off in the same halt of the guest as the host's probes:
+        # no hit of another task (idle, softirq) falls between the two sides' windows,
+        # and the halt is one where no vCPU is between the host's breakpoint and the
+        # guest's handler (HostEngine.halted(settle=True)).
+        same_halt = isinstance(h, HostBackend)
+        g.enable(**({} if not same_halt else {"tracing": False} if guest == "events"
+                    else {"recording": False}))
+        if same_halt:
+            h.enable(also=lambda: g.switch(True))
+        else:
+            h.enable()
+        say(progress, f"workload running: {workload}")
+        with ticking(progress, _live_hits(h)):
+            r = vm.run(workload, timeout=timeout)
+        if same_halt:
+            h.disable(disarm=guest != "module", also=lambda: g.switch(False))
+        else:
+            h.disable(disarm=guest != "module")
+        g.disable()
+        say(progress, f"collecting the hits ({guest}: reading the guest's records)")
+        g_hits, g_counters = g.collect(), g.counters()
+        h.disarm()
+        host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
+                         r.stderr)
+        guest_res = RunResult(g.side, g_out, g_hits, g_counters, r.status,
+                              r.stdout + r.stderr, r.stderr)
+        return host, guest_res
+    finally:
+        if h is not None:
+            h.close()
+        g.close()
+
+
+def trampoline_text(vm: Any) -> tuple[str, ...]:
+    """How the host trampolines print in a guest trace: the kretprobe one (``_etext+0x0``)
+    and each uretprobe one used (``0x478c71``: the print is ``0x%lx``, matched whole)."""
+    hit = vm.symbols.symbolize(vm.host.trampoline)
+    texts = [f"{hit[0].name}+{hit[1]:#x}" if hit else f"0x{vm.host.trampoline:x}"]
+    up = vm.host._uprobes
+    if up is not None:
+        texts += [f"0x{t:x}" for t in up.used_trampolines]
+    return tuple(texts)
+
+
+class _prefixed:
+    """A progress sink that prefixes every line (phases and live ones) for another sink."""
+
+    def __init__(self, sink: Any, prefix: str) -> None:
+        self.sink, self.prefix = sink, prefix
+        if getattr(sink, "transient", None) is not None:
+            self.transient = lambda text: sink.transient(prefix + text)
+
+    def __call__(self, text: str) -> None:
+        if self.sink is not None:
+            self.sink(self.prefix + text)
+
+
+def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
+               guest: str = "events", timeout: float = 120.0, qemu: str | None = None,
+               build: bool = True, progress: Any = None) -> Any:
+    """``run_differential`` on each kernel's image (built first when missing and
+    ``build``), then the kernels' guests compared (``harness.diff.matrix``).
+
+    A kernel that cannot be run (no image and no build, a boot failure) is reported in its
+    row with the reason; the others still run.
+    """
+    from ..machine.image.store import default_image
+    from .matrix import KernelRun, MatrixResult, compare_kernels
+    from .verdict import compare
+    from ..errors import VMError
+    from ..vmctl import Machine
+
+    say = progress or (lambda s: None)
+    out = MatrixResult(workload)
+    for sel in kernels:
+        try:
+            img = default_image(sel)
+        except SetupError:
+            if not build:
+                raise
+            from ..machine.image.build import build_image
+
+            say(f"matrix: {sel}: no image yet, building it")
+            img = build_image(kernel=sel, qemu=qemu, progress=say)
+        say(f"matrix: {img.series} ({img.version}): booting")
+        kr = KernelRun(img.series, img.version)
+        try:
+            with Machine.boot(img, qemu=qemu) as vm:
+                host, guest_res = run_differential(
+                    vm, specs, workload, guest=guest, timeout=timeout,
+                    progress=_prefixed(progress, f"matrix: {img.series}: "))
+                say(f"matrix: {img.series}: comparing")
+                kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
+                kr.host, kr.guest = host, guest_res
+        except (VMError, HarnessError) as exc:
+            if isinstance(exc, SetupError):
+                raise
+            kr.error = str(exc).splitlines()[0]
+            say(f"matrix: {img.series}: {kr.error}")
+        out.kernels.append(kr)
+    out.differences = compare_kernels(out.kernels)
+    return out

@@ -1,0 +1,99 @@
+"""Three worlds on one execution: the gdbstub engine, the plugin engine, and the guest.
+
+``kph diff --host both``. The machine runs with the plugin loaded; the gdbstub engine is
+made explicitly beside it (``vm.host`` is the plugin's). The two host engines never
+share an address in the sense that matters: a gdbstub breakpoint stops the vCPU before
+the plugin's callback could run, so the gdbstub engine here single-steps every probed
+instruction (``HostEngine(emulate=False)``) with its breakpoint lifted, and the plugin's
+callback runs during that step. One hit is thus seen three times, in this order: the
+gdbstub stop, the plugin callback, the guest's own probe. Return probes hijack the same
+return-address slot in that order too, so each later world records the earlier one's
+trampoline as the return address: the guest sees the plugin's (``_etext+0x1``), the
+plugin sees the gdbstub engine's (``_etext+0x0``); for uretprobes the bytes one and two
+past the program's text. All compare equal to the real return address (the
+``trampoline`` normalization of ``harness.diff.verdict``).
+
+Arming order: gdbstub first (its address checks read the original instructions), then
+the plugin, then the guest; enabling in the reverse order.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..backends import make_backend
+from ..backends.host import HostBackend
+from ..backends.plugin import PluginBackend
+from .verdict import DiffResult, compare
+from ..errors import SetupError
+from ..kernel.grammar.kprobe import ProbeSpec
+from ..records import RunResult
+from .runner import trampoline_text
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ThreeWay:
+    """The pairwise comparisons of three runs of one execution."""
+
+    runs: tuple[RunResult, RunResult, RunResult]      # gdbstub, plugin, guest
+    pairs: tuple[DiffResult, DiffResult, DiffResult]  # gdbstub-guest, plugin-guest, gdbstub-plugin
+
+    @property
+    def equivalent(self) -> bool:
+        return all(p.equivalent for p in self.pairs)
+
+    def first_divergence(self) -> DiffResult | None:
+        """The first pair (in the order above) that diverges, or None."""
+        return next((p for p in self.pairs if not p.equivalent), None)
+
+
+def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str = "events",
+              timeout: float = 120.0, **verdict: Any) -> ThreeWay:
+    """Arm ``specs`` in the gdbstub engine, the plugin engine and the guest; run once.
+
+    :param verdict: ``harness.diff.verdict.compare``'s ``strict``, ``allow``, ``expect_empty``,
+        for every pair.
+    """
+    from ..engines.gdbstub_engine import HostEngine
+
+    if getattr(vm, "host_kind", "") != "plugin":
+        raise SetupError("three worlds need the plugin loaded", "boot with host='plugin'")
+    from .runner import resolve_uprobes
+
+    specs = resolve_uprobes(vm, specs)
+    comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
+    stub = HostEngine(vm, emulate=False)
+    g = h = p = None
+    try:
+        h = HostBackend(vm, comm_rule=comm_rule)
+        h.engine = stub                   # the gdbstub engine, not vm.host (the plugin's)
+        p = PluginBackend(vm, comm_rule=comm_rule)
+        g = make_backend(guest, vm)
+        outs = h.register(specs), p.register(specs), g.register(specs)
+        stub.invalidate_code()
+        g.enable()
+        p.enable()
+        h.enable()
+        r = vm.run(workload, timeout=timeout)
+        h.disable()
+        p.disable()
+        g.disable()
+        text = r.stdout + r.stderr
+        runs = tuple(RunResult(be.side, o, be.collect(), be.counters(), r.status, text)
+                     for be, o in zip((h, p, g), outs))
+    finally:
+        for be in (h, p, g):
+            if be is not None:
+                be.close()
+        stub.close()
+    hs = vm.symbols.symbolize(stub.trampoline)
+    tramps = tuple(trampoline_text(vm)) + ((f"{hs[0].name}+{hs[1]:#x}",) if hs else ())
+    if stub._uprobes is not None:       # the gdbstub engine's uretprobe trampolines
+        tramps += tuple(f"0x{t:x}" for t in stub._uprobes.used_trampolines)
+    pairs = (compare(runs[0], runs[2], trampoline=tramps, **verdict),
+             compare(runs[1], runs[2], trampoline=tramps, **verdict),
+             compare(runs[0], runs[1], trampoline=tramps, **verdict))
+    return ThreeWay(runs, pairs)  # type: ignore[arg-type]

@@ -1,0 +1,136 @@
+"""What both host engines share (the gdbstub engine, ``harness.engines.gdbstub_engine``, and the plugin
+engine, ``harness.engines.plugin_engine``): the kprobes API calls built on ``register_kprobe``,
+the x86_64 calling convention, the kernel's exception table and vectors. Each engine
+keeps only what is its own: GDB's stops, or the plugin's rings and round trips.
+
+An engine using :class:`EngineCore` provides ``register_kprobe``, ``unregister_kprobe``,
+``_register``, ``_unregister``, ``read`` and ``symbols``.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable
+
+from ..errors import ProbeRejectedError
+from ..kernel.kprobes import Jprobe, Kprobe, PtRegs
+
+EINVAL = 22
+#: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
+EXCEPTION_ENTRIES = {
+    "asm_exc_divide_error": 0, "asm_exc_debug": 1, "asm_exc_nmi": 2, "asm_exc_int3": 3,
+    "asm_exc_overflow": 4, "asm_exc_bounds": 5, "asm_exc_invalid_op": 6,
+    "asm_exc_device_not_available": 7, "asm_exc_double_fault": 8,
+    "asm_exc_invalid_tss": 10, "asm_exc_segment_not_present": 11,
+    "asm_exc_stack_segment": 12, "asm_exc_general_protection": 13,
+    "asm_exc_page_fault": 14, "asm_exc_spurious_interrupt_bug": 15,
+    "asm_exc_coprocessor_error": 16, "asm_exc_alignment_check": 17,
+    "asm_exc_machine_check": 18, "asm_exc_simd_coprocessor_error": 19,
+    "asm_exc_control_protection": 21,
+}
+#: The first six integer arguments' registers (x86_64 SysV ABI), as pt_regs names.
+ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
+
+
+def arity(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` takes (6 when it takes ``*args`` or cannot
+    be inspected): a jprobe's entry gets that many of the function's arguments."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 6
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 6
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def read_cstring(read: Callable[[int, int], bytes], addr: int, maxlen: int,
+                 fault: type[BaseException] | tuple[type[BaseException], ...]) -> bytes | None:
+    """A NUL-terminated string through ``read``, a page at a time as
+    ``strncpy_from_user`` does; None when its first byte cannot be read (``fault``)."""
+    out, a = b"", addr
+    while len(out) < maxlen:
+        n = min(maxlen - len(out), 4096 - (a & 4095))
+        try:
+            chunk = read(a, n)
+        except fault:
+            return out if out else None
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return out + chunk[:end]
+        out, a = out + chunk, a + n
+    return out
+
+
+class EngineCore:
+    """The host engines' shared kprobes API (see the module docstring)."""
+
+    symbols: Any
+
+    def register_kprobe(self, p: Kprobe) -> Kprobe:
+        raise NotImplementedError
+
+    def unregister_kprobe(self, p: Kprobe) -> None:
+        raise NotImplementedError
+
+    def _register(self, p: Kprobe) -> None:
+        raise NotImplementedError
+
+    def _unregister(self, p: Kprobe) -> None:
+        raise NotImplementedError
+
+    def read(self, addr: int, n: int) -> bytes:
+        raise NotImplementedError
+
+    def _register_all(self, ps: Iterable[Any],
+                      register: Callable[[Any], Any] | None = None,
+                      unregister: Callable[[Any], Any] | None = None) -> None:
+        """``register_kprobes()`` / ``register_kretprobes()``: all or none; a failure
+        unregisters those already done, then raises (default: the kprobe calls)."""
+        register = register or self._register
+        unregister = unregister or self._unregister
+        done: list[Any] = []
+        try:
+            for p in ps:
+                register(p)
+                done.append(p)
+        except BaseException:
+            for p in done:
+                unregister(p)
+            raise
+
+    def register_jprobe(self, jp: Jprobe) -> Jprobe:
+        """Call ``jp.entry`` with the function's arguments at its entry (host-side only)."""
+        if jp.entry is None:
+            raise ProbeRejectedError("a jprobe needs an entry function (-EINVAL)", EINVAL)
+        entry = jp.entry
+        n = jp.nargs if jp.nargs is not None else arity(entry)
+
+        def pre(p: Kprobe, regs: PtRegs) -> int:
+            entry(*self.function_args(regs, n))
+            return 0
+        jp.kp = self.register_kprobe(Kprobe(symbol_name=jp.symbol_name, offset=jp.offset,
+                                            addr=jp.addr, pre_handler=pre))
+        return jp
+
+    def unregister_jprobe(self, jp: Jprobe) -> None:
+        if jp.kp is not None:
+            self.unregister_kprobe(jp.kp)
+
+    def function_args(self, regs: PtRegs, n: int) -> list[int]:
+        """The first ``n`` integer arguments at a function entry (x86_64 SysV ABI)."""
+        args = [regs.get(r) for r in ARG_REGS[:n]]
+        for i in range(6, n):  # [sp] is the return address; the 7th argument follows it
+            args.append(int.from_bytes(self.read(regs.sp + 8 * (i - 5), 8), "little"))
+        return args
+
+    def exception_table(self) -> list[tuple[int, int]]:
+        """``(insn, fixup)`` of every ``__ex_table`` entry: the kernel's user-access sites."""
+        a = self.symbols.lookup("__start___ex_table").addr
+        b = self.symbols.lookup("__stop___ex_table").addr
+        data = self.read(a, b - a)
+        out = []
+        for i in range(0, len(data) - 11, 12):  # struct exception_table_entry {int insn, fixup, data}
+            insn = a + i + int.from_bytes(data[i:i + 4], "little", signed=True)
+            fixup = a + i + 4 + int.from_bytes(data[i + 4:i + 8], "little", signed=True)
+            out.append((insn & (1 << 64) - 1, fixup & (1 << 64) - 1))
+        return out

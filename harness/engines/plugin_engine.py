@@ -1,0 +1,523 @@
+"""Host-side kprobes in QEMU's TCG plugin API: ``vm.host`` of ``Machine.boot(host="plugin")``.
+
+The second host engine (docs/plugin.md; the project's design notes: "Two host engines,
+one API"); what both engines share is ``harness.engines.base``. Where
+``harness.engines.gdbstub_engine`` stops the whole VM at a gdbstub breakpoint and decides in Python,
+here ``probes/plugin/kph_plugin.c`` runs inside QEMU: an instruction callback on the
+probed address runs on the vCPU that reached it, before the instruction, while the
+other vCPUs go on. The semantics are the same modules' (``kprobes``, ``fetchargs``,
+``probespec``, ``symbols``); what differs is where the work happens:
+
+- spec probes (``kprobe_events`` lines, ``harness.backends.plugin``): fetch args are
+  compiled (``harness.kernel.grammar.program``) and run in C at the hit; each hit is a record in a
+  shared-memory ring, read back and evaluated by ``harness.kernel.grammar.fetch``: no round trip;
+- kretprobes take instances from a pool of ``maxactive`` in C, per concurrent call across
+  all vCPUs, as ``pre_handler_kretprobe()`` (kernel/kprobes.c, 6.1) does, and the
+  trampoline is serviced in C;
+- Python handlers (``register_kprobe(Kprobe(pre_handler=...))``, kretprobes with
+  ``entry_handler``/``handler``, jprobes) are a synchronous round trip on that vCPU only
+  (``harness.machine.pluginlink.Channel``): the vCPU waits in its callback while the handler runs
+  here, may read and write guest memory and system registers through it, and resumes
+  with the registers the handler changed (``qemu_plugin_write_register``) or at the ip it
+  chose (``qemu_plugin_set_pc``). The other vCPUs keep running.
+
+The hit flow mirrors ``harness.engines.gdbstub_engine`` (kprobe_int3_handler(), aggr_pre_handler(),
+kprobe_post_process() of Linux 6.1): pre_handlers newest first, the first non-zero
+return ends the chain and the vCPU resumes at ``regs.ip`` with no instruction and no
+post_handler; with 0 an ip change is dropped (``setup_singlestep()`` overwrites it) and
+the other registers carry over; the instruction then runs *in QEMU* (nothing emulated,
+nothing single-stepped), and the post_handlers run at the next instruction this vCPU
+executes, whatever the probed one was (a branch, call or ret: at the next block's first
+instruction; an interrupt delivered right after it: at the interrupt, with ip/flags/sp
+from the interrupt frame). When the probed instruction itself faults, the
+fault_handlers run with the faulting registers from the exception frame (1 = handled:
+the frame is undone, the vCPU resumes at ``regs.ip``) and no post_handler runs; the
+guest's own int3 there (vector 3) is the guest's business.
+
+Registration applies the kernel's rules first (``harness.kernel.symbols.check_probe_address``,
+reading kernel text through the human monitor's ``x``, which works while the guest
+runs). What the host needs to know of the kernel (symbols, blacklist, task_struct
+offsets from BTF) is loaded before any probe is armed; nothing is fetched from the guest
+in a callback.
+
+Code translated before a probe was added is invalidated by the plugin (see
+kph_plugin.c and docs/plugin.md): ``global_stats()`` counts invalidations and the time until
+they were done. The hit flow of Python handlers is ``harness.engines.plugin_handlers``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from .base import EXCEPTION_ENTRIES, EngineCore, read_cstring
+from ..errors import HarnessError, ProbeRejectedError, SetupError
+from ..kernel.kprobes import Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
+from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
+                     CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
+                     PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
+                     decode)
+from .plugin_handlers import HandlerDispatch
+from ..machine.image.facts import percpu_current_task
+from ..machine.handlerctx import HandlerErrors
+from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
+from ..vmctl import register_host_engine
+
+log = logging.getLogger(__name__)
+
+EINVAL, ENOENT = 22, 2
+#: The plugin's kretprobe trampoline: one byte past ``_etext``, the gdbstub engine's, so
+#: the two engines never share an address (a gdbstub breakpoint there would win); the
+#: byte before it where that one is not executable (:meth:`PluginEngine._executable_trampoline`).
+DEFAULT_TRAMPOLINE = "_etext+1"
+_HMP_LINE = re.compile(r"^([0-9a-f]+):((?:\s+0x[0-9a-f]{2})+)\s*$")
+
+
+@dataclass
+class PluginProbe:
+    """One probe in the plugin (the id the records carry)."""
+
+    id: int
+    addr: int
+    kind: int
+    maxactive: int = 0
+    enabled: bool = True
+    invalidation: str = "done"
+
+
+class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
+    """Host-side kprobes through the QEMU plugin. Use ``vm.host`` rather than constructing it."""
+
+    kind = "plugin"
+
+    def __init__(self, vm: Any, *, trampoline: str | int | None = None) -> None:
+        if getattr(vm, "rundir", None) is None or getattr(vm, "plugin_path", None) is None:
+            raise HarnessError(f"{vm.name} was not started with the plugin; "
+                               "boot it with Machine.boot(host='plugin')")
+        self.vm = vm
+        self.symbols = vm.symbols
+        self.blacklist = vm.blacklist
+        self.stats: Counter[str] = Counter()
+        self._init_handler_errors()
+        #: What ``harness.diff.runner.trampoline_text`` reads: the uretprobe trampolines in use.
+        self._uprobes = SimpleNamespace(used_trampolines=set())
+        self._ids = itertools.count(1)
+        self._probes: dict[int, PluginProbe] = {}
+        self._lock = threading.Lock()
+        # Python handlers (made on first use): per-vCPU channels and their threads
+        self._channels: list[Channel] = []
+        self._threads: list[threading.Thread] = []
+        self._tls = threading.local()
+        tramp = trampoline if trampoline is not None else os.environ.get(
+            "KPH_PLUGIN_TRAMPOLINE", DEFAULT_TRAMPOLINE)
+        self.trampoline = tramp if isinstance(tramp, int) else self.symbols.resolve(str(tramp))
+        if tramp == DEFAULT_TRAMPOLINE:
+            self.trampoline = self._executable_trampoline()
+        self.task_offsets = (percpu_current_task(self.symbols, vm.btf) or 0, self._btf("pid"),
+                             self._btf("comm"))
+        self.link = PluginLink(vm.rundir / "plugin.sock")
+        facts = getattr(vm, "facts", None)
+        flags = CFG_URET_SYSCALL if facts is not None and facts.rules.uretprobe_syscall else 0
+        self.link.request(CMD_CONFIG, struct.pack("<5Q", *self.task_offsets, self.trampoline,
+                                                  flags))
+        self._closed = False
+        self._held_by: dict[int, tuple[float, str]] = {}
+        self._reserved: ReservedText | None = None
+        vm.add_stop_holder(self._holding)
+        self._by_id: dict[int, Kprobe | Kretprobe] = {}
+        self._aggr: dict[int, list[Kprobe | Kretprobe]] = {}
+        self._pending: dict[int, tuple[int, list[Kprobe]]] = {}
+        self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
+                     if (sym := self.symbols.get(name)) is not None}
+
+    def _btf(self, member: str) -> int:
+        try:
+            return self.vm.btf.offset("task_struct", member)
+        except Exception as exc:  # noqa: BLE001 - no BTF: hits carry no pid/comm
+            log.warning("no task_struct.%s offset (%s): plugin hits carry none", member, exc)
+            return 0
+
+    # -- guest memory, without stopping anything -----------------------------------------
+    def _executable_trampoline(self) -> int:
+        """``_etext+1`` when that byte is on a page of kernel text; else the int3 padding
+        byte just before ``_etext``. The plugin's callback runs when the vCPU executes the
+        trampoline, after QEMU fetched it: on a page past the text (6.12's ``_etext`` is
+        2 MiB aligned, so the byte past it is NX rodata; arch/x86/mm/init_64.c:
+        mark_rodata_ro()) the fetch faults first and the guest oopses. A gdbstub
+        breakpoint is taken before the fetch, so the gdbstub engine's ``_etext`` works."""
+        etext = self.symbols.lookup("_etext").addr
+        if (etext + 1) & ~0xFFF < etext:
+            return etext + 1
+        try:
+            pad = self.read(etext - 1, 1)
+        except HarnessError:
+            pad = b""
+        if pad != b"\xcc":
+            raise SetupError(f"no trampoline for the plugin engine: _etext ({etext:#x}) ends "
+                             f"a page and the byte before it is {pad.hex() or 'unreadable'}, "
+                             "not int3 padding",
+                             "set $KPH_PLUGIN_TRAMPOLINE to an executable address the "
+                             "kernel never runs (int3 padding)")
+        return etext - 1
+
+    def read(self, addr: int, n: int) -> bytes:
+        """Guest virtual memory. In a handler: through its vCPU (that task's address
+        space). Elsewhere: through the human monitor's ``x``, in CPU 0's address space,
+        without stopping anything (meant for kernel addresses, e.g. probed text).
+
+        :raise HarnessError: the address does not map.
+        """
+        ch = self._channel()
+        if ch is not None:
+            data = ch.read(addr, n)
+            if data is None:
+                raise HarnessError(f"cannot read guest memory at {addr:#x}")
+            return data
+        out = bytearray()
+        while len(out) < n:
+            chunk = min(n - len(out), 1024)
+            a = addr + len(out)
+            text = self.vm.qmp("human-monitor-command",
+                               {"command-line": f"x/{chunk}xb {a:#x}"})
+            got = bytearray()
+            for line in text.splitlines():
+                m = _HMP_LINE.match(line.strip())
+                if m is None:
+                    raise HarnessError(f"cannot read guest memory at {a:#x}: {text.strip()[:80]}")
+                got += bytes(int(x, 16) for x in m[2].split())
+            if len(got) != chunk:
+                raise HarnessError(f"short read of guest memory at {a:#x}")
+            out += got
+        return bytes(out)
+
+    # -- probes ---------------------------------------------------------------------------
+    def check_address(self, addr: int, *, kretprobe: bool = False) -> None:
+        """The kernel's registration rules (``register_kprobe()``), with its errnos, the
+        same as the gdbstub engine's (jump label, static call and BUG() sites included)."""
+        if self._reserved is None:
+            self._reserved = ReservedText.from_memory(self.symbols, self.read)
+        check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
+                            read=self.read, kretprobe=kretprobe, reserved=self._reserved)
+        if addr == self.trampoline:
+            raise ProbeRejectedError(f"{addr:#x} is the plugin's kretprobe trampoline (-EINVAL)",
+                                     EINVAL, addr)
+
+    def ftrace_flag(self, addr: int) -> int:
+        """ADD_FTRACE for a kernel probe on a function's ``__fentry__`` site (an ftrace
+        kprobe in the kernel: its regs carry orig_ax 0, not an int3 frame's -1)."""
+        if addr < 0xFFFF800000000000:
+            return 0
+        try:
+            on_entry = kprobe_addr(addr, symbols=self.symbols, read=self.read)[1]
+            return ADD_FTRACE if on_entry and is_ftrace_site(self.read(addr, 5)) else 0
+        except HarnessError:
+            return 0
+
+    def resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
+        """``_kprobe_addr()``: symbol_name + offset, or addr + offset."""
+        if symbol_name and addr is not None:
+            raise ProbeRejectedError("give either symbol_name or addr, not both (-EINVAL)", EINVAL)
+        if symbol_name:
+            try:
+                where = self.symbols.lookup(symbol_name).addr + offset
+            except KeyError as exc:
+                raise ProbeRejectedError(f"{exc} (-ENOENT)", ENOENT) from None
+        elif addr is None:
+            raise ProbeRejectedError("a probe needs symbol_name or addr (-EINVAL)", EINVAL)
+        else:
+            where = addr + offset
+        # arch_adjust_kprobe_addr(): sym+0 past an ENDBR on IBT kernels (6.12, 7.3).
+        return kprobe_addr(where, symbols=self.symbols, read=self.read)[0]
+
+    def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
+                       enabled: bool = True, invalidate: bool = True,
+                       user: tuple[int, tuple[int, ...], int] | None = None) -> PluginProbe:
+        """Arm a compiled spec probe at ``addr`` (checked by the caller); a return probe
+        gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs)).
+        ``invalidate=False`` leaves code translated earlier without the probe (tests use
+        it to show what the invalidation is for).
+
+        ``user``: a uprobe, ``(trampoline, filter offsets, inode)``: it fires only in
+        processes where ``current->mm->exe_file->f_inode->i_ino`` (the chain of
+        ``task_struct`` member offsets given) is the inode; its returns go through the
+        trampoline in that program. User code is reached by flushing all translations.
+        """
+        if ret and maxactive <= 0:
+            # register_kretprobe() (kernel/kprobes.c); uretprobes have no pool in the
+            # kernel (one return_instance per call): a large one stands in.
+            maxactive = max(10, 2 * self.vm.smp) if user is None else 4096
+        pid = next(self._ids)
+        kind = PK_SPEC_R if ret else PK_SPEC_P
+        flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE)
+        if user is None:
+            flags |= self.ftrace_flag(addr)
+        ext = b""
+        if user is not None:
+            tramp, chain, ino = user
+            flags |= ADD_EXT | ADD_FLUSH
+            ext = struct.pack("<QII4QQQ", tramp, len(chain), 0, *(list(chain) + [0] * 4)[:4], ino, 0)
+            if ret:
+                self._uprobes.used_trampolines.add(tramp)
+        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
+                              len(program) // 16, 0) + program + ext
+        st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        p = PluginProbe(pid, addr, kind, maxactive, enabled, INVAL_TEXT.get(st, str(st)))
+        if st == INVAL_PENDING:
+            log.warning("probe at %#x: old translations not invalidated yet (a busy vCPU "
+                        "took no interrupt within 2 s)", addr)
+        self.stats["invalidation_" + p.invalidation.replace(" ", "_")] += 1
+        with self._lock:
+            self._probes[pid] = p
+        return p
+
+    def remove_probe(self, p: PluginProbe) -> None:
+        with self._lock:
+            if self._probes.pop(p.id, None) is None:
+                return
+        self.link.request(CMD_REMOVE, struct.pack("<I", p.id))
+
+    def enable_probe(self, p: PluginProbe, on: bool) -> None:
+        self.link.request(CMD_ENABLE, struct.pack("<II", p.id, int(on)))
+        p.enabled = on
+
+    def probe_stats(self, p: PluginProbe) -> tuple[int, int, int]:
+        """``(nhit, nmissed, instances in use)`` of one probe."""
+        return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", p.id)))
+
+    def global_stats(self) -> dict[str, int]:
+        vals = struct.unpack("<11Q", self.link.request(CMD_GSTATS))
+        keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
+                "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
+                "posts_interrupt", "flushes", "uprobe_filtered")
+        return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
+
+    def invalidate(self, addr: int, *, flush_all: bool = False) -> str:
+        """Invalidate the translations of ``addr`` now (what adding a probe does);
+        ``flush_all``: through ``qemu_plugin_reset()`` instead, which drops the whole
+        translation cache (measured in bench/plugin_invalidation.py, not used)."""
+        st = struct.unpack("<I", self.link.request(
+            CMD_INVALIDATE, struct.pack("<QI", addr, 1 if flush_all else 0)))[0]
+        return INVAL_TEXT.get(st, str(st))
+
+    def invalidate_code(self) -> None:
+        """Nothing to forget: the plugin decodes no instruction (the gdbstub engine's
+        emulation cache is what this clears there), and QEMU retranslates guest-patched
+        code through the same callbacks."""
+
+    def records(self) -> list[RawRecord]:
+        """Every hit recorded since the last call, in the order they happened."""
+        recs = [decode(r) for r in self.link.take_records()]
+        recs.sort(key=lambda r: r.seq)
+        return recs
+
+    # -- Python handlers: the kprobes API (kernel names, harness.kernel.kprobes values) ---------
+    def _ensure_channels(self) -> None:
+        if self._channels:
+            return
+        for i in range(self.link.nvcpus):
+            ch = Channel(self.link, i)
+            th = threading.Thread(target=self._serve, args=(ch,), daemon=True,
+                                  name=f"{self.vm.name}-plugin-vcpu{i}")
+            self._channels.append(ch)
+            self._threads.append(th)
+            th.start()
+
+    def _add_handler_probe(self, p: Kprobe | Kretprobe, addr: int, kind: int, flags: int,
+                           maxactive: int = 0) -> int:
+        self._ensure_channels()
+        pid = next(self._ids)
+        flags |= self.ftrace_flag(addr)
+        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags, 0, 0)
+        with self._lock:
+            self._by_id[pid] = p
+        try:
+            st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        except HarnessError:
+            with self._lock:
+                self._by_id.pop(pid, None)
+            raise
+        self.stats["invalidation_" + INVAL_TEXT.get(st, str(st)).replace(" ", "_")] += 1
+        p._kph_id = pid  # type: ignore[attr-defined]
+        self._aggr.setdefault(addr, []).insert(0, p)   # add_new_kprobe(): newest first
+        return pid
+
+    def _register(self, p: Kprobe) -> None:
+        if p.registered:
+            raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
+        addr = self.resolve(p.symbol_name, p.offset, p.addr)
+        self.check_address(addr)
+        p.addr = addr
+        flags = (0 if p.disabled else ADD_ENABLED) | \
+            (ADD_POST if p.post_handler is not None or p.fault_handler is not None else 0)
+        self._add_handler_probe(p, addr, PK_KPROBE, flags)
+        p.registered = True
+
+    def _unregister(self, p: Kprobe | Kretprobe) -> None:
+        pid = getattr(p, "_kph_id", None)
+        if not p.registered or pid is None:
+            return
+        p.registered = False
+        lst = self._aggr.get(p.addr or 0, [])
+        if p in lst:
+            lst.remove(p)
+        if not lst:
+            self._aggr.pop(p.addr or 0, None)
+        try:
+            self.link.request(CMD_REMOVE, struct.pack("<I", pid))
+        except HarnessError as exc:
+            log.warning("removing probe %d: %s", pid, exc)
+
+    def register_kprobe(self, p: Kprobe) -> Kprobe:
+        """Arm ``p``; raise ProbeRejectedError with the kernel's errno if it cannot go there."""
+        self.raise_handler_errors()
+        self._register(p)
+        return p
+
+    def unregister_kprobe(self, p: Kprobe) -> None:
+        self._unregister(p)
+        self.raise_handler_errors()
+
+    def register_kprobes(self, ps: Any) -> None:
+        """Register all or none: a failure unregisters those already done, then raises."""
+        self.raise_handler_errors()
+        self._register_all(ps)
+
+    def unregister_kprobes(self, ps: Any) -> None:
+        for p in list(ps):
+            self._unregister(p)
+        self.raise_handler_errors()
+
+    def _set_enabled(self, p: Kprobe | Kretprobe, on: bool) -> None:
+        if on:
+            p.flags &= ~ProbeFlags.DISABLED
+        else:
+            p.flags |= ProbeFlags.DISABLED
+        pid = getattr(p, "_kph_id", None)
+        if pid is not None and p.registered:
+            self.link.request(CMD_ENABLE, struct.pack("<II", pid, int(on)))
+
+    def enable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        self._set_enabled(p, True)
+
+    def disable_kprobe(self, p: Kprobe | Kretprobe) -> None:
+        self._set_enabled(p, False)
+
+    def register_kretprobe(self, rp: Kretprobe) -> Kretprobe:
+        """Arm a return probe at a function entry (offset 0, as the kernel requires).
+
+        Instances come from a pool of ``maxactive`` (default max(10, 2 * vCPUs), as
+        register_kretprobe() sets it) kept in the plugin, shared by all vCPUs: a call
+        finding it empty counts ``nmissed`` and runs no entry_handler.
+        """
+        self.raise_handler_errors()
+        if rp.registered:
+            raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, rp.addr)
+        addr = self.resolve(rp.symbol_name, rp.offset,
+                            rp.addr if rp.symbol_name is None else None)
+        self.check_address(addr, kretprobe=True)
+        if rp.maxactive <= 0:
+            rp.maxactive = max(10, 2 * self.vm.smp)
+        rp._kph_insts = [KretprobeInstance(rp) for _ in range(rp.maxactive)]  # type: ignore[attr-defined]
+        rp.addr = addr
+        self._add_handler_probe(rp, addr, PK_KRET, 0 if rp.disabled else ADD_ENABLED,
+                                rp.maxactive)
+        rp.registered = True
+        return rp
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        """Disarm ``rp``; calls in flight still return through the trampoline, without
+        the handler (as 6.1 does)."""
+        for ri in getattr(rp, "_kph_insts", ()):
+            ri.orphan = True
+        self._unregister(rp)
+        self.raise_handler_errors()
+
+    # -- in a handler: the vCPU's own view --------------------------------------------------
+    def _channel(self) -> Channel | None:
+        return getattr(self._tls, "ch", None)
+
+    def current_task(self, regs: PtRegs | None = None) -> int | None:
+        """``current`` on the vCPU of the handler running now."""
+        ev = getattr(self._tls, "ev", None)
+        return ev.task or None if ev is not None else None
+
+    def task_pid(self, task: int | None) -> int | None:
+        off = self.task_offsets[1]
+        if task is None or not off:
+            return None
+        try:
+            return int.from_bytes(self.read(task + off, 4), "little", signed=True)
+        except HarnessError:
+            return None
+
+    def task_comm(self, task: int | None) -> str | None:
+        off = self.task_offsets[2]
+        if task is None or not off:
+            return None
+        try:
+            return self.read(task + off, 16).split(b"\0", 1)[0].decode("utf-8", "replace")
+        except HarnessError:
+            return None
+
+    def read_string(self, addr: int, maxlen: int = 4096) -> bytes | None:
+        """A NUL-terminated string, a page at a time; None when its first byte cannot be read."""
+        return read_cstring(self.read, addr, maxlen, HarnessError)
+
+    def write(self, addr: int, data: bytes) -> None:
+        """Guest memory, from a handler (through its vCPU).
+
+        :raise HarnessError: outside a handler (nothing is stopped to write through), or
+            when the address does not map.
+        """
+        ch = self._channel()
+        if ch is None:
+            raise HarnessError("the plugin engine writes guest memory only from a handler; "
+                               "use the gdbstub engine to write with the guest stopped")
+        if not ch.write(addr, data):
+            raise HarnessError(f"cannot write guest memory at {addr:#x}")
+
+    def list(self) -> str:
+        """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""
+        rows: list[tuple[int, str, bool]] = []
+        for addr, ps in self._aggr.items():
+            rows += [(addr, "r" if isinstance(p, Kretprobe) else "k", p.disabled) for p in ps]
+        rows += [(p.addr, "r" if p.kind == PK_SPEC_R else "k", not p.enabled)
+                 for p in self._probes.values()]
+        lines = []
+        for addr, kind, disabled in sorted(rows, key=lambda r: r[0]):
+            hit = self.symbols.symbolize(addr)
+            where = f"{hit[0].name}+{hit[1]:#x}" if hit else f"{addr:#x}"
+            mod = hit[0].module if hit and hit[0].module else " "
+            lines.append(f"{addr:016x}  {kind}  {where}  {mod} {'[DISABLED]' if disabled else ''}")
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """End the session: the plugin goes inert. Return addresses still hijacked stay
+        serviced by the plugin for as long as QEMU runs."""
+        if self._closed:
+            return
+        self._closed = True
+        self.vm.remove_stop_holder(self._holding)
+        for ch in self._channels:
+            ch.close()                 # a vCPU waiting on one goes on
+        for th in self._threads:
+            th.join(2)
+        for probes in self._aggr.values():
+            for p in probes:
+                p.registered = False
+        self.link.close()
+        self.raise_handler_errors()
+
+
+register_host_engine("plugin", PluginEngine)

@@ -1,0 +1,300 @@
+"""What Linux 6.1's trace-event layer decides between a parsed line and ``register_kprobe()``.
+
+:mod:`harness.kernel.grammar.kprobe` is the parser (``__trace_kprobe_create()`` up to its last argument);
+this module is the rest of writing a line to ``kprobe_events`` / ``uprobe_events``, the part
+that depends on what exists already (pure: tables in, a :class:`Refusal` or None out):
+
+- :func:`target_refusal`: ``number_of_same_symbols()`` for an unqualified ``SYM``
+  (kernel/trace/trace_kprobe.c: ``__trace_kprobe_create()``): none is ENOENT "Invalid probed
+  address or symbol", several EADDRNOTAVAIL "The symbol is not unique". The kernel counts in
+  vmlinux *and* every loaded module (``module_kallsyms_on_each_symbol()``).
+- :class:`EventTable`: ``register_trace_kprobe()`` / ``register_trace_uprobe()`` with
+  ``append_trace_kprobe()``, ``trace_probe_compare_arg_type()`` (trace_probe.c) and
+  ``trace_kprobe_has_same_kprobe()``: a line naming an existing event of the same kind is
+  appended only when the probe type and every argument's name, type and array count
+  match, else EEXIST with "Probe type is different from existing probe", "Argument type or
+  name is different from existing probe" or "There is already the exact same probe event"
+  (same target and every argument's text); an event name any other event uses is EEXIST
+  "Given group/event name is already used by another event" (``trace_probe_register_
+  event_call()``: ``find_trace_event_call()``).
+- :func:`resolve_fetch_symbols`: ``traceprobe_update_arg()`` at register time: every
+  ``@SYM[+|-OFFS]`` resolved once with ``kallsyms_lookup_name()``; an unknown (or empty)
+  name is ENOENT, a bad offset EINVAL.
+- :func:`registration_refusal`: what ``__trace_kprobe_create()`` logs for a failed
+  ``register_trace_kprobe()`` (-ENOENT BAD_PROBE_ADDR, -EILSEQ BAD_INSN_BNDRY, other
+  FAIL_REG_PROBE; -EEXIST and -ENOMEM log their own), and the ENOENT it forgives:
+  ``!trace_kprobe_module_exist()`` (a raw address, or ``MOD:SYM`` of a module not loaded)
+  keeps the event, unregistered ("This probe might be able to register after target
+  module is loaded. Continue.").
+
+Columns are those of the kernel's ``error_log`` caret (``__trace_probe_log_err()``: the
+start of argument ``index`` of the line, or one past its end when there is no such
+argument), taken in the line as written.
+
+All of this was checked in the booted 6.1.192 guest (``tests/vm/test_fidelity.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno as _errno
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .grammar.kprobe import (ProbeArg, ProbeSpec, render_body, format as format_spec,
+                        split_symbol_offset)
+
+__all__ = ["Refusal", "EventTable", "target_refusal", "resolve_fetch_symbols",
+           "registration_refusal", "module_pending", "arg_column"]
+
+#: The error_log texts (``ERRORS`` in kernel/trace/trace_probe.h) this module uses.
+BAD_PROBE_ADDR = "Invalid probed address or symbol"
+NON_UNIQ_SYMBOL = "The symbol is not unique"
+EVENT_EXIST = "Given group/event name is already used by another event"
+BAD_INSN_BNDRY = "Probe point is not an instruction boundary"
+FAIL_REG_PROBE = "Failed to register probe event"
+DIFF_PROBE_TYPE = "Probe type is different from existing probe"
+DIFF_ARG_TYPE = "Argument type or name is different from existing probe"
+SAME_PROBE = "There is already the exact same probe event"
+#: validate_ref_ctr_offset() only pr_warn()s this; error_log has no entry.
+REF_CTR_MISMATCH = "Reference counter offset mismatch."
+
+_SPACE = re.compile(r"[^ \t\n\v\f\r]+")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The kernel refusing a line: the write's errno, the ``error_log`` text, the caret."""
+
+    errno: int
+    message: str
+    column: int = 0
+
+    @property
+    def errno_name(self) -> str:
+        return _errno.errorcode.get(self.errno, str(self.errno))
+
+
+def _text(spec: ProbeSpec) -> str:
+    return (spec.text or format_spec(spec)).split("#", 1)[0]
+
+
+def arg_column(spec: ProbeSpec, index: int) -> int:
+    """Where ``__trace_probe_log_err()`` puts the caret for argument ``index`` of the line
+    (0 the ``p:...`` head, 1 the target, 2 the first fetch arg): its first character, or one
+    past the end of the command when the line has fewer arguments."""
+    toks = list(_SPACE.finditer(_text(spec)))
+    if index < len(toks):
+        return toks[index].start()
+    return len(" ".join(t.group() for t in toks)) + 1
+
+
+def target_refusal(spec: ProbeSpec, count: Callable[[str], int]) -> Refusal | None:
+    """``number_of_same_symbols()`` for an unqualified kprobe target (``count`` counts the
+    rows of that name in vmlinux and the loaded modules, as /proc/kallsyms lists them)."""
+    if spec.is_uprobe or spec.symbol is None or spec.module is not None or spec.kind == "-":
+        return None
+    n = count(spec.symbol)
+    if n > 1:
+        return Refusal(_errno.EADDRNOTAVAIL, NON_UNIQ_SYMBOL, arg_column(spec, 1))
+    if n == 0:
+        return Refusal(_errno.ENOENT, BAD_PROBE_ADDR, arg_column(spec, 1))
+    return None
+
+
+def _compare_arg_type(a: ProbeSpec, b: ProbeSpec) -> int:
+    """``trace_probe_compare_arg_type(a, b)``: the smallest 1-based index of an argument
+    whose type, array count or name differs (or the first missing one), 0 if none."""
+    if len(a.args) < len(b.args):
+        return len(a.args) + 1
+    if len(a.args) > len(b.args):
+        return len(b.args) + 1
+    for i, (x, y) in enumerate(zip(a.args, b.args)):
+        # probe_arg.type points into probe_fetch_types[]: one entry per type name (a
+        # bitfield's type is its container's, so b4@0/32 and u32 are the same type).
+        if x.type != y.type or x.count != y.count or x.name != y.name:
+            return i + 1
+    return 0
+
+
+def _comm(arg: ProbeArg) -> str:
+    """``probe_arg.comm``: the argument's text after ``NAME=`` as written."""
+    return arg.comm or render_body(arg)
+
+
+@dataclass
+class EventTable:
+    """The dynamic events one side has defined, and the names of every other trace event.
+
+    ``other`` holds ``GROUP/EVENT`` names that exist already (the guest's
+    ``/sys/kernel/tracing/events``, read before anything is registered). ``identity`` gives
+    a uprobe target's file identity (the inode the kernel compares); by default its path.
+    """
+
+    other: set[str] = field(default_factory=set)
+    identity: Callable[[ProbeSpec], object] | None = None
+    defined: dict[tuple[str, str], list[ProbeSpec]] = field(default_factory=dict)
+
+    def _ident(self, spec: ProbeSpec) -> object:
+        return self.identity(spec) if self.identity is not None else spec.path
+
+    def _same_target(self, a: ProbeSpec, b: ProbeSpec) -> bool:
+        if a.is_uprobe:     # trace_uprobe_has_same_uprobe(): inode and offset
+            return self._ident(a) == self._ident(b) and a.offset == b.offset
+        # trace_kprobe_has_same_kprobe(): trace_kprobe_symbol() is "unknown" for a raw
+        # address (so two address probes at different places compare equal), and the
+        # offset is kp.offset (0 for a raw address). Checked in the guest.
+        sa = a.symbol_name if a.symbol is not None else "unknown"
+        sb = b.symbol_name if b.symbol is not None else "unknown"
+        oa = a.offset if a.symbol is not None else 0
+        ob = b.offset if b.symbol is not None else 0
+        return sa == sb and oa == ob
+
+    def check(self, spec: ProbeSpec) -> Refusal | None:
+        """What ``register_trace_kprobe()`` / ``register_trace_uprobe()`` say before they
+        register anything; None when the line makes a new event or is appended."""
+        if spec.is_uprobe and spec.offset is not None:
+            for olds in self.defined.values():     # validate_ref_ctr_offset()
+                for old in olds:
+                    if (old.is_uprobe and self._ident(old) == self._ident(spec)
+                            and old.offset == spec.offset
+                            and (old.ref_ctr_offset or 0) != (spec.ref_ctr_offset or 0)):
+                        return Refusal(_errno.EINVAL, REF_CTR_MISMATCH, 0)
+        olds = self.defined.get((spec.group, spec.event), [])
+        same_kind = [o for o in olds if o.is_uprobe == spec.is_uprobe]
+        if same_kind:
+            old = same_kind[0]
+            if spec.is_return != old.is_return:
+                return Refusal(_errno.EEXIST, DIFF_PROBE_TYPE, 0)
+            i = _compare_arg_type(spec, old)
+            if i:
+                # "Note that argument starts index = 2": argument i is argv[i + 1].
+                return Refusal(_errno.EEXIST, DIFF_ARG_TYPE, arg_column(spec, i + 1))
+            for o in same_kind:
+                if self._same_target(o, spec) and all(
+                        _comm(x) == _comm(y) for x, y in zip(o.args, spec.args)):
+                    return Refusal(_errno.EEXIST, SAME_PROBE, 0)
+            return None
+        if olds or f"{spec.group}/{spec.event}" in self.other:
+            return Refusal(_errno.EEXIST, EVENT_EXIST, 0)
+        return None
+
+    def add(self, spec: ProbeSpec) -> None:
+        """Record an accepted line (``dyn_event_add()``)."""
+        self.defined.setdefault((spec.group, spec.event), []).append(spec)
+
+    def release(self, spec: ProbeSpec) -> list[ProbeSpec]:
+        """A ``-:[GROUP/]EVENT [MATCH...]`` line: ``dyn_event_release()``
+        (kernel/trace/trace_dynevent.c) frees every kprobe event ``trace_kprobe_match()``
+        (kernel/trace/trace_kprobe.c) takes: the name (or any, for ``GROUP/``), the group
+        when written, then ``trace_kprobe_match_command_head()``: ``SYM``, ``SYM+OFFS``
+        (decimal) or the probed address, and ``NAME=COMM`` of the first arguments
+        (``trace_probe_match_command_args()``). The freed lines leave the table and are
+        returned; none is the kernel's -ENOENT (the caller's, with no error_log entry)."""
+        gone = []
+        for key, olds in list(self.defined.items()):
+            keep = []
+            for old in olds:
+                if (not old.is_uprobe and (not spec.event or old.event == spec.event)
+                        and (not spec.group or old.group == spec.group)
+                        and _match_head(old, spec.match)):
+                    gone.append(old)
+                else:
+                    keep.append(old)
+            if keep:
+                self.defined[key] = keep
+            else:
+                del self.defined[key]
+        return gone
+
+    def appended(self, spec: ProbeSpec) -> bool:
+        """Whether ``spec`` would join an event that exists (a multi-probe event)."""
+        return bool(self.defined.get((spec.group, spec.event)))
+
+
+def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
+    """``trace_kprobe_match_command_head()``: a raw-address probe prints as ``0x%p``
+    (hashed: no text a user writes matches it)."""
+    if not argv:
+        return True
+    if old.symbol is None:
+        return False
+    head = old.symbol_name + (f"+{old.offset}" if old.offset else "")
+    if argv[0] != head or len(argv) - 1 > len(old.args):
+        return False
+    return all(a == f"{p.name}={_comm(p)}" for a, p in zip(argv[1:], old.args))
+
+
+def resolve_fetch_symbols(spec: ProbeSpec, lookup: Callable[[str], int | None]
+                          ) -> ProbeSpec | Refusal:
+    """``traceprobe_update_arg()`` for every argument: each ``@SYM[+|-OFFS]`` becomes the
+    immediate ``kallsyms_lookup_name(SYM) + OFFS``, once, at register time.
+
+    :param lookup: ``kallsyms_lookup_name()`` (vmlinux first, then modules; ``MOD:SYM``
+        too): the address, or None (0 in the kernel) when there is none.
+    :return: the spec with resolved programs, or the refusal: EINVAL "Failed to register
+        probe event" for an offset ``kstrtol()`` refuses, ENOENT "Invalid probed address or
+        symbol" for an unknown or empty name; both with the caret on the target, where
+        ``__trace_kprobe_create()`` puts it.
+    """
+    args = []
+    changed = False
+    for arg in spec.args:
+        code = arg.code
+        # @SYM is a leaf, so FETCH_NOP_SYMBOL is always the program's first instruction,
+        # followed by the FETCH_OP_IMM it fills in.
+        if code and code[0][0] == "nop_symbol":
+            name, off = split_symbol_offset(code[0][1])
+            if off is None:
+                return Refusal(_errno.EINVAL, FAIL_REG_PROBE, arg_column(spec, 1))
+            addr = lookup(name) if name else None
+            if not addr:
+                return Refusal(_errno.ENOENT, BAD_PROBE_ADDR, arg_column(spec, 1))
+            code = (("imm", (addr + off) & ((1 << 64) - 1)),) + tuple(code[2:])
+            arg = dataclasses.replace(arg, code=code)
+            changed = True
+        args.append(arg)
+    return dataclasses.replace(spec, args=tuple(args)) if changed else spec
+
+
+def registration_refusal(spec: ProbeSpec, errno: int, module_loaded: Callable[[str], bool]
+                         ) -> Refusal | None:
+    """How ``__trace_kprobe_create()`` reports ``register_trace_kprobe()`` failing with
+    ``-errno`` after the event checks passed (``__register_trace_kprobe()``: the fetch
+    symbols, then ``register_kprobe()``/``register_kretprobe()``).
+
+    :return: None when the kernel keeps the event anyway: -ENOENT and
+        ``!trace_kprobe_module_exist()``, i.e. a raw address or ``MOD:SYM`` of a module that
+        is not loaded (the probe stays unregistered; it never fires until the module loads).
+    """
+    if errno == _errno.ENOENT and module_pending(spec, module_loaded):
+        return None
+    col = arg_column(spec, 1)
+    if errno == _errno.EILSEQ:
+        return Refusal(errno, BAD_INSN_BNDRY, col)
+    if errno == _errno.ENOENT:
+        return Refusal(errno, BAD_PROBE_ADDR, col)
+    return Refusal(errno, FAIL_REG_PROBE, col)
+
+
+def module_pending(spec: ProbeSpec, module_loaded: Callable[[str], bool]) -> bool:
+    """``!trace_kprobe_module_exist(tk)``: true for a raw-address probe (no symbol) and for
+    ``MOD:SYM`` when no module MOD is loaded; false for a plain ``SYM``."""
+    if spec.symbol is None:
+        return True
+    return spec.module is not None and not module_loaded(spec.module)
+
+
+def other_event_names(listing: str) -> set[str]:
+    """``GROUP/EVENT`` names from ``ls -d /sys/kernel/tracing/events/*/*/`` output."""
+    out = set()
+    for line in listing.split():
+        parts = line.rstrip("/").split("/")
+        if len(parts) >= 2:
+            out.add(f"{parts[-2]}/{parts[-1]}")
+    return out
+
+
+def kprobe_spec_texts(specs: Iterable[ProbeSpec]) -> list[str]:
+    """The lines as written, for messages."""
+    return [_text(s) for s in specs]

@@ -1,0 +1,252 @@
+"""Events as the kernel stored them: ``trace_pipe_raw`` pages and event ``format`` files.
+
+Why not the ``trace`` text: ``print_type_string()`` prints a string's bytes raw with
+``%s``, so a ``:string`` holding a newline (``@linux_proc_banner:string``) splits its record
+over two lines, and bytes that are not UTF-8 come out as whatever the reader makes of them.
+The binary ring buffer keeps every record whole: its length, each ``__data_loc`` string's
+exact bytes. The layout is Linux 6.1's (kernel/trace/ring_buffer.c, as the guest's
+``events/header_page`` and ``events/header_event`` describe it):
+
+- a page: ``u64 timestamp``, ``local_t commit`` (bytes of data; bit 31 RB_MISSED_EVENTS,
+  bit 30 RB_MISSED_STORED), then the events;
+- an event: a ``u32`` header, ``type_len:5`` and ``time_delta:27``; type_len 1..28 is a data
+  event of ``4 * type_len`` bytes after the header, 0 a data event whose length is in the
+  next ``u32`` (``array[0]``, counting itself), 29 padding (null when ``time_delta`` is 0:
+  the rest of the page), 30 a time extend (``array[0] << 27 | time_delta``), 31 an
+  absolute time stamp;
+- a record (``struct trace_entry`` first): ``u16 common_type`` (the event's ``id``), ``u8
+  common_flags``, ``u8 common_preempt_count``, ``int common_pid``, then the fields at the
+  offsets its ``format`` file gives (``__probe_ip``; or ``__probe_func`` and
+  ``__probe_ret_ip`` for return probes; then the arguments; a string is a ``u32``
+  ``__data_loc``: length << 16 | offset from the record's start).
+
+Pure: bytes and text in, records out, no I/O.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .grammar.fetch import FAULT, FETCH_TYPES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Field", "EventFormat", "RawRecord", "parse_format", "parse_page", "decode_args",
+           "read_pages", "PAGE_SIZE", "GuestArg", "format_args"]
+
+PAGE_SIZE = 4096
+_PAGE_HEADER = 16
+_MISSED = (1 << 31) | (1 << 30)
+_PADDING, _TIME_EXTEND, _TIME_STAMP = 29, 30, 31
+_FIELD = re.compile(r"\s*field:(?P<decl>[^;]*);\s*offset:(?P<off>\d+);\s*size:(?P<size>\d+);"
+                    r"\s*signed:(?P<signed>-?\d+);")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One ``field:TYPE NAME; offset:N; size:N; signed:N;`` line."""
+
+    name: str
+    decl: str
+    offset: int
+    size: int
+    signed: bool
+
+
+@dataclass(frozen=True)
+class EventFormat:
+    """An event's ``format`` file: its ``ID``, fields by name in order, ``print fmt``."""
+
+    name: str
+    id: int
+    fields: dict[str, Field]
+    print_fmt: str = ""
+
+
+@dataclass(frozen=True)
+class GuestArg:
+    """An argument as the guest kernel defined it: what ``harness.kernel.grammar.fetch.format_value``
+    and :func:`decode_args` need of a ``ProbeArg`` (name, type, array count)."""
+
+    name: str
+    type: str
+    count: int = 0
+
+
+# __set_print_fmt() (kernel/trace/trace_probe.c): each argument's " NAME=FMT" (or
+# "{FMT,FMT,...}" for an array) with FMT a fetch type's print format.
+_PRINT_ARG = re.compile(r' (?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<fmt>\{[^}]*\}|'
+                        r"'%c'|\\\"%s\\\"|0x%L?x|%L?[ud]|%pS)")
+_BY_FMT = {("%u", 1): "u8", ("%u", 2): "u16", ("%u", 4): "u32", ("%Lu", 8): "u64",
+           ("%d", 1): "s8", ("%d", 2): "s16", ("%d", 4): "s32", ("%Ld", 8): "s64",
+           ("0x%x", 1): "x8", ("0x%x", 2): "x16", ("0x%x", 4): "x32", ("0x%Lx", 8): "x64",
+           ("%pS", 8): "symbol", ("'%c'", 1): "char", ('\\"%s\\"', 4): "string"}
+
+
+def _fmt_literal(print_fmt: str) -> str:
+    """The C string literal that opens a ``print fmt``, up to its first unescaped quote
+    (a string array prints as ``{\\"%s\\",\\"%s\\"}``: its ``",`` is not the end)."""
+    m = re.match(r'"((?:[^"\\]|\\.)*)"', print_fmt)
+    return m[1] if m else print_fmt
+
+
+def format_args(fmt: EventFormat) -> list[GuestArg]:
+    """The arguments of a probe event as its kernel typed and named them, read from its
+    ``format``: names and element types from ``print fmt`` (each fetch type prints its
+    own way: ``%u`` for ``u32``, ``0x%x`` for ``x32``, ``'%c'`` for ``char`` ...), sizes from
+    the fields. What a kernel did with BTF (``$retval`` typed ``s32``, ``file`` named after
+    the parameter) is then taken from the guest, not predicted.
+
+    :raise ValueError: when the print format names an argument this cannot read.
+    """
+    head = _fmt_literal(fmt.print_fmt)
+    out = []
+    for m in _PRINT_ARG.finditer(head):
+        name, pf = m["name"], m["fmt"]
+        f = fmt.fields.get(name)
+        if f is None:
+            raise ValueError(f"{fmt.name}: print fmt names {name}, the format has no field")
+        count = 0
+        if pf.startswith("{"):
+            items = pf[1:-1].split(",")
+            count, pf = len(items), items[0]
+        size = f.size // (count or 1)
+        t = _BY_FMT.get((pf, size))
+        if t is None:
+            raise ValueError(f"{fmt.name}: argument {name} prints {pf} over {size} byte(s)")
+        out.append(GuestArg(name, t, count))
+    return out
+
+
+def parse_format(text: str) -> EventFormat:
+    """Read ``/sys/kernel/tracing/events/GROUP/EVENT/format``.
+
+    :raise ValueError: when it has no ``name:`` or ``ID:`` line.
+    """
+    name, ident, fields, pfmt = None, None, {}, ""
+    for line in text.splitlines():
+        if line.startswith("print fmt:"):
+            pfmt = line[len("print fmt:"):].strip()
+        elif line.startswith("name:"):
+            name = line[5:].strip()
+        elif line.startswith("ID:"):
+            ident = int(line[3:].strip())
+        else:
+            m = _FIELD.match(line)
+            if m:
+                decl = m["decl"].strip()
+                fname = re.sub(r"\[.*\]$", "", decl.split()[-1])
+                fields[fname] = Field(fname, decl, int(m["off"]), int(m["size"]),
+                                      m["signed"] not in ("0",))
+    if name is None or ident is None:
+        raise ValueError("not an event format file (no name: or ID: line)")
+    return EventFormat(name, ident, fields, pfmt)
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One data event: the CPU whose buffer held it, its time stamp, the record bytes."""
+
+    cpu: int
+    ts: int
+    data: bytes
+
+    @property
+    def type(self) -> int:
+        return struct.unpack_from("<H", self.data, 0)[0]
+
+    @property
+    def pid(self) -> int:
+        return struct.unpack_from("<i", self.data, 4)[0]
+
+    def u64(self, f: Field) -> int:
+        return int.from_bytes(self.data[f.offset:f.offset + 8], "little")
+
+
+def parse_page(page: bytes, cpu: int) -> tuple[list[RawRecord], bool]:
+    """The data events of one ``trace_pipe_raw`` page, and whether events were missed
+    before it (the ring buffer overwrote them)."""
+    if len(page) < _PAGE_HEADER:
+        return [], False
+    ts, commit = struct.unpack_from("<QQ", page, 0)
+    missed = bool(commit & _MISSED)
+    end = min(_PAGE_HEADER + (commit & ~_MISSED & 0xFFFFFFFF), len(page))
+    pos, out = _PAGE_HEADER, []
+    while pos + 4 <= end:
+        (head,) = struct.unpack_from("<I", page, pos)
+        type_len, delta = head & 0x1F, head >> 5
+        if type_len == _PADDING:
+            if delta == 0:                       # rb_null_event(): the rest is padding
+                break
+            (length,) = struct.unpack_from("<I", page, pos + 4)
+            pos += 4 + length                    # rb_update_read_stamp(): no time
+            continue
+        if type_len == _TIME_EXTEND:
+            (hi,) = struct.unpack_from("<I", page, pos + 4)
+            ts += (hi << 27) | delta
+            pos += 8
+            continue
+        if type_len == _TIME_STAMP:
+            (hi,) = struct.unpack_from("<I", page, pos + 4)
+            ts = (hi << 27) | delta
+            pos += 8
+            continue
+        ts += delta
+        if type_len == 0:
+            (length,) = struct.unpack_from("<I", page, pos + 4)
+            data, pos = page[pos + 8:pos + 4 + length], pos + 4 + length
+        else:
+            data, pos = page[pos + 4:pos + 4 + 4 * type_len], pos + 4 + 4 * type_len
+        if len(data) >= 8:
+            out.append(RawRecord(cpu, ts, data))
+    return out, missed
+
+
+def read_pages(pages: Sequence[bytes], cpu: int) -> tuple[list[RawRecord], int]:
+    """Every data event of a CPU's pages in order, and how many pages said events were
+    missed before them."""
+    out, missed = [], 0
+    for page in pages:
+        recs, m = parse_page(page, cpu)
+        out += recs
+        missed += m
+    return out, missed
+
+
+def _loc_bytes(data: bytes, loc: int) -> Any:
+    """``print_type_string()``: ``(fault)`` for a zero length, else the bytes up to a NUL."""
+    length, off = loc >> 16, loc & 0xFFFF
+    if length == 0:
+        return FAULT
+    raw = data[off:off + length]
+    z = raw.find(b"\0")
+    return raw if z < 0 else raw[:z]
+
+
+def decode_args(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> list[Any]:
+    """The values of ``args`` (``ProbeArg``s) in ``rec``, in the shapes
+    :func:`harness.kernel.grammar.fetch.evaluate` gives: int (signed for ``s*``), bytes or ``FAULT``
+    for strings, a list for arrays.
+
+    :raise KeyError: when the format has no field of an argument's name.
+    """
+    out = []
+    for a in args:
+        f = fmt.fields[a.name]
+        t = FETCH_TYPES[a.type]
+        n = a.count or 1
+        vals: list[Any] = []
+        for i in range(n):
+            off = f.offset + i * t.size
+            raw = int.from_bytes(rec.data[off:off + t.size], "little")
+            if t.is_string:
+                vals.append(_loc_bytes(rec.data, raw))
+            elif t.is_signed and raw >> (8 * t.size - 1):
+                vals.append(raw - (1 << 8 * t.size))
+            else:
+                vals.append(raw)
+        out.append(vals if a.count else vals[0])
+    return out

@@ -1,0 +1,239 @@
+"""A minimal, correct qemu-ga client over the virtio-serial channel.
+
+Why not ``qemu.qmp``: the agent's resynchronisation (``guest-sync-delimited``) answers
+with a 0xFF byte before its JSON, which QMPClient's decoder rejects. The protocol is
+line-based JSON, so a raw socket with ``select`` timeouts is both simpler and exact:
+send 0xFF, send ``guest-sync-delimited`` with a random id, drop everything up to the
+0xFF the agent sends back, then read lines until that id returns. After that each
+request gets exactly one reply line. Any client-side timeout leaves the stream in an
+unknown state, so the next call resynchronises first.
+
+``check`` (given by the Machine) is called while waiting, so a guest panic or a dead
+QEMU surfaces at once instead of as a timeout; ``stalled`` is called whenever a reply is
+overdue by ``STALL_AFTER`` seconds, so a guest that cannot run at all (stopped in a probe
+handler or a debugger) surfaces as the Machine's error within a second or two. No
+request waits longer than ``AGENT_REPLY_TIMEOUT`` for its reply, whatever the command's
+own timeout: a live agent answers each request in milliseconds (a long command is
+polled with ``guest-exec-status``), so a longer silence means a stuck agent.
+
+One request at a time: a lock serialises threads, and a request abandoned half way (an
+exception, Ctrl-C) leaves the stream to be resynchronised by the next one.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from ..constants import AGENT_REPLY_TIMEOUT
+from ..errors import GuestAgentError, VMLostError
+
+log = logging.getLogger(__name__)
+
+_SLICE = 0.05  # how often ``check`` runs while waiting
+STALL_AFTER = 0.5  # how long a reply may be late before ``stalled`` is asked
+
+
+class GuestAgent:
+    """Synchronous client for one guest agent socket (QEMU's chardev end)."""
+
+    def __init__(self, sock: socket.socket, check: Callable[[], None] = lambda: None,
+                 stalled: Callable[[], None] = lambda: None) -> None:
+        self._sock = sock
+        self._sock.setblocking(False)
+        self._buf = b""
+        self._check = check
+        self._stalled = stalled
+        self._synced = False
+        self._mutex = threading.RLock()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # -- wire ----------------------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self._sock.setblocking(True)
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            self._lost(exc)
+        finally:
+            self._sock.setblocking(False)
+
+    def _lost(self, exc: OSError) -> None:
+        """The channel broke: let the owner name the cause (panic, QEMU exit) first."""
+        self._synced = False
+        self._check()
+        raise VMLostError(f"guest agent channel broke: {exc}") from exc
+
+    def _fill(self, deadline: float) -> None:
+        """Read more bytes into the buffer, or raise VMLostError at the deadline."""
+        t0 = time.monotonic()
+        deadline = min(deadline, t0 + AGENT_REPLY_TIMEOUT)
+        while True:
+            self._check()
+            now = time.monotonic()
+            if now - t0 >= STALL_AFTER:
+                self._stalled()
+            left = deadline - now
+            if left <= 0:
+                self._synced = False
+                raise VMLostError(f"guest agent did not answer in time ({now - t0:.0f} s)")
+            r, _, _ = select.select([self._sock], [], [], min(left, _SLICE))
+            if r:
+                try:
+                    chunk = self._sock.recv(1 << 20)
+                except OSError as exc:
+                    self._lost(exc)
+                if not chunk:
+                    self._check()
+                    self._synced = False
+                    raise VMLostError("guest agent channel closed")
+                self._buf += chunk
+                return
+
+    def _line(self, deadline: float) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            self._fill(deadline)
+        line, self._buf = self._buf.split(b"\n", 1)
+        line = line.strip(b"\xff \r")
+        if not line:
+            return {}
+        try:
+            return json.loads(line)
+        except ValueError:
+            log.debug("<-- unparsable agent line %r", line[:200])
+            return {}
+
+    # -- protocol ------------------------------------------------------------------------
+    def _request(self, fn: Callable[[], Any]) -> Any:
+        """Run one exchange under the lock; one abandoned half way desynchronises."""
+        with self._mutex:
+            try:
+                return fn()
+            except BaseException:
+                self._synced = False
+                raise
+
+    def sync(self, timeout: float) -> None:
+        """Resynchronise the stream; raise VMLostError if the agent stays silent."""
+        self._request(lambda: self._sync(timeout))
+
+    def _sync(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        ident = random.randrange(1, 2**31)
+        self._buf = b""
+        self._send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
+                                         "arguments": {"id": ident}}).encode() + b"\n")
+        while b"\xff" not in self._buf:
+            self._fill(deadline)
+        self._buf = self._buf.split(b"\xff")[-1]
+        while True:
+            msg = self._line(deadline)
+            if msg.get("return") == ident:
+                self._synced = True
+                return
+
+    def wait_ready(self, timeout: float) -> None:
+        """Retry ``sync`` until the agent inside the booting guest answers."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._request(lambda: self._sync(min(0.5, max(0.01, deadline - time.monotonic()))))
+                return
+            except VMLostError:
+                if time.monotonic() >= deadline:
+                    raise VMLostError(f"guest agent not ready after {timeout:.0f} s") from None
+
+    def execute(self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 10.0) -> Any:
+        """Send one command and return its ``return`` value.
+
+        :raise GuestAgentError: when the agent answers with an error.
+        :raise VMLostError: when it does not answer within ``timeout``.
+        """
+        return self._request(lambda: self._execute(cmd, args, timeout))
+
+    def _execute(self, cmd: str, args: dict[str, Any] | None, timeout: float) -> Any:
+        if not self._synced:
+            self._sync(timeout)
+        deadline = time.monotonic() + timeout
+        req: dict[str, Any] = {"execute": cmd}
+        if args is not None:
+            req["arguments"] = args
+        log.debug("--> %s", cmd)
+        self._send(json.dumps(req).encode() + b"\n")
+        while True:
+            msg = self._line(deadline)
+            if "return" in msg:
+                return msg["return"]
+            if "error" in msg:
+                err = msg["error"]
+                raise GuestAgentError(f"{cmd}: {err.get('desc', err)}", err.get("class", ""))
+
+    def execute_noreply(self, cmd: str) -> None:
+        """Send a command that never answers (``guest-shutdown``)."""
+        self._send(json.dumps({"execute": cmd}).encode() + b"\n")
+        self._synced = False
+
+    # -- conveniences ---------------------------------------------------------------------
+    def exec(self, argv: list[str], *, stdin: bytes | None = None,
+             timeout: float) -> tuple[int, bytes, bytes]:
+        """Run ``argv`` in the guest; return (exit status, stdout, stderr).
+
+        A command killed by a signal reports 128 + signal, as a shell does.
+        """
+        deadline = time.monotonic() + timeout
+        args: dict[str, Any] = {"path": argv[0], "arg": argv[1:], "capture-output": True}
+        if stdin is not None:
+            args["input-data"] = base64.b64encode(stdin).decode()
+        pid = self.execute("guest-exec", args, timeout=timeout)["pid"]
+        delay = 0.001
+        while True:
+            st = self.execute("guest-exec-status", {"pid": pid},
+                              timeout=max(0.5, deadline - time.monotonic()))
+            if st.get("exited"):
+                out = base64.b64decode(st.get("out-data", ""))
+                err = base64.b64decode(st.get("err-data", ""))
+                code = st.get("exitcode")
+                if code is None:
+                    code = 128 + int(st.get("signal", 0))
+                return int(code), out, err
+            if time.monotonic() + delay > deadline:
+                # Kill it so it does not linger in the guest.
+                try:
+                    self.execute("guest-exec", {"path": "/bin/kill", "arg": ["-9", str(pid)]},
+                                 timeout=2)
+                except Exception:  # noqa: BLE001 - best effort on a path that already failed
+                    pass
+                raise VMLostError(f"guest command {argv!r} did not finish within {timeout:.0f} s")
+            self._check()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def write_file(self, path: str, data: bytes, *, timeout: float, mode: str = "w") -> None:
+        handle = self.execute("guest-file-open", {"path": path, "mode": mode}, timeout=timeout)
+        try:
+            for i in range(0, len(data), 1 << 20):
+                self.execute("guest-file-write", {"handle": handle, "buf-b64":
+                             base64.b64encode(data[i:i + (1 << 20)]).decode()}, timeout=timeout)
+        finally:
+            self.execute("guest-file-close", {"handle": handle}, timeout=timeout)
+
+    def read_file(self, path: str, *, timeout: float) -> bytes:
+        handle = self.execute("guest-file-open", {"path": path, "mode": "r"}, timeout=timeout)
+        out = b""
+        try:
+            while True:
+                r = self.execute("guest-file-read", {"handle": handle, "count": 1 << 20},
+                                 timeout=timeout)
+                out += base64.b64decode(r.get("buf-b64", ""))
+                if r.get("eof") or not r.get("count"):
+                    return out
+        finally:
+            self.execute("guest-file-close", {"handle": handle}, timeout=timeout)

@@ -1,0 +1,258 @@
+"""``KernelFacts``: what the host side knows about a kernel, all of it on the host's disk
+before any probe is armed.
+
+Why this exists (issue 13): the host side reads kernel facts inside probe handlers, and
+a handler runs while the guest is stopped at a breakpoint. A fact fetched there through
+the guest agent can never arrive: the agent lives in the stopped guest. The first
+version harvested BTF lazily on first use, which deadlocked on every empty cache. So
+facts are harvested while the guest runs, once per kernel build, and afterwards they
+are plain files:
+
+==================  ======================================  =================================
+file                harvested from (guest)                  used for
+==================  ======================================  =================================
+kallsyms            /proc/kallsyms                          symbols (Debian's System.map is
+                                                            a stub); needs ``nokaslr`` to
+                                                            stay valid across boots
+kprobes_blacklist   /sys/kernel/debug/kprobes/blacklist     register_kprobe's EINVAL rule
+btf                 /sys/kernel/btf/vmlinux                 struct layouts (task_struct.pid,
+                                                            comm, mm; mm_struct.exe_file ...)
+modules             /proc/modules after boot                the modules the initramfs loaded
+release             uname -r                                which kernel this is
+config              the kernel package's config-<abi>       CONFIG_* (image builds only)
+==================  ======================================  =================================
+
+Where they live: an image's own directory (``kph image build`` harvests them on its
+first boot and records each file's sha256 in ``manifest.json``), or, for a kernel booted
+with ``--kernel`` and no image, ``$KPH_CACHE/kernels/<kernel sha256>-<initrd sha256>/``,
+harvested by ``Machine.boot()`` before it returns (per boot, in the run directory, when
+the kernel runs with KASLR: its addresses change every boot).
+
+Nothing in this module talks to a guest except ``harvest``, which takes the running
+machine as an argument; everything else reads files.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import SetupError
+
+log = logging.getLogger(__name__)
+
+#: (file name, guest path) harvested from a running guest, in this order.
+GUEST_FILES = (
+    ("kallsyms", "/proc/kallsyms"),
+    ("kprobes_blacklist", "/sys/kernel/debug/kprobes/blacklist"),
+    ("btf", "/sys/kernel/btf/vmlinux"),
+    ("modules", "/proc/modules"),
+)
+#: Files every complete set of facts has (``config`` only where a package gave one).
+REQUIRED = ("kallsyms", "kprobes_blacklist", "btf", "modules", "release")
+#: The file that says a directory holds a complete harvest (written last).
+DONE = ".harvested"
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """The facts of one kernel build, read from ``dir`` (parsed on first access, cached).
+
+    ``kallsyms_file`` overrides ``dir/kallsyms`` (a KASLR boot harvests its own).
+    """
+
+    dir: Path
+    kallsyms_file: Path | None = None
+
+    # -- files ------------------------------------------------------------------------------
+    @property
+    def kallsyms_path(self) -> Path:
+        return self.kallsyms_file or self.dir / "kallsyms"
+
+    @property
+    def blacklist_path(self) -> Path:
+        return self.dir / "kprobes_blacklist"
+
+    @property
+    def btf_path(self) -> Path:
+        return self.dir / "btf"
+
+    def missing(self) -> list[str]:
+        """The required files that are not there (empty: complete)."""
+        have = {n for n in REQUIRED if (self.dir / n).is_file()}
+        if self.kallsyms_file is not None and self.kallsyms_file.is_file():
+            have.add("kallsyms")
+        return [n for n in REQUIRED if n not in have]
+
+    # -- parsed values --------------------------------------------------------------------
+    @property
+    def release(self) -> str:
+        """``uname -r`` of the kernel."""
+        return self._text("release").strip()
+
+    @property
+    def series(self) -> str:
+        """``6.1``, ``6.12``, ``7.3``: the kernel series (``harness.kernel.rules``)."""
+        from ...kernel.rules import series_of_release
+
+        return series_of_release(self.release)
+
+    @functools.cached_property
+    def rules(self) -> Any:
+        """This kernel's probe-event rules (``harness.kernel.rules.KernelRules``)."""
+        from ...kernel.rules import rules_for
+
+        return rules_for(self.release, self.config)
+
+    @functools.cached_property
+    def symbols(self) -> Any:
+        """The kernel's ``harness.kernel.symbols.SymbolTable`` (a copy per KernelFacts)."""
+        from ...kernel.symbols import load_kallsyms_cached
+
+        return load_kallsyms_cached(self.kallsyms_path)
+
+    @functools.cached_property
+    def blacklist(self) -> Any:
+        """The kprobe blacklist (``harness.kernel.symbols.Blacklist``)."""
+        from ...kernel.symbols import Blacklist
+
+        return Blacklist(self._text("kprobes_blacklist"))
+
+    @functools.cached_property
+    def btf(self) -> Any:
+        """The kernel's BTF (``harness.kernel.btf.BTF``): struct member offsets."""
+        from ...kernel.btf import BTF
+
+        return BTF(self._bytes("btf"))
+
+    @functools.cached_property
+    def modules(self) -> tuple[str, ...]:
+        """Names of the modules loaded when the facts were harvested (``/proc/modules``)."""
+        return tuple(line.split()[0] for line in self._text("modules").splitlines() if line.strip())
+
+    @functools.cached_property
+    def config(self) -> dict[str, str]:
+        """``CONFIG_*`` -> value (``y``, ``m``, a number or a quoted string); empty when the
+        facts come from a kernel without its package's config file."""
+        p = self.dir / "config"
+        if not p.is_file():
+            return {}
+        out = {}
+        for line in p.read_text(errors="replace").splitlines():
+            if line.startswith("CONFIG_") and "=" in line:
+                k, v = line.split("=", 1)
+                out[k] = v
+        return out
+
+    def _bytes(self, name: str) -> bytes:
+        p = self.dir / name
+        try:
+            return p.read_bytes()
+        except OSError as exc:
+            raise SetupError(f"kernel facts incomplete: cannot read {p} ({exc.strerror})",
+                             "rebuild the image (`kph image build --force`)") from exc
+
+    def _text(self, name: str) -> str:
+        return self._bytes(name).decode("utf-8", "replace")
+
+
+def kernel_view(facts: KernelFacts, symbols: Any = None, *, read: Any = None,
+                loaded: Any = None, btf: bool = True) -> Any:
+    """The :class:`harness.kernel.grammar.kprobe.KernelView` of a kernel: its rules, BTF and symbols
+    (``symbols``, default the facts' own; module symbols of the running guest when the
+    caller merged them), ``read(addr, n)`` for kernel text (to find an ENDBR at a function
+    start; without it ``SYM+4`` on an IBT kernel is taken for an entry), ``loaded(mod)``
+    whether a module is loaded (default: the modules the facts were harvested with).
+    ``btf=False`` parses BTF variables into placeholders."""
+    from ...kernel.grammar.kprobe import KernelView
+    from ...kernel.symbols import ARCH
+
+    syms = symbols if symbols is not None else facts.symbols
+    rules = facts.rules
+    ibt = facts.config.get("CONFIG_X86_KERNEL_IBT") == "y"
+
+    def on_func_entry(name: str, offset: int) -> bool | None:
+        # _kprobe_addr(): the symbol holding SYM+OFFS, then arch_adjust_kprobe_addr()
+        sym = syms.get(name)
+        hit = syms.symbolize(sym.addr + offset) if sym is not None else None
+        if hit is None:
+            return None
+        base, off = hit[0].addr, hit[1]
+        if off not in (0, 4) or not ibt:
+            return off == 0
+        if read is None:
+            return True
+        try:
+            return ARCH.adjust_kprobe_addr(base, off, read(base, 4))[1]
+        except Exception:  # noqa: BLE001 - unreadable: copy_from_kernel_nofault() fails
+            return None
+
+    def count_symbol(name: str) -> int:
+        # number_of_same_symbols(NULL, name); 7.3 stops at vmlinux when it has the name
+        core = syms.count_in(name, None)
+        if rules.symbols_vmlinux_first and core:
+            return core
+        return syms.count(name)
+
+    mods = loaded if loaded is not None else (lambda m: m in facts.modules)
+
+    def module_count(mod: str, name: str) -> int | None:
+        return syms.count_in(name, mod) if mods(mod) else None
+
+    b = facts.btf if btf and rules.btf_args else None
+    try:
+        dentry = (facts.btf.offset("dentry", "d_name.name"),
+                  facts.btf.offset("file", "f_path.dentry")) if rules.dentry_types else None
+    except KeyError:
+        dentry = None
+    return KernelView(rules, b, on_func_entry, count_symbol, module_count, dentry)
+
+
+def percpu_current_task(symbols: Any, btf: Any) -> int | None:
+    """The per-cpu offset of ``current`` (``get_current()``, arch/x86/include/asm/
+    current.h). 6.1 and 7.3: the per-cpu variable ``current_task``; 6.2 to 6.14 (6.12
+    here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``. Decided by
+    what the kernel has, not by its version number."""
+    cur = symbols.get("current_task")
+    if cur is not None:
+        return int(cur.addr)
+    hot = symbols.get("pcpu_hot")
+    try:
+        off = int(btf.offset("pcpu_hot", "current_task"))
+    except (KeyError, ValueError, AttributeError):
+        return None
+    return int(hot.addr) + off if hot is not None else None
+
+
+def harvest(vm: Any, dest: Path, *, only: tuple[str, ...] | None = None) -> None:
+    """Copy the facts of the running guest ``vm`` (a ``Machine``) into ``dest``.
+
+    Every file is written under a temporary name and renamed, then ``DONE`` last, so a
+    concurrent reader never sees half a harvest. ``only`` restricts it to some files.
+
+    :raise GuestExecError: a guest file could not be read (e.g. no BTF in this kernel).
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, guest_path in GUEST_FILES:
+        if only is not None and name not in only:
+            continue
+        data = gzip.decompress(vm.run(f"gzip -c {guest_path}", check=True, timeout=120).out)
+        _write(dest / name, data)
+    if only is None or "release" in only:
+        _write(dest / "release", vm.run("uname -r", check=True).out)
+    if only is None:
+        _write(dest / DONE, b"")
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
+def is_harvested(d: Path) -> bool:
+    return (d / DONE).exists() and not KernelFacts(d).missing()

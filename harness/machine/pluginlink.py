@@ -1,0 +1,454 @@
+"""The kph QEMU plugin (``probes/plugin/``) from the harness side: build, load, talk.
+
+- :func:`build_plugin` compiles the plugin on demand into ``$KPH_CACHE/plugin/<key>/``,
+  the key being a hash of its sources, the compiler and flags, and the QEMU identity it is
+  loaded into (``harness.machine.qemu.qemu_identity``). A failed build is one ``SetupError``
+  naming the fix.
+- :func:`qemu_args` is what ``harness.vmctl`` adds to QEMU's command line:
+  ``-plugin PATH,ctl=FD``, FD being a listening UNIX socket the harness made in the
+  machine's private 0700 run directory (never TCP), inherited by QEMU.
+- :class:`PluginLink` is one session on that socket: request/reply commands (the
+  ``CMD_*`` of kph_plugin.c), and the record ring, a memfd shared with the plugin (sent
+  over the socket with SCM_RIGHTS), one single-producer ring per vCPU, drained by a
+  thread while the guest runs. When the link closes the plugin goes inert.
+
+Wire format: a request is ``u32 type, u32 len, payload``; a reply ``u32 status (0 or an
+errno), u32 len, payload``; one request at a time. The kprobe semantics live in
+``harness.engines.plugin_engine``; this module knows nothing of them.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .. import constants as C
+from ..errors import HarnessError, SetupError, VMLostError
+from .qemu import qemu_identity
+
+log = logging.getLogger(__name__)
+
+PLUGIN_DIR = Path(__file__).resolve().parents[2] / "probes" / "plugin"
+SOURCES = ("kph_plugin.c", "fetch.c", "fetch.h", "qemu-plugin.h")
+CFLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall",
+          "-Wno-unused-parameter")
+SO_NAME = "kph_plugin.so"
+PROTO = 1
+
+CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
+#: CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
+#: (6.11+; ``harness.kernel.rules.KernelRules.uretprobe_syscall``)
+CFG_URET_SYSCALL = 1
+CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL = 7, 8, 9, 10
+PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
+EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
+C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
+ACT_CONTINUE, ACT_SETPC, ACT_POST, ACT_DISCARD, ACT_HANDLED = 0, 1, 2, 3, 4
+#: ``regs.read_sys()`` names, in the plugin's order (kph_plugin.c sys_names).
+SYS_REGS = ("cr0", "cr2", "cr3", "cr4", "cr8", "efer", "fs_base", "gs_base", "k_gs_base")
+EV_HDR = struct.Struct("<IIIIQ21QQiI16sQQ")
+EV_SIZE = 256
+REC_HIT, REC_RET, REC_PAD, REC_ERROR = 1, 2, 3, 4
+RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG = 1, 2, 4, 8, 16
+INVAL_DONE, INVAL_IDLE, INVAL_PENDING, INVAL_SKIPPED = 0, 1, 2, 3
+INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "pending",
+              INVAL_SKIPPED: "skipped"}
+ADD_ENABLED, ADD_NO_INVALIDATE, ADD_POST, ADD_ENTRY, ADD_EXT, ADD_FLUSH = 1, 2, 4, 8, 16, 32
+ADD_FTRACE = 64
+
+RING_MAGIC = 0x4B504852
+RING_CTL_OFF = 4096
+RING_CTL_SIZE = 128
+#: Bytes of ring per vCPU (a power of two): ~15,000 typical records.
+RING_SIZE = 4 << 20
+REC_HDR = struct.Struct("<IHHIIQ21QQQQiI16s")
+assert REC_HDR.size == 240
+#: How often the drain thread empties the rings while the guest runs (seconds).
+DRAIN_INTERVAL = 0.002
+REQUEST_TIMEOUT = 15.0
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (PLUGIN_DIR / name).read_bytes())
+    return h.hexdigest()
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise SetupError("no C compiler to build the QEMU plugin",
+                         "apt-get install gcc libc6-dev (./setup.sh installs them)")
+    return cc
+
+
+def plugin_key(qemu: Any) -> str:
+    """Sources, compiler, flags and the QEMU identity the plugin is built for."""
+    cc = _compiler()
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20,
+                             check=False).stdout.splitlines()[:1]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SetupError(f"cannot run the C compiler {cc}: {exc}",
+                         "apt-get install gcc libc6-dev") from exc
+    blob = json.dumps({"sources": _sources_hash(), "cc": ver, "cflags": CFLAGS,
+                       "qemu": qemu_identity(qemu)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+#: The plugin speaks QEMU's plugin API 7 (callbacks with user data, no plugin id), what
+#: QEMU 11.1 offers (min = cur = 7 in 11.1.3); older QEMUs refuse to load it.
+MIN_QEMU = (11, 1)
+
+
+def build_plugin(qemu: Any) -> Path:
+    """The plugin for ``qemu`` (a ``QemuBinary``), built now if not cached.
+
+    :raise SetupError: QEMU too old, no compiler, or the build failed (the first error
+        line is given).
+    """
+    if tuple(qemu.version[:2]) < MIN_QEMU:
+        raise SetupError(f"the plugin engine needs QEMU >= {MIN_QEMU[0]}.{MIN_QEMU[1]} "
+                         f"(plugin API 7); QEMU {qemu.version_str} is older",
+                         "run `kph qemu provision` (or ./setup.sh), or use the gdbstub engine")
+    key = plugin_key(qemu)
+    dest = C.cache_dir() / "plugin" / key / SO_NAME
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=dest.parent)
+    os.close(fd)
+    cmd = [_compiler(), *CFLAGS, "-I", str(PLUGIN_DIR), "-o", tmp,
+           str(PLUGIN_DIR / "kph_plugin.c"), str(PLUGIN_DIR / "fetch.c")]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        if out.returncode != 0:
+            errors = [ln for ln in out.stderr.splitlines() if "error" in ln] or \
+                out.stderr.strip().splitlines() or ["(no output)"]
+            raise SetupError(f"building the QEMU plugin failed: {errors[0].strip()}",
+                             "install gcc and libc6-dev (./setup.sh), or use the gdbstub "
+                             "engine (host='gdbstub')")
+        os.replace(tmp, dest)   # atomic: concurrent builders (xdist) agree on one file
+        log.info("built %s", dest)
+    except subprocess.TimeoutExpired as exc:
+        raise SetupError("building the QEMU plugin timed out", "retry on a quieter machine") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def qemu_args(plugin: Path, ctl_fd: int) -> list[str]:
+    """The QEMU arguments that load the plugin, inert, with its control socket."""
+    return ["-plugin", f"{str(plugin).replace(',', ',,')},ctl={ctl_fd}"]
+
+
+class PluginError(HarnessError):
+    """The plugin refused a command (``errno``) or its socket went away."""
+
+    def __init__(self, msg: str, errno: int = 0) -> None:
+        super().__init__(msg)
+        self.errno = errno
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One record from a vCPU's ring, undecoded past its header."""
+
+    type: int
+    vcpu: int
+    probe_id: int
+    nblocks: int
+    seq: int
+    regs: tuple[int, ...]
+    task: int
+    func: int
+    ret_addr: int
+    pid: int
+    flags: int
+    comm: bytes
+    body: bytes
+
+
+def decode(rec: bytes) -> RawRecord:
+    (size, rtype, vcpu, pid_, nblocks, seq, *rest) = REC_HDR.unpack_from(rec)
+    regs = tuple(rest[:21])
+    task, func, ret_addr, pid, flags, comm = rest[21:]
+    return RawRecord(rtype, vcpu, pid_, nblocks, seq, regs, task, func, ret_addr, pid, flags,
+                     comm.split(b"\0", 1)[0], rec[REC_HDR.size:size])
+
+
+class _Ring:
+    """The shared record area: per-vCPU control blocks and data, in one memfd."""
+
+    def __init__(self, nvcpus: int, size: int = RING_SIZE) -> None:
+        self.n, self.size = nvcpus, size
+        ctl_pages = -(-nvcpus * RING_CTL_SIZE // 4096)
+        self.data_off = RING_CTL_OFF + 4096 * ctl_pages
+        self.total = self.data_off + size * nvcpus
+        self.fd = os.memfd_create("kph-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.total)
+        self.map = mmap.mmap(self.fd, self.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        struct.pack_into("<IIIIQQ", self.map, 0, RING_MAGIC, PROTO, nvcpus, 0, size, self.data_off)
+        self._heads = [ctypes.c_uint64.from_buffer(self.map, self._ctl(i)) for i in range(nvcpus)]
+        self._dropped = [ctypes.c_uint64.from_buffer(self.map, self._ctl(i) + 8) for i in range(nvcpus)]
+        self._tails = [ctypes.c_uint64.from_buffer(self.map, self._ctl(i) + 64) for i in range(nvcpus)]
+
+    def _ctl(self, i: int) -> int:
+        return RING_CTL_OFF + i * RING_CTL_SIZE
+
+    def dropped(self) -> int:
+        return sum(d.value for d in self._dropped)
+
+    def drain(self, out: list[bytes]) -> int:
+        """Move every complete record into ``out``; return how many."""
+        got = 0
+        for i in range(self.n):
+            head = self._heads[i].value          # an aligned 8-byte load (x86: atomic)
+            tail = self._tails[i].value
+            base = self.data_off + i * self.size
+            while tail < head:
+                pos = tail & (self.size - 1)
+                size, rtype = struct.unpack_from("<IH", self.map, base + pos)
+                if size < 8 or size & 7 or pos + size > self.size:
+                    raise PluginError(f"corrupt record in vCPU {i}'s ring at {tail}")
+                if rtype != REC_PAD:
+                    out.append(self.map[base + pos:base + pos + size])
+                    got += 1
+                tail += size
+            self._tails[i].value = tail          # releases the space to the producer
+        return got
+
+    def close(self) -> None:
+        # ctypes views pin the buffer: drop them before unmapping.
+        self._heads = self._dropped = self._tails = []
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+class PluginLink:
+    """One harness session with the plugin of one Machine (see the module docstring)."""
+
+    def __init__(self, sock_path: Path, *, ring_size: int = RING_SIZE,
+                 timeout: float = REQUEST_TIMEOUT) -> None:
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(str(sock_path))
+        except OSError as exc:
+            self.sock.close()
+            raise VMLostError(f"cannot connect to the QEMU plugin at {sock_path}: {exc}") from exc
+        proto, self.nvcpus, self.api, regs_ready = struct.unpack("<4I", self.request(CMD_HELLO))
+        if proto != PROTO:
+            raise PluginError(f"plugin protocol {proto}, harness {PROTO}: rebuild the plugin")
+        self.ring = _Ring(self.nvcpus, ring_size)
+        self.request(CMD_RING, struct.pack("<QI", ring_size, self.nvcpus), fds=[self.ring.fd])
+        self.records: list[bytes] = []
+        self._rec_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._drainer = threading.Thread(target=self._drain_loop, name="kph-plugin-ring",
+                                         daemon=True)
+        self.closed = False
+        self._drainer.start()
+
+    # -- requests -------------------------------------------------------------------------
+    def request(self, cmd: int, payload: bytes = b"", *, fds: Sequence[int] = ()) -> bytes:
+        """Send one command; return the reply's payload.
+
+        :raise PluginError: the plugin answered with an errno.
+        :raise VMLostError: the socket closed or timed out (QEMU gone or stuck).
+        """
+        with self._lock:
+            try:
+                head = struct.pack("<II", cmd, len(payload))
+                if fds:
+                    socket.send_fds(self.sock, [head], list(fds))
+                    self.sock.sendall(payload)
+                else:
+                    self.sock.sendall(head + payload)
+                status, n = struct.unpack("<II", self._recv(8))
+                data = self._recv(n) if n else b""
+            except (OSError, struct.error) as exc:
+                raise VMLostError(f"the QEMU plugin did not answer command {cmd}: {exc}") from exc
+        if status:
+            raise PluginError(f"the QEMU plugin refused command {cmd}: {os.strerror(status)}",
+                              status)
+        return data
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise OSError("connection closed")
+            buf += chunk
+        return bytes(buf)
+
+    # -- records --------------------------------------------------------------------------
+    def _drain_loop(self) -> None:
+        while not self._stop.wait(DRAIN_INTERVAL):
+            self.drain()
+
+    def drain(self) -> None:
+        """Move what the rings hold into ``records`` now."""
+        with self._rec_lock:
+            if not self.closed:
+                self.ring.drain(self.records)
+
+    def take_records(self) -> list[bytes]:
+        """Every record drained so far (the caller owns them), in no particular order."""
+        self.drain()
+        with self._rec_lock:
+            out, self.records = self.records, []
+        return out
+
+    @property
+    def dropped(self) -> int:
+        """Records the plugin dropped because a ring was full."""
+        return self.ring.dropped()
+
+    def close(self) -> None:
+        """End the session: the plugin goes inert (no new hits)."""
+        if getattr(self, "closed", True):
+            return
+        self._stop.set()
+        self._drainer.join(2)
+        self.drain()
+        self.closed = True
+        try:
+            self.sock.close()
+        finally:
+            with self._rec_lock:
+                self.ring.close()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A vCPU waiting in a handler round trip (``EV_*``): where, its registers, current."""
+
+    type: int
+    vcpu: int
+    extra: int
+    addr: int
+    regs: tuple[int, ...]
+    task: int
+    pid: int
+    tflags: int
+    comm: bytes
+    a: int
+    b: int
+    ids: tuple[int, ...]
+
+
+class Channel:
+    """One vCPU's handler channel: a socketpair whose other end the plugin holds.
+
+    The vCPU thread writes an event and blocks; :meth:`serve` hands it to ``dispatch``,
+    which may call :meth:`read`, :meth:`write` and :meth:`read_reg` on that vCPU (they
+    run in its context, with its address space) and returns what to do. The other vCPUs
+    are not stopped. Closing the channel lets a blocked vCPU go on (as if every handler
+    returned 0).
+    """
+
+    def __init__(self, link: "PluginLink", vcpu: int) -> None:
+        self.vcpu = vcpu
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            link.request(CMD_CHANNEL, struct.pack("<I", vcpu), fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        self._buf = bytearray(EV_SIZE)
+        self.closed = False
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+    def next_event(self) -> Event | None:
+        """The next event, or None when the channel closed."""
+        buf = self._buf
+        try:
+            got = self.sock.recv_into(buf, EV_SIZE, socket.MSG_WAITALL)
+        except OSError:
+            return None
+        if got < EV_SIZE:
+            return None
+        (etype, vcpu, n, extra, addr, *rest) = EV_HDR.unpack_from(buf)
+        regs = tuple(rest[:21])
+        task, pid, tflags, comm, a, b = rest[21:]
+        ids = struct.unpack_from(f"<{min(n, 4)}I", buf, 240)   # up to 4 in the header
+        if n > 4:
+            try:
+                ids += struct.unpack(f"<{n - 4}I", self._recv(4 * (n - 4)))
+            except (EOFError, OSError):
+                return None
+        return Event(etype, vcpu, extra, addr, regs, task, pid, tflags,
+                     comm.split(b"\0", 1)[0], a, b, ids)
+
+    def read(self, addr: int, n: int) -> bytes | None:
+        """``n`` bytes of guest virtual memory in this vCPU's address space, or None."""
+        self.sock.sendall(struct.pack("<IIQI", C_READ, 12, addr & (1 << 64) - 1, n))
+        status, length = struct.unpack("<II", self._recv(8))
+        data = self._recv(length) if length else b""
+        return None if status else data
+
+    def write(self, addr: int, data: bytes) -> bool:
+        self.sock.sendall(struct.pack("<IIQ", C_WRITE, 8 + len(data), addr & (1 << 64) - 1) + data)
+        status, _ = struct.unpack("<II", self._recv(8))
+        return status == 0
+
+    def read_reg(self, name: str) -> int:
+        self.sock.sendall(struct.pack("<III", C_READREG, 4, SYS_REGS.index(name)))
+        status, _, value = struct.unpack("<IIQ", self._recv(16))
+        if status:
+            raise PluginError(f"the plugin cannot read {name}", status)
+        return value
+
+    def done(self, action: int, writes: dict[int, int]) -> None:
+        """Let the vCPU go: ``writes`` maps pt_regs indexes to new values."""
+        mask, vals = 0, [0] * 21
+        for i, v in writes.items():
+            mask |= 1 << i
+            vals[i] = v & (1 << 64) - 1
+        self.sock.sendall(struct.pack("<IIIIQ21Q", C_DONE, 16 + 8 * 21, action, 0, mask, *vals))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+
+def wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise VMLostError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
