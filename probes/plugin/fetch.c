@@ -3,7 +3,7 @@
  *
  * The control flow is process_fetch_insn() of kernel/trace/trace_kprobe.c (Linux 6.1)
  * with process_fetch_insn_bottom() of kernel/trace/trace_probe_tmpl.h, stage by stage,
- * as harness/fetchargs.py _run() follows it. Where the kernel stores a value, this only
+ * as harness/kernel/grammar/fetch.py _run() follows it. Where the kernel stores a value, this only
  * keeps what was read; the harness then evaluates the same program over the reads.
  * Strings are captured up to their NUL or MAX_STRING_SIZE bytes, page by page, so both
  * of the kernel's passes (sizing, then store) find what they read.

@@ -1,12 +1,12 @@
 /*
  * kph fetch programs: what the plugin captures at a spec probe's hit.
  *
- * A probe's fetch args arrive compiled by harness/fetchprog.py: the kernel's fetch_insn
- * list of each argument (kernel/trace/trace_probe.h, as harness/probespec.py builds it),
+ * A probe's fetch args arrive compiled by harness/kernel/grammar/program.py: the kernel's fetch_insn
+ * list of each argument (kernel/trace/trace_probe.h, as harness/kernel/grammar/kprobe.py builds it),
  * one 16-byte kph_insn per instruction, each argument ending in KOP_END. The plugin
  * does not format anything: it runs each program the way process_fetch_insn()
  * (kernel/trace/trace_kprobe.c, Linux 6.1) walks it and keeps every memory read it makes,
- * bytes or fault, in the record. The harness then runs harness.fetchargs.evaluate() over
+ * bytes or fault, in the record. The harness then runs harness.kernel.grammar.fetch.evaluate() over
  * exactly those reads, so values, strings and faults come out of the same code as the
  * gdbstub engine's, and the guest memory was read at the hit, by the vCPU that hit.
  *

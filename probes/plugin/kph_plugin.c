@@ -7,8 +7,8 @@
  * but keeps servicing return addresses it hijacked, so the guest never returns into the
  * trampoline unserviced.
  *
- * The harness side is harness/plugin.py (protocol, ring) and harness/plugin_engine.py
- * (kprobe semantics); harness/fetchprog.py compiles fetch args for fetch.c.
+ * The harness side is harness/machine/pluginlink.py (protocol, ring) and harness/engines/plugin_engine.py
+ * (kprobe semantics); harness/kernel/grammar/program.py compiles fetch args for fetch.c.
  *
  * How a probe works: at translation, every instruction whose address has a probe gets an
  * instruction callback, which runs on that vCPU's thread before the instruction, while
@@ -69,7 +69,7 @@ KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
 #define RING_MAX_SIZE (1ull << 30)  /* bytes of ring per vCPU, at most */
 #define LIVE_SIZE 4096              /* buckets of live kretprobe instances */
 
-/* ---- wire protocol (harness/plugin.py mirrors these) ---- */
+/* ---- wire protocol (harness/machine/pluginlink.py mirrors these) ---- */
 enum {
     CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
     CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10,
@@ -1274,7 +1274,7 @@ static void on_tb_trans(struct qemu_plugin_tb *tb, void *ud)
  *   before the next instruction): the harness runs the fault_handlers there, with the
  *   faulting registers from the frame and the vector from the entry point (1 =
  *   handled: frame undone, the vCPU resumes at regs.ip: the meaning the 2005 texts give
- *   kprobe::fault_handler, which 5.14 removed and harness/engine.py keeps host-side),
+ *   kprobe::fault_handler, which 5.14 removed and harness/engines/gdbstub_engine.py keeps host-side),
  *   and no post_handler (the guest's own int3 there, vector 3, is the guest's);
  * - an interrupt came after the probed instruction completed: the post_handlers run with
  *   the registers it left, rip/rflags/rsp from the frame. */
