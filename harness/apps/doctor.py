@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from ..constants import cache_dir
 from ..errors import HarnessError
+from ..machine.qemu import find_qemu, system_qemu, why_chosen
+from ..vmctl import probe_accel
+from ..machine.image.store import built_images, default_image, image_is_current, read_default
+from ..machine.image.toolchain import compiler_version, tree_dir
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,6 @@ class Check:
 
 
 def _qemu() -> list[Check]:
-    from ..machine.qemu import find_qemu, system_qemu, why_chosen
-
     try:
         q = find_qemu()
     except HarnessError as exc:
@@ -63,8 +65,6 @@ def _kvm() -> Check:
         os.close(fd)
     except OSError as exc:
         return Check("kvm", True, f"/dev/kvm not usable ({exc.strerror}): TCG will be used")
-    from ..machine.qemu import find_qemu
-    from ..vmctl import probe_accel
 
     try:
         ok, detail = probe_accel(find_qemu(), "kvm")
@@ -76,8 +76,6 @@ def _kvm() -> Check:
 
 
 def _image() -> list[Check]:
-    from ..machine.image.store import default_image, image_is_current
-
     try:
         img = default_image()
     except HarnessError as exc:
@@ -105,9 +103,6 @@ def _tools() -> list[Check]:
 
 def _matrix() -> list[Check]:
     """The other kernels' images, and the private compiler their modules are built with."""
-    from ..machine.image.store import read_default, built_images, image_is_current
-    from ..machine.image.toolchain import compiler_version, tree_dir
-
     out = []
     default = read_default()
     for img in built_images():

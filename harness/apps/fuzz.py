@@ -40,6 +40,12 @@ from typing import Any, Callable, Iterator
 
 from .. import constants as C
 from ..errors import HarnessError, NotMirroredError, ProbeSpecError, VMError
+from ..kernel.grammar import kprobe as probespec
+from ..kernel.rules import SERIES
+from ..machine.image.facts import kernel_view
+from ..kernel.grammar.kprobe import parse
+from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
+from ..diff.verdict import compare
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +154,6 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
     and no ``-:`` line is drawn: the module registers kprobes and has neither.
     """
     from hypothesis import strategies as st
-
-    from ..kernel.grammar import kprobe as probespec
-    from ..kernel.rules import SERIES
 
     r = rules or SERIES["6.1"]
     regs = list(probespec.REGISTERS)
@@ -347,7 +350,6 @@ class Oracle:
         self.vm, self.guest, self.workload, self.timeout = vm, guest, workload, timeout
         # The booted kernel's grammar (harness.kernel.rules), BTF and symbols: the host
         # parses each line as that kernel does.
-        from ..machine.image.facts import kernel_view
 
         def read(addr: int, n: int) -> bytes:
             return vm.host.read(addr, n)
@@ -361,8 +363,6 @@ class Oracle:
         for place in UPROBE_PLACES:
             if place in line:
                 if place not in self._places:
-                    from ..kernel.grammar.kprobe import parse
-                    from ..diff.runner import resolve_uprobes
                     (spec,) = resolve_uprobes(self.vm, [parse(f"p {place}")])
                     self._places[place] = f"{spec.path}:{spec.offset:#x}"
                 line = line.replace(place, self._places[place])
@@ -370,8 +370,6 @@ class Oracle:
 
     def judge(self, lines: tuple[str, ...]) -> Finding | None:
         """None when host and guest agree on ``lines``; else the finding."""
-        from ..kernel.grammar.kprobe import parse
-
         try:
             lines = tuple(self.kernel_form(ln) for ln in lines)
         except VMError as exc:          # the guest died (a panic) or hung under the last one
@@ -431,9 +429,6 @@ class Oracle:
         return None
 
     def _differential(self, lines: tuple[str, ...], specs: list[Any]) -> Finding | None:
-        from ..diff.verdict import compare
-        from ..diff.runner import run_differential, trampoline_text
-
         vm = self.vm
         host, guest = run_differential(vm, specs, self.workload, guest=self.guest,
                                        timeout=self.timeout)

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SetupError
+from ..machine.image.store import built_images, default_image, image_is_current
+from ..machine.qemu import find_qemu
 
 Progress = Callable[[str], None]
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +41,6 @@ PREPARE_TIMEOUT = 3600.0
 
 def local_identity(kernels: list[str] | None = None) -> dict[str, Any]:
     """This checkout's identity (what ``kph worker identity`` prints)."""
-    from ..machine.image.store import built_images, default_image, image_is_current
-    from ..machine.qemu import find_qemu
-
     commit = _git("rev-parse", "HEAD").strip()
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
     imgs = {}

@@ -34,8 +34,12 @@ from ..backends.host import HostBackend
 from ..errors import GuestPanicError, HarnessError, VMError, VMLostError
 from ..kernel.kprobes import Kprobe, Kretprobe
 from ..kernel.grammar.kprobe import parse
-from ..records import Counters, Hit, Outcome
+from ..records import Counters, Hit, Outcome, RunResult
 from .scenario import COUNTER_RE, Scenario
+from ..backends.module import ModuleBackend
+from ..diff.runner import trampoline_text
+from ..diff.verdict import compare
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +122,12 @@ class _Run:
         if self.specs["events"]:
             self.backends["events"] = EventsBackend(vm)
         if self.specs["module"]:
-            from ..backends.module import ModuleBackend
             self.backends["module"] = ModuleBackend(vm, buggy=frozenset(buggy))
         for side in ("host", "events", "module"):
             if side in self.backends:
                 self.obs.outcomes[side] = self.backends[side].register(self.specs[side])
         if self.vm._host is not None:
             vm.host.invalidate_code()
-            from ..diff.runner import trampoline_text
             self.obs.trampoline = trampoline_text(vm)
         if self.specs["module"]:
             vm.refresh_module_symbols()
@@ -323,8 +325,6 @@ def evaluate(scn: Scenario, obs: Observed, regs_stack: str) -> tuple[bool, list[
         reasons.append(f"counter {c}: {text}")
         ok &= good
     if exp.equivalent is not None:
-        from ..diff.verdict import compare
-        from ..records import RunResult
         hs = obs.hits.get("host", [])
         guest = "module" if "module" in obs.hits else "events"
         res = compare(RunResult("host", obs.outcomes.get("host", []), hs, obs.counters.get("host", {})),
@@ -384,8 +384,6 @@ def _cause(scn: Scenario, obs: Observed, stack: str) -> str:
 def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
         progress: Callable[[str], None] = lambda s: None) -> ReproResult:
     """Run ``scn`` and write its bundle; see the module docstring."""
-    from ..vmctl import Machine
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     bundle = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
     bundle.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,10 @@ from ..kernel.grammar.kprobe import kernel_format, parse
 from ..records import Outcome
 from .repro import OOPS_RE, RUNS_DIR, Observed, ReproResult, evaluate, probe_sections, symbolized_stack
 from .scenario import Scenario
+from ..machine.replay import End, decode_console, hmp, load_recording, record, replay
+from ..machine.image.store import default_image
+from ..kernel.symbols import SymbolTable, load_kallsyms_cached
+from . import scenario
 
 Progress = Callable[[str], None]
 MARK = "@kph "
@@ -195,8 +199,6 @@ class _MonitorMemory:
         pass
 
     def read_memory(self, addr: int, size: int) -> bytes:
-        from ..machine.replay import hmp
-
         text = hmp(self.run, f"x/{size}bx {addr:#x}")
         data = bytearray()
         for line in text.splitlines():
@@ -234,8 +236,6 @@ def with_modules(symbols: Any, console: str) -> Any:
 def read_end_state(run: Any, symbols: Any, console: str) -> EndState:
     """Registers and symbolized stack of the (one) vCPU of a stopped rr run; module
     symbols come from the run's ``console``."""
-    from ..machine.replay import hmp
-
     symbols = with_modules(symbols, console)
     st = EndState()
     try:
@@ -252,9 +252,6 @@ def read_end_state(run: Any, symbols: Any, console: str) -> EndState:
 # -- record ----------------------------------------------------------------------------------
 
 def _symbols(scn: Scenario) -> Any:
-    from ..machine.image.store import default_image
-    from ..kernel.symbols import SymbolTable, load_kallsyms_cached
-
     m = scn.machine
     if m.get("vmlinux"):
         return SymbolTable.from_vmlinux(m["vmlinux"])
@@ -267,8 +264,6 @@ def _symbols(scn: Scenario) -> Any:
 def record_scenario(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
                     progress: Progress = lambda s: None) -> ReproResult:
     """Record ``scn`` (see the module docstring) and write its bundle next to the recording."""
-    from ..machine.replay import End, record
-
     check_recordable(scn)
     symbols = _symbols(scn)
     script = scenario_script(scn, symbols)
@@ -278,7 +273,6 @@ def record_scenario(scn: Scenario, *, out_dir: Path | None = None, qemu: str | N
 
     def at_end(run: Any) -> None:
         nonlocal state
-        from ..machine.replay import decode_console
 
         state = read_end_state(run, symbols, decode_console(run.console))
 
@@ -341,9 +335,6 @@ def replay_scenario(bundle: Path, *, qemu: str | None = None, keep: bool = False
     """Replay a bundle made by ``record_scenario`` to its recorded end, read the state
     there, and compare with the recording. ``keep``: QEMU stays stopped at the end with
     its gdbstub open (close ``report.result``)."""
-    from . import scenario
-    from ..machine.replay import End, load_recording, replay
-
     rec = load_recording(bundle)
     try:
         scn = scenario.load(bundle / "scenario.toml")

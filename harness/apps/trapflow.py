@@ -43,6 +43,11 @@ from typing import Any, Callable
 
 from ..errors import HarnessError
 from ..kernel.symbols import instruction_at
+from ..backends.module import KPH_DIR, ModuleBackend
+from ..kernel.grammar.kprobe import parse
+from ..backends.events import EventsBackend
+from ..diff.runner import resolve_uprobes
+from ..kernel.elf import ElfImage
 
 LANES = ("user task", "CPU", "exception entry", "kprobes core", "uprobes core",
          "probe handler", "instruction slot")
@@ -193,13 +198,11 @@ class _Observer:
 
 
 def _module(vm: Any, post: bool) -> Any:
-    from ..backends.module import ModuleBackend
     return ModuleBackend(vm, post_handler=post)
 
 
 def _slot_info(mb: Any) -> tuple[int, int]:
     """(slot address, original first byte) of the single probe the module holds."""
-    from ..backends.module import KPH_DIR
     line = mb._sh(f"cat {KPH_DIR}/list").split()
     i = line.index("slot")
     return int(line[i + 1], 16), int(line[line.index("opcode") + 1], 16)
@@ -211,8 +214,6 @@ def _sym(vm: Any, name: str) -> int | None:
 
 
 def int3_flow(vm: Any, target: str, workload: str) -> Flow:
-    from ..kernel.grammar.kprobe import parse
-
     mb = _module(vm, post=True)
     spec = parse(f"p:kph/trapflow {target}")
     try:
@@ -258,8 +259,6 @@ def int3_flow(vm: Any, target: str, workload: str) -> Flow:
 
 
 def ftrace_flow(vm: Any, func: str, workload: str) -> Flow:
-    from ..kernel.grammar.kprobe import parse
-
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_ft {func}")])
@@ -285,8 +284,6 @@ def ftrace_flow(vm: Any, func: str, workload: str) -> Flow:
 
 
 def optimized_flow(vm: Any, target: str, workload: str, *, wait: float = 5.0) -> Flow:
-    from ..kernel.grammar.kprobe import parse
-
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_opt {target}")])
@@ -319,8 +316,6 @@ def optimized_flow(vm: Any, target: str, workload: str, *, wait: float = 5.0) ->
 
 
 def kretprobe_flow(vm: Any, func: str, workload: str) -> Flow:
-    from ..kernel.grammar.kprobe import parse
-
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"r:kph/trapflow_ret {func}")])
@@ -354,11 +349,6 @@ _USER_TOP = 1 << 47
 def _user_probe(vm: Any, line: str) -> tuple[Any, int, int]:
     """Place one ``uprobe_events`` line; return (backend, its offset's user address, size
     of the instruction there)."""
-    from ..backends.events import EventsBackend
-    from ..kernel.grammar.kprobe import parse
-    from ..diff.runner import resolve_uprobes
-    from ..kernel.elf import ElfImage
-
     (spec,) = resolve_uprobes(vm, [parse(line)])
     eb = EventsBackend(vm)
     (o,) = eb.register([spec])
@@ -385,8 +375,6 @@ def _name_user_steps(vm: Any, steps: list[Step]) -> list[Step]:
     """Steps in the program's own text get its function name, as docs/demo.md's tables show
     it (``0x401711 (kph_add+0x1)``): kernel symbols do not cover user addresses."""
     import dataclasses
-
-    from ..kernel.elf import ElfImage
 
     elf = ElfImage(vm.pull(USER_PROG))
     funcs = sorted((a, n) for n, a in elf._syms.items())

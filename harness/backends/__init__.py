@@ -17,6 +17,10 @@ from typing import Any, Protocol, Sequence
 
 from ..kernel.grammar.kprobe import ProbeSpec
 from ..records import Counters, Hit, Outcome
+from .host import HostBackend
+from .events import EventsBackend
+from .module import ModuleBackend
+from .plugin import PluginBackend
 
 
 class ProbeBackend(Protocol):
@@ -46,16 +50,12 @@ class ProbeBackend(Protocol):
 def make_backend(name: str, vm: Any) -> ProbeBackend:
     """The backend called ``name`` (host, events, module) on ``vm``."""
     if name == "host":
-        from .host import HostBackend
         return HostBackend(vm)
     if name == "events":
-        from .events import EventsBackend
         return EventsBackend(vm)
     if name == "module":
-        from .module import ModuleBackend
         return ModuleBackend(vm)
     if name == "plugin":
-        from .plugin import PluginBackend
         return PluginBackend(vm)
     raise ValueError(f"unknown backend {name!r}: use host, plugin, events or module")
 

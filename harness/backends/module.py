@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..errors import HarnessError, ProbeSpecError, SymbolNotFoundError
+from ..errors import HarnessError, NotMirroredError, ProbeSpecError, SymbolNotFoundError
 from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
@@ -104,7 +104,6 @@ def _value(node: FetchArg, resolve: Callable[[str], int] | None) -> list[str]:
     if isinstance(node, PerCpu) and not node.read:   # FETCH_OP_CPU_PTR (7.3)
         return _value(node.base, resolve) + ["cpuptr"]
     if isinstance(node, (EntryArg, BtfVar)):
-        from ..errors import NotMirroredError
         what = {EntryArg: "$argN past the sixth of a return probe (entry data, 6.12+)",
                 BtfVar: "a BTF argument not resolved for the booted kernel"}[type(node)]
         raise NotMirroredError(f"not mirrored by the module backend: {what}",

@@ -21,9 +21,9 @@ from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, 
 from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
-from ..kernel.grammar.kprobe import ProbeSpec
+from ..kernel.grammar.kprobe import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
-from ..engines.uprobes import Uprobe
+from ..engines.uprobes import Uprobe, UprobeManager
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines
 
 log = logging.getLogger(__name__)
@@ -162,8 +162,6 @@ class PluginBackend:
         that file (``current->mm->exe_file->f_inode->i_ino``, offsets from BTF)."""
         from types import SimpleNamespace
 
-        from ..engines.uprobes import UprobeManager
-
         assert spec.path is not None
         eng = self.engine
         up = Uprobe(spec.path, spec.offset if spec.symbol is None else None, symbol=spec.symbol)
@@ -264,7 +262,6 @@ class PluginBackend:
         pid_off = self.engine.task_offsets[1]
         if self.engine.symbols.get("__set_task_comm") is None or not pid_off:
             return
-        from ..kernel.grammar.kprobe import parse
 
         spec = parse(f"p:kphinternal/comm __set_task_comm pid=+{pid_off}(%di):s32 "
                      "comm=+0(%si):string")

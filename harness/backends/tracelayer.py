@@ -44,6 +44,8 @@ from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, 
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
 from ..kernel.grammar.kprobe import ProbeSpec, format as format_spec, parse, split_symbol_offset
 from ..records import Hit, Outcome
+from ..kernel.rules import rules_for
+from ..machine.image.facts import kernel_view
 
 log = logging.getLogger(__name__)
 
@@ -240,14 +242,11 @@ class TraceLayer:
         """The booted kernel's probe-event rules (``harness.kernel.rules``)."""
         facts = getattr(self.vm, "facts", None)
         if facts is None:
-            from ..kernel.rules import rules_for
             return rules_for(None)
         return facts.rules
 
     def view(self) -> Any:
         """The booted kernel as the parser sees it (``harness.kernel.grammar.kprobe.KernelView``)."""
-        from ..machine.image.facts import kernel_view
-
         def read(addr: int, n: int) -> bytes:
             return self.vm.host.read(addr, n)
         return kernel_view(self.vm.facts, self.symbols, read=read, loaded=self.module_loaded)

@@ -15,11 +15,19 @@ import logging
 from typing import Any, Sequence
 
 from ..backends import make_backend
-from ..errors import HarnessError, SetupError
+from ..errors import HarnessError, SetupError, VMError
 from ..backends.host import FetchHook, HostBackend
 from ..kernel.grammar.kprobe import ProbeSpec
 from ..progress import ProgressFn, hits_text, say, ticking
 from ..records import RunResult
+from ..kernel.grammar.uprobe import resolve_symbol
+from ..backends.tracelayer import uprobe_file_refusal
+from ..backends.plugin import PluginBackend
+from ..machine.image.store import default_image
+from .matrix import KernelRun, MatrixResult, compare_kernels
+from .verdict import compare
+from ..vmctl import Machine
+from ..machine.image.build import build_image
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +35,6 @@ log = logging.getLogger(__name__)
 def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
     """Turn the harness's ``PATH:SYMBOL[+OFFS]`` uprobe form into the file offset the
     kernel needs, from the program's ELF read out of the guest; other specs pass as is."""
-    from ..kernel.grammar.uprobe import resolve_symbol
-
-    from ..backends.tracelayer import uprobe_file_refusal
-
     out = []
     for spec in specs:
         if spec.is_uprobe and spec.symbol is not None:
@@ -101,7 +105,6 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
     try:
         comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
         if getattr(vm, "host_kind", "gdbstub") == "plugin":   # issue 15: the plugin engine
-            from ..backends.plugin import PluginBackend
             if hook is not None:
                 raise SetupError("a fetch hook needs the gdbstub engine",
                                  "boot with host='gdbstub' to use hook=")
@@ -185,12 +188,6 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
     A kernel that cannot be run (no image and no build, a boot failure) is reported in its
     row with the reason; the others still run.
     """
-    from ..machine.image.store import default_image
-    from .matrix import KernelRun, MatrixResult, compare_kernels
-    from .verdict import compare
-    from ..errors import VMError
-    from ..vmctl import Machine
-
     say = progress or (lambda s: None)
     out = MatrixResult(workload)
     for sel in kernels:
@@ -199,7 +196,6 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
         except SetupError:
             if not build:
                 raise
-            from ..machine.image.build import build_image
 
             say(f"matrix: {sel}: no image yet, building it")
             img = build_image(kernel=sel, qemu=qemu, progress=say)

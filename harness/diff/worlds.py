@@ -29,7 +29,8 @@ from .verdict import DiffResult, compare
 from ..errors import SetupError
 from ..kernel.grammar.kprobe import ProbeSpec
 from ..records import RunResult
-from .runner import trampoline_text
+from .runner import resolve_uprobes, trampoline_text
+from ..engines.gdbstub_engine import HostEngine
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,8 @@ def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str 
     :param verdict: ``harness.diff.verdict.compare``'s ``strict``, ``allow``, ``expect_empty``,
         for every pair.
     """
-    from ..engines.gdbstub_engine import HostEngine
-
     if getattr(vm, "host_kind", "") != "plugin":
         raise SetupError("three worlds need the plugin loaded", "boot with host='plugin'")
-    from .runner import resolve_uprobes
 
     specs = resolve_uprobes(vm, specs)
     comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"

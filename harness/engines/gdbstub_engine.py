@@ -64,6 +64,8 @@ from ..kernel.kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Kprobe, Kretprobe,
                       KretprobeInstance, ProbeFlags, PtRegs)
 from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
+from .uprobes import UprobeManager
+from ..kernel import emucheck
 
 log = logging.getLogger(__name__)
 
@@ -862,7 +864,6 @@ class HostEngine(EngineCore, HandlerErrors):
     def uprobes(self) -> Any:
         """The user-space probes (``harness.engines.uprobes.UprobeManager``), made on first use."""
         if self._uprobes is None:
-            from .uprobes import UprobeManager
             self._uprobes = UprobeManager(self)
         return self._uprobes
 
@@ -1007,8 +1008,6 @@ class HostEngine(EngineCore, HandlerErrors):
         (``harness.kernel.emucheck``); returns the list the ``EmulationCheck`` results go to.
         With ``code``, those bytes are checked at a scratch address instead of the probed
         instruction, which then runs as usual."""
-        from ..kernel import emucheck
-
         results: list[Any] = []
         user_pre = p.pre_handler
 

@@ -25,6 +25,7 @@ from typing import Callable
 
 from ..constants import FAST_GDBSTUB_QEMU, cache_dir
 from ..errors import SetupError
+from .image.debian import TRIXIE, PrivateApt, host_mirror_uri, unpack
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,6 @@ def provision_private_qemu(progress: Callable[[str], None] = print, force: bool 
     on; each package is unpacked with ``dpkg-deb -x``. Needs no chroot and changes nothing
     outside the cache. With ``$KPH_DOWNLOADS`` set, the .deb files are kept there.
     """
-    from .image.debian import TRIXIE, PrivateApt, host_mirror_uri, unpack
-
     root = private_dir()
     if not force:
         existing = private_qemu()

@@ -77,7 +77,7 @@ from typing import Any, Callable
 from .. import constants as C
 from ..aio import LoopThread, qmp_connect
 from ..errors import SetupError, VMError
-from .image.store import sha256_file
+from .image.store import Image, default_image, pack_cpio, sha256_file
 from .qemu import QemuBinary, find_qemu
 from ..procs import drain_fd, listen_unix, make_run_dir, pdeathsig, stop_process
 from ..vmctl import check_kernel_format
@@ -176,8 +176,6 @@ def script_initrd(base: Path, script: str, dst: Path) -> Path:
     one after the other, into the same rootfs (``init/initramfs.c``, ``unpack_to_rootfs``),
     so the image itself stays untouched and shared.
     """
-    from .image.store import pack_cpio
-
     with tempfile.TemporaryDirectory(prefix="kph-script-") as tmp:
         root = Path(tmp) / "root"
         (root / SCRIPT_PATH).parent.mkdir(parents=True)
@@ -414,8 +412,6 @@ def _watch(run: _Run, seen: _Seen, deadline: float, *, until_stop: bool) -> bool
 # -- record ---------------------------------------------------------------------------------
 
 def _resolve(image: Any, kernel: Any, initrd: Any) -> tuple[Path, Path, str | None]:
-    from .image.store import Image, default_image
-
     if kernel is None:
         img = image if isinstance(image, Image) else default_image(image)
         kpath, ipath, version = img.kernel, (Path(initrd) if initrd else img.initrd), img.version

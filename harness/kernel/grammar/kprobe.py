@@ -32,12 +32,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import common as _kstrtox
+from . import common as FP, common as _kstrtox
 from ...errors import NotMirroredError, ProbeSpecError
 from .fetch import (FETCH_TYPES, REGISTERS, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
                         FileOffset, FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
                         StackEntry, StackPointer, render_fetch)
 from ..rules import KernelRules, rules_for
+from .common import FL_FENTRY, FL_KERNEL, FL_RETURN
 
 log = logging.getLogger(__name__)
 
@@ -688,7 +689,6 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
         event = default_event_name(is_return, None if symbol is None else name, offset, addr)
 
     if rules.arg_parser == "context":
-        from .common import FL_FENTRY, FL_KERNEL, FL_RETURN
         flags = FL_KERNEL | (FL_RETURN if is_return else 0) | (FL_FENTRY if fentry else 0)
         args = _context_args(toks, text, kernel, rules, flags,
                              None if symbol is None else name)
@@ -734,8 +734,6 @@ def _context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | N
     ``$arg*``/``$argN`` expanded from BTF, the argument count checked, ``%pd``/``%pD``
     rewritten, then each argument. Errors are placed as ``__trace_probe_log_err()`` places
     them: against the line as written, at the argument index the kernel logs."""
-    from . import common as FP
-
     lc = FP.LineContext(rules, flags, funcname, kernel.btf if kernel else None,
                         lenient=kernel is None or kernel.lenient)
 

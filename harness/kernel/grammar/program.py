@@ -25,8 +25,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ...errors import EngineReadError
+from ...errors import EngineReadError, NotMirroredError
 from .fetch import MAX_STRING_SIZE, THREAD_SIZE, FaultError
+from .kprobe import split_symbol_offset
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
         if kind == "nop_symbol":
             # The raw SYM[+|-OFFS] text (traceprobe_split_symbol_offset()); the trace
             # layer has normally resolved it already (harness.kernel.dynevent).
-            from .kprobe import split_symbol_offset
 
             name, off = split_symbol_offset(op[1])
             try:
@@ -111,7 +111,6 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
         elif kind == "lp_array":
             out.append(_insn(kind, b=op[1]))
         elif kind in _NOT_MIRRORED:
-            from ...errors import NotMirroredError
             raise NotMirroredError(f"not mirrored by the plugin engine: {_NOT_MIRRORED[kind]}",
                                    hint="use the gdbstub engine (--host gdbstub)")
         else:

@@ -25,9 +25,11 @@ import posixpath
 from typing import Any
 
 from ...errors import ProbeSpecError
-from .kprobe import (_FL_RETURN, _FL_UPROBE, MAX_EVENT_NAME_LEN, MAX_TRACE_ARGS, ProbeArg,
-                        ProbeSpec, _arg_text, _Fail, _parse_arg, _parse_event_name,
-                        _return_suffix, kstrtoul)
+from .kprobe import (MAX_EVENT_NAME_LEN, MAX_TRACE_ARGS, ProbeArg, ProbeSpec, _FL_RETURN,
+                     _FL_UPROBE, _Fail, _arg_text, _context_args, _parse_arg, _parse_event_name,
+                     _return_suffix, kstrtoul)
+from .common import FL_RETURN, FL_USER
+from ..elf import ElfImage
 
 UPROBE_EVENT_SYSTEM = "uprobes"
 
@@ -89,8 +91,6 @@ def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None, *,
             group = UPROBE_EVENT_SYSTEM
     rules = kernel.rules if kernel is not None else None
     if rules is not None and rules.arg_parser == "context":
-        from .common import FL_RETURN, FL_USER
-        from .kprobe import _context_args
         args = _context_args(toks, text, kernel, rules,
                              FL_USER | (FL_RETURN if is_return else 0), None, uprobe=True)
         return ProbeSpec(kind, group, event if exp_event else "", None, symbol, offset, None,
@@ -163,7 +163,6 @@ def resolve_symbol(spec: ProbeSpec, elf: bytes) -> ProbeSpec:
     """
     if spec.symbol is None:
         return spec
-    from ..elf import ElfImage
     img = ElfImage(elf)
     try:
         vaddr = img.symbol(spec.symbol) + spec.offset

@@ -23,13 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import facts as F
-from . import kernels, toolchain
+from . import facts as F, kernels, toolchain
 from ...constants import cache_dir
 from ...errors import SetupError
 from .store import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, Image, Progress, assemble_root,
                      kmod_sources, pack_cpio, image_is_current, load_image, recipe_hash,
                      write_manifest)
+from ..snapshot import ensure
+from ...vmctl import Machine
 
 
 def build_image(*, kernel: str | None = None, force: bool = False, progress: Progress = print,
@@ -120,17 +121,12 @@ def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress
 
 def ensure_snapshot(img: Image, qemu: str | None, progress: Progress) -> None:
     """Build the image's ready snapshot for the default machine options unless current."""
-    from ..snapshot import ensure
-    from ...vmctl import Machine
-
     snap, why = ensure(Machine.prepare(img, qemu=qemu), progress)
     progress(f"snapshot: {snap.dir} is current" if snap is not None else f"snapshot: none ({why})")
 
 
 def _harvest(out: Path, manifest: dict[str, Any], qemu: str | None) -> None:
     """Boot the new image cold once and copy its kernel facts into ``out``."""
-    from ...vmctl import Machine
-
     vm = Machine.prepare(kernel=out / "vmlinuz", initrd=out / "initrd.img", qemu=qemu,
                          name=f"kph-build-{os.getpid()}")
     with vm:

@@ -42,6 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SetupError
+from ...kernel.rules import rules_for, series_of_release
+from ...kernel.symbols import ARCH, Blacklist, load_kallsyms_cached
+from ...kernel.btf import BTF
+from ...kernel.grammar.kprobe import KernelView
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +101,26 @@ class KernelFacts:
     @property
     def series(self) -> str:
         """``6.1``, ``6.12``, ``7.3``: the kernel series (``harness.kernel.rules``)."""
-        from ...kernel.rules import series_of_release
-
         return series_of_release(self.release)
 
     @functools.cached_property
     def rules(self) -> Any:
         """This kernel's probe-event rules (``harness.kernel.rules.KernelRules``)."""
-        from ...kernel.rules import rules_for
-
         return rules_for(self.release, self.config)
 
     @functools.cached_property
     def symbols(self) -> Any:
         """The kernel's ``harness.kernel.symbols.SymbolTable`` (a copy per KernelFacts)."""
-        from ...kernel.symbols import load_kallsyms_cached
-
         return load_kallsyms_cached(self.kallsyms_path)
 
     @functools.cached_property
     def blacklist(self) -> Any:
         """The kprobe blacklist (``harness.kernel.symbols.Blacklist``)."""
-        from ...kernel.symbols import Blacklist
-
         return Blacklist(self._text("kprobes_blacklist"))
 
     @functools.cached_property
     def btf(self) -> Any:
         """The kernel's BTF (``harness.kernel.btf.BTF``): struct member offsets."""
-        from ...kernel.btf import BTF
-
         return BTF(self._bytes("btf"))
 
     @functools.cached_property
@@ -168,9 +162,6 @@ def kernel_view(facts: KernelFacts, symbols: Any = None, *, read: Any = None,
     start; without it ``SYM+4`` on an IBT kernel is taken for an entry), ``loaded(mod)``
     whether a module is loaded (default: the modules the facts were harvested with).
     ``btf=False`` parses BTF variables into placeholders."""
-    from ...kernel.grammar.kprobe import KernelView
-    from ...kernel.symbols import ARCH
-
     syms = symbols if symbols is not None else facts.symbols
     rules = facts.rules
     ibt = facts.config.get("CONFIG_X86_KERNEL_IBT") == "y"

@@ -32,6 +32,7 @@ from typing import Callable
 
 from ...constants import KERNEL_META_PACKAGE
 from ...errors import SetupError
+from .debian import PrivateApt, TRIXIE, run, unpack
 
 Progress = Callable[[str], None]
 #: Where each origin's ``linux-image-cloud-amd64`` is read: the host's apt (None: its own
@@ -74,8 +75,6 @@ def _host_cache(*args: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _private():
-    from .debian import TRIXIE, PrivateApt
-
     apt = PrivateApt(TRIXIE)
     apt.update()
     return apt
@@ -166,8 +165,6 @@ def fetch(rel: KernelRelease, dest: Path, progress: Progress | None = None) -> P
     Pulls in ``linux-binary/-modules/-base-<abi>`` when ``linux-image-<abi>`` depends on
     them (7.3's split layout).
     """
-    from .debian import run, unpack
-
     pkgs = [f"linux-image-{rel.abi}"]
     if rel.origin == "host":
         deps = _host_cache("depends", pkgs[0])

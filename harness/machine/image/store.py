@@ -25,6 +25,8 @@ from typing import Any, Callable
 from ...constants import cache_dir
 from ...errors import SetupError
 from .facts import KernelFacts
+from .kernels import KernelRelease
+from .toolchain import build_module, for_kernel
 
 #: Bump when the build steps change in a way the recipe files do not show.
 BUILD_FORMAT = 3
@@ -275,9 +277,6 @@ def _build_progs(dest: Path) -> None:
 def _build_kmod(dest: Path, abi: str) -> None:
     """Build ``probes/kmod`` against the host's headers of ``abi`` as
     ``dest/kph_kprobes.ko``. Not listed in modules.load: ``ModuleBackend`` loads it."""
-    from .kernels import KernelRelease
-    from .toolchain import build_module, for_kernel
-
     build_module(for_kernel(KernelRelease(abi, "host")), kmod_sources(), KMOD_NAME,
                  dest / f"{KMOD_NAME}.ko")
 

@@ -31,6 +31,7 @@ from typing import Callable
 from ...constants import cache_dir
 from ...errors import SetupError
 from .kernels import KernelRelease
+from .debian import TRIXIE, PrivateApt, unpack
 
 Progress = Callable[[str], None]
 #: Tools kbuild runs besides the compiler. The headers package brings the compiler, but
@@ -92,8 +93,6 @@ def for_kernel(rel: KernelRelease, progress: Progress | None = None) -> Toolchai
 
 
 def _chroot_toolchain(rel: KernelRelease, progress: Progress | None) -> Toolchain:
-    from .debian import TRIXIE, PrivateApt, unpack
-
     base = tree_dir()
     base.mkdir(parents=True, exist_ok=True)
     tree = base / "tree"
