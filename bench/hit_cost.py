@@ -242,7 +242,7 @@ def dense_stub(vm: Machine, addr: int, n: int, raw: bool) -> tuple[float, int]:
 
 def dense_plugin_spec(vm: Machine, n: int) -> tuple[float, int]:
     from harness.kernel.grammar import program as fetchprog
-    from harness.kernel.grammar.kprobe import parse
+    from harness.kernel.grammar import parse
 
     eng = vm.host
     addr = vm.symbols.lookup("vfs_read").addr

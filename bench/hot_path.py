@@ -26,7 +26,7 @@ from harness.backends.events import EventsBackend  # noqa: E402
 from harness.backends.host import HostBackend  # noqa: E402
 from harness.backends.plugin import PluginBackend  # noqa: E402
 from harness.engines.gdbstub_engine import HostEngine  # noqa: E402
-from harness.kernel.grammar.kprobe import parse  # noqa: E402
+from harness.kernel.grammar import parse  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 SPEC = "p:rd vfs_read count=%dx:u64"

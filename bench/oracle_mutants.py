@@ -297,7 +297,7 @@ def _accept(outs: list[Any]) -> list[Any]:
 
 def _offset_probe(stack: contextlib.ExitStack, p: Parts) -> None:
     """The probe placed 5 bytes into the function (past the ftrace nop): wrong offset."""
-    from harness.kernel.grammar.kprobe import ProbeSpec
+    from harness.kernel.grammar import ProbeSpec
     if p.engine == "gdbstub":
         _wrap(stack, p.backend, "_make", lambda orig: lambda self, spec, name: orig(
             self, dataclasses.replace(spec, offset=spec.offset + 5) if isinstance(spec, ProbeSpec)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.kernel.grammar import program as fetchprog  # noqa: E402
-from harness.kernel.grammar.kprobe import parse  # noqa: E402
+from harness.kernel.grammar import parse  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 from rsp import RawStub  # noqa: E402
 

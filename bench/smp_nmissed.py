@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.kernel.grammar.kprobe import parse  # noqa: E402
+from harness.kernel.grammar import parse  # noqa: E402
 from harness.diff.runner import run_differential  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 

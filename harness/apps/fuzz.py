@@ -40,10 +40,10 @@ from typing import Any, Callable, Iterator
 
 from .. import constants as C
 from ..errors import HarnessError, NotMirroredError, ProbeSpecError, VMError
-from ..kernel.grammar import kprobe as probespec
+from ..kernel import grammar
 from ..kernel.rules import SERIES
 from ..machine.image.facts import kernel_view
-from ..kernel.grammar.kprobe import parse
+from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
 
@@ -156,9 +156,9 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
     from hypothesis import strategies as st
 
     r = rules or SERIES["6.1"]
-    regs = list(probespec.REGISTERS)
+    regs = list(grammar.REGISTERS)
     types = sorted(r.fetch_types)
-    max_args = int(probespec.MAX_TRACE_ARGS)
+    max_args = int(grammar.MAX_TRACE_ARGS)
     # constructs of later series: well formed where this kernel has them (drawn with the
     # good leaves), a defect where it does not (drawn with the bad ones)
     later = {
@@ -515,7 +515,7 @@ def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
     stats.vm = vm
     # Examples past MAX_TRACE_ARGS are generated on purpose; the parser's warning about
     # them (one per example) is not news here.
-    logging.getLogger("harness.kernel.grammar.kprobe").setLevel(logging.ERROR)
+    logging.getLogger("harness.kernel.grammar").setLevel(logging.ERROR)
     strat = strategies(symbol_pool(vm, workload), rules=vm.facts.rules, guest=guest)
     known: set[str] = set()
     t0 = time.monotonic()

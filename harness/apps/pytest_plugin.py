@@ -189,12 +189,12 @@ class DiffHelper:
         """Run ``specs`` on both sides of one execution of ``workload``; ``strict`` and
         ``allow`` as ``harness.diff.verdict.compare`` (default: the --kph-strict options)."""
         from harness.diff.verdict import compare
-        from harness.kernel.grammar.kprobe import parse
+        from harness.kernel.grammar import parse
         from harness.diff.runner import run_differential, trampoline_text
 
         # The grammar of the machine's kernel; its BTF and symbols decide at registration,
         # where a refusal is a result on both sides (harness.backends.tracelayer).
-        from harness.kernel.grammar.kprobe import KernelView
+        from harness.kernel.grammar import KernelView
         facts = getattr(self.vm, "facts", None)
         view = KernelView(facts.rules) if facts is not None else None
         parsed = [parse(s, kernel=view) for s in specs]

@@ -33,7 +33,7 @@ from ..backends.events import EventsBackend
 from ..backends.host import HostBackend
 from ..errors import GuestPanicError, HarnessError, VMError, VMLostError
 from ..kernel.kprobes import Kprobe, Kretprobe
-from ..kernel.grammar.kprobe import parse
+from ..kernel.grammar import parse
 from ..records import Counters, Hit, Outcome, RunResult
 from .scenario import COUNTER_RE, Scenario
 from ..backends.module import ModuleBackend

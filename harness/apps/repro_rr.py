@@ -37,7 +37,7 @@ from ..backends.events import STRERROR, KPROBES_LIST, TRACING
 from ..backends.module import FLAG_BUG_NULL, GUEST_KO, KPH_DIR, add_line, compile_arg
 from ..errors import HarnessError, ScenarioError, SetupError
 from ..kernel.grammar.fetch import MAX_STRING_SIZE
-from ..kernel.grammar.kprobe import kernel_format, parse
+from ..kernel.grammar import kernel_format, parse
 from ..records import Outcome
 from .repro import OOPS_RE, RUNS_DIR, Observed, ReproResult, evaluate, probe_sections, symbolized_stack
 from .scenario import Scenario

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProbeSpecError, ScenarioError
-from ..kernel.grammar.kprobe import parse
+from ..kernel.grammar import parse
 
 SIDES = ("host", "events", "module")
 OUTCOMES = ("ok", "panic", "oops", "hang", "refused")

@@ -44,7 +44,7 @@ from typing import Any, Callable
 from ..errors import HarnessError
 from ..kernel.symbols import instruction_at
 from ..backends.module import KPH_DIR, ModuleBackend
-from ..kernel.grammar.kprobe import parse
+from ..kernel.grammar import parse
 from ..backends.events import EventsBackend
 from ..diff.runner import resolve_uprobes
 from ..kernel.elf import ElfImage

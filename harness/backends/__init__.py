@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from ..kernel.grammar.kprobe import ProbeSpec
+from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .host import HostBackend
 from .events import EventsBackend

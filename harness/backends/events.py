@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from ..errors import GuestAgentError
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
-from ..kernel.grammar.kprobe import ProbeSpec, guest_line
+from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
 from .tracelayer import TraceLayer

@@ -17,7 +17,7 @@ from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultEr
                       ProbeRejectedError)
 from ..kernel.grammar.fetch import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
 from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
-from ..kernel.grammar.kprobe import ProbeSpec
+from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines

@@ -35,7 +35,7 @@ from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
 from ..kernel.kprobes import kernel_rethook_trampoline
-from ..kernel.grammar.kprobe import ProbeArg, ProbeSpec
+from ..kernel.grammar import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .tracelayer import TraceLayer
 

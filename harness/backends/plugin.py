@@ -21,7 +21,7 @@ from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, 
 from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
-from ..kernel.grammar.kprobe import ProbeSpec, parse
+from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines

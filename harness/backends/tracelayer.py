@@ -7,8 +7,8 @@ the kernel's order (``__trace_kprobe_create()`` then ``register_trace_kprobe()``
 
 1. uprobe lines: the file (``kern_path()``: ENOENT "Failed to find the given file"; not
    ``d_is_reg()``: EINVAL "Not a regular file"), before anything else of the line;
-2. the line parsed again as the booted kernel parses it (:func:`harness.kernel.grammar.kprobe.parse`
-   with the kernel's :class:`harness.kernel.grammar.kprobe.KernelView`: its series' rules, its BTF,
+2. the line parsed again as the booted kernel parses it (:func:`harness.kernel.grammar.parse`
+   with the kernel's :class:`harness.kernel.grammar.KernelView`: its series' rules, its BTF,
    the running guest's symbols): a line written before the kernel was known (``kph
    matrix``) gets that kernel's types, names and refusals, with its errno and caret;
    ``number_of_same_symbols()`` over vmlinux and the loaded modules is part of it (6.1:
@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
-from ..kernel.grammar.kprobe import ProbeSpec, format as format_spec, parse, split_symbol_offset
+from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symbol_offset
 from ..records import Hit, Outcome
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
@@ -246,7 +246,7 @@ class TraceLayer:
         return facts.rules
 
     def view(self) -> Any:
-        """The booted kernel as the parser sees it (``harness.kernel.grammar.kprobe.KernelView``)."""
+        """The booted kernel as the parser sees it (``harness.kernel.grammar.KernelView``)."""
         def read(addr: int, n: int) -> bytes:
             return self.vm.host.read(addr, n)
         return kernel_view(self.vm.facts, self.symbols, read=read, loaded=self.module_loaded)

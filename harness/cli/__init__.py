@@ -6,7 +6,8 @@ One module per verb (``boot``, ``image``, ``qemu``, ``doctor``, ``probe``, ``dif
 every verb follows (stdout JSON, stderr talk, ``-q``, ``-o``, exit statuses, errors in one
 line); ``common`` the option groups and steps several verbs share. The work itself is in
 the library (runner, repro, trapflow, report). Verbs import the library inside ``run``:
-``kph --help`` and a Ctrl-C during start-up do not wait for QEMU's, GDB's and the probe
+``kph --help`` (0.04 s; 0.18 s with the layers loaded, measured 2026-11-26) and a Ctrl-C
+during start-up do not wait for QEMU's, GDB's and the probe
 grammar's modules.
 """
 from .main import COMMANDS, EXAMPLES, VERBS, main, make_parser

@@ -113,7 +113,7 @@ def load_specs(args: argparse.Namespace) -> list[Any]:
     """Parse every spec, with the image's symbols where the kernel's parser uses them
     (``kprobe_on_func_entry()``, ``number_of_same_symbols()``), before booting: what the
     kernel refuses while parsing a line is refused here, in its order and words."""
-    from ..kernel.grammar.kprobe import parse
+    from ..kernel.grammar import parse
 
     lines = list(args.specs)
     if args.spec_file:
@@ -128,7 +128,7 @@ def load_specs(args: argparse.Namespace) -> list[Any]:
         # no facts before boot: the grammar of the newest rules; the booted kernel's own
         # rules, BTF and symbols decide at registration (harness.backends.tracelayer)
         from ..kernel.rules import SERIES
-        from ..kernel.grammar.kprobe import KernelView
+        from ..kernel.grammar import KernelView
         newest = KernelView(list(SERIES.values())[-1])
         return [parse(ln, kernel=newest) for ln in lines]
     from ..machine.image.facts import kernel_view

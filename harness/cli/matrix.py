@@ -79,7 +79,7 @@ def matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:
     yet): a line no kernel parses is a usage error, one some kernel parses goes on (each
     kernel's own parse at registration refuses it where it must, a per-kernel result)."""
     from ..kernel.rules import rules_for
-    from ..kernel.grammar.kprobe import KernelView, parse
+    from ..kernel.grammar import KernelView, parse
 
     views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in kernels]
     out = []

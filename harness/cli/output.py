@@ -197,7 +197,7 @@ def report_error(exc: BaseException) -> int | None:
               file=sys.stderr)
         return EXIT_USAGE
     if isinstance(exc, ProbeSpecError):
-        from ..kernel.grammar.kprobe import format_error    # only for this error: kph --help stays light
+        from ..kernel.grammar import format_error    # only for this error: kph --help stays light
         toks = exc.text.split()
         uprobe = len(toks) > 1 and "/" in toks[1]      # the file the kernel would log to
         print(format_error(exc, "trace_uprobe" if uprobe else "trace_kprobe").rstrip("\n"),

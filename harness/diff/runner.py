@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from ..backends import make_backend
 from ..errors import HarnessError, SetupError, VMError
 from ..backends.host import FetchHook, HostBackend
-from ..kernel.grammar.kprobe import ProbeSpec
+from ..kernel.grammar import ProbeSpec
 from ..progress import ProgressFn, hits_text, say, ticking
 from ..records import RunResult
 from ..kernel.grammar.uprobe import resolve_symbol

@@ -27,7 +27,7 @@ from ..backends.host import HostBackend
 from ..backends.plugin import PluginBackend
 from .verdict import DiffResult, compare
 from ..errors import SetupError
-from ..kernel.grammar.kprobe import ProbeSpec
+from ..kernel.grammar import ProbeSpec
 from ..records import RunResult
 from .runner import resolve_uprobes, trampoline_text
 from ..engines.gdbstub_engine import HostEngine

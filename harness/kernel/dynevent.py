@@ -1,6 +1,6 @@
 """What Linux 6.1's trace-event layer decides between a parsed line and ``register_kprobe()``.
 
-:mod:`harness.kernel.grammar.kprobe` is the parser (``__trace_kprobe_create()`` up to its last argument);
+:mod:`harness.kernel.grammar` is the parser (``__trace_kprobe_create()`` up to its last argument);
 this module is the rest of writing a line to ``kprobe_events`` / ``uprobe_events``, the part
 that depends on what exists already (pure: tables in, a :class:`Refusal` or None out):
 
@@ -41,8 +41,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .grammar.kprobe import (ProbeArg, ProbeSpec, render_body, format as format_spec,
-                        split_symbol_offset)
+from .grammar import (ProbeArg, ProbeSpec, format as format_spec, render_body,
+                      split_symbol_offset)
 
 __all__ = ["Refusal", "EventTable", "target_refusal", "resolve_fetch_symbols",
            "registration_refusal", "module_pending", "arg_column"]

@@ -2,7 +2,7 @@
 
 Why data: the grammar of ``kprobe_events``/``uprobe_events``, its ``error_log`` texts, its
 types and limits, and some host-side semantics changed between these kernels. The parser
-(:mod:`harness.kernel.grammar.kprobe`, :mod:`harness.kernel.grammar.common`), the trace layer
+(:mod:`harness.kernel.grammar`: ``common`` for 6.1, ``args`` for 6.12 and 7.3), the trace layer
 (:mod:`harness.backends.tracelayer`) and the fetch evaluation (:mod:`harness.kernel.grammar.fetch`)
 ask a :class:`KernelRules` instead of assuming one kernel. Each difference is a field here,
 with the source it was read from (``file: function`` of that version, from Debian's
@@ -148,8 +148,8 @@ class KernelRules:
     series: str
     errors: Mapping[str, str]
     #: which argument parser: "6.1" (``traceprobe_parse_probe_arg()`` with flags, in
-    #: :mod:`harness.kernel.grammar.kprobe`) or "context" (6.4+: a ``traceprobe_parse_context``, in
-    #: :mod:`harness.kernel.grammar.common`)
+    #: :mod:`harness.kernel.grammar.common`) or "context" (6.4+: a ``traceprobe_parse_context``, in
+    #: :mod:`harness.kernel.grammar.args`)
     arg_parser: str
     #: the error a digit after ``p`` gets (``p100 vfs_read``): its ERRORS name
     maxact_on_kprobe: str

@@ -9,7 +9,7 @@ from harness.kernel.dynevent import (BAD_PROBE_ADDR, DIFF_ARG_TYPE, DIFF_PROBE_T
                               arg_column, module_pending, registration_refusal,
                               resolve_fetch_symbols, target_refusal)
 from harness.kernel.grammar.fetch import MemSymbol
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 
 FORK = "kernel_clone"
 

@@ -18,7 +18,7 @@ import pytest
 
 from harness.kernel.grammar import program as fetchprog
 from harness.kernel.grammar.fetch import FaultError, evaluate
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 
 PAGE = 4096
 USER = 0x7ffd_1000_0000

@@ -8,7 +8,7 @@ def test_listing_is_deterministic_and_mostly_well_formed():
     assert a == fuzz.list_examples(pool, examples=60, seed=11)
     assert a != fuzz.list_examples(pool, examples=60, seed=12)
     from harness.errors import ProbeSpecError
-    from harness.kernel.grammar.kprobe import parse
+    from harness.kernel.grammar import parse
     parsed = 0
     for ex in a:
         try:

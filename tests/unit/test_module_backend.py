@@ -11,7 +11,7 @@ from harness.backends.module import (FLAG_POST, REG_OFFSET, Item, ModuleBackend,
                                      compile_arg, decode_arg, parse_events_line)
 from harness.errors import SymbolNotFoundError
 from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
-from harness.kernel.grammar.kprobe import parse, parse_arg
+from harness.kernel.grammar import parse, parse_arg
 from harness.kernel.symbols import SymbolTable
 
 KALLSYMS = """\

@@ -5,10 +5,10 @@ import logging
 import pytest
 
 from harness.kernel.grammar import fetch as fa
-from harness.kernel.grammar import kprobe as ps
+from harness.kernel import grammar as ps
 from harness.errors import ProbeSpecError
 from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
-from harness.kernel.grammar.kprobe import format, kernel_format, parse
+from harness.kernel.grammar import format, kernel_format, parse
 
 # ---------------------------------------------------------------- round trip
 

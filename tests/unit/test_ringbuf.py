@@ -3,7 +3,7 @@ format file of a kprobe event as the 6.1 guest printed it."""
 import struct
 
 from harness.kernel.grammar.fetch import FAULT, escape_bytes, format_value
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 from harness.kernel.ringbuf import decode_args, parse_format, parse_page, read_pages
 
 FORMAT = """name: b

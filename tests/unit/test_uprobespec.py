@@ -5,7 +5,7 @@ import pytest
 
 from harness.errors import ProbeSpecError
 from harness.kernel.grammar.fetch import FAULT, FaultError, evaluate
-from harness.kernel.grammar.kprobe import format, kernel_format, parse
+from harness.kernel.grammar import format, kernel_format, parse
 from harness.engines.uprobes import _maps_base
 from harness.kernel.elf import ElfImage
 

@@ -190,7 +190,7 @@ def check_parse_refusals(vm, items, *, carets: bool = True) -> tuple[int, int, i
     Returns (logged, silent, accepted) counts."""
     from harness.errors import ProbeSpecError
     from harness.machine.image.facts import kernel_view
-    from harness.kernel.grammar.kprobe import parse
+    from harness.kernel.grammar import parse
 
     view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
     bad, logged, silent, accepted = [], 0, 0, 0
@@ -238,7 +238,7 @@ def check_registration(vm, lines: list[str]) -> list:
     accepted or refused alike (errno and message). Returns the guest's outcomes."""
     from harness.backends.events import EventsBackend
     from harness.backends.host import HostBackend
-    from harness.kernel.grammar.kprobe import KernelView, parse
+    from harness.kernel.grammar import KernelView, parse
 
     view = KernelView(vm.facts.rules)
     specs = [parse(ln, kernel=view) for ln in lines]
@@ -261,7 +261,7 @@ def check_lines(vm, lines: list[str]) -> list[str]:
     with the same ``error_log`` text, caret and errno. Returns what differs."""
     from harness.errors import ProbeSpecError
     from harness.machine.image.facts import kernel_view
-    from harness.kernel.grammar.kprobe import parse
+    from harness.kernel.grammar import parse
 
     view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
     bad = []
@@ -279,7 +279,7 @@ def check_lines(vm, lines: list[str]) -> list[str]:
             # refused at registration, not while parsing: the host side's trace layer and
             # register_kprobe() rules say it (no caret: the outcome has none)
             from harness.backends.host import HostBackend
-            from harness.kernel.grammar.kprobe import KernelView
+            from harness.kernel.grammar import KernelView
             host = HostBackend(vm, armed=False)
             try:
                 (o,) = host.register([parse(line, kernel=KernelView(vm.facts.rules))])

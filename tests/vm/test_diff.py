@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from harness.diff.verdict import compare
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = pytest.mark.vm

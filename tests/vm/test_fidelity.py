@@ -16,7 +16,7 @@ import pytest
 
 from harness.errors import ProbeRejectedError
 from harness.kernel.kprobes import Kprobe
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 
 pytestmark = pytest.mark.vm
 

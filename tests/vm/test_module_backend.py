@@ -8,7 +8,7 @@ import pytest
 
 from harness.backends.module import KPH_DIR, ModuleBackend
 from harness.kernel.grammar.fetch import parse_trace_line
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 
 pytestmark = pytest.mark.vm
 

@@ -10,7 +10,7 @@ import pytest
 
 from harness import Machine
 from harness.diff.verdict import compare
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = pytest.mark.vm

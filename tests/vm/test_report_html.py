@@ -13,7 +13,7 @@ import pytest
 
 from harness.diff import report
 from harness.diff.verdict import compare
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 from harness.diff.runner import run_differential, trampoline_text
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]

@@ -455,7 +455,7 @@ def test_fprobe_and_tprobe_lines_are_refused_host_side(series, machine):
     the guest takes the same lines (written to ``dynamic_events``)."""
     from harness.errors import NotMirroredError
     from harness.machine.image.facts import kernel_view
-    from harness.kernel.grammar.kprobe import parse
+    from harness.kernel.grammar import parse
 
     view = kernel_view(machine.facts, machine.symbols)
     for source, raw in NOT_MIRRORED[series]:

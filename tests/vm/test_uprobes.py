@@ -10,7 +10,7 @@ import pytest
 from harness.diff.verdict import compare
 from harness.errors import ProbeRejectedError
 from harness.kernel.kprobes import ProbeFlags
-from harness.kernel.grammar.kprobe import parse
+from harness.kernel.grammar import parse
 from harness.diff.runner import run_differential, trampoline_text
 from harness.engines.uprobes import Uprobe
 

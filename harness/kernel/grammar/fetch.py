@@ -1,8 +1,8 @@
 """What kprobe fetch args are and yield: the tree, host-side evaluation, the printed text.
 
-The grammar is :mod:`harness.kernel.grammar.kprobe`, which builds the :class:`FetchArg` trees defined
+The grammar is :mod:`harness.kernel.grammar`, which builds the :class:`FetchArg` trees defined
 here; this leaf module imports nothing from the package. :func:`evaluate` runs the
-``fetch_insn`` program :mod:`harness.kernel.grammar.kprobe` compiles for each argument, the way
+``fetch_insn`` program :mod:`harness.kernel.grammar.common` compiles for each argument, the way
 ``process_fetch_insn()`` (kernel/trace/trace_kprobe.c) and ``process_fetch_insn_bottom()``
 (kernel/trace/trace_probe_tmpl.h) of Linux 6.1 run it, with x86_64's memory rules
 (``copy_from_kernel_nofault_allowed()`` in arch/x86/mm/maccess.c, ``__access_ok()``).
@@ -45,7 +45,7 @@ _EFAULT, _ENOMEM, _EILSEQ = -14, -12, -84
 REGISTERS = ("r15", "r14", "r13", "r12", "r11", "r10", "r9", "r8", "bx", "cx", "dx", "si",
              "di", "bp", "ax", "orig_ax", "ip", "cs", "flags", "sp", "ss")
 
-#: One ``struct fetch_insn`` as :mod:`harness.kernel.grammar.kprobe` compiles it: ``(op, *params)``.
+#: One ``struct fetch_insn`` as :mod:`harness.kernel.grammar.common` compiles it: ``(op, *params)``.
 Insn = Tuple[Any, ...]
 
 
@@ -81,7 +81,7 @@ class FetchArg:
 
 @dataclass(frozen=True)
 class Reg(FetchArg):
-    """``%REG``: a ``struct pt_regs`` field (``harness.kernel.grammar.kprobe.REGISTERS``)."""
+    """``%REG``: a ``struct pt_regs`` field (``harness.kernel.grammar.REGISTERS``)."""
     name: str
 
 

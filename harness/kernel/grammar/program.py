@@ -2,7 +2,7 @@
 
 The plugin engine (``harness.engines.plugin_engine``) records spec-probe hits inside QEMU, with
 no round trip to the host. Each argument's ``fetch_insn`` program (the kernel's list, as
-:mod:`harness.kernel.grammar.kprobe` builds it into ``ProbeArg.code``) is encoded here into 16-byte
+:mod:`harness.kernel.grammar.common` builds it into ``ProbeArg.code``) is encoded here into 16-byte
 ``kph_insn`` records for ``probes/plugin/fetch.c``, which runs the program the way
 ``process_fetch_insn()`` (kernel/trace/trace_kprobe.c, Linux 6.1) walks it, and keeps
 every memory read it makes: bytes, or a fault. Nothing is formatted in C.
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ...errors import EngineReadError, NotMirroredError
 from .fetch import MAX_STRING_SIZE, THREAD_SIZE, FaultError
-from .kprobe import split_symbol_offset
+from .common import split_symbol_offset
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,10 @@
 
 Why a module of its own: ``__trace_uprobe_create()`` (kernel/trace/trace_uprobe.c) reads its
 target differently from ``kprobe_events`` and compiles the same fetch-arg grammar into a
-program that only touches user memory; :func:`harness.kernel.grammar.kprobe.parse` hands every line
-whose target has a ``/`` to :func:`parse_uprobe`::
+program that only touches user memory; :func:`harness.kernel.grammar.parse` hands every line
+whose target has a ``/`` to :func:`parse_uprobe`. It shares the arguments, event names and
+error log with the kprobe grammar (:mod:`harness.kernel.grammar.common`), and neither
+includes the other::
 
     p[:[GRP/][EVENT]] PATH:OFFSET[(REF_CTR_OFFSET)][%return] [FETCHARGS]
     r[:[GRP/][EVENT]] PATH:OFFSET[(REF_CTR_OFFSET)] [FETCHARGS]
@@ -21,15 +23,14 @@ not available with uprobe"). Every memory access is ``copy_from_user()`` in the 
 from __future__ import annotations
 
 import dataclasses
-import posixpath
 from typing import Any
 
 from ...errors import ProbeSpecError
-from .kprobe import (MAX_EVENT_NAME_LEN, MAX_TRACE_ARGS, ProbeArg, ProbeSpec, _FL_RETURN,
-                     _FL_UPROBE, _Fail, _arg_text, _context_args, _parse_arg, _parse_event_name,
-                     _return_suffix, kstrtoul)
-from .common import FL_RETURN, FL_USER
 from ..elf import ElfImage
+from .args import FL_RETURN, FL_USER
+from .common import (FLAG_RETURN, FLAG_UPROBE, MAX_TRACE_ARGS, ParseFail, ProbeArg, ProbeSpec,
+                     arg_text, context_args, default_uprobe_event_name, kstrtoul,
+                     parse_event_name, parse_probe_arg, split_return_suffix)
 
 UPROBE_EVENT_SYSTEM = "uprobes"
 
@@ -40,10 +41,10 @@ __all__ = ["parse_uprobe", "format_uprobe", "kernel_format_uprobe", "default_upr
 def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None, *,
                  symbols: bool = True) -> ProbeSpec:
     """``__trace_uprobe_create()`` for the tokens of one line (``[(column, token)]``);
-    ``kernel`` a :class:`harness.kernel.grammar.kprobe.KernelView` (None: 6.1). ``symbols``: take the
+    ``kernel`` a :class:`harness.kernel.grammar.common.KernelView` (None: 6.1). ``symbols``: take the
     harness's ``PATH:SYMBOL`` form (False: only the kernel's ``PATH:OFFSET``).
 
-    :raise _Fail: through :func:`harness.kernel.grammar.kprobe.parse`, which makes it a ProbeSpecError.
+    :raise ParseFail: through :func:`harness.kernel.grammar.parse`, which makes it a ProbeSpecError.
     """
     h0, head = toks[0]
     kind = head[0]
@@ -54,72 +55,60 @@ def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None, *,
     t0, target = toks[1]
     colon = target.rfind(":")
     if colon < 0:
-        raise _Fail("Invalid uprobe target; use PATH:OFFSET (or PATH:SYMBOL)", t0 + len(target))
+        raise ParseFail("Invalid uprobe target; use PATH:OFFSET (or PATH:SYMBOL)", t0 + len(target))
     path, rest, r0 = target[:colon], target[colon + 1:], t0 + colon + 1
     if path == "":
-        raise _Fail("Failed to find the given file", t0)
+        raise ParseFail("Failed to find the given file", t0)
     ref_ctr = None
     lp = rest.find("(")
     if lp >= 0:
         rp = rest.find(")", lp)
         if rp < 0:
-            raise _Fail("Reference counter brace is not closed", r0 + len(rest))
+            raise ParseFail("Reference counter brace is not closed", r0 + len(rest))
         if rest[rp + 1:] != "":
-            raise _Fail("Reference counter has wrong suffix", r0 + rp + 1)
+            raise ParseFail("Reference counter has wrong suffix", r0 + rp + 1)
         ref_ctr = kstrtoul(rest[lp + 1:rp])
         if ref_ctr is None:
-            raise _Fail("Invalid reference counter offset", r0 + lp + 1)
+            raise ParseFail("Invalid reference counter offset", r0 + lp + 1)
         rest = rest[:lp]
-    rest, suffix = _return_suffix(rest, r0)
+    rest, suffix = split_return_suffix(rest, r0)
     is_return = is_return or suffix
     symbol = None
     if not symbols or (rest[:1].isascii() and rest[:1].isdigit()):
         offset = kstrtoul(rest)
         if offset is None:
-            raise _Fail("Invalid uprobe offset", r0)
+            raise ParseFail("Invalid uprobe offset", r0)
     else:   # PATH:SYMBOL[+OFFS], the harness's form (the kernel wants a number)
         cut = next((i for i, ch in enumerate(rest) if ch in "+-"), len(rest))
         off = kstrtoul(rest[cut + 1:]) if rest[cut:cut + 1] == "+" else (0 if cut == len(rest) else None)
         if cut == 0 or off is None:
-            raise _Fail("Invalid uprobe offset; use PATH:OFFSET or PATH:SYMBOL[+OFFS]", r0)
+            raise ParseFail("Invalid uprobe offset; use PATH:OFFSET or PATH:SYMBOL[+OFFS]", r0)
         symbol, offset = rest[:cut], off
 
     group, event, exp_group, exp_event = UPROBE_EVENT_SYSTEM, "", False, False
     if event_text is not None:
-        group, event, exp_group, exp_event = _parse_event_name(event_text, h0 + 2)
+        group, event, exp_group, exp_event = parse_event_name(event_text, h0 + 2)
         if not exp_group:
             group = UPROBE_EVENT_SYSTEM
     rules = kernel.rules if kernel is not None else None
     if rules is not None and rules.arg_parser == "context":
-        args = _context_args(toks, text, kernel, rules,
+        args = context_args(toks, text, kernel, rules,
                              FL_USER | (FL_RETURN if is_return else 0), None, uprobe=True)
         return ProbeSpec(kind, group, event if exp_event else "", None, symbol, offset, None,
                          0, tuple(args), suffix, exp_group, exp_event, text=text, path=path,
                          ref_ctr_offset=ref_ctr)
-    flags = _FL_UPROBE | (_FL_RETURN if is_return else 0)
+    flags = FLAG_UPROBE | (FLAG_RETURN if is_return else 0)
     args: list[ProbeArg] = []
     size = [0]
     for start, tok in toks[2:2 + MAX_TRACE_ARGS]:
         try:
-            args.append(_parse_arg(tok, len(args), flags, tuple(a.name for a in args), size))
-        except _Fail as exc:
+            args.append(parse_probe_arg(tok, len(args), flags, tuple(a.name for a in args), size))
+        except ParseFail as exc:
             exc.pos += start
             raise
     return ProbeSpec(kind, group, event if exp_event else "", None, symbol, offset, None, 0,
                      tuple(args), suffix, exp_group, exp_event, text=text, path=path,
                      ref_ctr_offset=ref_ctr)
-
-
-def default_uprobe_event_name(is_return: bool, path: str, offset: int) -> str:
-    """The name ``__trace_uprobe_create()`` makes: ``p_<base>_0x<offset>`` where ``<base>``
-    is the file's basename cut at its first ``.``, ``-`` or ``_`` (``p`` for return probes
-    too: the kernel's format has a literal 'p')."""
-    tail = posixpath.basename(path)
-    for i, ch in enumerate(tail):
-        if ch in ".-_":
-            tail = tail[:i]
-            break
-    return f"p_{tail}_0x{offset:x}"[:MAX_EVENT_NAME_LEN - 1]
 
 
 def _target(spec: ProbeSpec, *, kernel: bool) -> str:
@@ -143,7 +132,7 @@ def format_uprobe(spec: ProbeSpec) -> str:
         head += ":" + (f"{spec.group}/" if spec.explicit_group else "")
         head += spec.event if spec.explicit_event else ""
     target = _target(spec, kernel=False) + ("%return" if spec.return_suffix else "")
-    args = [(f"{a.name}=" if a.explicit_name else "") + _arg_text(a, spec.is_return, True)
+    args = [(f"{a.name}=" if a.explicit_name else "") + arg_text(a, spec.is_return, True)
             for a in spec.args]
     return " ".join([head, target] + args)
 
@@ -152,7 +141,7 @@ def kernel_format_uprobe(spec: ProbeSpec) -> str:
     """What ``cat uprobe_events`` shows (``trace_uprobe_show()``): ``0x%016lx`` offsets,
     group and event spelled out, every argument as ``NAME=COMM``."""
     head = "r" if spec.is_return else "p"
-    args = "".join(f" {a.name}={_arg_text(a, spec.is_return, True)}" for a in spec.args)
+    args = "".join(f" {a.name}={arg_text(a, spec.is_return, True)}" for a in spec.args)
     return f"{head}:{spec.group}/{spec.event} {_target(spec, kernel=True)}{args}"
 
 

@@ -45,7 +45,7 @@ from ...errors import SetupError
 from ...kernel.rules import rules_for, series_of_release
 from ...kernel.symbols import ARCH, Blacklist, load_kallsyms_cached
 from ...kernel.btf import BTF
-from ...kernel.grammar.kprobe import KernelView
+from ...kernel.grammar import KernelView
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class KernelFacts:
 
 def kernel_view(facts: KernelFacts, symbols: Any = None, *, read: Any = None,
                 loaded: Any = None, btf: bool = True) -> Any:
-    """The :class:`harness.kernel.grammar.kprobe.KernelView` of a kernel: its rules, BTF and symbols
+    """The :class:`harness.kernel.grammar.KernelView` of a kernel: its rules, BTF and symbols
     (``symbols``, default the facts' own; module symbols of the running guest when the
     caller merged them), ``read(addr, n)`` for kernel text (to find an ENDBR at a function
     start; without it ``SYM+4`` on an IBT kernel is taken for an entry), ``loaded(mod)``
