@@ -90,7 +90,7 @@ class Counters:
 
 
 @dataclass
-class RunResult:
+class SideResult:
     """Everything one backend produced for one workload."""
 
     side: str

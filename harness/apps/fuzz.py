@@ -46,6 +46,7 @@ from ..machine.image.facts import kernel_view
 from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class FuzzStats:
     events: int = 0
     known: dict[str, int] = field(default_factory=dict)
     #: The machine the run ended on (a reboot replaces the first).
-    vm: Any = None
+    vm: Machine = None
 
     @property
     def per_minute(self) -> float:
@@ -105,7 +106,7 @@ class FuzzStats:
 
 # -- the symbol pool --------------------------------------------------------------------
 
-def symbol_pool(vm: Any, workload: str) -> list[str]:
+def symbol_pool(vm: Machine, workload: str) -> list[str]:
     """Functions ``workload`` calls on this image, probeable by the kernel's rules
     (cached per image and workload): an in-guest function-tracer pass."""
     key = hashlib.sha256(f"{vm.kernel}\0{workload}".encode()).hexdigest()[:16]
@@ -319,7 +320,7 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
 
 # -- the oracle -------------------------------------------------------------------------
 
-def guest_error(vm: Any, line: str) -> tuple[bool, int, str | None, int | None]:
+def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | None]:
     """Write ``line`` to the guest's kprobe_events (uprobe_events for a path target):
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
@@ -345,7 +346,7 @@ class Oracle:
     """Judges examples on one machine (probes removed after each; the guest's tracefs is
     checked empty before the next)."""
 
-    def __init__(self, vm: Any, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
+    def __init__(self, vm: Machine, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
                  timeout: float = EXAMPLE_TIMEOUT) -> None:
         self.vm, self.guest, self.workload, self.timeout = vm, guest, workload, timeout
         # The booted kernel's grammar (harness.kernel.rules), BTF and symbols: the host
@@ -495,7 +496,7 @@ def db_dir() -> Path:
     return C.cache_dir() / "fuzz" / "db"
 
 
-def run(vm: Any, *, examples: int, seed: int, guest: str = "events",
+def run(vm: Machine, *, examples: int, seed: int, guest: str = "events",
         workload: str = DEFAULT_WORKLOAD, time_budget: float | None = None,
         progress: Callable[[str], None] | None = None, database: bool = True,
         reboot: Callable[[], Any] | None = None,

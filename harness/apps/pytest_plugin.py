@@ -33,9 +33,12 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:   # the CLI and the pytest plugin load the machine only when used
+    from ..vmctl import Machine
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -177,7 +180,7 @@ def _boot_opts(config: pytest.Config) -> dict[str, Any]:
 class DiffHelper:
     """``probe_diff(specs, workload)``: run both sides on one execution and compare."""
 
-    def __init__(self, vm: Any, guest: str, host: str = "gdbstub", *, strict: bool = False,
+    def __init__(self, vm: Machine, guest: str, host: str = "gdbstub", *, strict: bool = False,
                  allow: Sequence[str] = ()) -> None:
         self.vm, self.guest, self.host = vm, guest, host
         self.strict, self.allow = strict, tuple(allow)

@@ -34,7 +34,7 @@ from ..backends.host import HostBackend
 from ..errors import GuestPanicError, HarnessError, VMError, VMLostError
 from ..kernel.kprobes import Kprobe, Kretprobe
 from ..kernel.grammar import parse
-from ..records import Counters, Hit, Outcome, RunResult
+from ..records import Counters, Hit, Outcome, SideResult
 from .scenario import COUNTER_RE, Scenario
 from ..backends.module import ModuleBackend
 from ..diff.runner import trampoline_text
@@ -77,7 +77,7 @@ class ReproResult:
     bundle: Path
 
 
-def _load_handler(ref: str, base: Path, vm: Any) -> Callable[..., Any]:
+def _load_handler(ref: str, base: Path, vm: Machine) -> Callable[..., Any]:
     """``file.py:function`` (relative to the scenario) or ``package.module:function``.
     The handler's module gets ``vm`` set, so handlers can read guest memory."""
     target, _, func = ref.rpartition(":")
@@ -97,7 +97,7 @@ def _load_handler(ref: str, base: Path, vm: Any) -> Callable[..., Any]:
 class _Run:
     """One scenario run on one machine."""
 
-    def __init__(self, scn: Scenario, vm: Any) -> None:
+    def __init__(self, scn: Scenario, vm: Machine) -> None:
         self.scn, self.vm = scn, vm
         self.obs = Observed()
         self.specs: dict[str, list[Any]] = {"host": [], "events": [], "module": []}
@@ -327,8 +327,8 @@ def evaluate(scn: Scenario, obs: Observed, regs_stack: str) -> tuple[bool, list[
     if exp.equivalent is not None:
         hs = obs.hits.get("host", [])
         guest = "module" if "module" in obs.hits else "events"
-        res = compare(RunResult("host", obs.outcomes.get("host", []), hs, obs.counters.get("host", {})),
-                      RunResult(guest, obs.outcomes.get(guest, []), obs.hits.get(guest, []),
+        res = compare(SideResult("host", obs.outcomes.get("host", []), hs, obs.counters.get("host", {})),
+                      SideResult(guest, obs.outcomes.get(guest, []), obs.hits.get(guest, []),
                                 obs.counters.get(guest, {})), trampoline=obs.trampoline)
         good = res.equivalent == exp.equivalent
         first = res.first.describe("host", guest) if res.first else "none"

@@ -48,6 +48,7 @@ from ..kernel.grammar import parse
 from ..backends.events import EventsBackend
 from ..diff.runner import resolve_uprobes
 from ..kernel.elf import ElfImage
+from ..vmctl import Machine
 
 LANES = ("user task", "CPU", "exception entry", "kprobes core", "uprobes core",
          "probe handler", "instruction slot")
@@ -83,7 +84,7 @@ class Flow:
 class _Observer:
     """Breakpoints as silent observers: record, single-step past, continue."""
 
-    def __init__(self, vm: Any) -> None:
+    def __init__(self, vm: Machine) -> None:
         self.vm = vm
         self.stub = vm.gdbstub(resume=False)
         if self.stub.running:
@@ -197,7 +198,7 @@ class _Observer:
             self.vm.remove_stop_holder(holder)
 
 
-def _module(vm: Any, post: bool) -> Any:
+def _module(vm: Machine, post: bool) -> Any:
     return ModuleBackend(vm, post_handler=post)
 
 
@@ -208,12 +209,12 @@ def _slot_info(mb: Any) -> tuple[int, int]:
     return int(line[i + 1], 16), int(line[line.index("opcode") + 1], 16)
 
 
-def _sym(vm: Any, name: str) -> int | None:
+def _sym(vm: Machine, name: str) -> int | None:
     s = vm.symbols.get(name)
     return s.addr if s is not None else None
 
 
-def int3_flow(vm: Any, target: str, workload: str) -> Flow:
+def int3_flow(vm: Machine, target: str, workload: str) -> Flow:
     mb = _module(vm, post=True)
     spec = parse(f"p:kph/trapflow {target}")
     try:
@@ -258,7 +259,7 @@ def int3_flow(vm: Any, target: str, workload: str) -> Flow:
         mb.close()
 
 
-def ftrace_flow(vm: Any, func: str, workload: str) -> Flow:
+def ftrace_flow(vm: Machine, func: str, workload: str) -> Flow:
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_ft {func}")])
@@ -283,7 +284,7 @@ def ftrace_flow(vm: Any, func: str, workload: str) -> Flow:
         mb.close()
 
 
-def optimized_flow(vm: Any, target: str, workload: str, *, wait: float = 5.0) -> Flow:
+def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 5.0) -> Flow:
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_opt {target}")])
@@ -315,7 +316,7 @@ def optimized_flow(vm: Any, target: str, workload: str, *, wait: float = 5.0) ->
         mb.close()
 
 
-def kretprobe_flow(vm: Any, func: str, workload: str) -> Flow:
+def kretprobe_flow(vm: Machine, func: str, workload: str) -> Flow:
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"r:kph/trapflow_ret {func}")])
@@ -346,7 +347,7 @@ USER_PROG, USER_FUNC = "/usr/bin/kph-loop", "kph_add"
 _USER_TOP = 1 << 47
 
 
-def _user_probe(vm: Any, line: str) -> tuple[Any, int, int]:
+def _user_probe(vm: Machine, line: str) -> tuple[Any, int, int]:
     """Place one ``uprobe_events`` line; return (backend, its offset's user address, size
     of the instruction there)."""
     (spec,) = resolve_uprobes(vm, [parse(line)])
@@ -362,7 +363,7 @@ def _user_probe(vm: Any, line: str) -> tuple[Any, int, int]:
     return eb, vaddr, ins.size if ins else 1
 
 
-def _lanes(vm: Any, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[str, str]]:
+def _lanes(vm: Machine, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[str, str]]:
     out = {}
     for name, lane, title in names:
         a = _sym(vm, name)
@@ -371,7 +372,7 @@ def _lanes(vm: Any, names: tuple[tuple[str, str, str], ...]) -> dict[int, tuple[
     return out
 
 
-def _name_user_steps(vm: Any, steps: list[Step]) -> list[Step]:
+def _name_user_steps(vm: Machine, steps: list[Step]) -> list[Step]:
     """Steps in the program's own text get its function name, as docs/demo.md's tables show
     it (``0x401711 (kph_add+0x1)``): kernel symbols do not cover user addresses."""
     import dataclasses
@@ -389,7 +390,7 @@ def _name_user_steps(vm: Any, steps: list[Step]) -> list[Step]:
     return out
 
 
-def uprobe_flow(vm: Any, workload: str) -> Flow:
+def uprobe_flow(vm: Machine, workload: str) -> Flow:
     eb, p, size = _user_probe(vm, f"p:kph/tf_u {USER_PROG}:{USER_FUNC}+1")
     try:
         obs = _Observer(vm)
@@ -424,7 +425,7 @@ def uprobe_flow(vm: Any, workload: str) -> Flow:
         eb.close()
 
 
-def uretprobe_flow(vm: Any, workload: str) -> Flow:
+def uretprobe_flow(vm: Machine, workload: str) -> Flow:
     eb, p, _ = _user_probe(vm, f"r:kph/tf_ur {USER_PROG}:{USER_FUNC}")
     try:
         obs = _Observer(vm)
@@ -452,7 +453,7 @@ def uretprobe_flow(vm: Any, workload: str) -> Flow:
         eb.close()
 
 
-def demo(vm: Any, *, target: str = "do_sys_openat2+5", workload: str = "cat /proc/version",
+def demo(vm: Machine, *, target: str = "do_sys_openat2+5", workload: str = "cat /proc/version",
          variants: tuple[str, ...] = ("int3", "ftrace", "optimized", "kretprobe")) -> list[Flow]:
     func = target.split("+")[0]
     flows = []

@@ -13,7 +13,7 @@ Every backend implements ``ProbeBackend``; adding one (eBPF, say) is adding a fi
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
@@ -21,6 +21,7 @@ from .host import HostBackend
 from .events import EventsBackend
 from .module import ModuleBackend
 from .plugin import PluginBackend
+from ..vmctl import Machine
 
 
 class ProbeBackend(Protocol):
@@ -47,7 +48,7 @@ class ProbeBackend(Protocol):
         """Unregister everything; the guest is left as it was."""
 
 
-def make_backend(name: str, vm: Any) -> ProbeBackend:
+def make_backend(name: str, vm: Machine) -> ProbeBackend:
     """The backend called ``name`` (host, events, module) on ``vm``."""
     if name == "host":
         return HostBackend(vm)

@@ -33,6 +33,7 @@ from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
 from .tracelayer import TraceLayer
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class EventsBackend:
 
     side = "events"
 
-    def __init__(self, vm: Any) -> None:
+    def __init__(self, vm: Machine) -> None:
         self.vm = vm
         self.specs: dict[str, ProbeSpec] = {}
         self.outcomes: list[Outcome] = []

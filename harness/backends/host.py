@@ -21,10 +21,10 @@ from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
-INT3_INSN_SIZE = 1
 #: hook(probe_name, nth_hit, overrides): may set registers in ``overrides`` (kernel field
 #: names) that the host's *evaluation* sees for that hit; the guest is not changed. A way
 #: to make the two worlds disagree on purpose (tests, teaching).
@@ -146,7 +146,7 @@ class HostBackend:
 
     side = "host"
 
-    def __init__(self, vm: Any, *, hook: FetchHook | None = None,
+    def __init__(self, vm: Machine, *, hook: FetchHook | None = None,
                  comm_rule: str = "saved_cmdlines", armed: bool = True) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment

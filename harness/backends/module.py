@@ -38,6 +38,7 @@ from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.grammar import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .tracelayer import TraceLayer
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +392,7 @@ class ModuleBackend:
 
     side = "module"
 
-    def __init__(self, vm: Any, *, post_handler: bool = False,
+    def __init__(self, vm: Machine, *, post_handler: bool = False,
                  maxlen: int = MAX_STRING_SIZE, timeout: float = 60.0,
                  buggy: frozenset[str] = frozenset()) -> None:
         """``buggy``: probe names (GROUP/EVENT) whose module pre_handler dereferences NULL

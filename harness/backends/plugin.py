@@ -19,16 +19,16 @@ from typing import Any, Sequence
 from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
 from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
 from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
-from ..kernel.kprobes import kernel_rethook_trampoline
-from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, RawRecord
+from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
+from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, PluginRecord
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
 from .tracelayer import TraceLayer, register_lines, saved_cmdlines
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
-INT3_INSN_SIZE = 1
 EINVAL = 22
 
 
@@ -43,7 +43,7 @@ def _is_flags(a: Any) -> bool:
 class _RecordCtx:
     """``harness.kernel.grammar.fetch.FetchContext`` over one plugin record."""
 
-    def __init__(self, backend: "PluginBackend", rec: RawRecord, ip: int,
+    def __init__(self, backend: "PluginBackend", rec: PluginRecord, ip: int,
                  up: Uprobe | None = None) -> None:
         self.rec, self.ip, self.backend, self.up = rec, ip, backend, up
         self.mem = CaptureContext(parse_blocks(rec.body, rec.nblocks))
@@ -84,7 +84,7 @@ class PluginBackend:
 
     side = "plugin"
 
-    def __init__(self, vm: Any, *, comm_rule: str = "saved_cmdlines") -> None:
+    def __init__(self, vm: Machine, *, comm_rule: str = "saved_cmdlines") -> None:
         self.vm = vm
         self.engine = vm.host
         if getattr(self.engine, "kind", "") != "plugin":
@@ -273,7 +273,7 @@ class PluginBackend:
         self._specs[self._comm_probe.id] = (spec, "kphinternal/comm")
         self.engine.enable_probe(self._comm_probe, True)
 
-    def _hit(self, rec: RawRecord, seq: int) -> Hit:
+    def _hit(self, rec: PluginRecord, seq: int) -> Hit:
         spec, name = self._specs[rec.probe_id]
         syms = self.engine.symbols
         up = self._uprobes.get(rec.probe_id)

@@ -46,6 +46,7 @@ from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symb
 from ..records import Hit, Outcome
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Admission:
     reason: str = ""
 
 
-def uprobe_file_refusal(vm: Any, spec: ProbeSpec) -> Refusal | None:
+def uprobe_file_refusal(vm: Machine, spec: ProbeSpec) -> Refusal | None:
     """``__trace_uprobe_create()``'s first check, ``kern_path(LOOKUP_FOLLOW)`` and
     ``d_is_reg()`` (kernel/trace/trace_uprobe.c), made in the guest with ``stat -L``."""
     r = vm.run(f"stat -L -c %F {shlex.quote(spec.path or '')}", timeout=30)
@@ -85,7 +86,7 @@ _FILTER_FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple[frozenset[str], frozens
     weakref.WeakKeyDictionary()
 
 
-def filter_functions(vm: Any, modules: frozenset[str]) -> frozenset[str]:
+def filter_functions(vm: Machine, modules: frozenset[str]) -> frozenset[str]:
     """The function names of the guest's ``available_filter_functions`` (one ``cat``,
     0.4 s on 6.12's 40,000 lines; a ``grep -F -f`` of 128 names took 2 s), kept per
     machine while its loaded modules stay the same: vmlinux's ftrace locations are fixed
@@ -117,7 +118,7 @@ def _names(spec: ProbeSpec) -> list[str]:
 class TraceLayer:
     """One side's dynamic events on one Machine (``dyn_event_list`` and friends)."""
 
-    def __init__(self, vm: Any) -> None:
+    def __init__(self, vm: Machine) -> None:
         self.vm = vm
         self.table = EventTable(identity=self._inode)
         self._events_read = False

@@ -11,10 +11,13 @@ import argparse
 import errno as _errno
 import os
 import sys
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 from ..errors import SetupError
 from .output import EXIT_DIVERGED, EXIT_EMPTY, EXIT_OK, Output, output_options
+
+if TYPE_CHECKING:   # the CLI and the pytest plugin load the machine only when used
+    from ..vmctl import Machine
 
 
 def examples(lines: list[str], extra: str = "") -> str:
@@ -160,7 +163,7 @@ def machine(args: argparse.Namespace) -> Any:
                         qemu=args.qemu, fresh=not args.cold, host=host)
 
 
-def started(vm: Any, args: argparse.Namespace) -> str:
+def started(vm: Machine, args: argparse.Namespace) -> str:
     """How a machine started, in words: restored from which snapshot, or cold and why."""
     if vm.start_mode == "snapshot":
         return f"restored from {vm.snapshot.dir} in {vm.boot_seconds:.2f} s"
@@ -169,7 +172,7 @@ def started(vm: Any, args: argparse.Namespace) -> str:
     return f"cold boot ({why}) in {vm.boot_seconds:.2f} s"
 
 
-def booted(vm: Any, args: argparse.Namespace, out: Output) -> None:
+def booted(vm: Machine, args: argparse.Namespace, out: Output) -> None:
     out.progress(f"booted: {started(vm, args)}")
 
 

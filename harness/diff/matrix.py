@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .verdict import AGENT_COMMS, DiffResult
-from ..records import Hit, Outcome, RunResult
+from ..records import Hit, Outcome, SideResult
 
 #: Fields of a guest event compared across kernels (pid, comm, cpu are per boot).
 COMPARED = ("ip", "ret_from")
@@ -38,8 +38,8 @@ class KernelRun:
     series: str
     abi: str
     diff: DiffResult | None = None
-    guest: RunResult | None = None
-    host: RunResult | None = None
+    guest: SideResult | None = None
+    host: SideResult | None = None
     error: str = ""               # the kernel could not be run at all (image, boot)
 
     @property
@@ -86,7 +86,7 @@ def _outcome_text(o: Outcome | None) -> str:
     return f"refused {_e.errorcode.get(o.errno, o.errno)}: {o.message}".rstrip(": ")
 
 
-def _events(run: RunResult, probe: str) -> list[Hit]:
+def _events(run: SideResult, probe: str) -> list[Hit]:
     return [h for h in run.hits if h.probe == probe and h.comm not in AGENT_COMMS]
 
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from .verdict import NORMALIZATIONS, DiffResult
-from ..records import Hit, RunResult
+from ..records import Hit, SideResult
 
 
 def text(res: DiffResult, *, workload: str = "", status: int | None = None,
@@ -119,7 +119,7 @@ def _o(o: Any) -> str:
     return f"refused {errno.errorcode.get(o.errno, o.errno)}" + (f" ({why})" if why else "")
 
 
-def to_json(res: DiffResult, runs: tuple[RunResult, RunResult] | None = None) -> str:
+def to_json(res: DiffResult, runs: tuple[SideResult, SideResult] | None = None) -> str:
     doc: dict[str, Any] = {
         "equivalent": res.equivalent, "result": res.verdict_word,
         "sides": [res.a_side, res.b_side],
@@ -234,7 +234,7 @@ def _probe_status(res: DiffResult, probe: str) -> tuple[str, bool]:
     return f"equivalent ({res.matched.get(probe, 0)} matched)", False
 
 
-def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str = "") -> str:
+def to_html(res: DiffResult, runs: tuple[SideResult, SideResult], *, workload: str = "") -> str:
     """The whole result as one self-contained page: a summary row for every probe (the
     diverging one highlighted), the normalizations that applied, and per probe its
     registration, counters, a hit timeline when there are many hits, and its hits side
@@ -284,7 +284,7 @@ def to_html(res: DiffResult, runs: tuple[RunResult, RunResult], *, workload: str
 
 
 def _probe_section(res: DiffResult, probe: str, anchor: str, status: str, bad: bool,
-                   a_run: RunResult, b_run: RunResult) -> str:
+                   a_run: SideResult, b_run: SideResult) -> str:
     e = html.escape
     A, B = res.a_side, res.b_side
     la, lb = res.compared.get(probe, ([], []))

@@ -19,7 +19,7 @@ from ..errors import HarnessError, SetupError, VMError
 from ..backends.host import FetchHook, HostBackend
 from ..kernel.grammar import ProbeSpec
 from ..progress import ProgressFn, hits_text, say, ticking
-from ..records import RunResult
+from ..records import SideResult
 from ..kernel.grammar.uprobe import resolve_symbol
 from ..backends.tracelayer import uprobe_file_refusal
 from ..backends.plugin import PluginBackend
@@ -32,7 +32,7 @@ from ..machine.image.build import build_image
 log = logging.getLogger(__name__)
 
 
-def resolve_uprobes(vm: Any, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
+def resolve_uprobes(vm: Machine, specs: Sequence[ProbeSpec]) -> list[ProbeSpec]:
     """Turn the harness's ``PATH:SYMBOL[+OFFS]`` uprobe form into the file offset the
     kernel needs, from the program's ELF read out of the guest; other specs pass as is."""
     out = []
@@ -64,8 +64,8 @@ def _live_hits(side: Any) -> Any:
     return lambda s: f"workload running {s:.0f} s: {side.side} {hits_text(side.counters())}"
 
 
-def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
-               timeout: float = 120.0, progress: ProgressFn | None = None) -> RunResult:
+def run_single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
+               timeout: float = 120.0, progress: ProgressFn | None = None) -> SideResult:
     """Place ``specs`` with one backend, run ``workload``, collect, unregister.
 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
@@ -84,16 +84,16 @@ def run_single(vm: Any, backend: str, specs: Sequence[ProbeSpec], workload: str,
             r = vm.run(workload, timeout=timeout)
         be.disable()
         say(progress, f"collecting the hits ({be.side})")
-        return RunResult(be.side, outcomes, be.collect(), be.counters(), r.status,
+        return SideResult(be.side, outcomes, be.collect(), be.counters(), r.status,
                          r.stdout + r.stderr, r.stderr)
     finally:
         be.close()
 
 
-def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
+def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
                      timeout: float = 120.0, progress: ProgressFn | None = None
-                     ) -> tuple[RunResult, RunResult]:
+                     ) -> tuple[SideResult, SideResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
@@ -144,9 +144,9 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
         g_hits, g_counters = g.collect(), g.counters()
         h.disarm()
-        host = RunResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
+        host = SideResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
                          r.stderr)
-        guest_res = RunResult(g.side, g_out, g_hits, g_counters, r.status,
+        guest_res = SideResult(g.side, g_out, g_hits, g_counters, r.status,
                               r.stdout + r.stderr, r.stderr)
         return host, guest_res
     finally:
@@ -155,7 +155,7 @@ def run_differential(vm: Any, specs: Sequence[ProbeSpec], workload: str, *,
         g.close()
 
 
-def trampoline_text(vm: Any) -> tuple[str, ...]:
+def trampoline_text(vm: Machine) -> tuple[str, ...]:
     """How the host trampolines print in a guest trace: the kretprobe one (``_etext+0x0``)
     and each uretprobe one used (``0x478c71``: the print is ``0x%lx``, matched whole)."""
     hit = vm.symbols.symbolize(vm.host.trampoline)

@@ -1,6 +1,6 @@
 """Compare what two sides recorded for one workload and name the first divergence.
 
-Pure: ``RunResult`` records in, a ``DiffResult`` out, no I/O. Both sides observe the
+Pure: ``SideResult`` records in, a ``DiffResult`` out, no I/O. Both sides observe the
 *same* execution (``harness.diff.runner`` arms the in-guest probes first and the host-side ones
 on top), so every field of every hit is comparable: pointers, comms, return values.
 
@@ -80,7 +80,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..records import Hit, Outcome, RunResult
+from ..records import Hit, Outcome, SideResult
 
 AGENT_COMMS = ("qemu-ga",)
 NORMALIZATIONS = {
@@ -292,7 +292,7 @@ def _is_trampoline(ip: str, trampoline: str | tuple[str, ...]) -> bool:
     return False
 
 
-def compare(a: RunResult, b: RunResult, *, trampoline: str | tuple[str, ...] | None = None,
+def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] | None = None,
             context: int = 3, strict: bool = False, allow: "tuple[str, ...] | frozenset[str]" = (),
             expect_empty: bool = False) -> DiffResult:
     """Compare side ``a`` (usually host) with side ``b`` (events or module).

@@ -28,9 +28,10 @@ from ..backends.plugin import PluginBackend
 from .verdict import DiffResult, compare
 from ..errors import SetupError
 from ..kernel.grammar import ProbeSpec
-from ..records import RunResult
+from ..records import SideResult
 from .runner import resolve_uprobes, trampoline_text
 from ..engines.gdbstub_engine import HostEngine
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 class ThreeWay:
     """The pairwise comparisons of three runs of one execution."""
 
-    runs: tuple[RunResult, RunResult, RunResult]      # gdbstub, plugin, guest
+    runs: tuple[SideResult, SideResult, SideResult]      # gdbstub, plugin, guest
     pairs: tuple[DiffResult, DiffResult, DiffResult]  # gdbstub-guest, plugin-guest, gdbstub-plugin
 
     @property
@@ -51,7 +52,7 @@ class ThreeWay:
         return next((p for p in self.pairs if not p.equivalent), None)
 
 
-def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str = "events",
+def run_three(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *, guest: str = "events",
               timeout: float = 120.0, **verdict: Any) -> ThreeWay:
     """Arm ``specs`` in the gdbstub engine, the plugin engine and the guest; run once.
 
@@ -80,7 +81,7 @@ def run_three(vm: Any, specs: Sequence[ProbeSpec], workload: str, *, guest: str 
         p.disable()
         g.disable()
         text = r.stdout + r.stderr
-        runs = tuple(RunResult(be.side, o, be.collect(), be.counters(), r.status, text)
+        runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text)
                      for be, o in zip((h, p, g), outs))
     finally:
         for be in (h, p, g):

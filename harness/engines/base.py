@@ -1,10 +1,14 @@
 """What both host engines share (the gdbstub engine, ``harness.engines.gdbstub_engine``, and the plugin
 engine, ``harness.engines.plugin_engine``): the kprobes API calls built on ``register_kprobe``,
-the x86_64 calling convention, the kernel's exception table and vectors. Each engine
-keeps only what is its own: GDB's stops, or the plugin's rings and round trips.
+the handler chains of one probed address and of one return (what the kernel runs between
+the trap and the resume), the x86_64 calling convention, the kernel's exception table and
+vectors. Each engine keeps only what is its own: GDB's stops and single-steps, or the
+plugin's rings and round trips, and where a return instance lives (the gdbstub engine
+keeps its pool in Python, the plugin in C).
 
 An engine using :class:`EngineCore` provides ``register_kprobe``, ``unregister_kprobe``,
-``_register``, ``_unregister``, ``read`` and ``symbols``.
+``_register``, ``_unregister``, ``_handler`` (run one user handler in the handler context),
+``read``, ``stats`` and ``symbols``.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import inspect
 from typing import Any, Callable, Iterable
 
 from ..errors import ProbeRejectedError
-from ..kernel.kprobes import Jprobe, Kprobe, PtRegs
+from ..kernel.kprobes import Jprobe, Kprobe, KretprobeInstance, PtRegs
 
 EINVAL = 22
 #: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
@@ -27,6 +31,9 @@ EXCEPTION_ENTRIES = {
     "asm_exc_machine_check": 18, "asm_exc_simd_coprocessor_error": 19,
     "asm_exc_control_protection": 21,
 }
+#: Vectors whose exception frame starts with an error code (arch/x86/include/asm/idtentry.h:
+#: the ``DECLARE_IDTENTRY_ERRORCODE`` ones).
+ERROR_CODE_VECTORS = {8, 10, 11, 12, 13, 14, 17, 21}
 #: The first six integer arguments' registers (x86_64 SysV ABI), as pt_regs names.
 ARG_REGS = ("di", "si", "dx", "cx", "r8", "r9")
 
@@ -80,6 +87,65 @@ class EngineCore:
 
     def read(self, addr: int, n: int) -> bytes:
         raise NotImplementedError
+
+    #: run one user handler in the handler context (each engine's own: an annotation, not a
+    #: method, so that a mixin after this class in the bases provides it)
+    _handler: Callable[..., Any]
+    stats: dict[str, int]
+
+    # -- handler chains: what the kernel runs between the trap and the resume ----------------
+    def pre_handlers(self, probes: list[Kprobe], regs: PtRegs) -> bool:
+        """``aggr_pre_handler()`` (kernel/kprobes.c) over the enabled probes of one address,
+        after ``kprobe_int3_handler()`` counted the hit on each (``kprobes_inc_nmissed``
+        aside, every probe of the address counts ``nhit``). True when a pre_handler returned
+        non-zero: it changed the path, so neither the probed instruction nor any post_handler
+        runs, and the guest resumes at whatever ``regs.ip`` it left."""
+        for p in probes:
+            p.nhit += 1
+        for p in probes:
+            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
+                return True
+        return False
+
+    def post_handlers(self, probes: list[Kprobe], regs: PtRegs) -> None:
+        """``aggr_post_handler()``: each post_handler, with the registers after the probed
+        instruction ran (``kprobe_post_process()``, arch/x86/kernel/kprobes/core.c), flags 0."""
+        for p in probes:
+            if p.post_handler is not None:
+                self._handler(p.post_handler, p, regs, 0)
+
+    def fault_handlers(self, probes: list[Kprobe], regs: PtRegs,
+                       vector: int) -> dict[str, int] | None:
+        """The probed instruction raised ``vector`` (``kprobe_fault_handler()``,
+        arch/x86/kernel/kprobes/core.c): the first fault_handler that returns non-zero
+        handled it. Returns the registers to write back then (the handler's changes, and
+        ``ip``, ``sp``, ``flags`` of ``regs``, the exception frame), or None: the kernel's own
+        exception handling goes on."""
+        for p in probes:
+            if p.fault_handler is not None and self._handler(p.fault_handler, p, regs, vector):
+                self.stats["faults_handled"] += 1
+                return {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
+        return None
+
+    def kretprobe_entry(self, ri: KretprobeInstance, regs: PtRegs, cpu: int,
+                        task: int | None) -> bool:
+        """``pre_handler_kretprobe()`` (kernel/kprobes.c) once an instance was taken from
+        the pool: fresh per-instance data, then the entry_handler. False when the
+        entry_handler returned non-zero: the instance goes back to the pool and the return
+        is not hooked (nor counted)."""
+        rp = ri.rp
+        ri.data = bytearray(rp.data_size)
+        ri.cpu, ri.task, ri.orphan = cpu, task, False
+        return not (rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs))
+
+    def return_handlers(self, chain: list[KretprobeInstance], regs: PtRegs) -> None:
+        """``rethook_trampoline_handler()`` (kernel/trace/rethook.c, 6.1): ``regs.ip`` is
+        already the real return address; the handlers of one frame run from the last hooked
+        (the top of the task's list) down to the first; an instance whose kretprobe was
+        unregistered meanwhile runs none."""
+        for ri in reversed(chain):
+            if not ri.orphan and ri.rp.handler is not None:
+                self._handler(ri.rp.handler, ri, regs)
 
     def _register_all(self, ps: Iterable[Any],
                       register: Callable[[Any], Any] | None = None,

@@ -54,26 +54,23 @@ from typing import Any, Callable, Iterable
 
 from .. import constants as C
 from ..kernel.emulate import Emulation, decode
-from .base import EXCEPTION_ENTRIES, EngineCore, read_cstring
+from .base import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, EngineCore, read_cstring
 from ..errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedError, VMLostError
 from ..gdbstub import GdbStub, Stop, readable
 from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
-from ..kernel.kprobes import (GDB_TO_FIELD, PT_REGS_FIELDS, Kprobe, Kretprobe,
-                      kernel_rethook_trampoline,
-                      KretprobeInstance, ProbeFlags, PtRegs)
+from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
+                              KretprobeInstance, ProbeFlags, PtRegs, kernel_rethook_trampoline)
 from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
 from .uprobes import UprobeManager
 from ..kernel import emucheck
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
 EINVAL, ENOENT = 22, 2
-INT3_INSN_SIZE = 1
 DEFAULT_TRAMPOLINE = "_etext"
-#: Vectors whose exception frame starts with an error code.
-ERROR_CODE_VECTORS = {8, 10, 11, 12, 13, 14, 17, 21}
 _GENERAL = tuple(PT_REGS_FIELDS.values())
 _CALL_INSN_SIZE = 5      # the call an ftrace site holds (MCOUNT_INSN_SIZE)
 _KERNEL_SPACE = 0xFFFF800000000000
@@ -89,7 +86,7 @@ _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 class HostEngine(EngineCore, HandlerErrors):
     """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
 
-    def __init__(self, vm: Any, *, trampoline: str | int | None = None,
+    def __init__(self, vm: Machine, *, trampoline: str | int | None = None,
                  emulate: bool = True) -> None:
         self.vm = vm
         # Everything the handlers will read about the kernel is on the host before the
@@ -339,15 +336,11 @@ class HostEngine(EngineCore, HandlerErrors):
             # "movq $0, ORIG_RAX(%rsp)" (arch/x86/kernel/ftrace_64.S: save_mcount_regs);
             # an int3 exception frame has -1 there (entry_64.S: idtentry)
             regs.orig_ax = 0
-        for p in probes:
-            p.nhit += 1
-        for p in probes:
-            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
-                # aggr_pre_handler: the path was changed; no single-step, no post_handler;
-                # the guest resumes at whatever regs.ip the handler left (addr + 1 if it
-                # left it alone, as in the kernel).
-                self._flush(regs, th, keep_ip=False)
-                return regs.ip
+        if self.pre_handlers(probes, regs):
+            # The path was changed: no single-step, no post_handler; the guest resumes at
+            # whatever regs.ip the handler left (addr + 1 if it left it alone, as in the kernel).
+            self._flush(regs, th, keep_ip=False)
+            return regs.ip
         # An ip changed by a pre_handler that returned 0 is overwritten by the kernel's
         # setup_singlestep(); only the other registers carry over.
         self._flush(regs, th, keep_ip=False)
@@ -364,9 +357,7 @@ class HostEngine(EngineCore, HandlerErrors):
             # (the guest resumes there by jump), so it is given.
             after = self._regs(th, {**emulated, "ip": nxt})
         if after is not None:
-            for p in probes:
-                if p.post_handler is not None:
-                    self._handler(p.post_handler, p, after, 0)
+            self.post_handlers(probes, after)
             self._flush(after, th)
             nxt = after.ip
         return nxt
@@ -471,12 +462,10 @@ class HostEngine(EngineCore, HandlerErrors):
         rip, cs, rflags, rsp, ss = (int.from_bytes(self.stub.read_memory(frame + 8 * i, 8), "little")
                                     for i in range(5))
         regs = self._regs(th, {**cur, "ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
-        for p in probes:
-            if p.fault_handler is not None and self._handler(p.fault_handler, p, regs, vector):
-                self.stats["faults_handled"] += 1
-                undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
-                self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in undo.items()}, thread=th)
-                return regs.ip
+        undo = self.fault_handlers(probes, regs, vector)
+        if undo is not None:
+            self.stub.write_registers({PT_REGS_FIELDS[k]: v for k, v in undo.items()}, thread=th)
+            return regs.ip
         return entry
 
     # -- return probes --------------------------------------------------------------------
@@ -487,11 +476,7 @@ class HostEngine(EngineCore, HandlerErrors):
                 rp.nmissed += 1
                 return 0
             ri = free.pop()
-            ri.data = bytearray(rp.data_size)
-            ri.cpu = regs.cpu
-            ri.task = self._current_task(regs)
-            ri.orphan = False
-            if rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs):
+            if not self.kretprobe_entry(ri, regs, regs.cpu, self._current_task(regs)):
                 free.append(ri)
                 return 0
             slot = regs.sp
@@ -625,14 +610,10 @@ class HostEngine(EngineCore, HandlerErrors):
                               f"with sp={regs.sp:#x}, which matches no pending return")
         self.stats["returns"] += 1
         # rethook_trampoline_handler() sets ip to the real return address before calling
-        # handlers ("if the user handler calls stack_trace_save_regs() with this regs"),
-        # then runs the frame's handlers from the last hooked (the top of the task's
-        # rethook list) down to the first.
+        # handlers ("if the user handler calls stack_trace_save_regs() with this regs").
         regs.set("ip", chain[0].ret_addr)
         regs.clear_dirty()
-        for ri in reversed(chain):
-            if not ri.orphan and ri.rp.handler is not None:
-                self._handler(ri.rp.handler, ri, regs)
+        self.return_handlers(chain, regs)
         self._flush(regs, th, keep_ip=False)
         self._recycle(chain)
         self._sync_flush_hook()

@@ -62,13 +62,14 @@ from ..errors import HarnessError, ProbeRejectedError, SetupError
 from ..kernel.kprobes import Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
 from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
                      CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
-                     PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, RawRecord,
+                     PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, PluginRecord,
                      decode)
 from .plugin_handlers import HandlerDispatch
 from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors
 from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
+from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
 
     kind = "plugin"
 
-    def __init__(self, vm: Any, *, trampoline: str | int | None = None) -> None:
+    def __init__(self, vm: Machine, *, trampoline: str | int | None = None) -> None:
         if getattr(vm, "rundir", None) is None or getattr(vm, "plugin_path", None) is None:
             raise HarnessError(f"{vm.name} was not started with the plugin; "
                                "boot it with Machine.boot(host='plugin')")
@@ -311,7 +312,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         emulation cache is what this clears there), and QEMU retranslates guest-patched
         code through the same callbacks."""
 
-    def records(self) -> list[RawRecord]:
+    def records(self) -> list[PluginRecord]:
         """Every hit recorded since the last call, in the order they happened."""
         recs = [decode(r) for r in self.link.take_records()]
         recs.sort(key=lambda r: r.seq)

@@ -26,17 +26,16 @@ import time
 import struct
 from typing import Any
 
-from .gdbstub_engine import ERROR_CODE_VECTORS
+from .base import ERROR_CODE_VECTORS
 from ..errors import HarnessError
 from ..kernel.grammar.program import REG_INDEX, REGS
-from ..kernel.kprobes import Kprobe, Kretprobe, PtRegs
+from ..kernel.kprobes import INT3_INSN_SIZE, Kprobe, Kretprobe, PtRegs
 from ..machine.pluginlink import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC, EV_FAULT,
                      EV_MISS, EV_POST, EV_PRE, EV_RET, EV_RET_ENTRY, Channel, Event)
 
 from ..machine.handlerctx import mark_thread, probe_name
 
 log = logging.getLogger(__name__)
-INT3_INSN_SIZE = 1
 
 
 class HandlerDispatch:
@@ -123,12 +122,8 @@ class HandlerDispatch:
         # kprobe_ftrace_handler() and optimized_callback() emulating it), as the gdbstub
         # engine hands it (harness.engines.gdbstub_engine); a non-zero return resumes at what it left.
         regs = self._regs(ev, ch, {"ip": ev.addr + INT3_INSN_SIZE})
-        for p in probes:
-            p.nhit += 1
-        for p in probes:
-            if p.pre_handler is not None and self._handler(p.pre_handler, p, regs):
-                # aggr_pre_handler(): the path was changed; no instruction, no post_handler
-                return ACT_SETPC, {**self._writes(regs, keep_ip=False), REG_INDEX["ip"]: regs.ip}
+        if self.pre_handlers(probes, regs):     # the path was changed: no instruction, no post
+            return ACT_SETPC, {**self._writes(regs, keep_ip=False), REG_INDEX["ip"]: regs.ip}
         writes = self._writes(regs, keep_ip=False)    # setup_singlestep() overwrites ip
         after = [p for p in probes if p.post_handler is not None or p.fault_handler is not None]
         if after:
@@ -150,15 +145,13 @@ class HandlerDispatch:
                 return ACT_CONTINUE, {}
             fields = dict(zip(("ip", "cs", "flags", "sp", "ss"), struct.unpack("<5Q", frame)))
             regs = self._regs(ev, ch, fields)
-            for p in probes:
-                self._handler(p.post_handler, p, regs, 0)
+            self.post_handlers(probes, regs)
             for i, name in enumerate(("ip", "cs", "flags", "sp", "ss")):
                 if name in regs.dirty:
                     ch.write(sp + 8 * i, struct.pack("<Q", regs.dirty[name]))
             return ACT_CONTINUE, {REG_INDEX[k]: v for k, v in regs.dirty.items() if k not in fields}
         regs = self._regs(ev, ch)
-        for p in probes:
-            self._handler(p.post_handler, p, regs, 0)
+        self.post_handlers(probes, regs)
         if "ip" in regs.dirty:
             return ACT_SETPC, self._writes(regs, keep_ip=True)
         return ACT_CONTINUE, self._writes(regs, keep_ip=False)
@@ -176,12 +169,9 @@ class HandlerDispatch:
             return ACT_CONTINUE, {}
         rip, cs, rflags, rsp, ss = struct.unpack("<5Q", frame)
         regs = self._regs(ev, ch, {"ip": rip, "cs": cs, "flags": rflags, "sp": rsp, "ss": ss})
-        for p in probes:
-            if p.fault_handler is not None and p.registered and \
-                    self._handler(p.fault_handler, p, regs, vector):
-                self.stats["faults_handled"] += 1
-                undo = {"ip": regs.ip, "sp": regs.sp, "flags": regs.flags, **regs.dirty}
-                return ACT_HANDLED, {REG_INDEX[k]: v for k, v in undo.items()}
+        undo = self.fault_handlers([p for p in probes if p.registered], regs, vector)
+        if undo is not None:
+            return ACT_HANDLED, {REG_INDEX[k]: v for k, v in undo.items()}
         return ACT_CONTINUE, {}
 
     def _on_ret_entry(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
@@ -190,10 +180,9 @@ class HandlerDispatch:
         if not isinstance(rp, Kretprobe) or not rp.registered:
             return ACT_DISCARD, {}
         ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
-        ri.data = bytearray(rp.data_size)
-        ri.cpu, ri.task, ri.stack_slot, ri.orphan = ev.vcpu, ev.task or None, ev.b, False
+        ri.stack_slot = ev.b
         regs = self._regs(ev, ch, {"ip": ev.addr})
-        if rp.entry_handler is not None and self._handler(rp.entry_handler, ri, regs):
+        if not self.kretprobe_entry(ri, regs, ev.vcpu, ev.task or None):
             return ACT_DISCARD, self._writes(regs, keep_ip=False)
         rp.nhit += 1
         return ACT_CONTINUE, self._writes(regs, keep_ip=False)
@@ -208,6 +197,6 @@ class HandlerDispatch:
         ri.ret_addr, ri.stack_slot = ev.a, ev.b
         self.stats["returns"] += 1
         regs = self._regs(ev, ch, {"ip": ev.a})
-        if not ri.orphan and rp.registered and rp.handler is not None:
-            self._handler(rp.handler, ri, regs)
+        if rp.registered:
+            self.return_handlers([ri], regs)
         return ACT_CONTINUE, self._writes(regs, keep_ip=False)

@@ -25,6 +25,9 @@ PT_REGS_FIELDS: dict[str, str] = {
     "sp": "rsp", "ss": "ss",
 }
 GDB_TO_FIELD = {v: k for k, v in PT_REGS_FIELDS.items()}
+#: The int3 a kprobe plants (arch/x86/include/asm/text-patching.h): the pre_handler sees
+#: ``regs->ip`` = the probed address + this.
+INT3_INSN_SIZE = 1
 MASK64 = (1 << 64) - 1
 
 

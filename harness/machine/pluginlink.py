@@ -166,7 +166,7 @@ class PluginError(HarnessError):
 
 
 @dataclass(frozen=True)
-class RawRecord:
+class PluginRecord:
     """One record from a vCPU's ring, undecoded past its header."""
 
     type: int
@@ -184,11 +184,11 @@ class RawRecord:
     body: bytes
 
 
-def decode(rec: bytes) -> RawRecord:
+def decode(rec: bytes) -> PluginRecord:
     (size, rtype, vcpu, pid_, nblocks, seq, *rest) = REC_HDR.unpack_from(rec)
     regs = tuple(rest[:21])
     task, func, ret_addr, pid, flags, comm = rest[21:]
-    return RawRecord(rtype, vcpu, pid_, nblocks, seq, regs, task, func, ret_addr, pid, flags,
+    return PluginRecord(rtype, vcpu, pid_, nblocks, seq, regs, task, func, ret_addr, pid, flags,
                      comm.split(b"\0", 1)[0], rec[REC_HDR.size:size])
 
 

@@ -40,10 +40,10 @@ def test_a_bad_output_path_is_one_line_exit_2_before_any_boot(tmp_path):
 def test_a_workload_that_did_not_run_is_a_usage_error(monkeypatch, capsys):
     from harness.cli.common import workload_ran
     from harness.errors import SetupError
-    from harness.records import RunResult
+    from harness.records import SideResult
 
     for status in (126, 127):
-        r = RunResult("host", workload_status=status,
+        r = SideResult("host", workload_status=status,
                       workload_stderr="/bin/sh: no_such_cmd: not found\n")
         try:
             workload_ran(r, "no_such_cmd")
@@ -51,16 +51,16 @@ def test_a_workload_that_did_not_run_is_a_usage_error(monkeypatch, capsys):
             assert "did not run" in str(exc) and "no_such_cmd: not found" in str(exc)
         else:
             raise AssertionError(f"exit {status} passed")
-    workload_ran(RunResult("host", workload_status=1, workload_stderr="x"), "false")
+    workload_ran(SideResult("host", workload_status=1, workload_stderr="x"), "false")
 
 
 def test_verdicts_name_refusals_and_stderr():
     from harness.diff import report
     from harness.diff.verdict import compare
-    from harness.records import Hit, Outcome, RunResult
+    from harness.records import Hit, Outcome, SideResult
 
     def run(side, outcomes, hits=()):
-        return RunResult(side, outcomes, list(hits), {})
+        return SideResult(side, outcomes, list(hits), {})
     a = run("host", [Outcome.rejected("kprobes/x", 22, "Failed to register probe event",
                                       index=0, reason="blacklisted: do_int3")])
     b = run("events", [Outcome.rejected("kprobes/x", 22, "Failed to register probe event",

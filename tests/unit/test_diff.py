@@ -1,7 +1,7 @@
 import dataclasses
 
 from harness.diff.verdict import compare
-from harness.records import Counters, Hit, Outcome, RunResult
+from harness.records import Counters, Hit, Outcome, SideResult
 
 
 def hit(side, seq, probe="kprobes/open", comm="cat", **args):
@@ -10,7 +10,7 @@ def hit(side, seq, probe="kprobes/open", comm="cat", **args):
 
 
 def run(side, hits, outcomes=None, counters=None):
-    return RunResult(side, outcomes or [Outcome("kprobes/open", True)], hits, counters or {})
+    return SideResult(side, outcomes or [Outcome("kprobes/open", True)], hits, counters or {})
 
 
 def test_equal_streams_are_equivalent_and_agent_hits_are_left_out():
@@ -113,8 +113,8 @@ def test_uprobe_hits_compare_per_thread_only_for_uprobes():
     host = [uhit("host", 0, 10, i=0), uhit("host", 1, 11, i=0), uhit("host", 2, 10, i=1)]
     guest = [uhit("events", 0, 10, i=0), uhit("events", 1, 10, i=1), uhit("events", 2, 11, i=0)]
     o = [Outcome("u/work", True, mode="uprobe")]
-    res = compare(RunResult("host", [Outcome("u/work", True, mode="host")], host, {}),
-                  RunResult("events", o, guest, {}))
+    res = compare(SideResult("host", [Outcome("u/work", True, mode="host")], host, {}),
+                  SideResult("events", o, guest, {}))
     assert res.equivalent and res.applied["thread-order"] == 1
     # as kprobe hits, streams are not compared per thread. Here the guest recorded
     # thread 11's hit before thread 10's two, the host after them: no preemption between
@@ -122,8 +122,8 @@ def test_uprobe_hits_compare_per_thread_only_for_uprobes():
     # a guest hit back): they diverge
     host = [uhit("host", 0, 10, i=0), uhit("host", 1, 10, i=1), uhit("host", 2, 11, i=0)]
     guest = [uhit("events", 0, 11, i=0), uhit("events", 1, 10, i=0), uhit("events", 2, 10, i=1)]
-    kp = compare(RunResult("host", [Outcome("u/work", True)], host, {}),
-                 RunResult("events", [Outcome("u/work", True, mode="int3")], guest, {}))
+    kp = compare(SideResult("host", [Outcome("u/work", True)], host, {}),
+                 SideResult("events", [Outcome("u/work", True, mode="int3")], guest, {}))
     assert not kp.equivalent and "thread-order" not in kp.applied
     assert "preempt-order" not in kp.applied
 
@@ -132,7 +132,7 @@ def test_a_guest_value_that_is_the_uretprobe_trampoline_compares_equal():
     host = [uhit("host", 0, 10, s0="0x401543")]
     guest = [uhit("events", 0, 10, s0="0x478cb1")]
     o = [Outcome("u/work", True, mode="uprobe")]
-    args = (RunResult("host", o, host, {}), RunResult("events", o, guest, {}))
+    args = (SideResult("host", o, host, {}), SideResult("events", o, guest, {}))
     assert compare(*args, trampoline=("_etext+0x0", "0x478cb1")).equivalent
     assert not compare(*args, trampoline=("_etext+0x0", "0x478cb")).equivalent   # whole only
 
@@ -149,7 +149,7 @@ def test_values_fetched_from_a_hijacked_return_ip_follow_the_trampoline_rule():
     t = ("_etext+0x0", "0x478cb1")
 
     def cmp(h, g):
-        return compare(RunResult("host", o, [h], {}), RunResult("events", o, [g], {}),
+        return compare(SideResult("host", o, [h], {}), SideResult("events", o, [g], {}),
                        trampoline=t)
     assert cmp(ret("host", "0x401711", "0x8b48c389"), ret("events", "0x478cb1", "0x0")).equivalent
     # not hijacked in that hit: compared
@@ -210,8 +210,8 @@ def test_a_hit_recorded_after_a_preempting_task_s_run_is_moved_back():
     # ... a return probe's, it can (its trampoline runs first when it hijacked last)
     ret = [dataclasses.replace(h, kind="r") for h in guest.hits]
     hret = [dataclasses.replace(h, kind="r") for h in host.hits]
-    assert compare(RunResult("events", guest.outcomes, ret, {}),
-                   RunResult("host", host.outcomes, hret, {})).equivalent
+    assert compare(SideResult("events", guest.outcomes, ret, {}),
+                   SideResult("host", host.outcomes, hret, {})).equivalent
 
 
 def test_preempt_order_moves_nothing_that_is_not_such_a_run():
@@ -267,7 +267,7 @@ def test_pid_and_cpu_are_compared_and_a_pid_one_side_lacks_is_counted():
 
 def test_a_line_refused_on_one_side_and_missing_on_the_other_is_counted():
     a = run("host", [], [Outcome.rejected("kprobes/x", 22)])
-    b = RunResult("events", [], [], {})
+    b = SideResult("events", [], [], {})
     res = compare(a, b)
     assert res.applied["refused-missing"] == 1
     assert compare(a, b, strict=True).verdict_word == "not-strict"

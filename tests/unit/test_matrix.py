@@ -1,10 +1,10 @@
 """Comparing the guests of several kernels (harness.diff.matrix), on recorded runs."""
 from harness.diff.matrix import KernelRun, compare_kernels
-from harness.records import Hit, Outcome, RunResult
+from harness.records import Hit, Outcome, SideResult
 
 
 def _run(series, outcomes, hits):
-    return KernelRun(series, f"{series}-abi", guest=RunResult("events", outcomes, hits))
+    return KernelRun(series, f"{series}-abi", guest=SideResult("events", outcomes, hits))
 
 
 def _hit(probe, ip, kind="p", pid=100, **args):

@@ -89,7 +89,11 @@ def test_workers_shard_the_examples_and_report_progress(tmp_path):
                        capture_output=True, text=True, timeout=540)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     doc = json.loads(r.stdout)
-    assert doc["examples"] == 6 and doc["config"]["workers"] == 2
+    # A finding is replayed (and shrunk) by Hypothesis, and every replay is a run the
+    # oracle judged: counted (a loaded machine can make a timing finding of one example).
+    ran = sum(json.loads((out / f"shard-{i}.json").read_text())["examples"] for i in (0, 1))
+    assert doc["examples"] == ran and doc["config"]["workers"] == 2
+    assert ran == 6 if not doc["findings"] else ran >= 6, (ran, doc["findings"])
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-0.json", "shard-1.json"]
-    assert json.loads((out / "findings.json").read_text())["examples"] == 6
+    assert json.loads((out / "findings.json").read_text())["examples"] == ran
     assert "fuzz: 6 examples on" in r.stderr
