@@ -55,12 +55,13 @@ from typing import Any, Callable, Iterable
 from .. import constants as C
 from ..kernel.emulate import Emulation, decode
 from .base import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, EngineCore, read_cstring
+from .rethook import Rethook
 from ..errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedError, VMLostError
 from ..gdbstub import GdbStub, Stop, readable
 from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
-                              KretprobeInstance, ProbeFlags, PtRegs, kernel_rethook_trampoline)
+                              ProbeFlags, PtRegs)
 from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
 from .uprobes import UprobeManager
@@ -83,7 +84,7 @@ _MAX_CHAIN = 64          # probes handled back to back before resuming regardles
 _REP_STEPS = 1 << 16     # single-steps of one REP instruction before giving up
 
 
-class HostEngine(EngineCore, HandlerErrors):
+class HostEngine(EngineCore, Rethook, HandlerErrors):
     """Host-side kprobes on one Machine. Use ``vm.host`` rather than constructing it."""
 
     def __init__(self, vm: Machine, *, trampoline: str | int | None = None,
@@ -104,11 +105,7 @@ class HostEngine(EngineCore, HandlerErrors):
         self._held: tuple[float, str] | None = None
         self._aggr: dict[int, list[Kprobe]] = {}
         self._bp: dict[int, int] = {}
-        self._free: dict[int, list[KretprobeInstance]] = {}
-        # stack slot -> the instances hooked on that frame's return, in hook order: the
-        # first holds the real return address (two kretprobes on one function share it).
-        self._live: dict[int, list[KretprobeInstance]] = {}
-        self._flush_kp: Kprobe | None = None
+        self._init_rethook()
         self._reserved: ReservedText | None = None
         self._emul: dict[int, Emulation | None] = {}
         self._emul_bytes: dict[int, bytes] = {}
@@ -468,45 +465,7 @@ class HostEngine(EngineCore, HandlerErrors):
             return regs.ip
         return entry
 
-    # -- return probes --------------------------------------------------------------------
-    def _kretprobe_entry(self, rp: Kretprobe) -> Callable[[Kprobe, PtRegs], int]:
-        def pre_handler_kretprobe(p: Kprobe, regs: PtRegs) -> int:
-            free = self._free[id(rp)]
-            if not free:
-                rp.nmissed += 1
-                return 0
-            ri = free.pop()
-            if not self.kretprobe_entry(ri, regs, regs.cpu, self._current_task(regs)):
-                free.append(ri)
-                return 0
-            slot = regs.sp
-            cur = int.from_bytes(self.stub.read_memory(slot, 8), "little")
-            chain = self._live.get(slot)
-            if chain and cur != self.trampoline:
-                # A frame that is gone left these (its task died and its stack was reused
-                # before rethook_flush_task() ran): one slot holds one live return address.
-                self._recycle(self._live.pop(slot))
-                chain = None
-            ri.stack_slot = slot
-            # Another kretprobe hooked this very return already: share its real address, as
-            # rethook_trampoline_handler() hands every handler of the frame the correct one.
-            ri.ret_addr = chain[0].ret_addr if chain else cur
-            # ...while its own node saved what it found in the slot: the kernel's own
-            # trampoline once another kretprobe hooked the call (arch_prepare_kretprobe()
-            # / arch_rethook_prepare() read the stack slot), which get_kretprobe_retaddr()
-            # returns and a return event prints
-            ri.node_ret_addr = self.kernel_rethook_trampoline() if chain else cur
-            if not chain:
-                self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
-            self._live.setdefault(slot, []).append(ri)
-            rp.nhit += 1
-            return 0
-        return pre_handler_kretprobe
-
-    def kernel_rethook_trampoline(self) -> int:
-        """The guest kernel's own return trampoline (:func:`harness.kernel.kprobes.kernel_rethook_trampoline`)."""
-        return kernel_rethook_trampoline(self.symbols)
-
+    # -- what handlers read of the kernel's state -------------------------------------------
     def current_task(self, regs: PtRegs) -> int | None:
         """``current`` (a ``struct task_struct *``) on the vCPU of ``regs``."""
         return self._current_task(regs)
@@ -533,13 +492,8 @@ class HostEngine(EngineCore, HandlerErrors):
 
     def task_comm(self, task: int | None) -> str | None:
         """``task->comm``."""
-        if task is None or self._comm_off is None:
-            return None
-        try:
-            raw = self.stub.read_memory(task + self._comm_off, 16)
-        except MemoryFaultError:
-            return None
-        return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+        raw = self.task_comm_bytes(task)
+        return None if raw is None else raw.decode("utf-8", "replace")
 
     def hit_context(self, regs: PtRegs) -> str:
         """``irq`` (the probed call runs in a softirq or a hardirq) or ``task``, as the
@@ -601,86 +555,6 @@ class HostEngine(EngineCore, HandlerErrors):
             return int.from_bytes(self.stub.read_memory(base + self._current_task_off, 8), "little")
         except MemoryFaultError:
             return None
-
-    def _on_trampoline(self, th: int) -> int:
-        regs = self._regs(th, {})
-        chain = self._live.pop((regs.sp - 8) & ((1 << 64) - 1), None)
-        if not chain:
-            raise VMLostError(f"the guest reached the kretprobe trampoline {self.trampoline:#x} "
-                              f"with sp={regs.sp:#x}, which matches no pending return")
-        self.stats["returns"] += 1
-        # rethook_trampoline_handler() sets ip to the real return address before calling
-        # handlers ("if the user handler calls stack_trace_save_regs() with this regs").
-        regs.set("ip", chain[0].ret_addr)
-        regs.clear_dirty()
-        self.return_handlers(chain, regs)
-        self._flush(regs, th, keep_ip=False)
-        self._recycle(chain)
-        self._sync_flush_hook()
-        if not self._live and not any(r.registered for r in self._kretprobes()):
-            self._drop_trampoline()
-        return chain[0].ret_addr
-
-    def _recycle(self, chain: list[KretprobeInstance]) -> None:
-        """Give instances back to their kretprobe's pool (``rethook_recycle()``); those of
-        an unregistered kretprobe are dropped."""
-        for ri in chain:
-            if not ri.orphan:
-                self._free[id(ri.rp)].append(ri)
-
-    def _sync_flush_hook(self) -> None:
-        """A host kprobe on ``rethook_flush_task(tk)`` while return instances may be pending.
-
-        6.1 recycles a dead task's instances there (``delayed_put_task_struct()``,
-        kernel/exit.c): a probed function that never returns (``do_exit``) does not drain
-        the pool, and the instances of a freed stack are never read again."""
-        need = bool(self._live) or any(r.registered for r in self._kretprobes())
-        if need and self._flush_kp is None:
-            sym = self.symbols.get("rethook_flush_task")
-            if sym is None:
-                return
-            kp = Kprobe(addr=sym.addr, pre_handler=lambda p, regs: self._on_flush_task(regs.di))
-            kp._kph_internal = True  # type: ignore[attr-defined]
-            self._register(kp)
-            self._flush_kp = kp
-        elif not need and self._flush_kp is not None:
-            self._unregister(self._flush_kp)
-            self._flush_kp = None
-
-    def _on_flush_task(self, task: int) -> int:
-        for slot, chain in list(self._live.items()):
-            if chain[0].task == task:
-                del self._live[slot]
-                self._recycle(chain)
-                self.stats["kretprobe_flushed"] += len(chain)
-        return 0
-
-    def kretprobe_find_ret_addr(self, slot: int) -> int | None:
-        """The real return address hijacked at stack ``slot`` (``kretprobe_find_ret_addr()``,
-        what unwinders call when they meet the trampoline), or None."""
-        chain = self._live.get(slot)
-        return chain[0].ret_addr if chain else None
-
-    def _kretprobes(self) -> Iterable[Kretprobe]:
-        seen = {}
-        for chain in list(self._live.values()):
-            for ri in chain:
-                seen[id(ri.rp)] = ri.rp
-        for probes in self._aggr.values():
-            for p in probes:
-                rp = getattr(p, "_kph_rp", None)
-                if rp is not None:
-                    seen[id(rp)] = rp
-        return seen.values()
-
-    def _ensure_trampoline(self) -> None:
-        if self.trampoline not in self._bp:
-            self._bp[self.trampoline] = self.stub.insert_breakpoint(self.trampoline)
-
-    def _drop_trampoline(self) -> None:
-        num = self._bp.pop(self.trampoline, None)
-        if num is not None:
-            self.stub.delete_breakpoint(num)
 
     # -- registration (all run on the dispatcher, guest halted) ---------------------------
     def _resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
@@ -781,36 +655,6 @@ class HostEngine(EngineCore, HandlerErrors):
                 self._arm(target.addr)
         self._call(go)
 
-    def register_kretprobe(self, rp: Kretprobe) -> Kretprobe:
-        """Arm a return probe at a function entry (offset 0, as the kernel requires)."""
-        self._fresh_module_symbols([rp])
-        self._call(lambda: self._register_kretprobe(rp))
-        return rp
-
-    def _register_kretprobe(self, rp: Kretprobe) -> None:
-        if rp.maxactive <= 0:
-            rp.maxactive = max(10, 2 * self.vm.smp)
-        kp = Kprobe(symbol_name=rp.symbol_name, offset=rp.offset,
-                    addr=rp.addr if rp.symbol_name is None else None,
-                    pre_handler=self._kretprobe_entry(rp), flags=rp.flags)
-        kp._kph_rp = rp  # type: ignore[attr-defined]
-        self._free[id(rp)] = [KretprobeInstance(rp) for _ in range(rp.maxactive)]
-        self._register(kp, kretprobe=True)
-        rp.kp, rp.addr, rp.registered = kp, kp.addr, True
-        self._ensure_trampoline()
-        self._sync_flush_hook()
-
-    def register_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
-        """Register all or none (``register_kretprobes()``): a failure unregisters those
-        already done, then raises."""
-        rps = list(rps)
-        self._fresh_module_symbols(rps)
-        self._call(lambda: self._register_all(rps, self._register_kretprobe,
-                                              self._unregister_kretprobe))
-
-    def unregister_kretprobes(self, rps: Iterable[Kretprobe]) -> None:
-        self._call(lambda: [self._unregister_kretprobe(rp) for rp in list(rps)], errors="after")
-
     def _fresh_module_symbols(self, probes: Iterable[Any]) -> None:
         """``kallsyms_lookup_name()`` looks an unqualified name up in the modules after
         vmlinux, and module addresses change from boot to boot: take the module symbols
@@ -824,22 +668,6 @@ class HostEngine(EngineCore, HandlerErrors):
                          or sym.module is not None):
                 self.vm.refresh_module_symbols()
                 return
-
-    def unregister_kretprobe(self, rp: Kretprobe) -> None:
-        """Disarm ``rp``; calls in flight still return through the trampoline, without the handler."""
-        self._call(lambda: self._unregister_kretprobe(rp), errors="after")
-
-    def _unregister_kretprobe(self, rp: Kretprobe) -> None:
-        if rp.kp is not None:
-            self._unregister(rp.kp)
-        rp.registered = False
-        for chain in self._live.values():
-            for ri in chain:
-                if ri.rp is rp:
-                    ri.orphan = True
-        if not self._live and not any(r.registered for r in self._kretprobes()):
-            self._drop_trampoline()
-        self._sync_flush_hook()
 
     @property
     def uprobes(self) -> Any:
