@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterable
 
 from ..errors import ProbeRejectedError
 from ..kernel.kprobes import Jprobe, Kprobe, KretprobeInstance, PtRegs
+from ..kernel.symbols import ReservedText, check_probe_address, kprobe_addr
 
-EINVAL = 22
+EINVAL, ENOENT = 22, 2
 #: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
 EXCEPTION_ENTRIES = {
     "asm_exc_divide_error": 0, "asm_exc_debug": 1, "asm_exc_nmi": 2, "asm_exc_int3": 3,
@@ -146,6 +147,48 @@ class EngineCore:
         for ri in reversed(chain):
             if not ri.orphan and ri.rp.handler is not None:
                 self._handler(ri.rp.handler, ri, regs)
+
+    # -- registration rules (kernel/kprobes.c: register_kprobe()) ---------------------------
+    blacklist: Any
+    trampoline: int
+    #: what the engine's kretprobe trampoline is called in a refusal
+    TRAMPOLINE_NAME = "the host-side kretprobe trampoline"
+    _reserved: ReservedText | None = None
+
+    def _read_now(self, addr: int, n: int) -> bytes:
+        """Guest memory, read at once by the caller (registration runs with the guest held)."""
+        return self.read(addr, n)
+
+    def kprobe_addr(self, symbol_name: str | None, offset: int,
+                    addr: int | None) -> tuple[int, bool]:
+        """``_kprobe_addr()`` (kernel/kprobes.c): ``symbol_name`` + ``offset``, or ``addr`` +
+        ``offset``, then ``arch_adjust_kprobe_addr()`` (arch/x86/kernel/kprobes/core.c): on
+        IBT kernels (6.12, 7.3) a function starts with ENDBR64, and sym+0 is placed at +4.
+        Returns the address and whether it is a function's entry."""
+        if symbol_name and addr is not None:
+            raise ProbeRejectedError("give either symbol_name or addr, not both (-EINVAL)", EINVAL)
+        if symbol_name:
+            try:
+                where = self.symbols.lookup(symbol_name).addr + offset
+            except KeyError as exc:
+                raise ProbeRejectedError(f"{exc} (-ENOENT)", ENOENT) from None
+        elif addr is None:
+            raise ProbeRejectedError("a probe needs symbol_name or addr (-EINVAL)", EINVAL)
+        else:
+            where = addr + offset
+        return kprobe_addr(where, symbols=self.symbols, read=self._read_now)
+
+    def check_address(self, addr: int, *, kretprobe: bool = False) -> None:
+        """``register_kprobe()``'s rules with its errnos (``check_kprobe_address_safe()``,
+        the blacklist, instruction boundaries, jump label, static call and BUG() sites), and
+        the engine's own trampoline, which no probe may take."""
+        if self._reserved is None:
+            self._reserved = ReservedText.from_memory(self.symbols, self._read_now)
+        check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
+                            read=self._read_now, kretprobe=kretprobe, reserved=self._reserved)
+        if addr == self.trampoline:
+            raise ProbeRejectedError(f"{addr:#x} is {self.TRAMPOLINE_NAME} (-EINVAL)",
+                                     EINVAL, addr)
 
     def _register_all(self, ps: Iterable[Any],
                       register: Callable[[Any], Any] | None = None,

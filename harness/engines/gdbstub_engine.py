@@ -62,7 +62,7 @@ from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
                               ProbeFlags, PtRegs)
-from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
+from ..kernel.symbols import ReservedText, is_ftrace_site
 from ..vmctl import register_host_engine
 from .uprobes import UprobeManager
 from ..kernel import emucheck
@@ -557,35 +557,11 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
             return None
 
     # -- registration (all run on the dispatcher, guest halted) ---------------------------
-    def _resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
-        if symbol_name and addr is not None:
-            raise ProbeRejectedError("give either symbol_name or addr, not both (-EINVAL)", EINVAL)
-        if symbol_name:
-            try:
-                base = self.symbols.lookup(symbol_name).addr
-            except KeyError as exc:
-                raise ProbeRejectedError(f"{exc} (-ENOENT)", ENOENT) from None
-            return base + offset
-        if addr is None:
-            raise ProbeRejectedError("a probe needs symbol_name or addr (-EINVAL)", EINVAL)
-        return addr + offset
-
     def _register(self, p: Kprobe, *, kretprobe: bool = False) -> None:
         if p.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
-        addr = self._resolve(p.symbol_name, p.offset, p.addr)
-        # kernel/kprobes.c: _kprobe_addr() -> arch_adjust_kprobe_addr()
-        # (arch/x86/kernel/kprobes/core.c): on IBT kernels (6.12, 7.3) a function starts
-        # with ENDBR64, and sym+0 (or +4) is placed at +4.
-        addr, on_entry = kprobe_addr(addr, symbols=self.symbols, read=self.stub.read_memory)
-        if self._reserved is None:      # jump label, static call and BUG() sites
-            self._reserved = ReservedText.from_memory(self.symbols, self.stub.read_memory)
-        check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self.stub.read_memory, kretprobe=kretprobe,
-                            reserved=self._reserved)
-        if addr == self.trampoline:
-            raise ProbeRejectedError(f"{addr:#x} is the host-side kretprobe trampoline (-EINVAL)",
-                                     EINVAL, addr)
+        addr, on_entry = self.kprobe_addr(p.symbol_name, p.offset, p.addr)
+        self.check_address(addr, kretprobe=kretprobe)
         p.addr = addr
         if on_entry and is_ftrace_site(self.stub.read_memory(addr, 5)):
             p.flags |= ProbeFlags.FTRACE
@@ -696,6 +672,9 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         """Forget decoded instructions: the guest changed its text (its own kprobes were
         armed after ours: an ftrace nop became a call, an int3 or a jmp was planted)."""
         self._call(self._emul.clear)
+
+    def _read_now(self, addr: int, n: int) -> bytes:
+        return self.stub.read_memory(addr, n)
 
     def read(self, addr: int, n: int) -> bytes:
         """Guest virtual memory (from a handler, or from any thread: the guest is halted)."""

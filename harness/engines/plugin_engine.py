@@ -67,7 +67,7 @@ from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, A
 from .plugin_handlers import HandlerDispatch
 from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors
-from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
+from ..kernel.symbols import ReservedText, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
 from ..vmctl import Machine
 
@@ -96,6 +96,7 @@ class PluginProbe:
 class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     """Host-side kprobes through the QEMU plugin. Use ``vm.host`` rather than constructing it."""
 
+    TRAMPOLINE_NAME = "the plugin's kretprobe trampoline"
     kind = "plugin"
 
     def __init__(self, vm: Machine, *, trampoline: str | int | None = None) -> None:
@@ -199,17 +200,6 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         return bytes(out)
 
     # -- probes ---------------------------------------------------------------------------
-    def check_address(self, addr: int, *, kretprobe: bool = False) -> None:
-        """The kernel's registration rules (``register_kprobe()``), with its errnos, the
-        same as the gdbstub engine's (jump label, static call and BUG() sites included)."""
-        if self._reserved is None:
-            self._reserved = ReservedText.from_memory(self.symbols, self.read)
-        check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self.read, kretprobe=kretprobe, reserved=self._reserved)
-        if addr == self.trampoline:
-            raise ProbeRejectedError(f"{addr:#x} is the plugin's kretprobe trampoline (-EINVAL)",
-                                     EINVAL, addr)
-
     def ftrace_flag(self, addr: int) -> int:
         """ADD_FTRACE for a kernel probe on a function's ``__fentry__`` site (an ftrace
         kprobe in the kernel: its regs carry orig_ax 0, not an int3 frame's -1)."""
@@ -222,20 +212,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             return 0
 
     def resolve(self, symbol_name: str | None, offset: int, addr: int | None) -> int:
-        """``_kprobe_addr()``: symbol_name + offset, or addr + offset."""
-        if symbol_name and addr is not None:
-            raise ProbeRejectedError("give either symbol_name or addr, not both (-EINVAL)", EINVAL)
-        if symbol_name:
-            try:
-                where = self.symbols.lookup(symbol_name).addr + offset
-            except KeyError as exc:
-                raise ProbeRejectedError(f"{exc} (-ENOENT)", ENOENT) from None
-        elif addr is None:
-            raise ProbeRejectedError("a probe needs symbol_name or addr (-EINVAL)", EINVAL)
-        else:
-            where = addr + offset
-        # arch_adjust_kprobe_addr(): sym+0 past an ENDBR on IBT kernels (6.12, 7.3).
-        return kprobe_addr(where, symbols=self.symbols, read=self.read)[0]
+        """``_kprobe_addr()`` then ``arch_adjust_kprobe_addr()`` (the engines' core)."""
+        return self.kprobe_addr(symbol_name, offset, addr)[0]
 
     def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
                        enabled: bool = True, invalidate: bool = True,
