@@ -14,6 +14,8 @@ A leaf module (imports nothing of the package) so that ``vmctl``, ``gdbstub`` an
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -21,8 +23,11 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from .errors import SetupError
 
 log = logging.getLogger(__name__)
 
@@ -163,3 +168,26 @@ def drain_fd(fd: int) -> bytes:
             break
         new += chunk
     return new
+
+
+def lock_file(path: Path, timeout: float, hint: str) -> int:
+    """An exclusive ``flock`` on ``path`` (created), waited for at most ``timeout`` seconds;
+    the fd, to ``os.close`` when done (which releases it, as the end of the process does).
+
+    :raise SetupError: another process held it longer; ``hint`` says what to do.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                os.close(fd)
+                raise
+        if time.monotonic() > deadline:
+            os.close(fd)
+            raise SetupError(f"another process holds {path} for more than {timeout:.0f} s", hint)
+        time.sleep(0.1)
+

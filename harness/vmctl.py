@@ -373,6 +373,16 @@ class Machine:
             img = None
             kpath = Path(kernel)
             ipath = Path(initrd) if initrd is not None else None
+            if ipath is None:
+                # A kernel alone has no root to run init from: it gets the default image's
+                # initramfs (busybox, the guest agent), which boots any x86_64 kernel with
+                # virtio-pci and virtio-console built in (harness.machine.image.kbuild's do).
+                try:
+                    ipath = default_image().initrd
+                except SetupError as exc:
+                    raise SetupError(f"--kernel {kernel} needs an initramfs, and there is no "
+                                     "default image to take it from",
+                                     "run `kph image build`, or pass --initrd FILE") from exc
             if kpath.is_dir():  # a kernel build directory
                 cand = kpath / "arch/x86/boot/bzImage"
                 if not cand.exists():

@@ -10,7 +10,7 @@ import typing
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from . import boot, demo, diff, doctor, fuzz, image, matrix, probe, qemu, repro, worker
+from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
                      clear_progress, output_options, report_error)
 
@@ -42,7 +42,7 @@ exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
 #: Every verb, in the order ``kph --help`` lists them. A verb is one module with ``NAME``,
 #: ``EXAMPLES``, ``add_parser(subparsers)`` and ``run(args, out) -> exit status``: adding
 #: one is that module and a line here.
-VERBS: tuple[ModuleType, ...] = (image, qemu, boot, probe, diff, matrix, fuzz, worker, repro,
+VERBS: tuple[ModuleType, ...] = (image, kernel, qemu, boot, probe, diff, matrix, fuzz, worker, repro,
                                  demo, doctor)
 
 #: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a

@@ -41,8 +41,6 @@ checks again once it holds it; the result is renamed into place only when comple
 from __future__ import annotations
 
 import datetime as _dt
-import errno
-import fcntl
 import functools
 import hashlib
 import json
@@ -56,6 +54,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .. import constants as C
 from ..errors import HarnessError, SetupError, VMError
+from ..procs import lock_file
 from .image.store import sha256_file
 from .qemu import QemuBinary, qemu_identity
 
@@ -225,24 +224,6 @@ def say_once(reason: str) -> None:
         log.warning("booting cold: %s", reason)
 
 
-def _lock(path: Path, timeout: float) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                os.close(fd)
-                raise
-        if time.monotonic() > deadline:
-            os.close(fd)
-            raise SetupError(f"another process holds {path} for more than {timeout:.0f} s",
-                             "wait for it, or remove a stale snapshot directory")
-        time.sleep(0.1)
-
-
 def build(m: Snapshottable, key: dict[str, Any], why: str, say: Callable[[str], None]) -> Snapshot:
     """Boot ``m``'s configuration cold with its RAM in a file, wait for the agent, save.
 
@@ -251,7 +232,8 @@ def build(m: Snapshottable, key: dict[str, Any], why: str, say: Callable[[str], 
     """
     d = slot_dir(m, key)
     d.parent.mkdir(parents=True, exist_ok=True)
-    fd = _lock(d.parent / ".lock", C.SNAPSHOT_LOCK_TIMEOUT)
+    fd = lock_file(d.parent / ".lock", C.SNAPSHOT_LOCK_TIMEOUT,
+                   "wait for it, or remove a stale snapshot directory")
     try:
         snap, why_now = find(m, key)  # someone else may have built it while we waited
         if snap is not None:

@@ -107,7 +107,9 @@ def recipe_hash() -> str:
     h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
     for d in (RECIPE_DIR, PROGS_DIR):
         for f in sorted(d.rglob("*")):
-            if f.is_file() and f.suffix != ".md":
+            # kernel.config is the fragment of kernels built from source (kbuild): it keys
+            # those builds, not the Debian kernels' images
+            if f.is_file() and f.suffix != ".md" and f.name != "kernel.config":
                 h.update(f.relative_to(d.parent).as_posix().encode() + b"\0" + f.read_bytes())
     for f in kmod_sources():
         h.update(f.relative_to(KMOD_DIR.parent).as_posix().encode() + b"\0" + f.read_bytes())

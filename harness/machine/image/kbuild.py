@@ -1,0 +1,318 @@
+"""Kernels built from source: Debian's ``linux-source-X.Y`` fetched and unpacked, or any tree
+(a git checkout, a stable tree, a bisect step), configured small and built out of tree.
+
+``kph kernel fetch 6.12`` unpacks Debian's ``linux-source-6.12`` (the source of Debian's own
+6.12 kernels, Debian's patches applied) into ``$KPH_CACHE/src/linux-source-<version>/``.
+
+``kph kernel build SRC`` configures the way virtme-ng does, not with Debian's full config:
+``make tinyconfig``, then the fragment ``images/kernel.config`` merged over it
+(``scripts/kconfig/merge_config.sh``), then ``make olddefconfig``; every ``=y`` of the
+fragment must survive (a dependency the tree lacks is named). Then ``make bzImage modules``
+in a build directory of its own (``O=``), with ``-j`` the host's CPUs, ``ccache`` when it is
+there, the build's progress on stderr, and on failure the first compiler error. A build
+directory that is configured and built already is built incrementally (make decides).
+
+The result boots with ``kph boot --kernel OUT`` (``arch/x86/boot/bzImage``, with ``vmlinux``
+for symbols). Host tools the build needs: gcc, make, flex, bison, bc, libelf-dev, libssl-dev
+and pahole (dwarves, for BTF); ``./setup.sh`` installs them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ...constants import cache_dir
+from ...errors import SetupError
+from ...procs import lock_file, pdeathsig, stop_process
+from .debian import TRIXIE, PrivateApt, run, unpack
+from .store import RECIPE_DIR
+
+Progress = Callable[[str], None]
+
+#: The config fragment merged over tinyconfig.
+FRAGMENT = RECIPE_DIR / "kernel.config"
+#: Host programs a kernel build runs (and the package that brings each).
+BUILD_TOOLS = {"gcc": "gcc", "make": "make", "flex": "flex", "bison": "bison", "bc": "bc",
+               "pahole": "dwarves"}
+#: Host headers the build compiles against (objtool needs libelf; certificates, libssl).
+BUILD_HEADERS = {"/usr/include/gelf.h": "libelf-dev", "/usr/include/openssl/ssl.h": "libssl-dev"}
+#: A cold build of the minimal config takes ~8 min on 2 CPUs; a stuck one ends here.
+BUILD_TIMEOUT = 3600.0
+#: The build directory records the fragment it was configured with.
+STAMP = ".kph-fragment"
+#: How long a second fetch or build of the same tree waits for the first.
+LOCK_TIMEOUT = 3600.0
+
+
+def sources_dir() -> Path:
+    return cache_dir() / "src"
+
+
+def builds_dir() -> Path:
+    return cache_dir() / "kbuild"
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """A configured and built kernel tree."""
+
+    src: Path
+    out: Path
+    version: str                # ``make kernelversion``: 6.12.117
+    config_sha256: str
+
+    @property
+    def bzimage(self) -> Path:
+        return self.out / "arch/x86/boot/bzImage"
+
+    @property
+    def vmlinux(self) -> Path:
+        return self.out / "vmlinux"
+
+
+# ---------------------------------------------------------------- sources
+
+def is_series(text: str) -> bool:
+    """``6.12``, ``7.3``: a kernel series, not a path (``./6.12`` is a path)."""
+    return re.fullmatch(r"\d+\.\d+", str(text)) is not None
+
+
+def fetch_source(series: str, progress: Progress | None = None) -> Path:
+    """Debian's ``linux-source-<series>``, unpacked once into
+    ``$KPH_CACHE/src/linux-source-<version>/``; the tree's path.
+
+    :raise SetupError: not a series, no such source package, or the download failed.
+    """
+    if not is_series(series):
+        raise SetupError(f"not a kernel series: {series!r}", "name one like 6.12 or 7.3")
+    say = progress or (lambda s: None)
+    apt = PrivateApt(TRIXIE)
+    apt.update(progress)
+    pkg = f"linux-source-{series}"
+    m = re.search(r"^\s*Candidate:\s*(\S+)", apt.cache("policy", pkg), re.M)
+    if not m or m[1] == "(none)":
+        have = sorted(set(re.findall(r"^linux-source-(\d+\.\d+)$",
+                                     apt.cache("pkgnames", "linux-source-"), re.M)),
+                      key=lambda s: tuple(int(x) for x in s.split(".")))
+        raise SetupError(f"Debian has no {pkg}",
+                         f"series with sources: {', '.join(have) or 'none'}")
+    version = m[1]
+    dest = sources_dir() / f"linux-source-{version}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(dest.parent / f".{dest.name}.lock", LOCK_TIMEOUT,
+                   "another kph is fetching the same source: wait for it")
+    try:
+        return _fetch_locked(apt, pkg, version, dest, say)
+    finally:
+        os.close(fd)
+
+
+def _fetch_locked(apt: PrivateApt, pkg: str, version: str, dest: Path, say: Progress) -> Path:
+    if (dest / "Makefile").is_file():
+        say(f"kernel: {pkg} {version} is unpacked in {dest}")
+        return dest
+    say(f"kernel: downloading {pkg} {version} (about 150 MB)")
+    debs = apt.fetch_only([pkg])
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        unpack(debs, tmp / "deb")
+        tarballs = sorted((tmp / "deb" / "usr/src").glob("linux-source-*.tar.*"))
+        if not tarballs:
+            raise SetupError(f"{pkg} {version} holds no source tarball under usr/src",
+                             "report it; the package layout changed")
+        say(f"kernel: unpacking {tarballs[0].name} (about 1.7 GB)")
+        run(["tar", "-xf", str(tarballs[0]), "-C", str(tmp)], f"unpacking {tarballs[0].name}")
+        top = [d for d in tmp.iterdir() if d.is_dir() and d.name != "deb"]
+        if len(top) != 1 or not (top[0] / "Makefile").is_file():
+            raise SetupError(f"{tarballs[0].name} did not unpack into one kernel tree",
+                             "report it; the package layout changed")
+        top[0].rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    apt.discard(debs)
+    say(f"kernel: {pkg} {version} unpacked in {dest}")
+    return dest
+
+
+# ---------------------------------------------------------------- configuring
+
+def required_options(fragment: Path = FRAGMENT) -> dict[str, str]:
+    """``CONFIG_NAME -> value`` of every line of ``fragment``."""
+    out = {}
+    for ln in fragment.read_text().splitlines():
+        m = re.fullmatch(r"\s*(CONFIG_\w+)=(\S+)\s*", ln)
+        if m:
+            out[m[1]] = m[2]
+    return out
+
+
+def missing_options(config: str, want: dict[str, str]) -> list[str]:
+    """The options of ``want`` that ``config`` (a ``.config``'s text) does not set so."""
+    have = dict(re.findall(r"^(CONFIG_\w+)=(.*)$", config, re.M))
+    return [k for k, v in want.items() if have.get(k) != v]
+
+
+def check_tree(src: Path) -> Path:
+    """``src`` resolved, if it is a kernel source tree; else a SetupError saying what it is."""
+    src = Path(src).expanduser().resolve()
+    if not src.is_dir():
+        raise SetupError(f"no kernel source tree at {src}",
+                         "pass a kernel tree, or fetch one: `kph kernel fetch 6.12`")
+    if not (src / "Makefile").is_file() or not (src / "Kconfig").is_file() \
+            or not (src / "arch/x86").is_dir():
+        raise SetupError(f"{src} is not a kernel source tree (no Makefile, Kconfig and arch/x86)",
+                         "pass the top of a Linux tree, or fetch one: `kph kernel fetch 6.12`")
+    return src
+
+
+def check_host_tools() -> None:
+    """The programs and headers a kernel build needs, each named with its package."""
+    missing = [pkg for tool, pkg in BUILD_TOOLS.items() if shutil.which(tool) is None]
+    missing += [pkg for hdr, pkg in BUILD_HEADERS.items() if not Path(hdr).exists()]
+    if missing:
+        raise SetupError(f"building a kernel needs {', '.join(sorted(set(missing)))}",
+                         f"apt-get install {' '.join(sorted(set(missing)))} (./setup.sh does)")
+
+
+def tree_version(src: Path) -> str:
+    """``VERSION.PATCHLEVEL.SUBLEVEL`` from the top Makefile (``make kernelversion``)."""
+    head = (src / "Makefile").read_text(errors="replace")[:4096]
+    parts = [re.search(rf"^{k}\s*=\s*(\d*)", head, re.M) for k in ("VERSION", "PATCHLEVEL",
+                                                                     "SUBLEVEL")]
+    if not all(parts):
+        raise SetupError(f"{src}/Makefile names no VERSION, PATCHLEVEL and SUBLEVEL",
+                         "pass the top of a Linux tree")
+    return ".".join(p[1] or "0" for p in parts)  # type: ignore[index]
+
+
+def default_out(src: Path) -> Path:
+    """``$KPH_CACHE/kbuild/<tree name>-<hash of its path>``: one build directory a tree."""
+    return builds_dir() / f"{src.name}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
+
+
+def _make(src: Path, out: Path, *args: str) -> list[str]:
+    return ["make", "-C", str(src), f"O={out}", "ARCH=x86_64", *args]
+
+
+def configure(src: Path, out: Path, fragment: Path = FRAGMENT,
+              progress: Progress | None = None) -> str:
+    """tinyconfig + ``fragment`` + olddefconfig into ``out/.config``, unless ``out`` was
+    configured with this very fragment already; the config's sha256.
+
+    :raise SetupError: an option of the fragment did not survive olddefconfig (named).
+    """
+    say = progress or (lambda s: None)
+    frag = fragment.read_text()
+    config = out / ".config"
+    stamp = out / STAMP
+    if not (config.is_file() and stamp.is_file() and stamp.read_text() == frag):
+        out.mkdir(parents=True, exist_ok=True)
+        say(f"kernel: configuring {src.name} in {out} (tinyconfig + {fragment.name})")
+        run(_make(src, out, "tinyconfig"), "make tinyconfig", timeout=300)
+        run([str(src / "scripts/kconfig/merge_config.sh"), "-m", "-O", str(out), str(config),
+             str(fragment)], "merging the config fragment", cwd=src, timeout=120)
+        run(_make(src, out, "olddefconfig"), "make olddefconfig", timeout=300)
+        stamp.write_text(frag)
+    text = config.read_text()
+    gone = missing_options(text, required_options(fragment))
+    if gone:
+        stamp.unlink(missing_ok=True)
+        raise SetupError(f"{src.name} cannot be configured with {', '.join(gone)}"
+                         f" (a dependency this tree lacks, or an option it does not have)",
+                         f"see `make -C {src} O={out} menuconfig`, or edit {fragment}")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- building
+
+_ERROR_RE = re.compile(r"^(?:\S+:\d+:(?:\d+:)? (?:fatal )?error: .*|.*\*\*\* .*|.*: undefined reference to .*)$",
+                       re.M)
+
+
+def first_error(log: str) -> str:
+    """The first compiler (or linker, or make) error of a build log, one line."""
+    m = _ERROR_RE.search(log)
+    if m:
+        return m[0].strip()
+    tail = [ln for ln in log.strip().splitlines() if ln.strip()]
+    return tail[-1].strip() if tail else "no output"
+
+
+def build(src: Path, out: Path | None = None, *, jobs: int | None = None,
+          fragment: Path = FRAGMENT, progress: Progress | None = None,
+          timeout: float = BUILD_TIMEOUT) -> KernelBuild:
+    """Configure (once) and build ``src`` into ``out``: ``bzImage`` and ``modules``.
+
+    :raise SetupError: not a tree, host tools missing, an option the tree cannot take, or
+        the build failed (its first error; the whole log is ``out/kph-build.log``).
+    """
+    src = check_tree(src)
+    check_host_tools()
+    out = Path(out).expanduser().resolve() if out is not None else default_out(src)
+    say = progress or (lambda s: None)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(out / ".kph-lock", LOCK_TIMEOUT,
+                   f"another kph is building in {out}: wait for it, or pass another --out")
+    try:
+        return _build_locked(src, out, jobs, fragment, say, timeout)
+    finally:
+        os.close(fd)
+
+
+def _build_locked(src: Path, out: Path, jobs: int | None, fragment: Path, say: Progress,
+                  timeout: float) -> KernelBuild:
+    config_sha = configure(src, out, fragment, say)
+    version = tree_version(src)
+    jobs = jobs or os.cpu_count() or 1
+    args = [f"-j{jobs}", "bzImage", "modules"]
+    if shutil.which("ccache"):
+        args.append("CC=ccache gcc")
+    log_path = out / "kph-build.log"
+    say(f"kernel: building {version} in {out} ({jobs} jobs{', ccache' if 'CC=ccache gcc' in args else ''})")
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(_make(src, out, *args), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                env={**os.environ, "LC_ALL": "C"},   # plain quotes in errors
+                                preexec_fn=pdeathsig, start_new_session=True)
+        compiled, last = 0, t0
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                if line.lstrip().startswith(("CC ", "AS ", "LD ", "AR ")):
+                    compiled += 1
+                now = time.monotonic()
+                if now - t0 > timeout:
+                    raise SetupError(f"the kernel build took over {timeout:.0f} s",
+                                     f"see {log_path}")
+                if now - last >= 15:
+                    last = now
+                    say(f"kernel: building, {compiled} steps done, {now - t0:.0f} s")
+            proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+        except BaseException:
+            if proc.poll() is None:         # make and every compiler it started
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            stop_process(proc, [(None, 5.0), (signal.SIGKILL, 5.0)])
+            raise
+    if proc.returncode != 0:
+        raise SetupError(f"the kernel build failed: {first_error(log_path.read_text(errors='replace'))}",
+                         f"the whole log is {log_path}")
+    result = KernelBuild(src, out, version, config_sha)
+    for f in (result.bzimage, result.vmlinux):
+        if not f.is_file():
+            raise SetupError(f"the kernel build made no {f}", f"see {log_path}")
+    say(f"kernel: built {version} in {time.monotonic() - t0:.0f} s: {result.bzimage}")
+    return result

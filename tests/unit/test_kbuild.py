@@ -1,0 +1,128 @@
+"""Kernels built from source: the config check, the first error of a failed build, the
+inputs refused before anything runs (harness.machine.image.kbuild)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.errors import SetupError
+from harness.machine.image import kbuild
+
+
+def test_the_fragment_asks_for_what_the_harness_needs():
+    want = kbuild.required_options()
+    for opt in ("CONFIG_64BIT", "CONFIG_KPROBES", "CONFIG_KPROBE_EVENTS", "CONFIG_UPROBE_EVENTS",
+                "CONFIG_DEBUG_INFO_BTF", "CONFIG_VIRTIO_CONSOLE", "CONFIG_VIRTIO_PCI",
+                "CONFIG_PVPANIC_PCI", "CONFIG_MODULES", "CONFIG_KALLSYMS_ALL",
+                "CONFIG_BLK_DEV_INITRD", "CONFIG_DEVTMPFS", "CONFIG_DYNAMIC_FTRACE",
+                "CONFIG_FPROBE", "CONFIG_UNWINDER_ORC", "CONFIG_BINFMT_SCRIPT"):
+        assert want.get(opt) == "y", opt
+
+
+def test_an_option_olddefconfig_dropped_is_named():
+    config = "CONFIG_KPROBES=y\n# CONFIG_DEBUG_INFO_BTF is not set\nCONFIG_HZ=250\n"
+    want = {"CONFIG_KPROBES": "y", "CONFIG_DEBUG_INFO_BTF": "y", "CONFIG_HZ": "250",
+            "CONFIG_FPROBE": "y"}
+    assert kbuild.missing_options(config, want) == ["CONFIG_DEBUG_INFO_BTF", "CONFIG_FPROBE"]
+
+
+def test_the_first_compiler_error_is_the_one_reported():
+    log = ("  CC      kernel/kprobes.o\n"
+           "kernel/kprobes.c: In function 'foo':\n"
+           "kernel/kprobes.c:12:5: error: 'x' undeclared (first use in this function)\n"
+           "kernel/kprobes.c:13:5: error: expected ';' before '}' token\n"
+           "make[4]: *** [scripts/Makefile.build:229: kernel/kprobes.o] Error 1\n")
+    assert kbuild.first_error(log) == \
+        "kernel/kprobes.c:12:5: error: 'x' undeclared (first use in this function)"
+    assert kbuild.first_error("ld: vmlinux.o: undefined reference to `foo'\n").endswith("`foo'")
+    assert kbuild.first_error("make: *** No rule to make target 'bzImage'.  Stop.\n") \
+        .startswith("make: ***")
+
+
+def test_a_series_is_not_a_path():
+    assert kbuild.is_series("6.12") and kbuild.is_series("7.3")
+    assert not kbuild.is_series("./6.12") and not kbuild.is_series("6") \
+        and not kbuild.is_series("linux-6.12")
+
+
+def test_the_tree_version_comes_from_its_makefile(tmp_path):
+    (tmp_path / "Makefile").write_text("# SPDX\nVERSION = 6\nPATCHLEVEL = 12\nSUBLEVEL = 117\n"
+                                       "EXTRAVERSION =\nNAME = Baby Opossum Posse\n")
+    assert kbuild.tree_version(tmp_path) == "6.12.117"
+
+
+def test_what_is_not_a_tree_is_refused_with_the_way_to_get_one(tmp_path):
+    with pytest.raises(SetupError, match="is not a kernel source tree") as e:
+        kbuild.check_tree(tmp_path)
+    assert "kph kernel fetch" in e.value.hint
+    with pytest.raises(SetupError, match="no kernel source tree at"):
+        kbuild.check_tree(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["kernel", "build", "/nonexistent/linux"], "no kernel source tree at /nonexistent/linux"),
+    (["kernel", "fetch", "six"], "not a kernel series: 'six'"),
+    (["kernel", "build", ".", "-j", "0"], "-j 0"),
+    (["kernel"], "kph kernel needs an action"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, words, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *argv], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _fake_tree(root, source: str):
+    """A tree kbuild takes for a kernel: its make targets configure with the fragment as
+    it is and "build" by compiling ``source`` with the real gcc."""
+    (root / "arch/x86").mkdir(parents=True)
+    (root / "Kconfig").write_text("")
+    (root / "scripts/kconfig").mkdir(parents=True)
+    merge = root / "scripts/kconfig/merge_config.sh"
+    merge.write_text('#!/bin/sh\n# merge_config.sh -m -O OUT BASE FRAGMENT\n'
+                     'cat "$5" >> "$4"\n')
+    merge.chmod(0o755)
+    (root / "bad.c").write_text(source)
+    (root / "Makefile").write_text(
+        "VERSION = 6\nPATCHLEVEL = 99\nSUBLEVEL = 1\n"
+        "tinyconfig:\n\t@echo '# tiny' > $(O)/.config\n"
+        "olddefconfig:\n\t@true\n"
+        "bzImage:\n\tgcc -c $(CURDIR)/bad.c -o $(O)/bad.o\n"
+        "\tmkdir -p $(O)/arch/x86/boot && cp $(O)/bad.o $(O)/arch/x86/boot/bzImage\n"
+        "\tcp $(O)/bad.o $(O)/vmlinux\n"
+        "modules:\n\t@true\n")
+    return root
+
+
+def test_a_failed_build_reports_its_first_compiler_error(tmp_path):
+    tree = _fake_tree(tmp_path / "tree", "int f(void) { return undeclared_thing; }\n")
+    with pytest.raises(SetupError, match=r"the kernel build failed: .*bad.c:1:\d+: error: "
+                                         r"'undeclared_thing' undeclared") as e:
+        kbuild.build(tree, tmp_path / "out", jobs=1)
+    assert "kph-build.log" in e.value.hint and (tmp_path / "out/kph-build.log").is_file()
+
+
+def test_a_tree_that_builds_gives_its_images_and_is_not_configured_twice(tmp_path):
+    tree = _fake_tree(tmp_path / "tree", "int f(void) { return 0; }\n")
+    lines = []
+    kb = kbuild.build(tree, tmp_path / "out", jobs=1, progress=lines.append)
+    assert kb.version == "6.99.1" and kb.bzimage.is_file() and kb.vmlinux.is_file()
+    assert any("configuring" in ln for ln in lines)
+    lines.clear()
+    assert kbuild.build(tree, tmp_path / "out", jobs=1, progress=lines.append).config_sha256 \
+        == kb.config_sha256
+    assert not any("configuring" in ln for ln in lines), lines
+
+
+def test_an_option_the_tree_cannot_take_is_named(tmp_path):
+    tree = _fake_tree(tmp_path / "tree", "int f(void) { return 0; }\n")
+    frag = tmp_path / "frag.config"
+    frag.write_text("CONFIG_KPROBES=y\nCONFIG_KPH_NOT_IN_THIS_TREE=y\n")
+    (tree / "Makefile").write_text((tree / "Makefile").read_text().replace(
+        "olddefconfig:\n\t@true\n",
+        "olddefconfig:\n\tgrep -v NOT_IN_THIS_TREE $(O)/.config > $(O)/c; mv $(O)/c $(O)/.config\n"))
+    with pytest.raises(SetupError, match="cannot be configured with CONFIG_KPH_NOT_IN_THIS_TREE"):
+        kbuild.build(tree, tmp_path / "out", jobs=1, fragment=frag)
