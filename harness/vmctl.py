@@ -54,6 +54,7 @@ from .aio import LoopThread, qmp_connect
 from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
                      HandlerError, SetupError, StateError, VMError, VMLostError)
 from .machine.handlerctx import ADVICE, stopped_reason
+from .machine.image.kbuild import boot_refusal
 from .machine.image.store import Image, default_image
 from .procs import (drain_fd, listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs,
                     stop_process)
@@ -388,6 +389,12 @@ class Machine:
                 if not cand.exists():
                     raise SetupError(f"no arch/x86/boot/bzImage in {kpath}",
                                      "build the kernel first or pass the bzImage itself")
+                why = boot_refusal((kpath / ".config").read_text()) \
+                    if initrd is None and (kpath / ".config").is_file() else None
+                if why:
+                    raise SetupError(f"{kpath} cannot boot the harness's initramfs: {why}",
+                                     "build it with `kph kernel build SRC` (images/kernel.config "
+                                     "sets them), or set them =y, or pass --initrd FILE")
                 if vmlinux is None and (kpath / "vmlinux").is_file():
                     vmlinux = kpath / "vmlinux"
                 kpath = cand

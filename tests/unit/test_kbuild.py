@@ -126,3 +126,28 @@ def test_an_option_the_tree_cannot_take_is_named(tmp_path):
         "olddefconfig:\n\tgrep -v NOT_IN_THIS_TREE $(O)/.config > $(O)/c; mv $(O)/c $(O)/.config\n"))
     with pytest.raises(SetupError, match="cannot be configured with CONFIG_KPH_NOT_IN_THIS_TREE"):
         kbuild.build(tree, tmp_path / "out", jobs=1, fragment=frag)
+
+
+def test_what_booting_needs_is_in_the_fragment():
+    want = kbuild.required_options()
+    assert all(want.get(k) == "y" for k in kbuild.BOOT_NEEDS), \
+        [k for k in kbuild.BOOT_NEEDS if want.get(k) != "y"]
+
+
+def test_a_build_without_the_guest_agent_s_port_is_refused_before_it_boots(tmp_path):
+    """A tree configured elsewhere (virtio-console a module, or off) would boot and then
+    wait for an agent that cannot start: refused first, each option named with why."""
+    d = tmp_path / "mybuild"
+    (d / "arch/x86/boot").mkdir(parents=True)
+    (d / "arch/x86/boot/bzImage").write_bytes(b"\0" * 0x202 + b"HdrS")
+    config = "\n".join(f"{k}=y" for k in kbuild.BOOT_NEEDS if k != "CONFIG_VIRTIO_CONSOLE")
+    (d / ".config").write_text(config + "\nCONFIG_VIRTIO_CONSOLE=m\n")
+    assert kbuild.boot_refusal((d / ".config").read_text()) == \
+        "CONFIG_VIRTIO_CONSOLE is not built in (the guest agent talks over virtio-serial)"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "boot", "--kernel", str(d),
+                        "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot boot the harness's initramfs: CONFIG_VIRTIO_CONSOLE is not built in" \
+        in r.stderr and "kph kernel build" in r.stderr
+    (d / ".config").write_text(config + "\nCONFIG_VIRTIO_CONSOLE=y\n")
+    assert kbuild.boot_refusal((d / ".config").read_text()) is None

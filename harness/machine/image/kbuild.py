@@ -155,6 +155,29 @@ def required_options(fragment: Path = FRAGMENT) -> dict[str, str]:
     return out
 
 
+#: What a kernel needs, built in, to boot with the default image's initramfs and answer
+#: through its guest agent; why each.
+BOOT_NEEDS = {
+    "CONFIG_64BIT": "the initramfs's busybox is a 64-bit program",
+    "CONFIG_BLK_DEV_INITRD": "the root is an initramfs",
+    "CONFIG_RD_GZIP": "the initramfs is gzip-compressed",
+    "CONFIG_BINFMT_ELF": "busybox is an ELF program",
+    "CONFIG_BINFMT_SCRIPT": "init is a shell script",
+    "CONFIG_DEVTMPFS": "init mounts devtmpfs",
+    "CONFIG_VIRTIO_PCI": "the guest agent's port is a virtio PCI device",
+    "CONFIG_VIRTIO_CONSOLE": "the guest agent talks over virtio-serial",
+}
+
+
+def boot_refusal(config: str) -> str | None:
+    """Why a kernel of ``config`` (a ``.config``'s text) cannot boot the default initramfs
+    to its guest agent, naming each option not built in; None when it can."""
+    gone = missing_options(config, {k: "y" for k in BOOT_NEEDS})
+    if not gone:
+        return None
+    return "; ".join(f"{k} is not built in ({BOOT_NEEDS[k]})" for k in gone)
+
+
 def missing_options(config: str, want: dict[str, str]) -> list[str]:
     """The options of ``want`` that ``config`` (a ``.config``'s text) does not set so."""
     have = dict(re.findall(r"^(CONFIG_\w+)=(.*)$", config, re.M))
