@@ -151,3 +151,15 @@ def test_a_build_without_the_guest_agent_s_port_is_refused_before_it_boots(tmp_p
         in r.stderr and "kph kernel build" in r.stderr
     (d / ".config").write_text(config + "\nCONFIG_VIRTIO_CONSOLE=y\n")
     assert kbuild.boot_refusal((d / ".config").read_text()) is None
+
+
+def test_a_build_that_hangs_silently_is_stopped_at_its_deadline(tmp_path):
+    tree = _fake_tree(tmp_path / "tree", "int f(void) { return 0; }\n")
+    (tree / "Makefile").write_text((tree / "Makefile").read_text().replace(
+        "bzImage:\n", "bzImage:\n\tsleep 600\n"))
+    t0 = __import__("time").monotonic()
+    with pytest.raises(SetupError, match="took over 2 s and was stopped"):
+        kbuild.build(tree, tmp_path / "out", jobs=1, timeout=2.0)
+    assert __import__("time").monotonic() - t0 < 30
+    r = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)
+    assert r.stdout.strip() == "", "the build's processes outlived it"
