@@ -2,10 +2,13 @@
 """A kernel built from source, on this machine, in one run: the cold build of the minimal
 config (``kph kernel build``: tinyconfig + images/kernel.config) from a fresh unpack of
 Debian's linux-source, the incremental rebuild after a one-file change, and the cold boot
-of that kernel to the guest agent beside the default image's cold boot (interleaved, N
-times each, medians; ratios printed).
+of that kernel to the guest agent beside the default image's cold boot, then the boot from
+the ready snapshot of the tree's image (``kph image build --tree``) beside the one of
+Debian's binary kernel of the same series (interleaved, N times each, medians; ratios
+printed).
 
-Run: ``python3 bench/kernel_build.py [--series 6.12] [-n 3]``. It needs the source in the
+Run: ``python3 bench/kernel_build.py [--series 6.12] [-n 3] [--boots-only]``
+(``--boots-only``: the snapshot boots alone, of ``tree:SERIES``'s image, built if missing). It needs the source in the
 cache (``kph kernel fetch``; a fresh unpack of it is made in a scratch directory, as the
 build writes nothing into the tree but the change this script makes) and about 3 GB free.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.machine.image import kbuild  # noqa: E402
+from harness.machine.image.build import image_for  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
 
@@ -33,11 +37,37 @@ def cold_boot(**kw) -> float:
     return time.monotonic() - t0
 
 
+def snapshot_boot(img) -> float:
+    t0 = time.monotonic()
+    with Machine.boot(img) as vm:
+        assert vm.start_mode == "snapshot", vm.start_mode
+        vm.run("true", check=True)
+    return time.monotonic() - t0
+
+
+def snapshot_boots(series: str, n: int) -> None:
+    tree = image_for(f"tree:{series}", progress=print)
+    debian = image_for(series, progress=print)
+    own, deb = [], []
+    for _ in range(n):
+        own.append(snapshot_boot(tree))
+        deb.append(snapshot_boot(debian))
+    o, b = statistics.median(own), statistics.median(deb)
+    print(f"snapshot boot to the agent, {tree.dir.name}: {o:6.2f} s  (median of {n})")
+    print(f"snapshot boot to the agent, {debian.version}: {b:6.2f} s  (median of {n})")
+    print(f"tree / Debian snapshot boot: {o / b:6.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", default="6.12")
     ap.add_argument("-n", type=int, default=3, help="boots of each kind")
+    ap.add_argument("--boots-only", action="store_true",
+                    help="measure the snapshot boots only (no build)")
     args = ap.parse_args()
+    if args.boots_only:
+        snapshot_boots(args.series, args.n)
+        return
     src = kbuild.fetch_source(args.series, progress=print)
     with tempfile.TemporaryDirectory(prefix="kph-kbuild-bench-") as d:
         tree, out = Path(d) / "tree", Path(d) / "out"
@@ -65,6 +95,7 @@ def main() -> None:
     print(f"cold boot to the agent, own kernel: {o:7.2f} s  (median of {args.n})")
     print(f"cold boot to the agent, Debian's:   {b:7.2f} s  (median of {args.n})")
     print(f"own / Debian boot:                  {o / b:7.2f}")
+    snapshot_boots(args.series, args.n)
 
 
 if __name__ == "__main__":

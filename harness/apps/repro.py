@@ -31,15 +31,17 @@ from typing import Any, Callable
 
 from ..backends.events import EventsBackend
 from ..backends.host import HostBackend
-from ..errors import GuestPanicError, HarnessError, VMError, VMLostError
+from ..errors import GuestPanicError, HarnessError, ProbeSpecError, VMError, VMLostError
 from ..kernel.kprobes import Kprobe, Kretprobe
-from ..kernel.grammar import parse
+from ..kernel.grammar import KernelView, parse
 from ..records import Counters, Hit, Outcome, SideResult
 from .scenario import COUNTER_RE, Scenario
 from ..backends.module import ModuleBackend
 from ..diff.runner import trampoline_text
 from ..diff.verdict import compare
 from ..vmctl import Machine
+from ..machine.image.build import image_for
+from ..machine.image.facts import kernel_view
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +110,18 @@ class _Run:
     def place(self) -> None:
         scn, vm = self.scn, self.vm
         buggy = set()
+        facts = vm.ensure_facts()
+        view = kernel_view(facts)               # the booted kernel's grammar, BTF, symbols
         for d in scn.probes:
             if d.spec is not None:
-                spec = parse(d.spec)
+                try:
+                    spec = parse(d.spec, kernel=view)
+                except ProbeSpecError:
+                    if d.side == "host":
+                        raise
+                    # an in-guest line is the guest's to judge (a non-unique symbol, ...):
+                    # parsed with the series' grammar alone, it is written as it is
+                    spec = parse(d.spec, kernel=KernelView(facts.rules))
                 self.specs[d.side].append(spec)
                 if d.bug:
                     buggy.add(f"{spec.group}/{spec.event}")
@@ -382,13 +393,19 @@ def _cause(scn: Scenario, obs: Observed, stack: str) -> str:
 
 
 def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
-        progress: Callable[[str], None] = lambda s: None) -> ReproResult:
-    """Run ``scn`` and write its bundle; see the module docstring."""
+        progress: Callable[[str], None] = lambda s: None, image: Any = None) -> ReproResult:
+    """Run ``scn`` and write its bundle; see the module docstring. ``image`` replaces the
+    scenario's own kernel (``kph repro --kernels``)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     bundle = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
     bundle.mkdir(parents=True, exist_ok=True)
-    m = scn.machine
-    progress(f"repro: booting ({m.get('kernel') or m.get('image') or 'default image'})")
+    m = dict(scn.machine)
+    if image is not None:
+        m.pop("kernel", None)
+        m.pop("initrd", None)
+        m.pop("vmlinux", None)
+        m["image"] = image
+    progress(f"repro: booting ({m.get('kernel') or getattr(m.get('image'), 'version', m.get('image')) or 'default image'})")
     vm = Machine.boot(m.get("image"), kernel=m.get("kernel"), initrd=m.get("initrd"),
                       vmlinux=m.get("vmlinux"), smp=m.get("smp", 1), memory=m.get("memory", "512M"),
                       append=m.get("append"), qemu=qemu, timeout=scn.timeouts["boot"])
@@ -417,6 +434,63 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
     met, reasons, cause = evaluate(scn, r.obs, r.obs.stack)
     _write_bundle(bundle, scn, r, met, reasons, cause, host_list, manifest)
     return ReproResult(scn, r.obs, met, reasons, cause, bundle)
+
+
+@dataclass
+class KernelRepro:
+    """One kernel's run of a scenario under ``kph repro --kernels``."""
+
+    name: str                   # stock, source, patched, or the selector as given
+    selector: str
+    image: Any                  # the Image it ran on
+    result: ReproResult
+    expect_met: bool            # a patched kernel is expected NOT MET: its fix works
+
+    @property
+    def as_expected(self) -> bool:
+        return self.result.met == self.expect_met
+
+
+def resolve_kernels(scn: Scenario, names: list[str]) -> list[tuple[str, str]]:
+    """``--kernels`` as (name, selector): ``stock``, ``source`` and ``patched`` from the
+    scenario's ``[kernels]`` table; anything else is a kernel selector as it is.
+
+    :raise HarnessError: a named kernel the scenario does not define."""
+    table = scn.kernel_selectors()
+    out = []
+    for n in names:
+        if n in ("stock", "source", "patched"):
+            if n not in table:
+                raise HarnessError(f"--kernels {n}: {scn.path.name} has no [kernels] "
+                                   f"{'patch' if n == 'patched' else 'series'}; name the kernel "
+                                   "itself (6.12, tree:6.12+FIX.patch, an image directory)")
+            out.append((n, table[n]))
+        else:
+            out.append((n, n))
+    return out
+
+
+def run_kernels(scn: Scenario, names: list[str], *, out_dir: Path | None = None,
+                qemu: str | None = None,
+                progress: Callable[[str], None] = lambda s: None) -> list[KernelRepro]:
+    """Run ``scn`` on each kernel of ``names`` (``resolve_kernels``), each image built
+    first when missing (``image_for``: a tree's build takes minutes the first time), each
+    run with its own bundle under ``out_dir``. A kernel named ``patched`` is expected NOT
+    MET (the scenario shows the bug; the patch fixes it), every other one MET."""
+    pairs = resolve_kernels(scn, names)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    top = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
+    images = []
+    for name, sel in pairs:                 # every image first: a bad one stops before a run
+        progress(f"repro: the {name} kernel ({sel})")
+        images.append(image_for(sel, qemu=qemu, progress=progress))
+    runs = []
+    for (name, sel), img in zip(pairs, images):
+        progress(f"repro: {name}: {img.version} ({img.dir.name})")
+        res = run(scn, out_dir=top / re.sub(r"[^A-Za-z0-9_.-]+", "-", name), qemu=qemu,
+                  progress=progress, image=img)
+        runs.append(KernelRepro(name, sel, img, res, expect_met=name != "patched"))
+    return runs
 
 
 def probe_sections(obs: Observed) -> list[str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProbeSpecError, ScenarioError
-from ..kernel.grammar import parse
+from ..kernel.grammar import KernelView, parse
+from ..kernel.rules import rules_for
 
 SIDES = ("host", "events", "module")
 OUTCOMES = ("ok", "panic", "oops", "hang", "refused")
@@ -63,6 +64,20 @@ class Scenario:
     expect: Expectation
     timeouts: dict[str, float] = field(default_factory=dict)
     text: str = ""
+    #: ``[kernels]``: the kernels ``kph repro --kernels`` names (``kernel_selectors``)
+    kernels: dict[str, str] = field(default_factory=dict)
+
+    def kernel_selectors(self) -> dict[str, str]:
+        """The named kernels of ``[kernels]``, as image selectors: ``stock`` is Debian's
+        binary kernel of ``series``, ``source`` a build of Debian's source of it (the same
+        release), ``patched`` that build with ``patch`` applied."""
+        k = self.kernels
+        if not k:
+            return {}
+        out = {"stock": k["series"], "source": f"tree:{k['series']}"}
+        if "patch" in k:
+            out["patched"] = f"tree:{k['series']}+{(self.path.parent / k['patch']).resolve()}"
+        return out
 
 
 def _get(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str, path: str,
@@ -100,7 +115,7 @@ def load(path: str | Path) -> Scenario:
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(ps, "", f"not valid TOML: {exc}") from exc
     _only(doc, {"name", "description", "machine", "setup", "trigger", "probe", "expect",
-                "timeouts"}, "", ps)
+                "timeouts", "kernels"}, "", ps)
     name = _get(doc, "name", str, "", ps, required=True)
     machine = _get(doc, "machine", dict, "", ps, {})
     _only(machine, {"image", "kernel", "initrd", "vmlinux", "smp", "memory", "append"},
@@ -121,7 +136,13 @@ def load(path: str | Path) -> Scenario:
         if not isinstance(c, str):
             raise ScenarioError(ps, f"setup[{i}]", "must be a shell command string")
     trigger = _get(doc, "trigger", str, "", ps, required=True)
-    probes = tuple(_probe(d, i, ps) for i, d in enumerate(_get(doc, "probe", list, "", ps, [])))
+    # a spec is checked with the grammar of the scenario's kernel when it names its series
+    kernels = doc.get("kernels") if isinstance(doc.get("kernels"), dict) else {}
+    series = next((str(v) for v in (kernels.get("series"), machine.get("image"))
+                   if isinstance(v, str) and re.match(r"\d+\.\d+", v)), None)
+    view = KernelView(rules_for(series)) if series else None
+    probes = tuple(_probe(d, i, ps, view)
+                   for i, d in enumerate(_get(doc, "probe", list, "", ps, [])))
     exp = _get(doc, "expect", dict, "", ps, required=True)
     _only(exp, {"outcome", "console", "output", "stack", "counters", "equivalent", "errno"},
           "expect.", ps)
@@ -152,11 +173,20 @@ def load(path: str | Path) -> Scenario:
         if v <= 0:
             raise ScenarioError(ps, f"timeouts.{k}", "must be positive")
         timeouts[k] = float(v)
+    kernels = _get(doc, "kernels", dict, "", ps, {})
+    _only(kernels, {"series", "patch"}, "kernels.", ps)
+    if kernels:
+        series = _get(kernels, "series", str, "kernels.", ps, required=True)
+        if not re.fullmatch(r"\d+\.\d+", series):
+            raise ScenarioError(ps, "kernels.series", f"{series!r} is not a series such as 6.12")
+        patch = _get(kernels, "patch", str, "kernels.", ps)
+        if patch is not None and not (p.parent / patch).is_file():
+            raise ScenarioError(ps, "kernels.patch", f"no file {p.parent / patch}")
     return Scenario(p, name, _get(doc, "description", str, "", ps, ""), dict(machine),
-                    tuple(setup), trigger, probes, expect, timeouts, text)
+                    tuple(setup), trigger, probes, expect, timeouts, text, dict(kernels))
 
 
-def _probe(d: Any, i: int, ps: str) -> ProbeDecl:
+def _probe(d: Any, i: int, ps: str, view: KernelView | None = None) -> ProbeDecl:
     where = f"probe[{i}]."
     if not isinstance(d, dict):
         raise ScenarioError(ps, f"probe[{i}]", "must be a table ([[probe]])")
@@ -168,7 +198,7 @@ def _probe(d: Any, i: int, ps: str) -> ProbeDecl:
     spec = _get(d, "spec", str, where, ps)
     if spec is not None:
         try:
-            parse(spec)
+            parse(spec, kernel=view) if view is not None else parse(spec)
         except ProbeSpecError as exc:
             raise ScenarioError(ps, f"{where}spec", f"{exc} at column {exc.column}") from None
     handlers = [k for k in ("pre_handler", "post_handler", "handler", "entry_handler") if k in d]

@@ -37,6 +37,9 @@ def add_parser(subparsers: Any) -> None:
                          "/usr/bin/kph-loop, the XOL slot, the uretprobe trampoline)")
     tf.add_argument("--html", metavar="FILE", help="write a self-contained page with a "
                     "sequence diagram and the step table")
+    tf.add_argument("--image", metavar="SERIES|ABI|DIR|tree:TREE",
+                    help="the kernel to show it on (default: the default image): a series, an "
+                    "image directory, or tree:TREE[+PATCH...] (a kernel tree's image)")
     tf.add_argument("--step", action="store_true", help="wait for Enter after each step "
                     "(on a terminal; with stdin not a terminal, the steps are not paused)")
 
@@ -57,8 +60,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if "+" not in args.symbol or args.symbol.endswith("+0"):
         raise SetupError(f"--symbol {args.symbol} is a function entry (ftrace-based there)",
                          "give an offset into the function, e.g. do_sys_openat2+5")
-    out.progress("demo: booting the default image")
-    with Machine.boot() as vm:
+    out.progress(f"demo: booting {'the default image' if args.image is None else args.image}")
+    with Machine.boot(args.image) as vm:
         flows = []
         for v in variants:
             out.progress(f"demo: {v}: placing the in-guest probe and the host observers")

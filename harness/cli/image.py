@@ -9,7 +9,9 @@ from .common import examples, sub
 from .output import EXIT_OK, Output
 
 NAME = "image"
-EXAMPLES = ["kph image build", "kph image list", "kph image info --json"]
+EXAMPLES = ["kph image build", "kph image list", "kph image info --json",
+            "kph image build --tree 6.12 --patch probes/patches/btf-char-ptr-needs-a-pointer.patch"
+            "  # not run: builds a kernel (minutes); tests/vm/test_kbuild.py does, alone"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +29,19 @@ def add_parser(subparsers: Any) -> None:
                    help="which kernel: a series (6.1, 6.12, 7.3: what Debian 12, Debian 13 "
                    "and Debian 13 backports ship today) or a full ABI such as "
                    "6.12.117+deb13-cloud-amd64; default: Debian 12's, the default image")
+    b.add_argument("--tree", metavar="TREE", default=None,
+                   help="an image of a kernel built from source instead: a source tree (a git "
+                   "checkout, a stable tree), a series (6.12: Debian's linux-source of it, "
+                   "fetched first) or a build directory built already. The tree is "
+                   "configured small and built (kph kernel build), kph_kprobes.ko is built "
+                   "against it, and the image is named tree-<release>-<key>")
+    b.add_argument("--patch", metavar="FILE", action="append", default=[],
+                   help="with --tree: apply this patch (-p1) to a copy of the tree before "
+                   "building; repeatable, in order; the image records each")
+    b.add_argument("--out", "-O", metavar="DIR", help="with --tree: the build directory "
+                   "(default: $KPH_CACHE/kbuild/<tree>-<hash>)")
+    b.add_argument("-j", "--jobs", type=int, metavar="N", help="with --tree: parallel jobs "
+                   "(default: the host's CPUs)")
     b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
     b.add_argument("--qemu", metavar="PATH", help="QEMU for the harvesting boot and the snapshot")
     b.add_argument("--no-snapshot", action="store_true",
@@ -42,10 +57,27 @@ def run(args: argparse.Namespace, out: Output) -> int:
     from ..machine.image.store import default_image
 
     if args.image_cmd == "build":
-        img = build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
-                          snapshot=not args.no_snapshot, progress=out.progress)
+        if args.tree is None:
+            for opt, val in (("--patch", args.patch), ("--out", args.out), ("-j", args.jobs)):
+                if val:
+                    raise SetupError(f"{opt} is for an image of a kernel tree",
+                                     "add --tree TREE (a source tree, a series, a build directory)")
+            img = build_image(kernel=args.kernel, force=args.force, qemu=args.qemu,
+                              snapshot=not args.no_snapshot, progress=out.progress)
+        else:
+            from ..machine.image.build import build_tree_image
+            if args.kernel:
+                raise SetupError("--kernel and --tree name two kernels", "pass one of them")
+            if args.jobs is not None and args.jobs < 1:
+                raise SetupError(f"-j {args.jobs}: the jobs must be 1 or more", "pass -j 2")
+            img = build_tree_image(args.tree, patches=args.patch, out=args.out, jobs=args.jobs,
+                                   force=args.force, qemu=args.qemu,
+                                   snapshot=not args.no_snapshot, progress=out.progress)
         out.progress.clear()
         out.result(image_doc(img))
+        if img.manifest.get("kernel_origin") == "tree":
+            out.text(f"{img.dir}\nkernel {img.version}, kernel-series rules "
+                     f"{img.manifest.get('rules')}; use it with --image {img.dir.name}")
         return EXIT_OK
     if args.image_cmd == "list":
         from ..machine.image.store import built_images, image_is_current, read_default

@@ -178,10 +178,22 @@ def _interrupted_exit() -> int:
     return EXIT_INTERRUPTED
 
 
+def _tree_image(args: argparse.Namespace, out: Output) -> None:
+    """``--image tree:TREE[+PATCH...]`` in any verb: the tree's image, built (or found
+    current) first, then the verb runs on it as on any image."""
+    sel = getattr(args, "image", None)
+    if isinstance(sel, str) and sel.startswith("tree:"):
+        from ..machine.image.build import image_for
+        args.image = str(image_for(sel, qemu=getattr(args, "qemu", None),
+                                   progress=out.progress).dir)
+        out.progress.clear()
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     try:
         out = Output(args)
         check_output("-o", out.json_file)       # before any work, for every command
+        _tree_image(args, out)
         return COMMANDS[args.cmd](args, out)
     except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
         if _interrupted or isinstance(exc, KeyboardInterrupt):

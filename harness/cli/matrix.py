@@ -25,7 +25,9 @@ def add_parser(subparsers: Any) -> None:
              epilog=examples(EXAMPLES))
     spec_args(mx)
     mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
-                    help="kernel series or ABIs, comma-separated (default 6.1,6.12,7.3)")
+                    help="kernel series or ABIs, image directories, or kernel trees "
+                    "(tree:TREE[+PATCH...], built first: kph image build --tree), "
+                    "comma-separated (default 6.1,6.12,7.3)")
     mx.add_argument("--guest", choices=("events", "module"), default="events",
                     help="the in-guest side (default: tracefs kprobe_events)")
     mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
@@ -68,6 +70,11 @@ def check_kernels(kernels: list[str]) -> None:
     from ..machine.image.kernels import resolve
 
     for k in kernels:
+        if k.startswith("tree:"):
+            from ..machine.image.build import parse_tree_selector
+            from ..machine.image.kbuild import check_patches
+            check_patches(parse_tree_selector(k)[1])      # type: ignore[index]
+            continue
         try:
             default_image(k)
         except SetupError:
@@ -81,7 +88,8 @@ def matrix_specs(kernels: list[str], lines: list[str]) -> list[Any]:
     from ..kernel.rules import rules_for
     from ..kernel.grammar import KernelView, parse
 
-    views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in kernels]
+    sels = [k.removeprefix("tree:").split("+")[0] for k in kernels]
+    views = [KernelView(rules_for(k if k[:1].isdigit() else None)) for k in sels]
     out = []
     for ln in lines:
         first: ProbeSpecError | None = None

@@ -13,7 +13,9 @@ from .output import EXIT_DIVERGED, EXIT_OK, Output, check_output
 
 NAME = "repro"
 EXAMPLES = ["kph repro probes/scenarios/blacklisted.toml",
-            "kph repro probes/scenarios/blacklisted.toml --out bundle --json"]
+            "kph repro probes/scenarios/blacklisted.toml --out bundle --json",
+            "kph repro probes/scenarios/upstream/btf-char-ptr.toml --kernels stock,source,patched"
+            "  # not run: builds two kernels first (docs/upstream.md)"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -34,6 +36,13 @@ def add_parser(subparsers: Any) -> None:
     rp.add_argument("--gdb", action="store_true",
                     help="with --replay: stay stopped at the end with the gdbstub open for "
                     "reverse-stepi / reverse-continue; Ctrl-C ends QEMU")
+    rp.add_argument("--kernels", metavar="K,K,...",
+                    help="run the scenario on each of these kernels and show each verdict: "
+                    "stock, source and patched (the scenario's [kernels]: Debian's binary "
+                    "kernel, a build of Debian's source of it, that build with the fix), or "
+                    "any image selector (6.12, tree:PATH+FIX.patch, an image directory). "
+                    "Exit 0 when each is as expected: MET, and NOT MET for patched (the fix "
+                    "works)")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
 
 
@@ -51,6 +60,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.replay:
         return replay(scn, args, out)
     assert scn is not None
+    if args.kernels is not None:
+        if args.record:
+            raise SetupError("--kernels and --record together", "record one kernel at a time")
+        return run_kernels(scn, args, out)
     if args.record:
         from ..apps import repro_rr
 
@@ -73,6 +86,45 @@ def run(args: argparse.Namespace, out: Output) -> int:
         doc["replay"] = f"kph repro --replay {res.bundle}"
     out.result(doc)
     return EXIT_OK if res.met else EXIT_DIVERGED
+
+
+def run_kernels(scn: Any, args: argparse.Namespace, out: Output) -> int:
+    """``kph repro SCENARIO --kernels stock,source,patched``: one verdict per kernel."""
+    from ..apps import repro
+
+    names = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not names:
+        raise SetupError("--kernels names no kernel", "e.g. --kernels stock,patched")
+    runs = repro.run_kernels(scn, names, out_dir=Path(args.out) if args.out else None,
+                             qemu=args.qemu, progress=out.progress)
+    out.progress.clear()
+    out.text(scn.name)
+    for r in runs:
+        img = r.image
+        tree = img.manifest.get("tree")
+        what = img.version + (f", rules {img.manifest.get('rules')}" if tree else " (Debian)")
+        if tree and tree.get("patches"):
+            what += ", + " + " + ".join(p["name"] for p in tree["patches"])
+        verdict = "MET" if r.result.met else "NOT MET"
+        want = "MET" if r.expect_met else "NOT MET"
+        out.text(f"  {r.name:8s} {verdict:8s} {'as expected' if r.as_expected else 'EXPECTED ' + want:12s}"
+                 f"  {what}")
+        out.text(f"           {r.result.cause}; evidence {r.result.bundle}/summary.md")
+    ok = all(r.as_expected for r in runs)
+    fixed = any(r.name == "patched" for r in runs) and ok
+    out.text("verdict: " + ("the fix is verified: the scenario is met without the patch and "
+                            "not met with it" if fixed else
+                            "every kernel as expected" if ok else "NOT as expected"))
+    out.result({"scenario": scn.name, "file": str(scn.path), "as_expected": ok,
+                "fix_verified": fixed,
+                "kernels": [{"name": r.name, "selector": r.selector, "image": str(r.image.dir),
+                             "kernel": r.image.version, "rules": r.image.manifest.get("rules"),
+                             "patches": [p["name"] for p in
+                                         (r.image.manifest.get("tree") or {}).get("patches", [])],
+                             "met": r.result.met, "expected_met": r.expect_met,
+                             "cause": r.result.cause, "reasons": list(r.result.reasons),
+                             "bundle": str(r.result.bundle)} for r in runs]})
+    return EXIT_OK if ok else EXIT_DIVERGED
 
 
 def replay(scn: Any, args: argparse.Namespace, out: Output) -> int:

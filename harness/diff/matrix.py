@@ -35,12 +35,13 @@ COMPARED = ("ip", "ret_from")
 class KernelRun:
     """One kernel's part: its image, the host-vs-guest diff and the guest's own record."""
 
-    series: str
+    name: str                     # the row's name: the series, or a tree's (6.12 src+fix)
     abi: str
     diff: DiffResult | None = None
     guest: SideResult | None = None
     host: SideResult | None = None
     error: str = ""               # the kernel could not be run at all (image, boot)
+    rules: str = ""               # the kernel-series rules the host side used
 
     @property
     def equivalent(self) -> bool | None:
@@ -108,7 +109,7 @@ def compare_kernels(runs: list[KernelRun]) -> list[KernelDifference]:
         probes.update(dict.fromkeys(o.probe for o in k.guest.outcomes))
     out: list[KernelDifference] = []
     for probe in probes:
-        outcomes = {k.series: next((o for o in k.guest.outcomes if o.probe == probe), None)
+        outcomes = {k.name: next((o for o in k.guest.outcomes if o.probe == probe), None)
                     for k in ran if k.guest is not None}
         texts = tuple((s, _outcome_text(o)) for s, o in outcomes.items())
         if len({t for _, t in texts}) > 1:
@@ -116,8 +117,8 @@ def compare_kernels(runs: list[KernelRun]) -> list[KernelDifference]:
         modes = tuple((s, o.mode or "?") for s, o in outcomes.items() if o and o.accepted)
         if len({m for _, m in modes}) > 1:
             out.append(KernelDifference(probe, "mode", modes))
-        events = {k.series: _events(k.guest, probe) for k in ran if k.guest is not None
-                  and outcomes.get(k.series) is not None and outcomes[k.series].accepted}
+        events = {k.name: _events(k.guest, probe) for k in ran if k.guest is not None
+                  and outcomes.get(k.name) is not None and outcomes[k.name].accepted}
         if not events:
             continue
         counts = tuple((s, str(len(ev))) for s, ev in events.items())
@@ -161,6 +162,8 @@ def _format_note(vals: tuple[tuple[str, str], ...]) -> str:
 
 def _field(h: Hit, name: str) -> str:
     if name == "ip":
+        if h.ip.startswith("["):            # [unknown/kretprobe'd]: a name, not sym/size
+            return h.ip
         ip = h.ip.split("/", 1)[0]
         return ip.split("+", 1)[0] if h.kind == "r" else ip
     if name == "ret_from":

@@ -394,18 +394,21 @@ def _diff_line(d: Any) -> str:
 
 def matrix_text(res: Any) -> str:
     """The matrix as text: a row per kernel, then what the guests do differently."""
+    w = max([7] + [len(k.name) for k in res.kernels])
+    rules = any(k.rules and k.rules != k.name for k in res.kernels)
     out = [f"kph matrix: {len(res.kernels)} kernel(s), workload {res.workload!r}",
-           f"  {'kernel':7s} {'abi':30s} {'registered':10s} {'guest events':28s} host vs guest"]
+           f"  {'kernel':{w}s} {'abi':30s} " + ("rules " if rules else "")
+           + f"{'registered':10s} {'guest events':28s} host vs guest"]
     for k in res.kernels:
-        out.append(f"  {k.series:7s} {k.abi:30s} {_registered(k):10s} {_events_cell(k):28s} "
-                   f"{_kernel_verdict(k)}")
+        out.append(f"  {k.name:{w}s} {k.abi:30s} " + (f"{k.rules:5s} " if rules else "")
+                   + f"{_registered(k):10s} {_events_cell(k):28s} {_kernel_verdict(k)}")
     ran = [k for k in res.kernels if k.guest is not None]
     if len(ran) >= 2:
         out.append("between kernels (the guests, on the same specs and workload):")
         out += [_diff_line(d) for d in res.differences] or ["  no difference"]
     verdict = ("every kernel: host and guest agree" if res.all_equivalent else
                "host and guest disagree (or did not run) on: "
-               + ", ".join(k.series for k in res.kernels if not k.equivalent))
+               + ", ".join(k.name for k in res.kernels if not k.equivalent))
     out.append(f"result: {verdict}")
     return "\n".join(out) + "\n"
 
@@ -414,7 +417,7 @@ def matrix_json(res: Any) -> str:
     doc = {
         "workload": res.workload,
         "kernels": [{
-            "series": k.series, "abi": k.abi, "error": k.error or None,
+            "series": k.name, "abi": k.abi, "rules": k.rules, "error": k.error or None,
             "equivalent": k.equivalent,
             "outcomes": [dataclasses.asdict(o) for o in (k.guest.outcomes if k.guest else [])],
             "counts": {p: list(c) for p, c in (k.diff.counts.items() if k.diff else ())},
@@ -431,11 +434,11 @@ def matrix_html(res: Any) -> str:
     e = html.escape
     bad = ' class="bad"'
     rows = "".join(
-        f"<tr{bad if not k.equivalent else ''}><td>{e(k.series)}</td>"
+        f"<tr{bad if not k.equivalent else ''}><td>{e(k.name)}</td>"
         f"<td><code>{e(k.abi)}</code></td><td>{e(_registered(k))}</td>"
         f"<td>{e(_events_cell(k))}</td><td>{e(_kernel_verdict(k))}</td></tr>"
         for k in res.kernels)
-    series = [k.series for k in res.kernels if k.guest is not None]
+    series = [k.name for k in res.kernels if k.guest is not None]
     head = "".join(f"<th>{e(s)}</th>" for s in series)
     drows = "".join(
         f"<tr><td>{e(d.probe)}</td><td>{e(d.what)}"

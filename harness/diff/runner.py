@@ -27,7 +27,7 @@ from ..machine.image.store import default_image
 from .matrix import KernelRun, MatrixResult, compare_kernels
 from .verdict import compare
 from ..vmctl import Machine
-from ..machine.image.build import build_image
+from ..machine.image.build import image_for
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,21 @@ class _prefixed:
             self.sink(self.prefix + text)
 
 
+def row_names(images: Sequence[Any]) -> list[str]:
+    """A matrix row's name: a Debian kernel's series (6.12); a tree's series with ``src``
+    and its patches (``6.12 src``, ``6.12 src+btf-char-ptr-needs-a-pointer``); the image's
+    directory name where two rows would share one."""
+    names = []
+    for img in images:
+        tree = img.manifest.get("tree")
+        if tree is None:
+            names.append(img.series)
+        else:
+            pats = "+".join(p["name"].removesuffix(".patch") for p in tree.get("patches", []))
+            names.append(f"{img.series} src" + (f"+{pats}" if pats else ""))
+    return [img.dir.name if names.count(n) > 1 else n for n, img in zip(names, images)]
+
+
 def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
                guest: str = "events", timeout: float = 120.0, qemu: str | None = None,
                build: bool = True, progress: Any = None) -> Any:
@@ -190,30 +205,30 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
     """
     say = progress or (lambda s: None)
     out = MatrixResult(workload)
+    images = []
     for sel in kernels:
-        try:
+        if not build:
             img = default_image(sel)
-        except SetupError:
-            if not build:
-                raise
-
-            say(f"matrix: {sel}: no image yet, building it")
-            img = build_image(kernel=sel, qemu=qemu, progress=say)
-        say(f"matrix: {img.series} ({img.version}): booting")
-        kr = KernelRun(img.series, img.version)
+        else:
+            img = image_for(sel, qemu=qemu, progress=say)
+        images.append(img)
+    for img, name in zip(images, row_names(images)):
+        rules = img.facts.rules.series
+        say(f"matrix: {name} ({img.version}, rules {rules}): booting")
+        kr = KernelRun(name, img.version, rules=rules)
         try:
             with Machine.boot(img, qemu=qemu) as vm:
                 host, guest_res = run_differential(
                     vm, specs, workload, guest=guest, timeout=timeout,
-                    progress=_prefixed(progress, f"matrix: {img.series}: "))
-                say(f"matrix: {img.series}: comparing")
+                    progress=_prefixed(progress, f"matrix: {name}: "))
+                say(f"matrix: {name}: comparing")
                 kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
                 kr.host, kr.guest = host, guest_res
         except (VMError, HarnessError) as exc:
             if isinstance(exc, SetupError):
                 raise
             kr.error = str(exc).splitlines()[0]
-            say(f"matrix: {img.series}: {kr.error}")
+            say(f"matrix: {name}: {kr.error}")
         out.kernels.append(kr)
     out.differences = compare_kernels(out.kernels)
     return out

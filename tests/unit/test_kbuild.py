@@ -66,6 +66,13 @@ def test_what_is_not_a_tree_is_refused_with_the_way_to_get_one(tmp_path):
     (["kernel", "fetch", "six"], "not a kernel series: 'six'"),
     (["kernel", "build", ".", "-j", "0"], "-j 0"),
     (["kernel"], "kph kernel needs an action"),
+    (["image", "build", "--patch", "x.patch"], "--patch is for an image of a kernel tree"),
+    (["image", "build", "--tree", "6.12", "--kernel", "6.1"], "--kernel and --tree name two kernels"),
+    (["image", "build", "--tree", "/nonexistent/linux"], "no kernel source tree at /nonexistent/linux"),
+    (["image", "build", "--tree", "6.12", "--patch", "/nonexistent.patch"],
+     "--patch /nonexistent.patch: no such file"),
+    (["boot", "--image", "tree:/nonexistent/linux", "--run", "true"],
+     "no kernel source tree at /nonexistent/linux"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, tmp_path):
     r = subprocess.run([sys.executable, "-m", "harness.cli", *argv], capture_output=True,
@@ -163,3 +170,88 @@ def test_a_build_that_hangs_silently_is_stopped_at_its_deadline(tmp_path):
     assert __import__("time").monotonic() - t0 < 30
     r = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)
     assert r.stdout.strip() == "", "the build's processes outlived it"
+
+
+# ---------------------------------------------------------------- images of trees, --patch
+
+def _src_tree(root):
+    """A small tree with one source file a patch can change."""
+    (root / "kernel/trace").mkdir(parents=True)
+    (root / "kernel/trace/trace_probe.c").write_text(
+        "".join(f"line {i}\n" for i in range(1, 41)))
+    return root
+
+
+def _patch(path, old: str, new: str, start: int = 20):
+    ctx = [f"line {i}" for i in range(start - 3, start)]
+    after = [f"line {i}" for i in range(start + 1, start + 4)]
+    body = [f" {c}" for c in ctx] + [f"-{old}", f"+{new}"] + [f" {c}" for c in after]
+    path.write_text("Subject: [PATCH] a change\n---\n"
+                    "--- a/kernel/trace/trace_probe.c\n+++ b/kernel/trace/trace_probe.c\n"
+                    f"@@ -{start - 3},7 +{start - 3},7 @@ static int f(void)\n"
+                    + "\n".join(body) + "\n")
+    return path
+
+
+def test_a_patch_is_applied_to_a_copy_and_the_tree_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    src = _src_tree(tmp_path / "linux")
+    p = _patch(tmp_path / "fix.patch", "line 20", "line twenty")
+    lines = []
+    copy = kbuild.apply_patches(src, [p], lines.append)
+    assert copy.parent == tmp_path / "cache/src" and copy.name.startswith("linux+")
+    assert "line twenty\n" in (copy / "kernel/trace/trace_probe.c").read_text()
+    assert "line twenty" not in (src / "kernel/trace/trace_probe.c").read_text()
+    assert (copy / ".kph-patches").read_text().split()[1] == str(p)
+    # made once: the second call finds it
+    lines.clear()
+    assert kbuild.apply_patches(src, [p], lines.append) == copy
+    assert any("patched already" in ln for ln in lines)
+
+
+def test_a_patch_that_does_not_apply_names_its_first_rejected_hunk(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    src = _src_tree(tmp_path / "linux")
+    p = _patch(tmp_path / "stale.patch", "line 20 as it was", "line twenty")
+    with pytest.raises(SetupError, match=r"stale.patch does not apply to linux: "
+                       r"kernel/trace/trace_probe.c hunk #1 @@ -17,7 \+17,7 @@ static int "
+                       r"f\(void\) \(the tree differs at line 17\)") as e:
+        kbuild.apply_patches(src, [p])
+    assert "rebase" in e.value.hint
+    # nothing half-written is left in the cache
+    assert [d.name for d in (tmp_path / "cache/src").iterdir() if not d.name.endswith(".lock")] == []
+
+
+def test_what_is_not_a_patch_is_refused(tmp_path):
+    with pytest.raises(SetupError, match="--patch .*nope.patch: no such file"):
+        kbuild.check_patches([tmp_path / "nope.patch"])
+    (tmp_path / "notes.txt").write_text("just words\n")
+    with pytest.raises(SetupError, match="not a unified diff"):
+        kbuild.check_patches([tmp_path / "notes.txt"])
+
+
+def test_a_build_directory_is_used_as_it_is_or_refused_with_the_reason(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "Makefile").write_text("include ../linux/Makefile\n")
+    good = "".join(f"{k}=y\n" for k in {**kbuild.BOOT_NEEDS, **kbuild.IMAGE_NEEDS})
+    (out / ".config").write_text(good.replace("CONFIG_KPROBE_EVENTS=y\n", ""))
+    with pytest.raises(SetupError, match=r"cannot make an image: CONFIG_KPROBE_EVENTS is not "
+                       r"set \(y\) \(the guest's kprobe_events\)"):
+        kbuild.use_built(out)
+    (out / ".config").write_text(good)
+    with pytest.raises(SetupError, match=r"is configured but not built \(no arch/x86/boot/bzImage,"
+                       ) as e:
+        kbuild.use_built(out)
+    assert e.value.hint.startswith(f"build it: make -C {out}")
+
+
+def test_a_tree_selector_names_a_tree_and_its_patches():
+    from harness.machine.image.build import parse_tree_selector
+
+    assert parse_tree_selector("6.12") is None
+    assert parse_tree_selector("tree:6.12") == ("6.12", [])
+    assert parse_tree_selector("tree:/src/linux+a.patch+b.patch") == \
+        ("/src/linux", ["a.patch", "b.patch"])
+    with pytest.raises(SetupError, match="names no tree"):
+        parse_tree_selector("tree:")

@@ -16,7 +16,7 @@ def write(tmp_path, text):
     return p
 
 
-@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(SCENARIOS.rglob("*.toml")), ids=lambda p: p.stem)
 def test_shipped_scenarios_validate(path):
     scn = load(path)
     assert scn.name and scn.trigger and scn.probes
@@ -36,6 +36,11 @@ def test_shipped_scenarios_validate(path):
     ('name="x"\ntrigger="true"\n[timeouts]\ntrigger=-1\n[expect]\n', "timeouts.trigger"),
     ('name="x"\ntrigger="true"\ncolour="red"\n[expect]\n', "colour"),
     ('name="x"\ntrigger="true"\n[machine]\nsmp="two"\n[expect]\n', "machine.smp"),
+    ('name="x"\ntrigger="true"\n[kernels]\npatch="fix.patch"\n[expect]\n', "kernels.series"),
+    ('name="x"\ntrigger="true"\n[kernels]\nseries="latest"\n[expect]\n', "kernels.series"),
+    ('name="x"\ntrigger="true"\n[kernels]\nseries="6.12"\npatch="gone.patch"\n[expect]\n',
+     "kernels.patch"),
+    ('name="x"\ntrigger="true"\n[kernels]\nseries="6.12"\nimage="x"\n[expect]\n', "kernels.image"),
 ])
 def test_bad_scenarios_name_the_key(tmp_path, text, key):
     with pytest.raises(ScenarioError) as ei:
@@ -55,3 +60,32 @@ def test_cli_bad_scenario_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "expect.outcome" in lines[0], r.stderr
+
+
+def test_every_upstream_reproducer_names_its_kernels_and_its_fix():
+    """probes/scenarios/upstream/: each runs on Debian's binary kernel of its series, a
+    build of Debian's source of it, and that build with its patch (kph repro --kernels)."""
+    found = sorted((SCENARIOS / "upstream").glob("*.toml"))
+    assert len(found) == 3
+    for path in found:
+        sel = load(path).kernel_selectors()
+        patch = Path(sel["patched"].split("+", 1)[1])
+        assert sel["stock"] == "6.12" and sel["source"] == "tree:6.12", path
+        assert sel["patched"].startswith("tree:6.12+") and patch.is_file(), path
+        assert patch.parent == SCENARIOS.parent / "patches"
+        assert f"scenarios/upstream/{path.name}" in patch.read_text(), path
+
+
+def test_named_kernels_come_from_the_scenario_and_others_pass_through(tmp_path):
+    from harness.apps.repro import resolve_kernels
+    from harness.errors import HarnessError
+
+    (tmp_path / "fix.patch").write_text("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    scn = load(write(tmp_path, 'name="x"\ntrigger="true"\n[kernels]\nseries="6.12"\n'
+                               'patch="fix.patch"\n[expect]\n'))
+    assert resolve_kernels(scn, ["stock", "source", "patched", "7.3"]) == [
+        ("stock", "6.12"), ("source", "tree:6.12"),
+        ("patched", f"tree:6.12+{tmp_path / 'fix.patch'}"), ("7.3", "7.3")]
+    bare = load(write(tmp_path, 'name="x"\ntrigger="true"\n[expect]\n'))
+    with pytest.raises(HarnessError, match="has no \\[kernels\\] patch"):
+        resolve_kernels(bare, ["patched"])

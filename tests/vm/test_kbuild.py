@@ -1,6 +1,9 @@
-"""A kernel built from source (issue 27): Debian's linux-source of 6.12 fetched, configured
-small (tinyconfig + images/kernel.config) and built by ``kph kernel build``, then booted with
-the default image's initramfs and probed from both sides.
+"""A kernel built from source (issue 27): Debian's linux-source of 6.12 fetched, a fix from
+probes/patches/ applied to a copy, configured small (tinyconfig + images/kernel.config),
+built, and made an image by ``kph image build --tree 6.12 --patch FIX`` (its own
+kph_kprobes.ko, its kernel facts, a ready snapshot); then booted, diffed on both in-guest
+sides, put beside Debian's binary 6.12 in ``kph matrix``, and used to verify the fix: the
+upstream reproducer is MET on Debian's kernel and NOT MET on the patched build.
 
 The build takes both CPUs for ~4 min (measured 2026-11-26 on this machine), so it runs
 ``alone``; a second run in the same cache is incremental."""
@@ -14,50 +17,102 @@ from pathlib import Path
 import pytest
 
 from harness.machine.image import kbuild
+from harness.machine.image.store import load_image
 from harness.vmctl import Machine
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1800)]
 
+ROOT = Path(__file__).resolve().parents[2]
+FIX = ROOT / "probes/patches/btf-char-ptr-needs-a-pointer.patch"
+REPRO = ROOT / "probes/scenarios/upstream/btf-char-ptr.toml"
+
+
+def kph(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout)
+
 
 @pytest.fixture(scope="module")
-def built():
-    """``kph kernel build 6.12`` as a user runs it (its JSON result)."""
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "kernel", "build", "6.12",
-                        "--json"], capture_output=True, text=True, timeout=1700)
+def image():
+    """``kph image build --tree 6.12 --patch FIX`` as a user runs it (its JSON result)."""
+    r = kph("image", "build", "--tree", "6.12", "--patch", str(FIX), "--json", timeout=1700)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "kernel: building" in r.stderr       # progress reaches stderr
-    return json.loads(r.stdout)
+    assert "kernel: building" in r.stderr or "kernel: built" in r.stderr   # progress on stderr
+    doc = json.loads(r.stdout)
+    assert doc["kernel_origin"] == "tree" and doc["snapshots"], doc
+    return doc
 
 
-def test_the_tree_builds_with_every_option_the_harness_needs(built):
-    out = Path(built["out"])
-    assert built["version"].startswith("6.12.")
-    config = (out / ".config").read_text()
-    assert kbuild.missing_options(config, kbuild.required_options()) == []
-    assert Path(built["bzImage"]).is_file()
+def test_the_tree_is_patched_and_built_with_every_option_the_harness_needs(image):
+    tree = image["tree"]
+    assert [p["name"] for p in tree["patches"]] == [FIX.name]
+    assert image["kernel_version"].startswith("6.12.") and image["rules"] == "6.12"
+    out = Path(tree["build"])
+    assert kbuild.missing_options((out / ".config").read_text(), kbuild.required_options()) == []
+    src = Path((out / "source").resolve())
+    assert "btf_type_is_ptr(type)" in (src / "kernel/trace/trace_probe.c").read_text()
+    # the patch went into a copy: Debian's tree is as Debian ships it
+    pristine = kbuild.fetch_source("6.12")
+    assert src != pristine
+    assert "btf_type_is_ptr(type)" not in (pristine / "kernel/trace/trace_probe.c").read_text()
     from elftools.elf.elffile import ELFFile
 
-    with open(built["vmlinux"], "rb") as f:
-        assert ELFFile(f).get_section_by_name(".BTF") is not None     # BTF args need it
+    with open(Path(image["dir"]) / "vmlinux", "rb") as f:       # symbols and BTF, no DWARF
+        elf = ELFFile(f)
+        assert elf.get_section_by_name(".BTF") is not None
+        assert elf.get_section_by_name(".debug_info") is None
 
 
-def test_it_boots_with_the_default_initramfs_and_its_own_facts(built):
-    with Machine.boot(kernel=built["out"]) as vm:
-        assert vm.run("uname -r", check=True).stdout.strip() == built["version"]
+def test_the_build_directory_boots_with_the_default_initramfs(image):
+    with Machine.boot(kernel=image["tree"]["build"]) as vm:
+        assert vm.run("uname -r", check=True).stdout.strip() == image["kernel_version"]
         assert vm.facts.rules.series == "6.12"          # the nearest series at or below it
         assert vm.symbols.lookup("vfs_read").addr
         assert vm.btf.offset("task_struct", "pid") > 0
 
 
-def test_kph_diff_agrees_on_it(built):
-    """The host engine against the guest's own kprobe_events, BTF arguments included."""
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--kernel", built["out"],
-                        "--guest", "events", "p:rd vfs_read count=%dx:u64",
-                        "r:rr vfs_read $retval",
-                        "p:op do_sys_openat2 dfd=$arg1 name=+0($arg2):ustring",
-                        "--run", "head -c 20 /proc/cpuinfo > /dev/null", "--json"],
-                       capture_output=True, text=True, timeout=600)
+def test_the_image_boots_from_its_snapshot_and_loads_its_own_module(image):
+    img = load_image(Path(image["dir"]))
+    with Machine.boot(img) as vm:
+        assert vm.start_mode == "snapshot"                      # the ready snapshot
+        r = vm.run("insmod /lib/modules/kph_kprobes.ko && grep -c kph_kprobes /proc/modules",
+                   check=True)
+        assert r.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("guest", ["events", "module"])
+def test_kph_diff_agrees_on_it_on_both_in_guest_sides(image, guest):
+    """The host engine against the guest's own kprobe_events, and against kph_kprobes.ko
+    built against this tree, BTF arguments included."""
+    r = kph("diff", "--image", image["dir"], "--guest", guest, "p:rd vfs_read count=%dx:u64",
+            "r:rr vfs_read $retval", "p:op do_sys_openat2 dfd=$arg1 name=+0($arg2):ustring",
+            "--run", "head -c 20 /proc/cpuinfo > /dev/null", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["result"] == "equivalent", doc
     assert all(n > 0 for n in doc["matched"].values()), doc["matched"]
+
+
+def test_the_reproducer_is_met_on_debian_s_kernel_and_not_on_the_patched_build(image):
+    """kph repro --kernels stock,patched: the fix is verified."""
+    r = kph("repro", str(REPRO), "--kernels", "stock,patched", "--json", timeout=1700)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["fix_verified"] is True
+    got = {k["name"]: (k["met"], k["image"]) for k in doc["kernels"]}
+    assert got["stock"][0] is True and got["patched"][0] is False, doc
+    assert got["patched"][1] == image["dir"]            # the very image built above
+    stock, = (k for k in doc["kernels"] if k["name"] == "stock")
+    assert stock["kernel"].endswith("-cloud-amd64")     # Debian's binary kernel
+    patched, = (k for k in doc["kernels"] if k["name"] == "patched")
+    assert "EINVAL" in patched["cause"] and "does not fit for string" in patched["cause"]
+
+
+def test_kph_matrix_shows_debian_s_kernel_and_the_tree_side_by_side(image):
+    r = kph("matrix", "--kernels", f"6.12,{image['dir']}", "p:rd vfs_read count=%dx:u64",
+            "--run", "head -c 20 /proc/cpuinfo > /dev/null", "--json", timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    rows = {k["series"]: k for k in doc["kernels"]}
+    assert set(rows) == {"6.12", "6.12 src+btf-char-ptr-needs-a-pointer"}, rows.keys()
+    assert all(k["rules"] == "6.12" and k["equivalent"] for k in doc["kernels"]), doc

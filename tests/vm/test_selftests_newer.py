@@ -317,13 +317,19 @@ SKIPPED = {"6.12": _SKIPPED_COMMON, "7.3": _SKIPPED_COMMON | {
 # ---------------------------------------------------------------- machines
 
 @pytest.fixture(scope="session")
-def newer_image():
-    """The image of a series, built on first use (one build per image across workers)."""
+def newer_image(request):
+    """The image of a series, built on first use (one build per image across workers).
+    ``--kph-image`` of that series (a kernel tree's image, for example a build patched
+    with a fix: docs/upstream.md) replaces Debian's kernel of it."""
     from harness.errors import HarnessError
     from harness.machine.image.build import build_image
     from harness.machine.image.store import default_image
 
     made: dict[str, object] = {}
+    given = request.config.getoption("--kph-image")
+    if given:
+        img = default_image(given)
+        made[img.series] = img
 
     def get(series):
         if series not in made:

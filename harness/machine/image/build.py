@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import datetime as _dt
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from . import facts as F, kernels, toolchain
+from . import facts as F, kbuild, kernels, toolchain
 from ...constants import cache_dir
 from ...errors import SetupError
-from .store import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, Image, Progress, assemble_root,
-                     kmod_sources, pack_cpio, image_is_current, load_image, recipe_hash,
-                     write_manifest)
+from ...kernel.rules import rules_for
+from .debian import run
+from .store import (HOST_BUSYBOX, HOST_QEMU_GA, KMOD_NAME, TREE_PREFIX, Image, Progress,
+                     assemble_root, default_image, kmod_sources, pack_cpio, image_is_current,
+                     load_image, recipe_hash, series_of, sha256_file, write_manifest)
 from ..snapshot import ensure
 from ...vmctl import Machine
 
@@ -60,22 +64,14 @@ def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress
     is_default = rel.abi == kernels.default_abi()
     abi = rel.abi
     dest = cache_dir() / abi
-    if not force and (dest / "manifest.json").exists():
-        img = load_image(dest)
-        if image_is_current(img):
-            if is_default:
-                (cache_dir() / "default").write_text(abi + "\n")
-            progress(f"image: {abi} is up to date in {dest}")
-            if snapshot:
-                ensure_snapshot(img, qemu, progress)
-            return img
-        progress(f"image: {abi} in the cache is stale or incomplete; rebuilding")
-    for tool, hint in ((HOST_BUSYBOX, "apt-get install busybox-static"),
-                       (HOST_QEMU_GA, "apt-get install qemu-guest-agent")):
-        if not Path(tool).exists():
-            raise SetupError(f"{tool} is missing", f"{hint} (./setup.sh does)")
-    if not shutil.which("cpio"):
-        raise SetupError("cpio is missing", "apt-get install cpio (./setup.sh does)")
+    img = None if force else _cached(dest, progress)
+    if img is not None:
+        if is_default:
+            (cache_dir() / "default").write_text(abi + "\n")
+        if snapshot:
+            ensure_snapshot(img, qemu, progress)
+        return img
+    _check_image_tools()
     cache_dir().mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{abi}.tmp-", dir=cache_dir()))
     try:
@@ -117,6 +113,147 @@ def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress
     if snapshot:
         ensure_snapshot(img, qemu, progress)
     return img
+
+
+def _cached(dest: Path, progress: Progress, same: Any = None) -> Image | None:
+    """The image in ``dest`` when it is complete and current (and ``same(img)``: still
+    the build's), else None (saying why when there is one to rebuild)."""
+    if not (dest / "manifest.json").exists():
+        return None
+    img = load_image(dest)
+    if image_is_current(img) and (same is None or same(img)):
+        progress(f"image: {dest.name} is up to date in {dest}")
+        return img
+    progress(f"image: {dest.name} in the cache is stale or incomplete; rebuilding")
+    return None
+
+
+def _check_image_tools() -> None:
+    for tool, hint in ((HOST_BUSYBOX, "apt-get install busybox-static"),
+                       (HOST_QEMU_GA, "apt-get install qemu-guest-agent")):
+        if not Path(tool).exists():
+            raise SetupError(f"{tool} is missing", f"{hint} (./setup.sh does)")
+    if not shutil.which("cpio"):
+        raise SetupError("cpio is missing", "apt-get install cpio (./setup.sh does)")
+
+
+# ---------------------------------------------------------------- images of kernel trees
+
+def parse_tree_selector(selector: str) -> tuple[str, list[str]] | None:
+    """``tree:TREE[+PATCH...]`` as (TREE, [PATCH, ...]); None for any other selector.
+    TREE is a series (Debian's source of it), a source tree or a build directory."""
+    if not str(selector).startswith(TREE_PREFIX):
+        return None
+    tree, *patches = str(selector)[len(TREE_PREFIX):].split("+")
+    if not tree:
+        raise SetupError(f"{selector!r} names no tree",
+                         "write tree:6.12, tree:PATH or tree:6.12+FIX.patch")
+    return tree, patches
+
+
+def image_for(selector: str | None, *, qemu: str | None = None, progress: Progress = print,
+              snapshot: bool = True) -> Image:
+    """The image a kernel selector names, built when missing: ``tree:...`` (a kernel tree,
+    ``build_tree_image``), an image in the cache (``store.default_image``: a series, an
+    ABI, an image's name or directory), or a Debian kernel to build (``build_image``)."""
+    tree = parse_tree_selector(selector) if selector else None
+    if tree is not None:
+        return build_tree_image(tree[0], patches=tree[1], qemu=qemu, progress=progress,
+                                snapshot=snapshot)
+    try:
+        return default_image(selector)
+    except SetupError:
+        if selector and Path(selector).exists():
+            raise
+        return build_image(kernel=selector, qemu=qemu, progress=progress, snapshot=snapshot)
+
+
+def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os.PathLike[str]] = (),
+                     out: str | os.PathLike[str] | None = None, jobs: int | None = None,
+                     force: bool = False, progress: Progress = print, qemu: str | None = None,
+                     snapshot: bool = True) -> Image:
+    """The image of a kernel tree (``kph image build --tree``): ``tree`` built
+    (``kbuild.prepare_tree``: a series, a source tree with ``patches`` applied to a copy, or
+    a build directory built already), then its bzImage, its vmlinux (symbols, BTF and ORC;
+    the DWARF stripped), its modules if any and ``kph_kprobes.ko`` built against it, the
+    kernel facts of a first boot, and a ready snapshot.
+
+    The image is ``$KPH_CACHE/tree-<release>-<key>``; the key hashes the tree's version and
+    git commit, the config, the patches and the image recipe. A cached image is current
+    while its bzImage is the build's (a rebuilt tree makes a new image in place).
+
+    :raise SetupError: every bad input and failed step, in one line.
+    """
+    pats = kbuild.check_patches(list(patches))
+    kb = kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress)
+    release = kbuild.kernel_release(kb.out)
+    origin = Path(str(tree)).expanduser().resolve() if not kbuild.is_series(str(tree)) else kb.src
+    if origin.is_dir() and (origin / "source").exists():
+        origin = (origin / "source").resolve()
+    info = {"version": kb.version, "release": release,
+            "commit": kbuild.tree_commit(origin) if origin.is_dir() else None,
+            "config_sha256": kb.config_sha256,
+            "patches": [{"file": str(p), "name": p.name, "sha256": sha256_file(p)} for p in pats]}
+    key = hashlib.sha256(json.dumps([info, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
+    name = f"tree-{release}-{key}"
+    info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".build-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        dest = cache_dir() / name
+        img = None if force else _cached(dest, progress, lambda i: i.manifest.get(
+            "tree", {}).get("bzimage_sha256") == info["bzimage_sha256"])
+        if img is not None:
+            if snapshot:
+                ensure_snapshot(img, qemu, progress)
+            return img
+        _check_image_tools()
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=cache_dir()))
+        try:
+            img_dir = _assemble_tree(kb, work, release, info, progress, qemu)
+            if dest.exists():
+                shutil.rmtree(dest)
+            img_dir.rename(dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    img = load_image(dest)
+    progress(f"image: {name} ready in {dest} (kernel-series rules: {img.manifest['rules']})")
+    if snapshot:
+        ensure_snapshot(img, qemu, progress)
+    return img
+
+
+def _assemble_tree(kb: kbuild.KernelBuild, work: Path, release: str, info: dict[str, Any],
+                   progress: Progress, qemu: str | None) -> Path:
+    out = work / "out"
+    out.mkdir()
+    shutil.copy(kb.bzimage, out / "vmlinuz")
+    shutil.copy(kb.out / ".config", out / "config")
+    run(["objcopy", "--strip-debug", str(kb.vmlinux), str(out / "vmlinux")],
+        "stripping the vmlinux's DWARF", timeout=300)
+    mods = work / "mods"
+    run(["make", "-C", str(kb.out), f"INSTALL_MOD_PATH={mods}", "modules_install"],
+        "make modules_install", timeout=600)
+    moddir = mods / "lib/modules" / release
+    tc = toolchain.Toolchain("host", kb.out)
+    progress(f"image: assembling the initramfs (busybox, qemu-ga, init; {KMOD_NAME}.ko with "
+             f"{tc.describe()})")
+    root = work / "root"
+    modules = assemble_root(root, moddir, lambda dest: toolchain.build_module(
+        tc, kmod_sources(), KMOD_NAME, dest))
+    pack_cpio(root, out / "initrd.img")
+    rules = rules_for(release).series
+    manifest: dict[str, Any] = {
+        "kernel_version": release, "kernel_series": series_of(release), "kernel_origin": "tree",
+        "rules": rules, "tree": info, "recipe": recipe_hash(), "modules": modules,
+        "module_toolchain": tc.describe(),
+        "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    progress(f"image: first boot of {release}, harvesting the kernel facts "
+             f"(kallsyms, kprobes blacklist, BTF, modules)")
+    _harvest(out, manifest, qemu)
+    write_manifest(out, manifest)
+    return out
 
 
 def ensure_snapshot(img: Image, qemu: str | None, progress: Progress) -> None:

@@ -185,6 +185,25 @@ def missing_options(config: str, want: dict[str, str]) -> list[str]:
     return [k for k, v in want.items() if have.get(k) != v]
 
 
+#: What an image's kernel needs beyond booting (``BOOT_NEEDS``): the harness's module, its
+#: probes and its kernel facts; why each. A build directory made by hand is checked for these.
+IMAGE_NEEDS = {
+    "CONFIG_MODULES": "kph_kprobes.ko is a module built against the tree",
+    "CONFIG_KALLSYMS_ALL": "the host side reads every symbol from /proc/kallsyms",
+    "CONFIG_KPROBES": "the guest's kprobes",
+    "CONFIG_KPROBE_EVENTS": "the guest's kprobe_events",
+    "CONFIG_DEBUG_INFO_BTF": "the kernel facts include /sys/kernel/btf/vmlinux",
+}
+
+
+def image_refusal(config: str) -> str | None:
+    """Why a build of ``config`` cannot become an image (``BOOT_NEEDS`` and
+    ``IMAGE_NEEDS``), naming each option not built in; None when it can."""
+    needs = {**BOOT_NEEDS, **IMAGE_NEEDS}
+    gone = missing_options(config, {k: "y" for k in needs})
+    return "; ".join(f"{k} is not set (y) ({needs[k]})" for k in gone) or None
+
+
 def check_tree(src: Path) -> Path:
     """``src`` resolved, if it is a kernel source tree; else a SetupError saying what it is."""
     src = Path(src).expanduser().resolve()
@@ -216,6 +235,168 @@ def tree_version(src: Path) -> str:
         raise SetupError(f"{src}/Makefile names no VERSION, PATCHLEVEL and SUBLEVEL",
                          "pass the top of a Linux tree")
     return ".".join(p[1] or "0" for p in parts)  # type: ignore[index]
+
+
+def kernel_release(out: Path) -> str:
+    """What ``uname -r`` says on a built kernel: ``include/config/kernel.release``."""
+    f = out / "include/config/kernel.release"
+    if not f.is_file():
+        raise SetupError(f"{out} has no include/config/kernel.release", "build it first")
+    return f.read_text().strip()
+
+
+def tree_commit(src: Path) -> str | None:
+    """The git commit of a checkout (``+dirty`` when it has changes), None for a tree
+    that is not one (Debian's linux-source)."""
+    if not (src / ".git").exists() or shutil.which("git") is None:
+        return None
+    head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "-uno"],
+                           capture_output=True, text=True, timeout=300, check=False).stdout
+    return head.stdout.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def is_build_dir(d: Path) -> bool:
+    """A configured kernel build directory (``O=``, or a tree built in place)."""
+    return (d / ".config").is_file() and (d / "Makefile").is_file()
+
+
+def use_built(out: Path) -> KernelBuild:
+    """A build directory someone built already, used as it is (no make is run).
+
+    :raise SetupError: not built yet (the build command), or its config lacks what an
+        image needs (each option named).
+    """
+    out = Path(out).expanduser().resolve()
+    src = (out / "source").resolve() if (out / "source").exists() else out
+    text = (out / ".config").read_text(errors="replace")
+    why = image_refusal(text)
+    if why:
+        raise SetupError(f"{out} cannot make an image: {why}",
+                         f"build it with `kph kernel build {src}` (images/kernel.config has them)")
+    missing = [f for f in ("arch/x86/boot/bzImage", "vmlinux", "include/config/kernel.release")
+               if not (out / f).is_file()]
+    if missing:
+        cmd = f"make -C {src} O={out} -j{os.cpu_count() or 1} bzImage modules" if src != out \
+            else f"make -C {out} -j{os.cpu_count() or 1} bzImage modules"
+        raise SetupError(f"{out} is configured but not built (no {', '.join(missing)})",
+                         f"build it: {cmd}")
+    return KernelBuild(src, out, tree_version(src), hashlib.sha256(text.encode()).hexdigest())
+
+
+# ---------------------------------------------------------------- patches
+
+def patch_digest(patches: list[Path]) -> str:
+    """One hash of the patches' contents, in order."""
+    h = hashlib.sha256()
+    for p in patches:
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()[:12]
+
+
+def check_patches(patches: list[str | os.PathLike[str]]) -> list[Path]:
+    """Each ``--patch`` resolved, if it is a readable file that looks like a diff."""
+    out = []
+    for p in patches:
+        path = Path(p).expanduser().resolve()
+        if not path.is_file():
+            raise SetupError(f"--patch {p}: no such file", "pass a patch file (git format-patch, diff -u)")
+        text = path.read_text(errors="replace")
+        if not re.search(r"^@@ -\d+", text, re.M):
+            raise SetupError(f"--patch {p}: not a unified diff (no @@ hunk)",
+                             "make it with `git format-patch` or `diff -u`")
+        out.append(path)
+    return out
+
+
+def _patched_files(text: str) -> list[str]:
+    """The files a ``-p1`` patch changes (its ``+++ b/PATH`` lines)."""
+    return [m[1].split("/", 1)[1] for m in re.finditer(r"^\+\+\+ (\S+)", text, re.M)
+            if "/" in m[1] and m[1] != "/dev/null"]
+
+
+def first_rejected_hunk(patch: Path, output: str) -> str:
+    """``FILE hunk #N (@@ -L,n +L,n @@ CONTEXT)`` of the first hunk ``patch`` rejected,
+    from GNU patch's ``output`` and the patch file itself."""
+    current, failed = None, None
+    for ln in output.splitlines():
+        m = re.match(r"(?:checking|patching) file '?([^']+?)'?$", ln.strip())
+        if m:
+            current = m[1]
+        m = re.match(r"Hunk #(\d+) FAILED at (\d+)", ln.strip())
+        if m and current:
+            failed = (current, int(m[1]), m[2])
+            break
+        if ln.startswith("can't find file to patch") or "No file to patch" in ln:
+            return f"{current or 'a file'}: no such file in the tree"
+    if failed is None:
+        tail = [ln for ln in output.strip().splitlines() if ln.strip()]
+        return tail[-1] if tail else "patch failed"
+    name, n, line = failed
+    hunks: list[str] = []
+    in_file = False
+    for ln in patch.read_text(errors="replace").splitlines():
+        if ln.startswith("+++ "):
+            in_file = ln[4:].split("\t")[0].endswith(name)
+        elif in_file and ln.startswith("@@"):
+            hunks.append(ln)
+    header = hunks[n - 1] if 0 < n <= len(hunks) else ""
+    return f"{name} hunk #{n} {header} (the tree differs at line {line})".replace("  ", " ")
+
+
+def apply_patches(src: Path, patches: list[Path], progress: Progress | None = None) -> Path:
+    """A copy of ``src`` with ``patches`` applied in order:
+    ``$KPH_CACHE/src/<tree>+<digest>/`` (hard links to ``src``'s files, except the patched
+    ones, which are copies of their own), made once; its path. ``src`` is never changed.
+
+    :raise SetupError: a patch does not apply (its first rejected hunk); nothing is left
+        behind.
+    """
+    say = progress or (lambda s: None)
+    if shutil.which("patch") is None:
+        raise SetupError("--patch needs GNU patch", "apt-get install patch (./setup.sh does)")
+    dest = sources_dir() / f"{src.name}+{patch_digest(patches)}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(dest.parent / f".{dest.name}.lock", LOCK_TIMEOUT,
+                   "another kph is patching the same tree: wait for it")
+    try:
+        stamp = dest / ".kph-patches"
+        if stamp.is_file():
+            say(f"kernel: {dest.name} is patched already")
+            return dest
+        tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            say(f"kernel: copying {src.name} (hard links) to apply {len(patches)} patch(es)")
+            run(["cp", "-al", str(src), str(tmp)], "copying the tree", timeout=900)
+            for p in patches:
+                text = p.read_text(errors="replace")
+                for rel in _patched_files(text):     # the copy's own file, not src's
+                    f = tmp / rel
+                    if f.is_file() and not f.is_symlink():
+                        data = f.read_bytes()
+                        f.unlink()
+                        f.write_bytes(data)
+                proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-r", "-",
+                                       "--no-backup-if-mismatch", "-d", str(tmp), "-i", str(p)],
+                                      capture_output=True, text=True, timeout=300, check=False,
+                                      env={**os.environ, "LC_ALL": "C"})
+                if proc.returncode != 0:
+                    raise SetupError(f"{p.name} does not apply to {src.name}: "
+                                     f"{first_rejected_hunk(p, proc.stdout + proc.stderr)}",
+                                     "rebase the patch on this tree")
+                say(f"kernel: applied {p.name}")
+            (tmp / ".kph-patches").write_text("".join(
+                f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p}\n" for p in patches))
+            tmp.rename(dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+    finally:
+        os.close(fd)
 
 
 def default_out(src: Path) -> Path:
@@ -350,3 +531,34 @@ def _build_locked(src: Path, out: Path, jobs: int | None, fragment: Path, say: P
             raise SetupError(f"the kernel build made no {f}", f"see {log_path}")
     say(f"kernel: built {version} in {time.monotonic() - t0:.0f} s: {result.bzimage}")
     return result
+
+
+def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[str]] = (),  # type: ignore[assignment]
+                 *, out: str | os.PathLike[str] | None = None, jobs: int | None = None,
+                 progress: Progress | None = None) -> KernelBuild:
+    """The built kernel of ``tree`` (``kph image build --tree``):
+
+    - a series (``6.12``): Debian's source of it, fetched when missing, then as a tree;
+    - a source tree: ``patches`` applied to a copy (``apply_patches``), then configured and
+      built (``build``; incremental when built before);
+    - a build directory built already (``O=``, or a tree built in place): used as it is.
+
+    :raise SetupError: each of the bad inputs, in one line.
+    """
+    pats = check_patches(list(patches))
+    text = str(tree)
+    if is_series(text):
+        src = fetch_source(text, progress)
+    else:
+        p = Path(text).expanduser().resolve()
+        if p.is_dir() and is_build_dir(p):
+            if pats:
+                raise SetupError(f"--patch needs a source tree, and {p} is a build directory "
+                                 "(built already)", f"pass its source tree: --tree {(p / 'source').resolve()}"
+                                 if (p / "source").exists() else "pass the source tree")
+            return use_built(p)
+        src = check_tree(p)
+    if pats:
+        src = apply_patches(src, pats, progress)
+    return build(src, out, jobs=jobs, progress=progress)
+

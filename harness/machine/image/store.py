@@ -43,6 +43,9 @@ ARTIFACTS = ("vmlinuz", "initrd.img", "kallsyms", "kprobes_blacklist", "btf", "m
              "release", "config")
 
 Progress = Callable[[str], None]
+#: A kernel selector that names a kernel tree: ``tree:6.12``, ``tree:PATH+FIX.patch``
+#: (``harness.machine.image.build.image_for``).
+TREE_PREFIX = "tree:"
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,12 @@ def default_image(name: str | os.PathLike[str] | None = None) -> Image:
         sel = str(name)
         if (cache_dir() / sel / "manifest.json").exists():
             return load_image(cache_dir() / sel)
-        matches = [i for i in built_images() if series_of(i.version) == sel]
+        if sel.startswith(TREE_PREFIX):
+            raise SetupError(f"{sel!r} is a kernel tree, and this command takes a built image",
+                             f"build it first: kph image build --tree {sel[len(TREE_PREFIX):]}")
+        # a series names Debian's kernel of it; a tree's image is named by its directory
+        matches = [i for i in built_images() if series_of(i.version) == sel
+                   and i.manifest.get("kernel_origin") != "tree"]
         if matches:
             return matches[-1]
         built = ", ".join(f"{series_of(i.version)} ({i.version})" for i in built_images())
