@@ -6,7 +6,7 @@ import shlex
 import sys
 from typing import Any
 
-from .common import examples, kernel_group, qemu_group, started, sub, warn_slow_qemu
+from .common import examples, kernel_group, qemu_group, rules_note, started, sub, warn_slow_qemu
 from .output import EXIT_OK, Output
 
 NAME = "boot"
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         doc["start"] = {"mode": vm.start_mode, "seconds": round(vm.boot_seconds, 3),
                         "reason": how}
         out.text(f"boot: {how}")
+        rules_note(vm, out)
         warn_slow_qemu(vm.qemu, out)
         for cmd in args.run:
             r = vm.run(cmd, timeout=args.timeout)

@@ -177,6 +177,17 @@ def started(vm: Machine, args: argparse.Namespace) -> str:
 
 def booted(vm: Machine, args: argparse.Namespace, out: Output) -> None:
     out.progress(f"booted: {started(vm, args)}")
+    rules_note(vm, out)
+
+
+def rules_note(vm: Machine, out: Output) -> None:
+    """For a kernel not of Debian's images (a tree's image, ``--kernel``): which series'
+    rules the host side mirrors."""
+    own = vm.image is None or vm.image.manifest.get("kernel_origin") == "tree"
+    if own and vm.facts is not None:
+        out.text(f"kernel {vm.facts.release}: the host side uses Linux "
+                 f"{vm.facts.rules.series}'s probe-event rules (the nearest series at or "
+                 "below it)")
 
 
 def warn_slow_qemu(q: Any, out: Output) -> None:

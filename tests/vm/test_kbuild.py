@@ -71,10 +71,12 @@ def test_the_build_directory_boots_with_the_default_initramfs(image):
         assert vm.btf.offset("task_struct", "pid") > 0
 
 
-def test_the_image_boots_from_its_snapshot_and_loads_its_own_module(image):
+def test_the_image_boots_from_its_snapshot_and_loads_its_own_modules(image):
     img = load_image(Path(image["dir"]))
     with Machine.boot(img) as vm:
         assert vm.start_mode == "snapshot"                      # the ready snapshot
+        # the tree's own modules: pvpanic-pci (a module in images/kernel.config) loaded at boot
+        assert "pvpanic_pci" in vm.run("cat /proc/modules", check=True).stdout
         r = vm.run("insmod /lib/modules/kph_kprobes.ko && grep -c kph_kprobes /proc/modules",
                    check=True)
         assert r.stdout.strip() == "1"
