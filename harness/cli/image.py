@@ -88,15 +88,19 @@ def run(args: argparse.Namespace, out: Output) -> int:
         rows = [{"series": i.series, "kernel": i.version, "built": i.manifest.get("built", "?"),
                  "state": "current" if image_is_current(i) else "stale",
                  "snapshots": len(snapshots_of(i)), "default": i.version == default,
-                 "dir": str(i.dir)} for i in imgs]
+                 "dir": str(i.dir), "name": i.dir.name,
+                 "patches": [p["name"] for p in i.manifest.get("tree", {}).get("patches", [])]}
+                for i in imgs]
         out.result({"images": rows})
         if not imgs:
             out.text("no images; run `kph image build` (or --kernel 6.12, 7.3)")
             return EXIT_OK
         out.text(f"{'series':7s} {'kernel':32s} {'built':26s} {'state':8s} snapshots")
         for r in rows:
+            tree = "" if r["name"] == r["kernel"] else \
+                f"  {r['name']}" + "".join(f" +{p}" for p in r["patches"])
             out.text(f"{r['series']:7s} {r['kernel']:32s} {r['built']:26s} {r['state']:8s} "
-                     f"{r['snapshots']}{' (default)' if r['default'] else ''}")
+                     f"{r['snapshots']}{' (default)' if r['default'] else ''}{tree}")
         return EXIT_OK
     if args.image_cmd == "info":
         img = default_image(args.image)
