@@ -194,7 +194,9 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
             "commit": kbuild.tree_commit(origin) if origin.is_dir() else None,
             "config_sha256": kb.config_sha256,
             "patches": [{"file": str(p), "name": p.name, "sha256": sha256_file(p)} for p in pats]}
-    key = hashlib.sha256(json.dumps([info, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
+    # the patches by content: the same fix from another checkout is the same image
+    keyed = dict(info, patches=[p["sha256"] for p in info["patches"]])
+    key = hashlib.sha256(json.dumps([keyed, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
     name = f"tree-{release}-{key}"
     info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
     cache_dir().mkdir(parents=True, exist_ok=True)
