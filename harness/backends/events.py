@@ -72,9 +72,18 @@ def _context(flags: int) -> str:
     return "task"
 
 
-def _events_file(spec: ProbeSpec) -> str:
-    """``uprobe_events`` for a uprobe line, else ``kprobe_events``."""
-    return "uprobe_events" if spec.is_uprobe else "kprobe_events"
+def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
+    """``uprobe_events`` for a uprobe line, ``dynamic_events`` for an ``f`` line (the
+    kprobe and uprobe files take their own kind only) and for a ``-:`` line naming one
+    (``fprobes`` holds their ``GROUP/EVENT`` and ``EVENT`` names), else ``kprobe_events``."""
+    if spec.is_uprobe:
+        return "uprobe_events"
+    if spec.is_fprobe:
+        return "dynamic_events"
+    if spec.kind == "-" and (f"{spec.group}/{spec.event}" in fprobes or
+                             (not spec.group and spec.event in fprobes)):
+        return "dynamic_events"
+    return "kprobe_events"
 
 
 class EventsBackend:
@@ -109,12 +118,15 @@ class EventsBackend:
                    "kph_log() { x=; while IFS= read -r l; do case $l in *error:*) x=$l;; "
                    "esac; done < error_log; [ -n \"$x\" ] && echo \"$x\"; }"]
         err, last_error = "kph_err", "kph_log"
+        fprobes = frozenset(n for s in specs if s.is_fprobe for n in (f"{s.group}/{s.event}",
+                                                                       s.event))
         for spec in specs:
             line = shlex.quote(guest_line(spec))
             enable = f"events/{spec.group}/{spec.event}/enable"
             if spec.kind == "-":        # dyn_event_release(): nothing to enable after it
                 script.append(
-                    f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; "
+                    f": > error_log; if echo {line} >> {_events_file(spec, fprobes)} "
+                    "2>/tmp/kph.err; "
                     f"then echo '@ok'; else {err}; {last_error}; fi")
                 continue
             script.append(
@@ -186,6 +198,8 @@ class EventsBackend:
             return o
         if spec.is_uprobe:
             return Outcome(o.probe, True, mode="uprobe", index=o.index)
+        if spec.is_fprobe:      # an ftrace_ops, not in kprobes/list
+            return Outcome(o.probe, True, mode="fprobe", index=o.index)
         try:
             addr = spec.addr if spec.addr is not None else \
                 self.vm.symbols.lookup(spec.symbol_name).addr + spec.offset

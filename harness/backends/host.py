@@ -11,7 +11,7 @@ the current address space.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
                       ProbeRejectedError)
@@ -20,7 +20,7 @@ from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
-from .tracelayer import TraceLayer, register_lines, saved_cmdlines
+from .tracelayer import TraceLayer, fprobe_pool, register_lines, saved_cmdlines
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class _Ctx:
         below_sp(self.regs.sp, addr, size)
         stub = self.engine.stub
         try:
-            return stub.read_memory(addr, size)
+            return self._kernel_view(addr, stub.read_memory(addr, size))
         except MemoryFaultError:
             pass
         except HarnessError as exc:
@@ -102,6 +102,21 @@ class _Ctx:
                                   f"{exc}", addr, size) from exc
         raise EngineReadError(f"the gdbstub engine's read of {size} byte(s) at {addr:#x} "
                               "failed, yet the stub's raw read of it works", addr, size)
+
+    def _kernel_view(self, addr: int, data: bytes) -> bytes:
+        """``data`` with each return-address slot the host hooked holding what the guest
+        kernel's own hook would have put there (``Rethook.kernel_slot_values``)."""
+        slots = getattr(self.engine, "kernel_slot_values", None)
+        patch = slots(addr, len(data)) if slots is not None else None
+        if not patch:
+            return data
+        buf = bytearray(data)
+        for slot, value in patch.items():
+            raw = value.to_bytes(8, "little")
+            for i in range(8):
+                if 0 <= slot + i - addr < len(buf):
+                    buf[slot + i - addr] = raw[i]
+        return bytes(buf)
 
     read_user = read  # the current task's address space is the one the vCPU is in
 
@@ -170,8 +185,12 @@ class HostBackend:
         self.engine_errors: list[tuple[str, EngineReadError]] = []
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
         #: the probe placed for each accepted line (id of its spec), for `-:` lines
-        self._placed: dict[int, Kprobe | Kretprobe | Uprobe] = {}
+        self._placed: dict[int, Any] = {}
         self._returns: dict[str, int] = {}
+        #: 7.3's fprobe ops groups ("entry", "exit") in the order they were registered,
+        #: and how many fprobes each holds (:meth:`_fgraph_groups`)
+        self._group_order: list[str] = []
+        self._group_count: dict[str, int] = {}
         self.layer: TraceLayer | None = None
         self._comm_probe: Kprobe | None = None
         #: (hits recorded before it, pid, new comm) of every rename while recording
@@ -191,6 +210,8 @@ class HostBackend:
 
         :raise ProbeRejectedError: the kernel's rules refuse it.
         """
+        if spec.is_fprobe:
+            return self._place_fprobe(spec, name, i)
         try:
             p = self._make(spec, name)
             if isinstance(p, Uprobe):
@@ -209,6 +230,69 @@ class HostBackend:
         self._placed[id(spec)] = p
         return Outcome(name, True, mode="host", index=i)
 
+    def _place_fprobe(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """``register_fprobe()`` of an ``f`` line (kernel/trace/fprobe.c): one ftrace_ops
+        callback at each ftrace location its filter matches (the trace layer found at least
+        one), registered all or none; an exit line's instances as :func:`fprobe_pool` says."""
+        assert self.layer is not None
+        targets = self.layer.fprobe_targets(spec)
+        probes: list[Kprobe | Kretprobe] = []
+        pool = fprobe_pool(self.layer.rules, spec, len(targets), self.vm.smp)
+        for addr, _fn in targets:
+            if spec.is_return:
+                probes.append(self._make_return(spec, name, {"addr": addr}, pool, fprobe=True))
+            else:
+                probes.append(Kprobe(addr=addr, flags=ProbeFlags.DISABLED, ftrace_ops=True,
+                                     pre_handler=lambda p, regs: self._record(spec, name, regs, p)
+                                     or 0))
+        done: list[Kprobe | Kretprobe] = []
+        try:
+            for p in probes:
+                if isinstance(p, Kretprobe):
+                    self.engine.register_kretprobe(p)
+                else:
+                    self.engine.register_kprobe(p)
+                done.append(p)
+        except BaseException:
+            for p in done:
+                self._unregister(p)
+            raise
+        self.layer.registered(spec, None)
+        self._probes.extend((name, p) for p in probes)
+        self._placed[id(spec)] = probes
+        if self.layer.rules.fprobe == "fgraph":
+            self._fgraph_groups(spec.is_return, +1)
+            self._arrange_fgraph(addr for addr, _ in targets)
+        return Outcome(name, True, mode="fprobe", index=i)
+
+    def _fgraph_groups(self, exit_: bool, delta: int) -> None:
+        """7.3 runs an entry-only fprobe from one ftrace_ops (``fprobe_ftrace_ops``) and an
+        exit fprobe from the function graph's (``fprobe_graph_ops``), each registered with
+        its group's first fprobe and unregistered with its last (kernel/trace/fprobe.c);
+        ``add_ftrace_ops()`` puts a new ops at the head of the list, so the group that came
+        last runs first. Within a group, newest first (``rhltable_insert()``)."""
+        group = "exit" if exit_ else "entry"
+        self._group_count[group] = self._group_count.get(group, 0) + delta
+        if self._group_count[group] <= 0:
+            self._group_count.pop(group, None)
+            if group in self._group_order:
+                self._group_order.remove(group)
+        elif group not in self._group_order:
+            self._group_order.append(group)
+
+    def _arrange_fgraph(self, addrs: Iterable[int]) -> None:
+        order = self._group_order
+
+        def rank(p: Kprobe) -> int:
+            if not p.ftrace_ops:
+                return -1       # a kprobe sharing the place (its own ftrace_ops): first
+            group = "exit" if getattr(p, "_kph_rp", None) is not None else "entry"
+            return len(order) - 1 - order.index(group) if group in order else 0
+        arrange = getattr(self.engine, "arrange", None)
+        if arrange is not None:
+            for addr in set(addrs):
+                arrange(addr, rank)
+
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
         unregistered; none matching is -ENOENT."""
@@ -217,11 +301,14 @@ class HostBackend:
             return Outcome.rejected(name, ref.errno, ref.message, index=i,
                                     reason="no event matches it (dyn_event_release())")
         for s in gone:
-            p = self._placed.pop(id(s), None)
-            if p is None:
+            placed = self._placed.pop(id(s), None)
+            if placed is None:
                 continue                    # kept unregistered (pending): nothing placed
-            self._probes = [(n, q) for n, q in self._probes if q is not p]
-            self._unregister(p)
+            for p in placed if isinstance(placed, list) else [placed]:
+                self._probes = [(n, q) for n, q in self._probes if q is not p]
+                self._unregister(p)
+            if s.is_fprobe and layer.rules.fprobe == "fgraph":
+                self._fgraph_groups(s.is_return, -1)
         return Outcome(name, True, mode="host", index=i)
 
     def _unregister(self, p: Kprobe | Kretprobe | Uprobe) -> None:
@@ -245,25 +332,33 @@ class HostBackend:
             return up
         where: dict[str, Any] = ({"symbol_name": spec.symbol_name, "offset": spec.offset}
                                  if spec.symbol_name else {"addr": spec.addr})
-        where["flags"] = ProbeFlags.DISABLED            # until arm()
         if spec.is_return:
-            self._returns.setdefault(name, 0)
-            saved = entry_args(spec)
+            return self._make_return(spec, name, where, spec.maxactive)
+        return Kprobe(**where, flags=ProbeFlags.DISABLED,       # until arm()
+                      pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
 
-            def entry(ri: Any, regs: PtRegs) -> int:
-                if self.engine.guest_kprobe_running(regs):
-                    ri.rp.nmissed += 1      # the entry kprobe is missed: no instance
-                    return 1
-                # trace_kprobe_entry_handler(): store_trace_entry_data() saves each argument
-                # a $argN of the return probe reads (6.12+, FETCH_OP_ARG + ST_EDATA).
-                ri.data[:] = b"".join(
-                    (self._entry_value(regs, n) & ((1 << 64) - 1)).to_bytes(8, "little")
-                    for n in saved)
-                return 0
-            return Kretprobe(**where, maxactive=spec.maxactive, entry_handler=entry,
-                             data_size=8 * len(saved),
-                             handler=lambda ri, regs: self._record(spec, name, regs, ri))
-        return Kprobe(**where, pre_handler=lambda p, regs: self._record(spec, name, regs, p) or 0)
+    def _make_return(self, spec: ProbeSpec, name: str, where: dict[str, Any], maxactive: int,
+                     *, fprobe: bool = False) -> Kretprobe:
+        """A return probe of a ``r`` or ``f ...%return`` line. Its entry handler saves
+        what the line's ``$argN`` read at the entry (6.12+: ``trace_kprobe_entry_handler()``
+        and ``trace_fprobe_entry_handler()``, ``store_trace_entry_data()``). A kretprobe's
+        entry is a kprobe and misses while a guest kprobe handler runs
+        (``pre_handler_kretprobe()`` is not called); an fprobe's is an ftrace_ops callback
+        (``fprobe_handler()``), which ``kprobe_running()`` does not stop."""
+        self._returns.setdefault(name, 0)
+        saved = entry_args(spec)
+
+        def entry(ri: Any, regs: PtRegs) -> int:
+            if not fprobe and self.engine.guest_kprobe_running(regs):
+                ri.rp.nmissed += 1      # the entry kprobe is missed: no instance
+                return 1
+            ri.data[:] = b"".join(
+                (self._entry_value(regs, n) & ((1 << 64) - 1)).to_bytes(8, "little")
+                for n in saved)
+            return 0
+        return Kretprobe(**where, flags=ProbeFlags.DISABLED, maxactive=maxactive,
+                         entry_handler=entry, data_size=8 * len(saved), ftrace_ops=fprobe,
+                         handler=lambda ri, regs: self._record(spec, name, regs, ri))
 
     def _entry_value(self, regs: PtRegs, n: int) -> int:
         """``regs_get_kernel_argument(regs, n)`` at the function's entry."""
@@ -293,7 +388,7 @@ class HostBackend:
     def _record_hit(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
                     up: Uprobe | None) -> int:
         eng = self.engine
-        if up is None and eng.guest_kprobe_running(regs):
+        if up is None and not spec.is_fprobe and eng.guest_kprobe_running(regs):
             # A call made from inside one of the guest's own kprobe handlers (an in-guest
             # probe on kfree(), and its handler frees): the kernel misses any probe hit
             # there, its own and the one this mirrors. Counted whenever armed, recording
@@ -320,7 +415,10 @@ class HostBackend:
             func = what.rp.addr
             ip_val = regs.ip
             hit = self._symname(func)
-            shown = what.node_ret_addr or what.ret_addr     # get_kretprobe_retaddr(ri)
+            # get_kretprobe_retaddr(ri) for a kretprobe; an fprobe's exit handler is given
+            # the real return address (6.12: rethook_trampoline_handler()'s
+            # correct_ret_addr; 7.3: the function-graph return's instruction pointer)
+            shown = what.ret_addr if spec.is_fprobe else what.node_ret_addr or what.ret_addr
             ip_text = format_ip(shown, lambda a: eng.symbols.format(a)
                                 if eng.symbols.symbolize(a) else None,
                                 kretprobe_trampoline=eng.kernel_rethook_trampoline())

@@ -24,7 +24,7 @@ from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT,
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
-from .tracelayer import TraceLayer, register_lines, saved_cmdlines
+from .tracelayer import TraceLayer, fprobe_pool, register_lines, saved_cmdlines
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,32 @@ class PluginBackend:
 
         :raise ProbeRejectedError: the kernel's rules refuse it.
         """
-        p = self._place(spec)
+        placed = self._place_fprobe(spec) if spec.is_fprobe else [self._place(spec)]
         self.layer.registered(spec, None)
-        self._specs[p.id] = (spec, name)
-        self._probes.setdefault(name, []).append(p)
-        return Outcome(name, True, mode="plugin", index=i)
+        for p in placed:
+            self._specs[p.id] = (spec, name)
+            self._probes.setdefault(name, []).append(p)
+        return Outcome(name, True, mode="fprobe" if spec.is_fprobe else "plugin", index=i)
+
+    def _place_fprobe(self, spec: ProbeSpec) -> list[Any]:
+        """An ``f`` line: a plugin probe at each ftrace location its filter matches, all
+        or none, with the exit pool the gdbstub backend gives it
+        (``HostBackend._place_fprobe``). The plugin's probes do not miss while a guest
+        kprobe handler runs, which an fprobe does not either."""
+        targets = self.layer.fprobe_targets(spec)
+        pool = fprobe_pool(self.layer.rules, spec, len(targets), self.vm.smp)
+        prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
+        done: list[Any] = []
+        try:
+            for addr, _fn in targets:
+                where = self.engine.ftrace_location(None, addr)
+                done.append(self.engine.add_spec_probe(where, ret=spec.is_return, program=prog,
+                                                       maxactive=pool, enabled=False))
+        except BaseException:
+            for p in done:
+                self.engine.remove_probe(p)
+            raise
+        return done
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -286,7 +307,9 @@ class PluginBackend:
         elif rec.type == REC_RET:
             ip = rec.ret_addr
             ktramp = kernel_rethook_trampoline(syms)
-            if ip == self.engine.trampoline:    # stacked on another kretprobe of the call
+            if ip == self.engine.trampoline and not spec.is_fprobe:
+                # stacked on another kretprobe of the call (an fprobe's exit is given the
+                # real address: docs/plugin.md says where the plugin cannot know it)
                 ip = ktramp or ip
             ip_text = format_ip(ip, lambda a: syms.format(a) if syms.symbolize(a) else None,
                                 kretprobe_trampoline=ktramp)

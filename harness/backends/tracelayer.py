@@ -31,6 +31,7 @@ the modules after vmlinux.
 from __future__ import annotations
 
 import errno as _errno
+import fnmatch
 import logging
 import os
 import shlex
@@ -81,27 +82,77 @@ def uprobe_file_refusal(vm: Machine, spec: ProbeSpec) -> Refusal | None:
     return None
 
 
-#: machine -> (its loaded modules, the names in its available_filter_functions)
-_FILTER_FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple[frozenset[str], frozenset[str]]]" = \
+#: (machine, tracefs file) -> (its loaded modules, the file's lines)
+_FTRACE_FILES: "weakref.WeakKeyDictionary[Any, dict[str, tuple[frozenset[str], list[str]]]]" = \
     weakref.WeakKeyDictionary()
+
+
+def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> list[str]:
+    """The lines of a tracefs file of ftrace's locations, read once per machine while its
+    loaded modules stay the same: vmlinux's ftrace locations are fixed at boot, a module's
+    come and go with it (kernel/trace/ftrace.c: ftrace_module_init())."""
+    cache = _FTRACE_FILES.setdefault(vm, {})
+    got = cache.get(name)
+    if got is not None and got[0] == modules:
+        return got[1]
+    r = vm.run(f"cat /sys/kernel/tracing/{name}", timeout=60)
+    if r.status != 0:
+        raise SetupError(f"cannot read {name} in the guest: {r.stderr.strip() or r.status}",
+                         fix)
+    lines = [ln for ln in r.stdout.splitlines() if ln]
+    cache[name] = (modules, lines)
+    return lines
 
 
 def filter_functions(vm: Machine, modules: frozenset[str]) -> frozenset[str]:
     """The function names of the guest's ``available_filter_functions`` (one ``cat``,
-    0.4 s on 6.12's 40,000 lines; a ``grep -F -f`` of 128 names took 2 s), kept per
-    machine while its loaded modules stay the same: vmlinux's ftrace locations are fixed
-    at boot, a module's come and go with it (kernel/trace/ftrace.c: ftrace_module_init())."""
-    got = _FILTER_FUNCTIONS.get(vm)
-    if got is not None and got[0] == modules:
-        return got[1]
-    r = vm.run("cat /sys/kernel/tracing/available_filter_functions", timeout=60)
-    if r.status != 0:
-        raise SetupError(f"cannot read available_filter_functions in the guest: "
-                         f"{r.stderr.strip() or r.status}",
-                         "boot an image whose kernel has CONFIG_DYNAMIC_FTRACE and tracefs")
-    have = frozenset(ln.split(" ", 1)[0] for ln in r.stdout.splitlines() if ln)
-    _FILTER_FUNCTIONS[vm] = (modules, have)
-    return have
+    0.4 s on 6.12's 40,000 lines; a ``grep -F -f`` of 128 names took 2 s)."""
+    return frozenset(ln.split(" ", 1)[0] for ln in _ftrace_file(
+        vm, "available_filter_functions", modules,
+        "boot an image whose kernel has CONFIG_DYNAMIC_FTRACE and tracefs"))
+
+
+def ftrace_addrs(vm: Machine, modules: frozenset[str]) -> list[tuple[int, str]]:
+    """The guest's ``available_filter_functions_addrs`` (6.5+): each ftrace location with
+    its function's name, as ``ftrace_set_filter()`` matches a filter against them."""
+    out = []
+    for ln in _ftrace_file(vm, "available_filter_functions_addrs", modules,
+                           "fprobe events need a 6.5+ kernel with CONFIG_DYNAMIC_FTRACE"):
+        addr, _, rest = ln.partition(" ")
+        try:
+            out.append((int(addr, 16), rest.split(" ", 1)[0]))
+        except ValueError:
+            continue
+    return out
+
+
+
+def fprobe_matches(filter_: str, funcs: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The ftrace locations an fprobe's filter takes (kernel/trace/ftrace.c:
+    ``ftrace_match_records()``): the whole name, or a glob of ``*``, ``?`` and ``[...]``
+    (``filter_parse_regex()``, ``glob_match()``), over every location, duplicates of a
+    static name included."""
+    if not any(c in filter_ for c in "*?["):
+        return [(a, n) for a, n in funcs if n == filter_]
+    return [(a, n) for a, n in funcs if fnmatch.fnmatchcase(n, filter_)]
+
+
+#: 7.3's fprobe exits take no instance from a pool (kernel/trace/fprobe.c:
+#: fprobe_fgraph_entry() reserves room on the task's function-graph return stack): the
+#: host's pool is made larger than any call depth a run reaches.
+FGRAPH_INSTANCES = 1024
+
+
+def fprobe_pool(rules: Any, spec: ProbeSpec, locations: int, cpus: int) -> int:
+    """The exit instances of an ``f ...%return`` line host-side: 6.12's ``f[N]`` gives N,
+    else ``fprobe_init_rethook()`` allocates 2 * possible CPUs per matched location, one
+    pool for them all (host-side one pool per location, of that size); 7.3 has none
+    (:data:`FGRAPH_INSTANCES`). 0 for an entry line."""
+    if not spec.is_return:
+        return 0
+    if rules.fprobe == "fgraph":
+        return FGRAPH_INSTANCES
+    return spec.maxactive or locations * 2 * max(1, cpus)
 
 
 def _names(spec: ProbeSpec) -> list[str]:
@@ -222,6 +273,12 @@ class TraceLayer:
             return not self._traced[stem]
         return True
 
+    def fprobe_targets(self, spec: ProbeSpec) -> list[tuple[int, str]]:
+        """The ftrace locations (address, function) an ``f`` line's filter matches."""
+        if spec.symbol is None:
+            return []
+        return fprobe_matches(spec.symbol, ftrace_addrs(self.vm, frozenset(self.symbols.modules())))
+
     def refresh_modules(self) -> frozenset[str]:
         loaded = frozenset(self.vm.refresh_module_symbols())
         for mod in self.symbols.modules() - loaded:
@@ -293,6 +350,12 @@ class TraceLayer:
                 if self.rules.symbol_check == "after_retprobe" else None
             if ref is not None:
                 return Admission(spec, ref)
+        if spec.is_fprobe and not self.fprobe_targets(spec):
+            # register_fprobe(): ftrace_set_filter() matches no location
+            return Admission(spec, Refusal(_errno.EINVAL, self.rules.message(
+                self.rules.fprobe_no_match), arg_column(spec, 1)),
+                reason=f"no ftrace location matches {spec.symbol!r} "
+                       "(available_filter_functions_addrs)")
         if not self._events_read:       # the guest's trace events, read once, lazily
             listing = self.vm.run(f"cd {TRACING_EVENTS} && ls -d */*/ 2>/dev/null || true",
                                   timeout=60).stdout
@@ -300,10 +363,12 @@ class TraceLayer:
             self._events_read = True
         ref = self.table.check(spec)
         if ref is not None:
+            if spec.is_fprobe and self.rules.fprobe_register_errno is not None:
+                ref = dataclasses.replace(ref, errno=self.rules.fprobe_register_errno)
             return Admission(spec, ref)
         if spec.is_uprobe:
             return Admission(spec)
-        if self.notrace(spec):
+        if not spec.is_fprobe and self.notrace(spec):
             return Admission(spec, Refusal(_errno.EINVAL, FAIL_REG_PROBE, arg_column(spec, 1)),
                              reason="no ftrace location (notrace): within_notrace_func()")
         resolved = resolve_fetch_symbols(spec, self.lookup)

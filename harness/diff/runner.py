@@ -156,10 +156,14 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
 
 
 def trampoline_text(vm: Machine) -> tuple[str, ...]:
-    """How the host trampolines print in a guest trace: the kretprobe one (``_etext+0x0``)
-    and each uretprobe one used (``0x478c71``: the print is ``0x%lx``, matched whole)."""
+    """How the host trampolines print in a guest trace: the kretprobe one (``_etext+0x0``
+    as an ip, ``0xffffffff82000000`` as a value: a guest probe at the same ftrace location
+    fetches the return-address slot after the host hooked it) and each uretprobe one used
+    (``0x478c71``: the print is ``0x%lx``, matched whole)."""
     hit = vm.symbols.symbolize(vm.host.trampoline)
     texts = [f"{hit[0].name}+{hit[1]:#x}" if hit else f"0x{vm.host.trampoline:x}"]
+    if hit:
+        texts.append(f"0x{vm.host.trampoline:x}")
     up = vm.host._uprobes
     if up is not None:
         texts += [f"0x{t:x}" for t in up.used_trampolines]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import ProbeRejectedError
 from ..kernel.kprobes import Jprobe, Kprobe, KretprobeInstance, PtRegs
-from ..kernel.symbols import ReservedText, check_probe_address, kprobe_addr
+from ..kernel.symbols import ReservedText, check_probe_address, is_ftrace_site, kprobe_addr
 
 EINVAL, ENOENT = 22, 2
 #: x86 exception entry points of Linux 6.1 and their vectors (arch/x86/include/asm/trapnr.h).
@@ -177,6 +177,22 @@ class EngineCore:
         else:
             where = addr + offset
         return kprobe_addr(where, symbols=self.symbols, read=self._read_now)
+
+    def ftrace_location(self, symbol_name: str | None, addr: int | None) -> int:
+        """Where an ftrace_ops callback of a function runs (``ftrace_location()``,
+        kernel/trace/ftrace.c): its ``__fentry__`` call site, past the ENDBR on IBT kernels
+        (6.12, 7.3: sym+4), as ``available_filter_functions_addrs`` lists it. An fprobe
+        goes there (kernel/trace/fprobe.c: ``register_fprobe_ips()``), whatever the kprobe
+        blacklist says.
+
+        :raise ProbeRejectedError: -ENOENT when the place is not an ftrace location."""
+        where, _ = self.kprobe_addr(symbol_name, 0, addr)
+        if not is_ftrace_site(self._read_now(where, 5)):
+            raise ProbeRejectedError(f"{where:#x} is no ftrace location (-ENOENT)", ENOENT, where)
+        if where == self.trampoline:
+            raise ProbeRejectedError(f"{where:#x} is {self.TRAMPOLINE_NAME} (-EINVAL)",
+                                     EINVAL, where)
+        return where
 
     def check_address(self, addr: int, *, kretprobe: bool = False) -> None:
         """``register_kprobe()``'s rules with its errnos (``check_kprobe_address_safe()``,

@@ -560,11 +560,15 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
     def _register(self, p: Kprobe, *, kretprobe: bool = False) -> None:
         if p.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
-        addr, on_entry = self.kprobe_addr(p.symbol_name, p.offset, p.addr)
-        self.check_address(addr, kretprobe=kretprobe)
-        p.addr = addr
-        if on_entry and is_ftrace_site(self.stub.read_memory(addr, 5)):
+        if p.ftrace_ops:
+            addr = p.addr = self.ftrace_location(p.symbol_name, p.addr)
             p.flags |= ProbeFlags.FTRACE
+        else:
+            addr, on_entry = self.kprobe_addr(p.symbol_name, p.offset, p.addr)
+            self.check_address(addr, kretprobe=kretprobe)
+            p.addr = addr
+            if on_entry and is_ftrace_site(self.stub.read_memory(addr, 5)):
+                p.flags |= ProbeFlags.FTRACE
         # add_new_kprobe() puts a new probe at the head of the aggregate's list, so the
         # kernel runs probes at one address newest first; so does the host.
         # Code may have changed since an instruction was decoded (the guest's own kprobes
@@ -729,19 +733,22 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         return address of an ftrace site's call (arch/x86/kernel/ftrace_64.S); or its pc
         or a return address lies in the kernel's kretprobe trampoline
         (``arch_rethook_trampoline``, arch/x86/kernel/rethook.c), where a return probe's
-        handler runs. A stale value in a frame only costs a retry."""
+        handler runs, or in ``return_to_handler`` (arch/x86/kernel/ftrace_64.S), where
+        7.3's fprobe exits run. A stale value in a frame only costs a retry."""
         marks: set[int] = set()
         for addr, probes in self._aggr.items():
             marks.add(addr + INT3_INSN_SIZE)
             if any(p.flags & ProbeFlags.FTRACE for p in probes):
                 marks.add(addr + _CALL_INSN_SIZE)
-        lo = hi = 0
+        ranges = []
         name = next((n for n in ("arch_rethook_trampoline", "__kretprobe_trampoline",
                                  "kretprobe_trampoline") if self.symbols.get(n)), None)
-        if name is not None:
-            sym = self.symbols.get(name)
-            lo, hi = sym.addr, sym.addr + max(sym.size, 1)
-        if not marks and not lo:
+        # 7.3's fprobe exits run from the function graph's return_to_handler
+        for n in (name, "return_to_handler"):
+            sym = self.symbols.get(n) if n else None
+            if sym is not None:
+                ranges.append((sym.addr, sym.addr + max(sym.size, 1)))
+        if not marks and not ranges:
             return []
         busy = []
         cur = self.stub.current_thread
@@ -756,7 +763,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                 sp, pc = r.get("rsp", 0), r.get("rip", 0)
                 if pc < _KERNEL_SPACE or sp < _KERNEL_SPACE:
                     continue            # in user mode: no kernel handler under way
-                if lo <= pc < hi:
+                if any(lo <= pc < hi for lo, hi in ranges):
                     busy.append(f"cpu{th - 1} at {pc:#x}")
                     continue
                 top = (sp | (_STACK_SIZE - 1)) + 1
@@ -767,7 +774,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                     continue
                 for i in range(0, len(data), 8):
                     v = int.from_bytes(data[i:i + 8], "little")
-                    if v in marks or lo <= v < hi:
+                    if v in marks or any(lo <= v < hi for lo, hi in ranges):
                         busy.append(f"cpu{th - 1} at {pc:#x} ({v:#x} at {sp + i:#x})")
                         break
         finally:

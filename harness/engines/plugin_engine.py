@@ -330,8 +330,11 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     def _register(self, p: Kprobe) -> None:
         if p.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, p.addr)
-        addr = self.resolve(p.symbol_name, p.offset, p.addr)
-        self.check_address(addr)
+        if p.ftrace_ops:
+            addr = self.ftrace_location(p.symbol_name, p.addr)
+        else:
+            addr = self.resolve(p.symbol_name, p.offset, p.addr)
+            self.check_address(addr)
         p.addr = addr
         flags = (0 if p.disabled else ADD_ENABLED) | \
             (ADD_POST if p.post_handler is not None or p.fault_handler is not None else 0)
@@ -398,9 +401,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self.raise_handler_errors()
         if rp.registered:
             raise ProbeRejectedError("probe is already registered (-EINVAL)", EINVAL, rp.addr)
-        addr = self.resolve(rp.symbol_name, rp.offset,
-                            rp.addr if rp.symbol_name is None else None)
-        self.check_address(addr, kretprobe=True)
+        if rp.ftrace_ops:
+            addr = self.ftrace_location(rp.symbol_name, rp.addr)
+        else:
+            addr = self.resolve(rp.symbol_name, rp.offset,
+                                rp.addr if rp.symbol_name is None else None)
+            self.check_address(addr, kretprobe=True)
         if rp.maxactive <= 0:
             rp.maxactive = max(10, 2 * self.vm.smp)
         rp._kph_insts = [KretprobeInstance(rp) for _ in range(rp.maxactive)]  # type: ignore[attr-defined]

@@ -144,6 +144,32 @@ class Rethook:
                 self.stats["kretprobe_flushed"] += len(chain)
         return 0
 
+    def kernel_slot_values(self, addr: int, size: int) -> dict[int, int]:
+        """The hooked return-address slots in ``[addr, addr + size)`` and what the guest
+        kernel would hold in each, had its own return probes hooked them instead of the host:
+        the trampoline of the last hook (``arch_rethook_prepare()`` writes
+        ``arch_rethook_trampoline``, 6.1+ kretprobes and 6.12 fprobes; 7.3's fprobe exits
+        go through the function graph, ``prepare_ftrace_return()`` writes
+        ``return_to_handler``). A fetch of the slot after a return probe at the same place
+        hooked it (``$stack0`` at the entry) reads that."""
+        out = {}
+        for slot, chain in self._live.items():
+            if slot + 8 <= addr or slot >= addr + size:
+                continue
+            rp = chain[-1].rp
+            fgraph = rp.ftrace_ops and getattr(getattr(getattr(self.vm, "facts", None), "rules",
+                                                       None), "fprobe", "") == "fgraph"
+            sym = self.symbols.get("return_to_handler") if fgraph else None
+            value = sym.addr if sym is not None else self.kernel_rethook_trampoline()
+            if value:
+                out[slot] = value
+        return out
+
+    def arrange(self, addr: int, key: Callable[[Kprobe], Any]) -> None:
+        """Order the probes of one address by ``key`` (a stable sort of the newest-first
+        list), for handler orders other than ``add_new_kprobe()``'s (fprobes on 7.3)."""
+        self._call(lambda: self._aggr.get(addr, []).sort(key=key))
+
     def kretprobe_find_ret_addr(self, slot: int) -> int | None:
         """The real return address hijacked at stack ``slot`` (``kretprobe_find_ret_addr()``,
         what unwinders call when they meet the trampoline), or None."""
@@ -182,7 +208,8 @@ class Rethook:
             rp.maxactive = max(10, 2 * self.vm.smp)
         kp = Kprobe(symbol_name=rp.symbol_name, offset=rp.offset,
                     addr=rp.addr if rp.symbol_name is None else None,
-                    pre_handler=self._kretprobe_entry(rp), flags=rp.flags)
+                    pre_handler=self._kretprobe_entry(rp), flags=rp.flags,
+                    ftrace_ops=rp.ftrace_ops)
         kp._kph_rp = rp  # type: ignore[attr-defined]
         self._free[id(rp)] = [KretprobeInstance(rp) for _ in range(rp.maxactive)]
         self._register(kp, kretprobe=True)

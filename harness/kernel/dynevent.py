@@ -141,6 +141,8 @@ class EventTable:
     def _same_target(self, a: ProbeSpec, b: ProbeSpec) -> bool:
         if a.is_uprobe:     # trace_uprobe_has_same_uprobe(): inode and offset
             return self._ident(a) == self._ident(b) and a.offset == b.offset
+        if a.is_fprobe:     # trace_fprobe_has_same_fprobe(): the filter as written
+            return a.symbol == b.symbol
         # trace_kprobe_has_same_kprobe(): trace_kprobe_symbol() is "unknown" for a raw
         # address (so two address probes at different places compare equal), and the
         # offset is kp.offset (0 for a raw address). Checked in the guest.
@@ -161,7 +163,9 @@ class EventTable:
                             and (old.ref_ctr_offset or 0) != (spec.ref_ctr_offset or 0)):
                         return Refusal(_errno.EINVAL, REF_CTR_MISMATCH, 0)
         olds = self.defined.get((spec.group, spec.event), [])
-        same_kind = [o for o in olds if o.is_uprobe == spec.is_uprobe]
+        # find_trace_kprobe(), find_trace_uprobe(), find_trace_fprobe(): a line joins an
+        # event of its own kind; another kind's event of that name is EVENT_EXIST
+        same_kind = [o for o in olds if _family(o) == _family(spec)]
         if same_kind:
             old = same_kind[0]
             if spec.is_return != old.is_return:
@@ -210,6 +214,10 @@ class EventTable:
     def appended(self, spec: ProbeSpec) -> bool:
         """Whether ``spec`` would join an event that exists (a multi-probe event)."""
         return bool(self.defined.get((spec.group, spec.event)))
+
+
+def _family(spec: ProbeSpec) -> str:
+    return "u" if spec.is_uprobe else "f" if spec.is_fprobe else "k"
 
 
 def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:

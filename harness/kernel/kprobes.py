@@ -151,6 +151,11 @@ class Kprobe:
     post_handler: PostHandler | None = None
     fault_handler: FaultHandler | None = None
     flags: int = 0
+    #: called from an ftrace_ops at the function's ftrace location, as an fprobe is
+    #: (kernel/trace/fprobe.c), not through ``register_kprobe()``: the kprobe blacklist
+    #: and instruction rules do not apply, the place must be an ftrace location, and the
+    #: guest's ``kprobe_running()`` does not make it miss
+    ftrace_ops: bool = False
     # runtime state, kernel names
     nmissed: int = 0
     nhit: int = field(default=0)
@@ -212,6 +217,8 @@ class Kretprobe:
     offset: int = 0
     addr: int | None = None
     flags: int = 0
+    #: an fprobe's exit: its entry is an ftrace_ops callback (:attr:`Kprobe.ftrace_ops`)
+    ftrace_ops: bool = False
     nmissed: int = 0
     nhit: int = 0
     registered: bool = field(default=False, repr=False)

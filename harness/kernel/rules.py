@@ -194,6 +194,22 @@ class KernelRules:
     #: pushes rax, rcx and r11 below the returned-to stack pointer before the handlers run
     #: and leaves r11, rcx and the return address there; 6.1's trampoline is one int3
     uretprobe_syscall: bool = False
+    #: fprobe events (``f`` lines): "" none (6.1); "rethook" (6.12: ``f[N]`` sets the exit
+    #: instance pool, default 2 * possible CPUs per matched function, exits through
+    #: ``arch_rethook_trampoline``); "fgraph" (7.3: no MAXACTIVE, exits through the
+    #: function-graph return stack, no pool)
+    fprobe: str = ""
+    #: the ``error_log`` entry a ``%REG`` argument of an fprobe leaves last
+    fprobe_reg_error: str = "BAD_VAR"
+    #: an fprobe whose filter matches no ftrace location: ``register_fprobe()`` fails and
+    #: ``trace_fprobe_create_internal()`` logs this (6.12 -EINVAL: FAIL_REG_PROBE; 7.3
+    #: -ENOENT: BAD_PROBE_ADDR); the write fails with EINVAL either way
+    fprobe_no_match: str = "FAIL_REG_PROBE"
+    #: an fprobe refused at registration (an existing event of another type or other
+    #: arguments, the same probe) fails the write with this errno instead of the
+    #: registration's (7.3 returns -EINVAL whatever register_trace_fprobe_event() said;
+    #: 6.12 keeps its -EEXIST); None: the registration's
+    fprobe_register_errno: int | None = None
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -221,7 +237,8 @@ _6_12 = KernelRules(
     fentry_on_return=False, entry_args_on_return=True, btf_args=True, dentry_types=True,
     comm_type_logged=True, current_var=False, this_cpu=False, typecasts=False,
     max_nested=None, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
-    uretprobe_syscall=True)
+    uretprobe_syscall=True, fprobe="rethook", fprobe_reg_error="BAD_FETCH_ARG",
+    fprobe_no_match="FAIL_REG_PROBE")
 
 _7_3 = KernelRules(
     series="7.3", errors=_ERRORS_7_3, arg_parser="context", maxact_on_kprobe="BAD_MAXACT_TYPE",
@@ -230,7 +247,8 @@ _7_3 = KernelRules(
     fentry_on_return=False, entry_args_on_return=True, btf_args=True, dentry_types=True,
     comm_type_logged=True, current_var=True, this_cpu=True, typecasts=True,
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
-    uretprobe_syscall=True)
+    uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
+    fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
 
@@ -256,6 +274,9 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
     },
     "6.12": {
         "errors": "kernel/trace/trace_probe.h: ERRORS",
+        "fprobe": "kernel/trace/trace_fprobe.c: __trace_fprobe_create(); kernel/trace/fprobe.c: fprobe_init_rethook(), fprobe_exit_handler()",
+        "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (case '%': BAD_VAR, then BAD_FETCH_ARG)",
+        "fprobe_no_match": "kernel/trace/trace_fprobe.c: __trace_fprobe_create() (register_trace_fprobe() -EINVAL)",
         "arg_parser": "kernel/trace/trace_probe.c: traceprobe_parse_probe_arg(tp, i, arg, "
                       "ctx), traceprobe_parse_probe_arg_body(), parse_probe_arg()",
         "maxact_on_kprobe": "kernel/trace/trace_kprobe.c: __trace_kprobe_create()",
@@ -281,6 +302,11 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
     },
     "7.3": {
         "errors": "kernel/trace/trace_probe.h: ERRORS",
+        "fprobe": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal(); kernel/trace/fprobe.c: fprobe_fgraph_entry(), fprobe_return()",
+        "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (parse_probe_arg_register(): BAD_VAR)",
+        "fprobe_no_match": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() (register_trace_fprobe_event() -ENOENT)",
+        "fprobe_register_errno": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
+                                 "(return -EINVAL after register_trace_fprobe_event())",
         "arg_parser": "kernel/trace/trace_probe.c: parse_probe_arg() (a loop: "
                       "parse_probe_arg_nested(), parse_probe_arg_leaf(), unwind_parse_states())",
         "maxact_on_kprobe": "kernel/trace/trace_kprobe.c: trace_kprobe_create_internal()",

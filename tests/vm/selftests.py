@@ -135,7 +135,8 @@ def guest_error(vm, line: str) -> tuple[int, str | None, int | None] | None:
     """Write ``line`` to the guest's kprobe_events/uprobe_events: (errno, error_log message
     or None, caret column or None), or None when the guest accepts it (then removed)."""
     target = line.split()[1] if len(line.split()) > 1 else ""
-    f = "uprobe_events" if "/" in target else "kprobe_events"
+    f = "dynamic_events" if line[:1] in "ft" else \
+        "uprobe_events" if "/" in target else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log")
     if "@rc=0" in r.stdout:
@@ -146,7 +147,8 @@ def guest_error(vm, line: str) -> tuple[int, str | None, int | None] | None:
     log = r.stdout.split("@rc=1\n", 1)[1].splitlines()
     if not log:
         return code, None, None
-    msg = log[0].split(" error: ", 1)[1]
+    # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
+    msg = [ln for ln in log if " error: " in ln][-1].split(" error: ", 1)[1]
     caret = log[-1].index("^") - len("  Command: ")
     return code, msg, caret
 
@@ -228,8 +230,7 @@ def check_parse_refusals(vm, items, *, carets: bool = True) -> tuple[int, int, i
                        f"({errno.errorcode[ours[2]]})"
                        + (f", selftest caret {caret}" if caret is not None else ""))
     assert not bad, "\n".join(bad)
-    assert vm.run("cat /sys/kernel/tracing/kprobe_events /sys/kernel/tracing/uprobe_events"
-                  ).stdout == ""
+    assert vm.run("cat /sys/kernel/tracing/dynamic_events").stdout == ""
     return logged, silent, accepted
 
 

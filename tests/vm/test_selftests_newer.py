@@ -13,9 +13,11 @@ is here once (``$FUNCTION_FORK`` = ``kernel_clone``), in one of:
 - ``PARSE[series]``: lines that kernel refuses while parsing them, compared with its
   ``error_log`` (message, caret, errno);
 - ``REGISTRATION``: many-probe selftests, compared line by line;
-- ``NOT_MIRRORED[series]``: the ``f:``/``t:`` lines of the dynevent selftests, which the
-  host refuses with a one-line reason (no fprobe or tracepoint-probe side), checked to be
-  refused host-side and taken by the guest;
+- ``FPROBE_CASES[series]`` and ``FPARSE[series]``: the dynevent selftests' ``f:`` lines
+  (fprobe events), run on both sides as ``CASES`` and ``PARSE`` are;
+- ``NOT_MIRRORED[series]``: the ``t:`` lines of the dynevent selftests, which the host
+  refuses with a one-line reason (no tracepoint-probe side yet), checked to be refused
+  host-side and taken by the guest;
 - ``SKIPPED[series]``: what cannot run here, each with the reason.
 
 Each kernel's image is built on first use; every test boots a fresh machine of its own
@@ -263,33 +265,126 @@ REGISTRATION = [
      "optimizes ([OPTIMIZED]), then a fork on both sides"),
 ]
 
-#: The f:/t: lines of 6.12's dynevent selftests (fprobe and tracepoint-probe events).
-_FT_6_12 = [
-    ("dynevent/add_remove_fprobe.tc", "f:myevent1 kernel_clone"),
-    ("dynevent/add_remove_fprobe.tc", "f:myevent2 kernel_clone%return"),
-    ("dynevent/add_remove_btfarg.tc", "f:fpevent kfree object"),
+# ---------------------------------------------------------------- fprobe events (f:)
+
+#: Each kernel's fprobe selftests: accepted lines run on both sides, and the lines
+#: fprobe_syntax_errors.tc expects refused at registration or against an existing event.
+def _einval(want: str) -> str:
+    return "EINVAL:" + want.split(":", 1)[1]
+
+
+_NO_MATCH = {"6.12": "EINVAL: Failed to register probe event",
+             "7.3": "EINVAL: Invalid probed address or symbol"}
+_FPROBE = [
+    C("dynevent/add_remove_fprobe.tc", ["f:myevent1 kernel_clone",
+                                        "f:myevent2 kernel_clone%return"], FORK),
+    C("dynevent/add_remove_fprobe.tc", ["f:myevent1 kernel_clone",
+                                        "f:myevent2 kernel_clone%return", "-:myevent2"], FORK,
+      "hit", "ok", "ok"),
+    C("dynevent/add_remove_btfarg.tc", "f:fpevent kfree object", FORK),
+    C("dynevent/add_remove_btfarg.tc", "f:fpevent kfree $arg1", FORK),
+    C("dynevent/add_remove_btfarg.tc", "f:fpevent kfree $arg*", FORK),
+    C("dynevent/add_remove_btfarg.tc",
+      "f:fpevent getname_flags%return path=$retval->name:string", OPEN),
+    C("dynevent/fprobe_args_vfs.tc", "f:testprobe dput name=$arg1:%pd", READ),
+    C("dynevent/fprobe_args_vfs.tc", "f:testprobe dput $arg1:%pd", READ),
+    C("dynevent/fprobe_args_vfs.tc", "f:testprobe vfs_read name=$arg1:%pD", READ),
+    C("dynevent/fprobe_args_vfs.tc", "f:testprobe vfs_read $arg1:%pD", READ),
+    C("dynevent/fprobe_entry_arg.tc", ["f:tests/myevent1 vfs_open arg=$arg1",
+                                       "f:tests/myevent2 vfs_open%return arg=$arg1"], OPEN),
+    *[C("dynevent/fprobe_syntax_errors.tc", line, "true", _NO_MATCH["6.12"],
+        expect_by={"7.3": (_NO_MATCH["7.3"],)})
+      for line in ("f non_exist_func", "f vfs_read+10")],
+    # 7.3's trace_fprobe_create_internal() returns -EINVAL for any registration failure
+    C("dynevent/fprobe_syntax_errors.tc", ["f:fprobes/testevent kernel_clone",
+                                           "f:fprobes/testevent do_exit%return"], FORK,
+      "hit", EEXIST_TYPE, expect_by={"7.3": ("hit", _einval(EEXIST_TYPE))}),
+    C("dynevent/fprobe_syntax_errors.tc", ["f:fprobes/testevent kernel_clone abcd=\\1",
+                                           "f:fprobes/testevent kernel_clone bcd=\\1",
+                                           "f:fprobes/testevent kernel_clone abcd=\\1:u8",
+                                           'f:fprobes/testevent kernel_clone abcd=\\"foo"',
+                                           "f:fprobes/testevent kernel_clone abcd=\\1"], FORK,
+      "hit", EEXIST_ARG, EEXIST_ARG, EEXIST_ARG, EEXIST_SAME,
+      expect_by={"7.3": ("hit", *map(_einval, (EEXIST_ARG,) * 3 + (EEXIST_SAME,)))}),
+    # several fprobes on one function, each kind, with the return slot read at the entry
+    # after (and before) an exit fprobe hooked it
+    C("dynevent/add_remove_fprobe.tc", ["f:a kernel_clone $stack0", "f:b kernel_clone%return",
+                                        "f:c kernel_clone $stack0 $arg1",
+                                        "p:k kernel_clone $stack0"], FORK),
+]
+_FPROBE_7_3 = [
+    C("dynevent/add_remove_multiple_fprobe.tc", ["f:event1 vfs_read", "f:event2 vfs_read%return",
+                                                 "f:event3 vfs_open%return"], f"{READ}; {OPEN}"),
+    C("dynevent/add_remove_fprobe_repeat.tc", "f:myevent kernel_clone", FORK),
+    *[C("dynevent/btf_typecast_accepted.tc", line, READ) for line in (
+        "f:fpevent1 vfs_read name=(file)file->f_path.dentry->d_name.name:string",
+        "f:fpevent2 vfs_read name=(file)(file)->f_path.dentry->d_name.name:string",
+        "f:fpevent3 vfs_read name=(dentry)((file)file->f_path.dentry)->d_name.name:string",
+        "f:fpevent4 vfs_read name=(file,f_path)file->f_mode",
+        "f:fpevent5 vfs_read%return name=(file)$retval->f_path.dentry->d_name.name:string",
+        "f:fpevent6 vfs_read pid=$current->pid",
+        "f:fpevent7 vfs_read pid=(task_struct)$current->pid",
+        "f:fpevent8 vfs_read pid=(task_struct,group_leader)$current->pid")],
+]
+FPROBE_CASES = {"6.12": _FPROBE, "7.3": _FPROBE + _FPROBE_7_3}
+
+#: fprobe_syntax_errors.tc's parse errors (caret where the selftest puts it).
+_FPARSE_COMMON = [("dynevent/fprobe_syntax_errors.tc", line) for line in (
+    "f:^/bar vfs_read",
+    "f:^12345678901234567890123456789012345678901234567890123456789012345/bar vfs_read",
+    "f:^foo.1/bar vfs_read", "f:^ vfs_read",
+    "f:foo/^12345678901234567890123456789012345678901234567890123456789012345 vfs_read",
+    "f:foo/^bar.1 vfs_read", "f vfs_read ^$stack10000", "f vfs_read ^$arg10000",
+    "f vfs_read ^$none_var", "f vfs_read ^%ax", "f vfs_read ^@12345678abcde",
+    "f vfs_read ^@+10", "f vfs_read arg1=\\^x", 'f vfs_read arg1=\\"abcd^',
+    "f vfs_read ^+0@0)", "f vfs_read ^+0ab1(@0)", "f vfs_read +0(+0(@0^)",
+    "f vfs_read +0(^$comm)", "f vfs_read ^&1", "f vfs_read +0(@11):u8[10^",
+    "f vfs_read +0(@11):u8[10]^a", "f vfs_read +0(@11):u8[^10a]", "f vfs_read +0(@11):u8[^256]",
+    "f vfs_read @11:^unknown_type", "f vfs_read $stack0:^string", "f vfs_read @11:^b10@a/16",
+    "f vfs_read ^arg123456789012345678901234567890=@11", "f vfs_read ^=@11",
+    "f vfs_read ^var.1=@11", "f vfs_read var1=@11 ^var1=@12", "f vfs_read arg1=^",
+    "f vfs_read^%hoge", "f vfs_read args=^$arg*", "f vfs_read +0(^$arg*)",
+    "f vfs_read $arg* ^$arg*", "f vfs_read ^hoge", "f kfree ^$arg10",
+    "f kfree%return ^$retval", "f vfs_read%return $retval->^foo", "f vfs_read file->^foo",
+    "f vfs_read file^-.foo", "f vfs_read ^file:string")]
+FPARSE = {
+    "6.12": _FPARSE_COMMON + [("dynevent/fprobe_syntax_errors.tc", line) for line in (
+        "f^100 vfs_read", "f^1a111 vfs_read", "f^100000 vfs_read",
+        "f vfs_read +0(^+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(+0(@0))))))))))))))",
+        "f vfs_read ^+1234567(+1234567(+1234567(+1234567(+1234567(+1234567(@1234))))))")],
+    "7.3": _FPARSE_COMMON + [("dynevent/fprobe_syntax_errors.tc", line) for line in (
+        "f^100 vfs_read", "f vfs_read +0(+0(+0(+0(+0(+0(+0(+0(^+0(@0)))))))))",
+        "f vfs_read ^" + "+1234567(" * 26 + "@1234" + ")" * 26,
+        "f vfs_read arg1=(task_struct)file^",
+        "f vfs_read arg1=(a)((b)((c)((d)((e)((f)((g)((h)(^(i)file->i)->h)->g)->f)->e)->d)->c)"
+        "->b)->a",
+        "f vfs_read arg1=(task_struct,^in_execve)file->comm",
+        "f vfs_read arg1=(task_struct,^foo_bar)file->pid",
+        "f vfs_read arg1=(^task_struct1234)file->pid",
+        "f vfs_read arg1=(task_struct,se^->group_node)file->comm",
+        "f vfs_read arg1=(task_struct,^->pid)file->comm",
+        "f vfs_read arg1=(task_struct,^.pid)file->comm",
+        "f vfs_read arg1=(task_struct,^.)file->comm",
+        "f vfs_read arg1=(task_struct)^@symbol+10->comm")],
+}
+
+#: The t: lines of the dynevent selftests (tracepoint probes), refused host-side.
+_T_6_12 = [
     ("dynevent/add_remove_btfarg.tc", "t:tpevent kfree ptr"),
-    ("dynevent/add_remove_btfarg.tc", "f:fpevent kfree $arg*"),
     ("dynevent/add_remove_btfarg.tc", "t:tpevent kfree $arg*"),
-    ("dynevent/add_remove_btfarg.tc", "f:fpevent getname_flags%return path=$retval->name:string"),
     ("dynevent/add_remove_tprobe.tc", "t:myevent1 kfree"),
-    ("dynevent/fprobe_args_vfs.tc", "f:testprobe dput name=$arg1:%pd"),
-    ("dynevent/fprobe_entry_arg.tc", "f:tests/myevent2 vfs_open%return arg=$arg1"),
-    ("dynevent/fprobe_syntax_errors.tc", "f vfs_read ^$none_var"),
     ("dynevent/tprobe_syntax_errors.tc", "t kfree ^$retval"),
 ]
-NOT_MIRRORED = {"6.12": _FT_6_12, "7.3": _FT_6_12 + [
-    ("dynevent/btf_typecast_accepted.tc",
-     "f:fpevent1 vfs_read name=(file)file->f_path.dentry->d_name.name:string"),
-    ("dynevent/add_remove_multiple_fprobe.tc", "f:fprobes/myevent1 kernel_clone"),
-]}
+NOT_MIRRORED = {"6.12": _T_6_12, "7.3": _T_6_12}
 
 _SKIPPED_COMMON = {
-    "dynevent/add_remove_fprobe.tc, add_remove_tprobe.tc, add_remove_tprobe_module.tc, "
-    "fprobe_args_vfs.tc, fprobe_entry_arg.tc, fprobe_syntax_errors.tc, "
-    "tprobe_syntax_errors.tc, the f:/t: lines of add_remove_btfarg.tc":
-        "fprobe events (f:) and tracepoint probes (t:): the host side mirrors kprobes and "
-        "uprobes only; their lines are refused host-side (NOT_MIRRORED checks that)",
+    "dynevent/add_remove_tprobe.tc, add_remove_tprobe_module.tc, "
+    "tprobe_syntax_errors.tc, the t: lines of add_remove_btfarg.tc":
+        "tracepoint probes (t:): not mirrored host-side yet; their lines are refused "
+        "host-side (NOT_MIRRORED checks that)",
+    "dynevent/add_remove_btfarg.tc: f:fpevent getname_flags%return with t: lines beside it, "
+    "and the fprobe_syntax_errors.tc t: line":
+        "their t: lines are tracepoint probes (above); the f: lines run alone",
     "kprobe/kprobe_module.tc: rmmod trace-printk, then modprobe it and see event1 fire":
         "pvpanic (the stand-in) cannot be unloaded while its device is bound; "
         "trace_printk.ko is not built (CONFIG_SAMPLES is off in Debian's kernels)",
@@ -308,9 +403,12 @@ _SKIPPED_COMMON = {
 SKIPPED = {"6.12": _SKIPPED_COMMON, "7.3": _SKIPPED_COMMON | {
     "dynevent/btf_typecast_accepted.tc: kpevent9, kpevent10; btf_probe_event.tc":
         "they probe trace-events-sample's sample_timer_cb (CONFIG_SAMPLES is off)",
-    "dynevent/add_remove_fprobe_module.tc, add_remove_fprobe_repeat.tc, "
-    "add_remove_multiple_fprobe.tc, enable_disable_tprobe.tc":
-        "fprobe and tracepoint-probe events (no host side; refused host-side)",
+    "dynevent/add_remove_fprobe_module.tc: f:test1 foo_bar* on trace-events-sample":
+        "the sample module is not built (CONFIG_SAMPLES is off in Debian's kernels)",
+    "dynevent/enable_disable_tprobe.tc":
+        "tracepoint probes (t:): not mirrored host-side yet",
+    "dynevent/btf_typecast_accepted.tc: fpevent9, fpevent10":
+        "they probe trace-events-sample's sample_timer_cb (CONFIG_SAMPLES is off)",
 }}
 
 
@@ -359,7 +457,7 @@ def diff(machine):
 
     helper = DiffHelper(machine, "events")
     yield helper
-    left = machine.run("cat /sys/kernel/tracing/kprobe_events").stdout
+    left = machine.run("cat /sys/kernel/tracing/dynamic_events").stdout
     assert left == "", f"in-guest probes left behind: {left}"
 
 
@@ -455,8 +553,47 @@ def test_opt_types(series, diff):
     assert "[OPTIMIZED]" in res.runs[1].workload_output, res.runs[1].workload_output
 
 
+_FPROBE_PARAMS = [(s, c) for s in NEWER for c in FPROBE_CASES[s]]
+
+
+@pytest.mark.parametrize("series,case", _FPROBE_PARAMS,
+                         ids=ids(_FPROBE_PARAMS, lambda p: f"{p[0]} {case_id(p[1])}"))
+def test_own_fprobe_case(series, case, diff):
+    """fprobe events (``f:``) host-side (ftrace_ops callbacks at each matched function's
+    ftrace location, exits as that kernel takes them) against the guest's own."""
+    check_case(diff, case, series)
+
+
 @pytest.mark.parametrize("series", NEWER)
-def test_fprobe_and_tprobe_lines_are_refused_host_side(series, machine):
+def test_own_fprobe_parse_refusals(series, machine):
+    """fprobe_syntax_errors.tc: every line refused alike, message, caret and errno."""
+    logged, silent, accepted = check_parse_refusals(machine, FPARSE[series])
+    assert (logged, silent, accepted) == (len(FPARSE[series]), 0, 0)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_fprobe_handlers_order_on_one_function(series, diff):
+    """Where several fprobes share a function, the entry ones read the return slot as the
+    kernel's own order leaves it: 6.12 runs each fprobe's ftrace_ops newest first, and an
+    exit one hooks the slot (``arch_rethook_trampoline``) for those after it; 7.3 runs the
+    group whose ops came last first (the function graph's for exits: ``return_to_handler``)."""
+    res = diff(["f:e1 kernel_clone $stack0", "f:x kernel_clone%return",
+                "f:e2 kernel_clone $stack0"], FORK)
+    res.assert_equivalent()
+    host = res.runs[0]
+    tramp = "return_to_handler" if series == "7.3" else "arch_rethook_trampoline"
+    addr = f"0x{diff.vm.symbols.lookup(tramp).addr:x}"
+    e1 = [h.arg("arg1") for h in host.hits if h.probe == "fprobes/e1"]
+    e2 = [h.arg("arg1") for h in host.hits if h.probe == "fprobes/e2"]
+    assert e1 and e2
+    if series == "6.12":    # e2 (newest) before x: the real address; e1 after x: hooked
+        assert addr not in e2 and set(e1) == {addr}, (e1, e2, addr)
+    else:                   # the exit group came after the entry group: it runs first
+        assert set(e1) == set(e2) == {addr}, (e1, e2, addr)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_tprobe_lines_are_refused_host_side(series, machine):
     """What the host cannot mirror it refuses, with one line, before placing anything;
     the guest takes the same lines (written to ``dynamic_events``)."""
     from harness.errors import NotMirroredError
@@ -479,7 +616,8 @@ def test_inventory():
     """docs/matrix.md states how many cases each kernel's selftests gave and what is skipped."""
     readme = (Path(__file__).parents[2] / "docs" / "matrix.md").read_text()
     for s in NEWER:
-        total = len(CASES[s]) + len(PARSE[s]) + len(REGISTRATION)
+        total = len(CASES[s]) + len(PARSE[s]) + len(REGISTRATION) + len(FPROBE_CASES[s]) + \
+            len(FPARSE[s])
         assert f"{s}: **{total} selftest-derived cases**" in readme, s
         for what in SKIPPED[s]:
             assert what in readme, what

@@ -7,11 +7,12 @@
                ``struct traceprobe_parse_context`` in 6.4), BTF arguments included;
 - ``kprobe``   ``kprobe_events`` lines (``kernel/trace/trace_kprobe.c``);
 - ``uprobe``   ``uprobe_events`` lines (``kernel/trace/trace_uprobe.c``);
+- ``fprobe``   ``f`` lines of ``dynamic_events`` (``kernel/trace/trace_fprobe.c``, 6.12+);
 - ``fetch``    what fetch args are and yield: the tree, host-side evaluation, printed text
                (``kernel/trace/trace_probe_tmpl.h``: ``process_fetch_insn()``);
 - ``program``  fetch args compiled for the QEMU plugin, and its captures read back.
 
-``kprobe`` and ``uprobe`` both build on ``common`` and neither imports the other. This
+``kprobe``, ``uprobe`` and ``fprobe`` build on ``common`` and none imports another. This
 package is the one entry, as the ``dynamic_events`` file is (``kernel/trace/trace_dynevent.c``):
 :func:`parse` splits a line, takes comments and ``-:`` deletions, and hands a ``p``/``r``
 line to the grammar its target names; :func:`format`, :func:`kernel_format` and
@@ -21,6 +22,7 @@ line to the grammar its target names; :func:`format`, :func:`kernel_format` and
     r[MAXACTIVE][:[GRP/][EVENT]] [MOD:]SYM[+0] [FETCHARGS]
     p[:[GRP/][EVENT]] [MOD:]SYM[+0]%return [FETCHARGS]
     p[:[GRP/][EVENT]] PATH:OFFSET[(REF_CTR_OFFSET)][%return] [FETCHARGS]
+    f[MAXACTIVE][:[GRP/][EVENT]] KSYM[%return] [FETCHARGS]          (6.12+)
     -:[GRP/][EVENT] [SYM [NAME=FETCHARG]...]
 
 ``format(parse(s)) == s`` for canonical ``s``: one space between tokens, no comment, symbol
@@ -34,10 +36,11 @@ from typing import Callable
 from ...errors import NotMirroredError, ProbeSpecError
 from ..rules import rules_for
 from .common import (MAX_TRACE_ARGS, REGISTERS, KernelView, ParseFail, ProbeArg, ProbeSpec,
-                     default_event_name, default_uprobe_event_name, format_error, kstrtol,
+                     default_event_name, default_uprobe_event_name, format_error, is_good_name, kstrtol,
                      kstrtoul, parse_arg, render_body, split_symbol_offset)
 from .fetch import (Bitfield, Comm, Deref, FetchArg, FuncArg, Imm, ImmString, MemAddr, MemSymbol,
                     Reg, RetVal, StackEntry, StackPointer)
+from .fprobe import format_fprobe, kernel_format_fprobe, parse_fprobe
 from .kprobe import format_kprobe, kernel_format_kprobe, parse_kprobe
 from .uprobe import format_uprobe, kernel_format_uprobe, parse_uprobe
 
@@ -148,7 +151,11 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     rules = kernel.rules if kernel is not None else rules_for(None)
     h0, head = toks[0]
     kind = head[0]
+    if kind == "f" and rules.fprobe and len(toks) >= 2:
+        return parse_fprobe(toks, text, kernel)
     if kind not in ("p", "r"):
+        if kind == "f" and rules.fprobe:       # trace_fprobe_create(): argc < 2
+            raise ParseFail("Unknown probe type; use p, r or -", h0, logged=False)
         if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
             raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "
                                    f"{rules.series}", text, h0,
@@ -169,6 +176,8 @@ def format(spec: ProbeSpec) -> str:  # noqa: A001 - the module's verb, as in the
     if spec.kind == "-":
         name = (f"{spec.group}/" if spec.explicit_group else "") + spec.event
         return " ".join((f"-:{name}",) + spec.match)
+    if spec.is_fprobe:
+        return format_fprobe(spec)
     return format_kprobe(spec)
 
 
@@ -179,6 +188,8 @@ def kernel_format(spec: ProbeSpec) -> str:
         return format(spec)
     if spec.is_uprobe:
         return kernel_format_uprobe(spec)
+    if spec.is_fprobe:
+        return kernel_format_fprobe(spec)
     return kernel_format_kprobe(spec)
 
 
@@ -190,6 +201,13 @@ def guest_line(spec: ProbeSpec) -> str:
     if spec.is_uprobe or spec.kind == "-" or not spec.text:
         return kernel_format(spec)
     toks = _SPACE.findall(spec.text.split("#", 1)[0])
+    if spec.is_fprobe:
+        head = "f" + (str(spec.maxactive) if spec.maxactive else "")
+        if not spec.explicit_event and not is_good_name(spec.event):
+            # the kernel does not check a name it made ("f vfs_read+10" is refused at
+            # registration, not for its name "vfs_read+10__entry"): let it make it
+            return " ".join([toks[0]] + toks[1:])
+        return " ".join([f"{head}:{spec.group}/{spec.event}"] + toks[1:])
     head = "r" if spec.kind == "r" else "p"
     head += str(spec.maxactive) if spec.kind == "r" and spec.maxactive else ""
     return " ".join([f"{head}:{spec.group}/{spec.event}"] + toks[1:])

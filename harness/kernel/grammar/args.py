@@ -35,9 +35,10 @@ from .fetch import (FETCH_TYPES, REGISTERS, THREAD_SIZE, BtfVar, Comm, Current, 
 from ..rules import KernelRules
 
 __all__ = ["LineContext", "Fail", "parse_arg", "expand_meta_args", "expand_dentry_args",
-           "FL_RETURN", "FL_KERNEL", "FL_FENTRY", "FL_USER", "FL_ANY"]
+           "FL_RETURN", "FL_KERNEL", "FL_FENTRY", "FL_USER", "FL_FPROBE", "FL_ANY"]
 
 FL_RETURN, FL_KERNEL, FL_FENTRY, FL_USER = 1, 2, 4, 16      # TPARG_FL_* (trace_probe.h)
+FL_TEVENT, FL_FPROBE, FL_TPOINT = 8, 32, 64
 FL_ANY = 1 << 10                        # ours: compile a Python-built arg, any variable
 _LOC_MASK = 0x1F                        # TPARG_FL_LOC_MASK
 FETCH_INSN_MAX = 16
@@ -475,6 +476,11 @@ def _leaf(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
     node: FetchArg | None = None
     if c == "$":
         node = _vars(lc, arg, a)
+    elif c == "%" and lc.flags & (FL_TEVENT | FL_FPROBE):
+        # parse_probe_arg(): "eprobe and fprobe do not handle registers". 7.3 returns
+        # BAD_VAR; 6.12 logs BAD_VAR, breaks out with ret 0, and the empty fetch logs
+        # BAD_FETCH_ARG after it (error_log's last entry, as the guest shows it).
+        raise lc.err(lc.rules.fprobe_reg_error)
     elif c == "%":
         if arg[1:] not in REGISTERS:
             raise lc.err("BAD_REG_NAME")

@@ -136,6 +136,9 @@ class ProbeSpec:
     #: or ``symbol`` names an ELF symbol the harness resolves (``harness.kernel.grammar.uprobe``).
     path: str | None = None
     ref_ctr_offset: int | None = None
+    #: an ``f`` line made an exit probe by a ``$retval`` argument, without ``%return``
+    #: (trace_fprobe.c: ``parse_symbol_and_return()``)
+    implicit_return: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.event and self.kind != "-":
@@ -152,7 +155,13 @@ class ProbeSpec:
 
     @property
     def is_return(self) -> bool:
-        return self.kind == "r" or self.return_suffix
+        return self.kind == "r" or self.return_suffix or self.implicit_return
+
+    @property
+    def is_fprobe(self) -> bool:
+        """An ``f`` line (fprobe event, ``kernel/trace/trace_fprobe.c``): ``symbol`` is then
+        an ftrace filter, probed at each matching function's ftrace location."""
+        return self.kind == "f"
 
     @property
     def symbol_name(self) -> str | None:
@@ -193,7 +202,7 @@ def split_symbol_offset(data: str) -> tuple[str, int | None]:
     return data[:cut], (kstrtol(data[cut:]) if cut < len(data) else 0)
 
 
-def _is_good_name(name: str, hash_ok: bool = False) -> bool:
+def is_good_name(name: str, hash_ok: bool = False) -> bool:
     """``__is_good_name()`` in kernel/trace/trace.h: a C identifier (``-`` too for groups)."""
     extra = "_-" if hash_ok else "_"
     return (name != "" and (name[0].isascii() and name[0].isalpha() or name[0] in extra)
@@ -478,7 +487,7 @@ def parse_probe_arg(tok: str, index: int, flags: int, used: tuple[str, ...],
         name, body, boff = tok[:eq], tok[eq + 1:], eq + 1
     else:
         name, body, boff = f"arg{index + 1}", tok, 0
-    if not _is_good_name(name):
+    if not is_good_name(name):
         raise ParseFail("Argument name must follow the same rules as C identifiers", 0)
     if name in _RESERVED or name in used:
         raise ParseFail("This argument name is already used", 0)
@@ -598,7 +607,7 @@ def parse_event_name(s: str, pos: int) -> tuple[str, str, bool, bool]:
             raise ParseFail("Group name is not specified", pos)
         if slash + 1 > MAX_EVENT_NAME_LEN:
             raise ParseFail("Group name is too long", pos)
-        if not _is_good_name(s[:slash], hash_ok=True):
+        if not is_good_name(s[:slash], hash_ok=True):
             raise ParseFail("Group name must follow the same rules as C identifiers", pos)
         group, s, pos = s[:slash], s[slash + 1:], pos + slash + 1
     if s == "":
@@ -607,7 +616,7 @@ def parse_event_name(s: str, pos: int) -> tuple[str, str, bool, bool]:
         raise ParseFail("Event name is not specified", pos)
     if len(s) >= MAX_EVENT_NAME_LEN:
         raise ParseFail("Event name is too long", pos)
-    if not _is_good_name(s):
+    if not is_good_name(s):
         raise ParseFail("Event name must follow the same rules as C identifiers", pos)
     return group, s, slash >= 0, True
 

@@ -1,0 +1,138 @@
+"""``f`` lines (fprobe events) as 6.12's and 7.3's ``kernel/trace/trace_fprobe.c`` parse
+them: the parser alone, no guest (tests/vm/test_selftests_newer.py runs the same kinds of
+line against each booted kernel's own error_log)."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from harness.backends.tracelayer import FGRAPH_INSTANCES, fprobe_matches, fprobe_pool
+from harness.errors import NotMirroredError, ProbeSpecError
+from harness.kernel.dynevent import EventTable
+from harness.kernel.grammar import KernelView, format, guest_line, kernel_format, parse
+from harness.kernel.grammar.fprobe import fprobe_event_name
+from harness.kernel.rules import rules_for
+
+NEWER = ("6.12", "7.3")
+
+
+def _parse(line: str, series: str):
+    return parse(line, kernel=KernelView(rules_for(series)))
+
+
+def _refusal(line: str, series: str) -> tuple[str, int, int]:
+    with pytest.raises(ProbeSpecError) as exc:
+        _parse(line, series)
+    return str(exc.value), exc.value.column, exc.value.errno
+
+
+@pytest.mark.parametrize("series", NEWER)
+@pytest.mark.parametrize("line,shown", [
+    ("f:myevent1 kernel_clone", "f:fprobes/myevent1 kernel_clone"),
+    ("f:myevent2 kernel_clone%return", "f:fprobes/myevent2 kernel_clone%return"),
+    # $retval makes it an exit probe, and the kernel shows %return
+    ("f kernel_clone $retval", "f:fprobes/kernel_clone__exit kernel_clone%return arg1=$retval"),
+    ("f vfs_rea*", "f:fprobes/vfs_rea___entry vfs_rea*"),
+    ("f:tests/myevent2 vfs_open%return arg=$arg1",
+     "f:tests/myevent2 vfs_open%return arg=$arg1"),
+    ("f:z kernel_clone $stack0 $comm", "f:fprobes/z kernel_clone arg1=$stack0 arg2=$comm"),
+])
+def test_accepted_lines_show_as_dynamic_events_does(series, line, shown):
+    spec = _parse(line, series)
+    assert spec.is_fprobe and kernel_format(spec) == shown
+    assert spec.is_return == ("%return" in shown)
+    assert format(spec) == line                 # written back as written
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_the_guest_gets_the_event_name_the_harness_expects(series):
+    spec = _parse("f kernel_clone $arg1", series)
+    assert guest_line(spec) == "f:fprobes/kernel_clone__entry kernel_clone $arg1"
+    # a name the kernel makes but would refuse if written: the line goes as written
+    spec = _parse("f vfs_read+10", series)
+    assert spec.event == "vfs_read+10__entry" and guest_line(spec) == "f vfs_read+10"
+
+
+def test_event_names_are_sanitized_as_the_kernel_does():
+    """sanitize_event_name() (kernel/trace/trace.h): ':', '.' and '*' after the first."""
+    assert fprobe_event_name("vfs_rea*", False) == "vfs_rea___entry"
+    assert fprobe_event_name("foo.isra.0", True) == "foo_isra_0__exit"
+    assert len(fprobe_event_name("x" * 80, False)) == 63
+
+
+def test_maxactive_is_6_12s_alone():
+    """6.12 keeps a rethook pool for exits (f[N]); 7.3's function-graph exits have none."""
+    assert _parse("f3:x kernel_clone%return", "6.12").maxactive == 3
+    assert kernel_format(_parse("f3:x kernel_clone%return", "6.12")) == \
+        "f3:fprobes/x kernel_clone%return"
+    assert _refusal("f3:y kernel_clone", "6.12") == \
+        ("Maxactive is only for function exit", 1, errno.EINVAL)
+    assert _refusal("f^1a111 vfs_read".replace("^", ""), "6.12")[:2] == \
+        ("Invalid maxactive number", 1)
+    assert _refusal("f100000 vfs_read%return", "6.12")[:2] == ("Maxactive is too big", 1)
+    assert _refusal("f3:x kernel_clone%return", "7.3")[:2] == ("Invalid maxactive number", 1)
+    # 6.12 ignores what stands between 'f' and ':' unless it is a digit; 7.3 does not
+    assert _parse("fx:w kernel_clone", "6.12").event == "w"
+    assert _refusal("fx:w kernel_clone", "7.3")[:2] == ("Invalid maxactive number", 1)
+
+
+@pytest.mark.parametrize("series,msg", [("6.12", "Invalid fetch argument"),
+                                        ("7.3", "Invalid $-variable specified")])
+def test_registers_are_refused(series, msg):
+    """parse_probe_arg(): "eprobe and fprobe do not handle registers"; 6.12 logs
+    BAD_VAR then BAD_FETCH_ARG (the last entry is the one shown), 7.3 BAD_VAR."""
+    assert _refusal("f vfs_read %ax", series) == (msg, 11, errno.EINVAL)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_other_refusals(series):
+    assert _refusal("f vfs_read%hoge", series)[:2] == ("Invalid probed address suffix", 10)
+    assert _refusal("f:foo/bar.1 vfs_read", series)[1] == 6
+
+
+def test_6_1_has_no_fprobe_events():
+    with pytest.raises(ProbeSpecError, match="Unknown probe type"):
+        parse("f:x kernel_clone")
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_tracepoint_probes_stay_refused_with_a_reason(series):
+    with pytest.raises(NotMirroredError, match=f"tracepoint probes .* on {series}"):
+        _parse("t:x kfree", series)
+
+
+def test_filters_match_as_ftrace_does():
+    funcs = [(0x10, "vfs_read"), (0x20, "vfs_readv"), (0x30, "do_sys_open"),
+             (0x40, "vfs_read"), (0x50, "vfs_readlink")]
+    assert fprobe_matches("vfs_read", funcs) == [(0x10, "vfs_read"), (0x40, "vfs_read")]
+    assert [a for a, _ in fprobe_matches("vfs_rea*", funcs)] == [0x10, 0x20, 0x40, 0x50]
+    assert [a for a, _ in fprobe_matches("*open", funcs)] == [0x30]
+    assert fprobe_matches("vfs_read+10", funcs) == []
+    assert fprobe_matches("vmlinux:vfs_read", funcs) == []
+
+
+def test_exit_pools():
+    """fprobe_init_rethook() (6.12): N of f[N], else 2 * possible CPUs per location;
+    7.3 has no pool."""
+    r612, r73 = rules_for("6.12"), rules_for("7.3")
+    assert fprobe_pool(r612, _parse("f kernel_clone", "6.12"), 1, 1) == 0
+    assert fprobe_pool(r612, _parse("f vfs_rea*%return", "6.12"), 4, 2) == 16
+    assert fprobe_pool(r612, _parse("f7:x vfs_read%return", "6.12"), 4, 2) == 7
+    assert fprobe_pool(r73, _parse("f vfs_read%return", "7.3"), 1, 1) == FGRAPH_INSTANCES
+
+
+def test_an_fprobe_joins_only_an_fprobe_event():
+    """find_trace_fprobe(): a kprobe event of the same name is EVENT_EXIST, another
+    fprobe of it appends (or is refused as the kernel's append_trace_fprobe() says)."""
+    t = EventTable()
+    t.add(_parse("p:fprobes/ev kernel_clone", "6.12"))
+    assert t.check(_parse("f:fprobes/ev kernel_clone", "6.12")).message.startswith(
+        "Given group/event name is already used")
+    t = EventTable()
+    t.add(_parse("f:fprobes/ev kernel_clone", "6.12"))
+    assert t.check(_parse("f:fprobes/ev do_exit", "6.12")) is None
+    assert t.check(_parse("f:fprobes/ev do_exit%return", "6.12")).message == \
+        "Probe type is different from existing probe"
+    assert t.check(_parse("f:fprobes/ev kernel_clone", "6.12")).message == \
+        "There is already the exact same probe event"
