@@ -11,7 +11,7 @@ the current address space.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
                       ProbeRejectedError)
@@ -20,7 +20,8 @@ from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
-from .tracelayer import TraceLayer, fprobe_pool, register_lines, saved_cmdlines
+from .tracelayer import (FprobeOps, TraceLayer, fprobe_pool, register_lines, saved_cmdlines,
+                         spec_group)
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -187,10 +188,10 @@ class HostBackend:
         #: the probe placed for each accepted line (id of its spec), for `-:` lines
         self._placed: dict[int, Any] = {}
         self._returns: dict[str, int] = {}
-        #: 7.3's fprobe ops groups ("entry", "exit") in the order they were registered,
-        #: and how many fprobes each holds (:meth:`_fgraph_groups`)
-        self._group_order: list[str] = []
-        self._group_count: dict[str, int] = {}
+        #: the kernel's callback order where fprobes are (made with the trace layer), and
+        #: the lines counted in it (id of spec)
+        self._ops: FprobeOps | None = None
+        self._grouped: dict[int, bool] = {}
         self.layer: TraceLayer | None = None
         self._comm_probe: Kprobe | None = None
         #: (hits recorded before it, pid, new comm) of every rename while recording
@@ -203,7 +204,10 @@ class HostBackend:
         errno and ``error_log`` text."""
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
-        return register_lines(self.layer, specs, self._place_line, self._release, "host")
+            self._ops = FprobeOps(self.layer.rules)
+        out = register_lines(self.layer, specs, self._place_line, self._release, "host")
+        self._arrange()
+        return out
 
     def _place_line(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """``register_kprobe()`` (or a uprobe's) for one admitted line.
@@ -228,7 +232,34 @@ class HostBackend:
         self.layer.registered(spec, None)
         self._probes.append((name, p))
         self._placed[id(spec)] = p
+        kp = p.kp if isinstance(p, Kretprobe) else p
+        if isinstance(kp, Kprobe) and kp.flags & ProbeFlags.FTRACE:
+            self._ops_changed(spec, +1)         # kprobe_ftrace_ops
         return Outcome(name, True, mode="host", index=i)
+
+    def _ops_changed(self, spec: ProbeSpec, delta: int) -> None:
+        if self._ops is not None:
+            self._ops.changed(spec_group(spec), delta)
+            self._grouped[id(spec)] = delta > 0
+
+    def _arrange(self) -> None:
+        """The kernel's order of the callbacks at each place an fprobe is
+        (:class:`FprobeOps`): ftrace kprobes and fprobes by group, newest first within one."""
+        if self._ops is None:
+            return
+        arrange = getattr(self.engine, "arrange", None)
+        addrs = {p.addr for _, p in self._probes
+                 if isinstance(p, (Kprobe, Kretprobe)) and p.ftrace_ops}
+        if arrange is None or not addrs:
+            return
+        ops = self._ops
+
+        def rank(p: Kprobe) -> int:
+            if not p.ftrace_ops:
+                return ops.rank("kprobe")
+            return ops.rank("exit" if getattr(p, "_kph_rp", None) is not None else "entry")
+        for addr in addrs:
+            arrange(addr, rank)
 
     def _place_fprobe(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """``register_fprobe()`` of an ``f`` line (kernel/trace/fprobe.c): one ftrace_ops
@@ -260,38 +291,8 @@ class HostBackend:
         self.layer.registered(spec, None)
         self._probes.extend((name, p) for p in probes)
         self._placed[id(spec)] = probes
-        if self.layer.rules.fprobe == "fgraph":
-            self._fgraph_groups(spec.is_return, +1)
-            self._arrange_fgraph(addr for addr, _ in targets)
+        self._ops_changed(spec, +1)
         return Outcome(name, True, mode="fprobe", index=i)
-
-    def _fgraph_groups(self, exit_: bool, delta: int) -> None:
-        """7.3 runs an entry-only fprobe from one ftrace_ops (``fprobe_ftrace_ops``) and an
-        exit fprobe from the function graph's (``fprobe_graph_ops``), each registered with
-        its group's first fprobe and unregistered with its last (kernel/trace/fprobe.c);
-        ``add_ftrace_ops()`` puts a new ops at the head of the list, so the group that came
-        last runs first. Within a group, newest first (``rhltable_insert()``)."""
-        group = "exit" if exit_ else "entry"
-        self._group_count[group] = self._group_count.get(group, 0) + delta
-        if self._group_count[group] <= 0:
-            self._group_count.pop(group, None)
-            if group in self._group_order:
-                self._group_order.remove(group)
-        elif group not in self._group_order:
-            self._group_order.append(group)
-
-    def _arrange_fgraph(self, addrs: Iterable[int]) -> None:
-        order = self._group_order
-
-        def rank(p: Kprobe) -> int:
-            if not p.ftrace_ops:
-                return -1       # a kprobe sharing the place (its own ftrace_ops): first
-            group = "exit" if getattr(p, "_kph_rp", None) is not None else "entry"
-            return len(order) - 1 - order.index(group) if group in order else 0
-        arrange = getattr(self.engine, "arrange", None)
-        if arrange is not None:
-            for addr in set(addrs):
-                arrange(addr, rank)
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -307,8 +308,9 @@ class HostBackend:
             for p in placed if isinstance(placed, list) else [placed]:
                 self._probes = [(n, q) for n, q in self._probes if q is not p]
                 self._unregister(p)
-            if s.is_fprobe and layer.rules.fprobe == "fgraph":
-                self._fgraph_groups(s.is_return, -1)
+            if self._grouped.pop(id(s), False):
+                self._ops_changed(s, -1)
+                self._grouped.pop(id(s), None)
         return Outcome(name, True, mode="host", index=i)
 
     def _unregister(self, p: Kprobe | Kretprobe | Uprobe) -> None:
@@ -415,10 +417,14 @@ class HostBackend:
             func = what.rp.addr
             ip_val = regs.ip
             hit = self._symname(func)
-            # get_kretprobe_retaddr(ri) for a kretprobe; an fprobe's exit handler is given
-            # the real return address (6.12: rethook_trampoline_handler()'s
-            # correct_ret_addr; 7.3: the function-graph return's instruction pointer)
-            shown = what.ret_addr if spec.is_fprobe else what.node_ret_addr or what.ret_addr
+            # get_kretprobe_retaddr(ri) for a kretprobe; a 6.12 fprobe's exit handler is
+            # given the real return address (rethook_trampoline_handler()'s
+            # correct_ret_addr); 7.3's, what the slot held when the function graph hooked
+            # it (fprobe_return(): the return stack's entry), another hook's trampoline if
+            # one came first
+            real = spec.is_fprobe and self.layer is not None and \
+                self.layer.rules.fprobe == "rethook"
+            shown = what.ret_addr if real else what.node_ret_addr or what.ret_addr
             ip_text = format_ip(shown, lambda a: eng.symbols.format(a)
                                 if eng.symbols.symbolize(a) else None,
                                 kretprobe_trampoline=eng.kernel_rethook_trampoline())

@@ -24,7 +24,8 @@ from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT,
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
-from .tracelayer import TraceLayer, fprobe_pool, register_lines, saved_cmdlines
+from .tracelayer import (FprobeOps, TraceLayer, fprobe_pool, register_lines, saved_cmdlines,
+                         spec_group)
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class PluginBackend:
         self._specs: dict[int, tuple[ProbeSpec, str]] = {}
         self._uprobes: dict[int, Uprobe] = {}
         self._probes: dict[str, list[Any]] = {}
+        #: the kernel's callback order where fprobes are, and the lines counted in it
+        self._ops: Any = None
+        self._grouped: set[int] = set()
         self._hits: list[Hit] = []
         self.capture_misses = 0
         self.dropped = 0
@@ -113,7 +117,10 @@ class PluginBackend:
         plugin's ``register_kprobe()`` rules; one Outcome per line."""
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
-        return register_lines(self.layer, specs, self._place_line, self._release, "plugin")
+            self._ops = FprobeOps(self.layer.rules)
+        out = register_lines(self.layer, specs, self._place_line, self._release, "plugin")
+        self._arrange()
+        return out
 
     def _place_line(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """The plugin's ``register_kprobe()`` for one admitted line.
@@ -125,6 +132,9 @@ class PluginBackend:
         for p in placed:
             self._specs[p.id] = (spec, name)
             self._probes.setdefault(name, []).append(p)
+        if spec.is_fprobe or (not spec.is_uprobe and self.engine.ftrace_flag(placed[0].addr)):
+            self._ops.changed(spec_group(spec), +1)     # an fprobe, or kprobe_ftrace_ops
+            self._grouped.add(id(spec))
         return Outcome(name, True, mode="fprobe" if spec.is_fprobe else "plugin", index=i)
 
     def _place_fprobe(self, spec: ProbeSpec) -> list[Any]:
@@ -133,6 +143,7 @@ class PluginBackend:
         (``HostBackend._place_fprobe``). The plugin's probes do not miss while a guest
         kprobe handler runs, which an fprobe does not either."""
         targets = self.layer.fprobe_targets(spec)
+        fgraph = self.layer.rules.fprobe == "fgraph"
         pool = fprobe_pool(self.layer.rules, spec, len(targets), self.vm.smp)
         prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
         done: list[Any] = []
@@ -140,12 +151,22 @@ class PluginBackend:
             for addr, _fn in targets:
                 where = self.engine.ftrace_location(None, addr)
                 done.append(self.engine.add_spec_probe(where, ret=spec.is_return, program=prog,
-                                                       maxactive=pool, enabled=False))
+                                                       maxactive=pool, enabled=False,
+                                                       fgraph=fgraph, fprobe=True))
         except BaseException:
             for p in done:
                 self.engine.remove_probe(p)
             raise
         return done
+
+    def _arrange(self) -> None:
+        """The kernel's order of the callbacks at each place an fprobe is (``FprobeOps``):
+        this side's probes there by group, newest first within one."""
+        mine = [p for ps in self._probes.values() for p in ps]
+        for addr in {p.addr for p in mine if self._specs[p.id][0].is_fprobe}:
+            here = [p for p in mine if p.addr == addr]
+            here.sort(key=lambda p: (self._ops.rank(spec_group(self._specs[p.id][0])), -p.id))
+            self.engine.arrange_probes(addr, here)
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -155,6 +176,10 @@ class PluginBackend:
             return Outcome.rejected(name, ref.errno, ref.message, index=i,
                                     reason="no event matches it (dyn_event_release())")
         gone_ids = {id(s) for s in gone}
+        for s in gone:
+            if id(s) in self._grouped:
+                self._grouped.discard(id(s))
+                self._ops.changed(spec_group(s), -1)
         for ev, ps in list(self._probes.items()):
             for p in [p for p in ps if id(self._specs[p.id][0]) in gone_ids]:
                 self.engine.remove_probe(p)
@@ -307,9 +332,7 @@ class PluginBackend:
         elif rec.type == REC_RET:
             ip = rec.ret_addr
             ktramp = kernel_rethook_trampoline(syms)
-            if ip == self.engine.trampoline and not spec.is_fprobe:
-                # stacked on another kretprobe of the call (an fprobe's exit is given the
-                # real address: docs/plugin.md says where the plugin cannot know it)
+            if ip == self.engine.trampoline:    # stacked on another kretprobe of the call
                 ip = ktramp or ip
             ip_text = format_ip(ip, lambda a: syms.format(a) if syms.symbolize(a) else None,
                                 kretprobe_trampoline=ktramp)

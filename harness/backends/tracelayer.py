@@ -155,6 +155,55 @@ def fprobe_pool(rules: Any, spec: ProbeSpec, locations: int, cpus: int) -> int:
     return spec.maxactive or locations * 2 * max(1, cpus)
 
 
+class FprobeOps:
+    """The order the guest kernel runs the ftrace callbacks of one function in, where
+    fprobes are (``__ftrace_ops_list_func()`` walks ``ftrace_ops_list``, and
+    ``add_ftrace_ops()`` puts a newly registered ops at its head). Measured in the guest
+    by walking ``ftrace_ops_list`` after ``kprobe_events``/``dynamic_events`` writes and
+    enables (tests/vm/test_selftests_newer.py: test_fprobe_handlers_order_on_one_function):
+
+    - kprobes at ftrace locations share ``kprobe_ftrace_ops``, registered when the first
+      of them is armed, at enable (kernel/kprobes.c: ``arm_kprobe_ftrace()``);
+    - 6.12 gives each fprobe its own ops, registered when the event is created
+      (kernel/trace/fprobe.c: ``register_fprobe()``): newest first, after the kprobes';
+    - 7.3 runs entry-only fprobes from ``fprobe_ftrace_ops`` and exit fprobes from the
+      function graph's ``graph_ops``, each registered at the enable of its first fprobe
+      (kernel/trace/fprobe.c: ``fprobe_ftrace_add_ips()``, ``fprobe_graph_add_ips()``):
+      the group (kprobes, entries, exits) enabled last runs first; newest first within
+      a group (``rhltable_insert()``).
+
+    A diff enables its events in the order of its lines, so the order is that of the
+    lines' groups."""
+
+    def __init__(self, rules: Any) -> None:
+        self.fgraph = rules.fprobe == "fgraph"
+        self.order: list[str] = []          # "kprobe", "entry", "exit", as first enabled
+        self.count: dict[str, int] = {}
+
+    def changed(self, group: str, delta: int) -> None:
+        self.count[group] = self.count.get(group, 0) + delta
+        if self.count[group] <= 0:
+            self.count.pop(group, None)
+            if group in self.order:
+                self.order.remove(group)
+        elif group not in self.order:
+            self.order.append(group)
+
+    def rank(self, group: str) -> int:
+        """The sort key of a probe of ``group`` at a place (smallest runs first; a
+        stable sort keeps newest first within one)."""
+        if not self.fgraph:
+            return -1 if group == "kprobe" else 0
+        return len(self.order) - 1 - self.order.index(group) if group in self.order else 0
+
+
+def spec_group(spec: ProbeSpec) -> str:
+    """The :class:`FprobeOps` group of a kernel probe line."""
+    if spec.is_fprobe:
+        return "exit" if spec.is_return else "entry"
+    return "kprobe"
+
+
 def _names(spec: ProbeSpec) -> list[str]:
     """The kernel symbols a kprobe line names: its target and every ``@SYM``."""
     out = [spec.symbol_name] if spec.symbol_name else []

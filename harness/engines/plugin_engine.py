@@ -55,13 +55,16 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Sequence
 
 from .base import EXCEPTION_ENTRIES, EngineCore, read_cstring
 from ..errors import HarnessError, ProbeRejectedError, SetupError
-from ..kernel.kprobes import Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs
-from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FLUSH, ADD_FTRACE, ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_CONFIG, CMD_ENABLE,
-                     CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
+from ..kernel.kprobes import (Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs,
+                              kernel_rethook_trampoline)
+from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, ADD_FTRACE,
+                     ADD_FTRACE_OPS,
+                     ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE,
+                     CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, PluginRecord,
                      decode)
 from .plugin_handlers import HandlerDispatch
@@ -127,8 +130,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self.link = PluginLink(vm.rundir / "plugin.sock")
         facts = getattr(vm, "facts", None)
         flags = CFG_URET_SYSCALL if facts is not None and facts.rules.uretprobe_syscall else 0
-        self.link.request(CMD_CONFIG, struct.pack("<5Q", *self.task_offsets, self.trampoline,
-                                                  flags))
+        # what the guest kernel writes in a return-address slot it hooks: a program
+        # reading a slot the plugin hooked sees that (kph_plugin.c: prog_read())
+        rth = self.symbols.get("return_to_handler")
+        self.link.request(CMD_CONFIG, struct.pack("<7Q", *self.task_offsets, self.trampoline,
+                                                  flags, kernel_rethook_trampoline(self.symbols),
+                                                  rth.addr if rth is not None else 0))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None
@@ -217,7 +224,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
 
     def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
                        enabled: bool = True, invalidate: bool = True,
-                       user: tuple[int, tuple[int, ...], int] | None = None) -> PluginProbe:
+                       user: tuple[int, tuple[int, ...], int] | None = None,
+                       fgraph: bool = False, fprobe: bool = False) -> PluginProbe:
         """Arm a compiled spec probe at ``addr`` (checked by the caller); a return probe
         gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs)).
         ``invalidate=False`` leaves code translated earlier without the probe (tests use
@@ -227,6 +235,10 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         processes where ``current->mm->exe_file->f_inode->i_ino`` (the chain of
         ``task_struct`` member offsets given) is the inode; its returns go through the
         trampoline in that program. User code is reached by flushing all translations.
+
+        ``fgraph``: a return probe whose kernel counterpart returns through the function
+        graph (7.3's fprobe exits), for what its hooked slot reads as. ``fprobe``: an
+        fprobe's probe, whose exit records the real return address even when stacked.
         """
         if ret and maxactive <= 0:
             # register_kretprobe() (kernel/kprobes.c); uretprobes have no pool in the
@@ -234,7 +246,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             maxactive = max(10, 2 * self.vm.smp) if user is None else 4096
         pid = next(self._ids)
         kind = PK_SPEC_R if ret else PK_SPEC_P
-        flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE)
+        flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE) | \
+            (ADD_FGRAPH if fgraph and ret else 0) | (ADD_FTRACE_OPS if fprobe else 0)
         if user is None:
             flags |= self.ftrace_flag(addr)
         ext = b""
@@ -255,6 +268,13 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         with self._lock:
             self._probes[pid] = p
         return p
+
+    def arrange_probes(self, addr: int, probes: Sequence[PluginProbe]) -> None:
+        """Run the probes at ``addr`` in the order of ``probes`` (the others after them, as
+        they were): for handler orders other than ``add_new_kprobe()``'s newest first
+        (fprobes on 7.3, ``harness.backends.tracelayer.FprobeOps``)."""
+        ids = [p.id for p in probes]
+        self.link.request(CMD_ARRANGE, struct.pack(f"<QII{len(ids)}I", addr, len(ids), 0, *ids))
 
     def remove_probe(self, p: PluginProbe) -> None:
         with self._lock:

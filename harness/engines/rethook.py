@@ -79,7 +79,7 @@ class Rethook:
             # trampoline once another kretprobe hooked the call (arch_prepare_kretprobe()
             # / arch_rethook_prepare() read the stack slot), which get_kretprobe_retaddr()
             # returns and a return event prints
-            ri.node_ret_addr = self.kernel_rethook_trampoline() if chain else cur
+            ri.node_ret_addr = self._node_ret_addr(rp, chain, cur)
             if not chain:
                 self.stub.write_memory(slot, self.trampoline.to_bytes(8, "little"))
             self._live.setdefault(slot, []).append(ri)
@@ -156,14 +156,37 @@ class Rethook:
         for slot, chain in self._live.items():
             if slot + 8 <= addr or slot >= addr + size:
                 continue
-            rp = chain[-1].rp
-            fgraph = rp.ftrace_ops and getattr(getattr(getattr(self.vm, "facts", None), "rules",
-                                                       None), "fprobe", "") == "fgraph"
-            sym = self.symbols.get("return_to_handler") if fgraph else None
-            value = sym.addr if sym is not None else self.kernel_rethook_trampoline()
+            value = self._kernel_trampoline(chain[-1].rp)
             if value:
                 out[slot] = value
         return out
+
+    def _node_ret_addr(self, rp: Kretprobe, chain: list[KretprobeInstance] | None,
+                       cur: int) -> int:
+        """What a return event of ``rp``'s call shows, had the guest kernel hooked it:
+        the previous hook's trampoline for a kretprobe (``get_kretprobe_retaddr()``); for a
+        7.3 fprobe exit, the trampoline of the newest earlier hook that is not the function
+        graph's (all fprobe exits of a call are one graph hook), else the real address."""
+        if not chain:
+            return cur
+        if self._fgraph(rp):
+            older = [ri for ri in chain if not self._fgraph(ri.rp)]
+            return self._kernel_trampoline(older[-1].rp) if older else chain[0].ret_addr
+        return self._kernel_trampoline(chain[-1].rp)
+
+    def _fgraph(self, rp: Kretprobe) -> bool:
+        rules = getattr(getattr(self.vm, "facts", None), "rules", None)
+        return rp.ftrace_ops and getattr(rules, "fprobe", "") == "fgraph"
+
+    def _kernel_trampoline(self, rp: Kretprobe) -> int:
+        """What the guest kernel writes in a return-address slot when ``rp``'s counterpart
+        hooks it: ``return_to_handler`` for a 7.3 fprobe exit (the function graph,
+        ``prepare_ftrace_return()``), else ``arch_rethook_trampoline``."""
+        if self._fgraph(rp):
+            sym = self.symbols.get("return_to_handler")
+            if sym is not None:
+                return sym.addr
+        return self.kernel_rethook_trampoline()
 
     def arrange(self, addr: int, key: Callable[[Kprobe], Any]) -> None:
         """Order the probes of one address by ``key`` (a stable sort of the newest-first

@@ -52,7 +52,7 @@ CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5
 #: CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
 #: (6.11+; ``harness.kernel.rules.KernelRules.uretprobe_syscall``)
 CFG_URET_SYSCALL = 1
-CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL = 7, 8, 9, 10
+CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11
 PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
 EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
 C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
@@ -68,6 +68,12 @@ INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "
               INVAL_SKIPPED: "skipped"}
 ADD_ENABLED, ADD_NO_INVALIDATE, ADD_POST, ADD_ENTRY, ADD_EXT, ADD_FLUSH = 1, 2, 4, 8, 16, 32
 ADD_FTRACE = 64
+#: a return probe whose kernel counterpart hooks the return through the function graph
+#: (7.3's fprobe exits: ``return_to_handler``), not rethook
+ADD_FGRAPH = 128
+#: an fprobe (ftrace_ops callback): its exit record carries the real return address even
+#: when stacked on another return hook (fprobe_exit_handler(), fprobe_return())
+ADD_FTRACE_OPS = 256
 
 RING_MAGIC = 0x4B504852
 RING_CTL_OFF = 4096

@@ -72,7 +72,7 @@ KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
 /* ---- wire protocol (harness/machine/pluginlink.py mirrors these) ---- */
 enum {
     CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
-    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10,
+    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10, CMD_ARRANGE = 11,
 };
 enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4 };
 /* handler round trips on a vCPU's channel: events to the harness, its commands back */
@@ -87,7 +87,15 @@ enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_
        ADD_FLUSH = 32,
        /* an ftrace site (the harness decides, as check_ftrace_location() does): the
         * regs a kprobe there sees are ftrace_regs_caller's, with orig_ax 0 */
-       ADD_FTRACE = 64 };
+       ADD_FTRACE = 64,
+       /* a return probe whose kernel counterpart hooks the return through the function
+        * graph (7.3's fprobe exits: return_to_handler), not rethook */
+       ADD_FGRAPH = 128,
+       /* an fprobe (an ftrace_ops callback, not a kprobe): with rethook (6.12) its exit
+        * handler is given the real return address, stacked or not
+        * (rethook_trampoline_handler()); through the function graph (ADD_FGRAPH, 7.3)
+        * what the slot held when it hooked (fprobe_return()) */
+       ADD_FTRACE_OPS = 256 };
 #define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
 
 typedef struct probe {
@@ -184,6 +192,10 @@ static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe 
  * rax, rcx and r11 and calls sys_uretprobe() (6.11+, arch/x86/kernel/uprobes.c) */
 #define CFG_URET_SYSCALL 1u
 static _Atomic uint64_t g_cfg_flags;
+/* CMD_CONFIG's optional tail: what the guest kernel writes in a return-address slot it
+ * hooks (arch_rethook_trampoline; return_to_handler for ADD_FGRAPH probes), which a
+ * program reading a slot the plugin hooked sees instead of the plugin's trampoline */
+static _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
@@ -481,6 +493,46 @@ static int mem_read(void *ctx, uint64_t addr, void *buf, size_t len)
     return 0;
 }
 
+/* mem_read() for a probe's program: a kernel return-address slot the plugin hooked
+ * reads as the guest kernel's own hook would have left it (the trampoline of the last
+ * hook of that slot), as a fetch of it does in the kernel after a return probe at the
+ * same place hooked the call ($stack0 at an fprobe entry). */
+static unsigned int live_bucket(uint64_t slot);
+
+static int prog_read(void *ctx, uint64_t addr, void *buf, size_t len)
+{
+    uint64_t s, val;
+    unsigned int b;
+    inst *ri;
+
+    if (mem_read(ctx, addr, buf, len) != 0) {
+        return -1;
+    }
+    if (addr < 0xffff800000000000ull || !atomic_load(&g_ktramp_rethook)) {
+        return 0;
+    }
+    pthread_mutex_lock(&rp_lock);
+    for (s = (addr - 7) & ~7ull; s < addr + len; s += 8) {
+        for (ri = g_live_tab[live_bucket(s)]; ri; ri = ri->next) {
+            if (ri->slot == s && ri->mm == 0) {
+                break;                  /* the newest hook of the slot is first */
+            }
+        }
+        if (!ri) {
+            continue;
+        }
+        val = (ri->rp->flags & ADD_FGRAPH) ? atomic_load(&g_ktramp_fgraph)
+                                           : atomic_load(&g_ktramp_rethook);
+        for (unsigned int i = 0; i < 8 && val; i++) {
+            if (s + i >= addr && s + i < addr + len) {
+                ((uint8_t *)buf)[s + i - addr] = (uint8_t)(val >> (8 * i));
+            }
+        }
+    }
+    pthread_mutex_unlock(&rp_lock);
+    return 0;
+}
+
 static int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len)
 {
     g_byte_array_set_size(v->gb, len);
@@ -582,7 +634,7 @@ static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t
                  uint64_t ret_addr)
 {
     kph_capture cap = {
-        .buf = v->rec + REC_HDR, .cap = REC_MAX - REC_HDR, .read = mem_read, .read_ctx = v,
+        .buf = v->rec + REC_HDR, .cap = REC_MAX - REC_HDR, .read = prog_read, .read_ctx = v,
     };
     uint8_t *h = v->rec;
     uint32_t size, flags = v->tflags;
@@ -704,6 +756,45 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     atomic_fetch_add(&p->nhit, 1);
 }
 
+/* The kernel trampoline a hook of the guest kernel would have written where done[j]
+ * hooked (its counterpart's: return_to_handler or arch_rethook_trampoline); the
+ * plugin's own trampoline when the harness was not told them (older config). */
+static uint64_t kernel_tramp(const inst *ri, uint64_t tramp)
+{
+    uint64_t k = (ri->rp->flags & ADD_FGRAPH) ? atomic_load(&g_ktramp_fgraph)
+                                              : atomic_load(&g_ktramp_rethook);
+    return k ? k : tramp;
+}
+
+/* The return address a return record of done[i] shows (done[] newest first, the last
+ * holding the real one). Not stacked: the real one. A kretprobe's: what its own hook
+ * saved (get_kretprobe_retaddr(): the previous hook's trampoline). An fprobe's through
+ * rethook (6.12): the real one (rethook_trampoline_handler()'s correct_ret_addr);
+ * through the function graph (7.3): what the slot held when the graph hooked, the
+ * trampoline of the newest older hook that is not the graph's (all of a call's fprobe
+ * exits are one graph hook), or the real one. */
+static uint64_t shown_ret(inst **done, int n, int i, uint64_t tramp, uint64_t real)
+{
+    const probe *p = done[i]->rp;
+    int j;
+
+    if (tramp != g_tramp || done[i]->ret_addr != tramp || i + 1 >= n) {
+        return done[i]->ret_addr == tramp && tramp == g_tramp ? tramp : real;
+    }
+    if (!(p->flags & ADD_FTRACE_OPS)) {
+        return kernel_tramp(done[i + 1], tramp);
+    }
+    if (!(p->flags & ADD_FGRAPH)) {
+        return real;
+    }
+    for (j = i + 1; j < n; j++) {
+        if (!(done[j]->rp->flags & ADD_FGRAPH)) {
+            return kernel_tramp(done[j], tramp);
+        }
+    }
+    return real;
+}
+
 /* The guest returned into a trampoline: [sp - 8] was the hijacked slot (in a user
  * trampoline, of this process's mm: handle_trampoline(), kernel/events/uprobes.c, finds
  * the task's return instances). */
@@ -775,8 +866,7 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
              * was stacked on another kretprobe of the same call; the harness prints the
              * kernel's own trampoline for it. uretprobes chain the real one instead
              * (prepare_uretprobe(): ri->chained). */
-            emit(v, vcpu, p, REC_RET, p->addr,
-                 tramp == g_tramp && done[i]->ret_addr == tramp ? tramp : real);
+            emit(v, vcpu, p, REC_RET, p->addr, shown_ret(done, n, i, tramp, real));
         }
     }
     if (uret_frame) {
@@ -1879,7 +1969,7 @@ static int serve(int fd)
         case CMD_CONFIG:
             /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
              * u64 flags (CFG_*) */
-            if (len != 40) {
+            if (len != 40 && len != 56) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -1888,6 +1978,12 @@ static int serve(int fd)
                 uint64_t f;
                 memcpy(&f, pl + 32, 8);
                 atomic_store(&g_cfg_flags, f);
+                if (len == 56) {
+                    memcpy(&f, pl + 40, 8);
+                    atomic_store(&g_ktramp_rethook, f);
+                    memcpy(&f, pl + 48, 8);
+                    atomic_store(&g_ktramp_fgraph, f);
+                }
             }
             memcpy(&g_cur_task_off, pl, 8);
             memcpy(&g_pid_off, pl + 8, 8);
@@ -1922,6 +2018,55 @@ static int serve(int fd)
         case CMD_ADD:
             rc = cmd_add(fd, pl, len);
             break;
+        case CMD_ARRANGE: {
+            /* u64 addr, u32 n, u32 pad, u32 ids[n]: the site's probes in that order first,
+             * the others after them as they were (fprobes on 7.3 run by ops group) */
+            uint64_t addr;
+            uint32_t n, i, j, k = 0, id;
+            probe *list[MAX_PER_SITE];
+            site *ts;
+            plist *l;
+
+            if (len < 16) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            memcpy(&addr, pl, 8);
+            memcpy(&n, pl + 8, 4);
+            if (len != 16 + 4 * (size_t)n) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            pthread_mutex_lock(&g_lock);
+            ts = site_find(addr);
+            l = ts ? atomic_load(&ts->list) : NULL;
+            if (!l) {
+                st = ENOENT;
+            } else {
+                for (i = 0; i < n; i++) {
+                    memcpy(&id, pl + 16 + 4 * i, 4);
+                    for (j = 0; j < (uint32_t)l->n; j++) {
+                        if (l->p[j]->id == id && !atomic_load(&l->p[j]->dead)) {
+                            list[k++] = l->p[j];
+                            break;
+                        }
+                    }
+                }
+                for (j = 0; j < (uint32_t)l->n; j++) {
+                    for (i = 0; i < k && list[i] != l->p[j]; i++) {
+                    }
+                    if (i == k && !atomic_load(&l->p[j]->dead) && k < MAX_PER_SITE) {
+                        list[k++] = l->p[j];
+                    }
+                }
+                if (site_set(ts, list, (int)k) != 0) {
+                    st = ENOMEM;
+                }
+            }
+            pthread_mutex_unlock(&g_lock);
+            rc = reply(fd, st, NULL, 0);
+            break;
+        }
         case CMD_CHANNEL: {
             /* u32 vcpu, one descriptor: that vCPU's handler channel */
             uint32_t i32 = 0;

@@ -571,6 +571,55 @@ def test_own_fprobe_parse_refusals(series, machine):
     assert (logged, silent, accepted) == (len(FPARSE[series]), 0, 0)
 
 
+def _plugin_mirrors(c) -> bool:
+    """The plugin engine takes every f: line but a return one's $argN and 7.3's
+    ``$current`` (the plugin refuses both for every kind of line: docs/plugin.md), and
+    kfree's, whose idle-task hits at the window's edges the plugin cannot take in the
+    guest's halt (it has no settled halt: docs/plugin.md)."""
+    return not any(" kfree" in s or "$current" in s or ("%return" in s and "$arg" in s)
+                   for s in c.specs)
+
+
+_FPROBE_PLUGIN = [(s, c) for s, c in _FPROBE_PARAMS if _plugin_mirrors(c)]
+
+
+@pytest.mark.parametrize("series,case", _FPROBE_PLUGIN,
+                         ids=ids(_FPROBE_PLUGIN, lambda p: f"{p[0]} {case_id(p[1])}"))
+def test_own_fprobe_case_with_the_plugin_engine(series, case, newer_image):
+    from harness import Machine
+    from harness.apps.pytest_plugin import DiffHelper
+
+    with Machine.boot(newer_image(series), host="plugin") as vm:
+        check_case(DiffHelper(vm, "events"), case, series)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_ftrace_ops_order_is_the_kernels(series, machine):
+    """harness.backends.tracelayer.FprobeOps says in which order the guest runs the ftrace
+    callbacks of one function: walk the guest's ``ftrace_ops_list`` after creating and
+    enabling an entry fprobe, a kprobe and an exit fprobe on kernel_clone, in that order."""
+    t = "/sys/kernel/tracing"
+    lines = [("fprobes", "e", "f:e kernel_clone"), ("kprobes", "k", "p:k kernel_clone"),
+             ("fprobes", "x", "f:x kernel_clone%return")]
+    script = [f"cd {t}"] + [f"echo '{ln}' >> dynamic_events" for _, _, ln in lines]
+    script += [f"echo 1 > events/{g}/{e}/enable" for g, e, _ in lines]
+    machine.run("\n".join(script))
+    try:
+        head = machine.symbols.lookup("ftrace_ops_list").addr
+        end = machine.symbols.lookup("ftrace_list_end").addr
+        p, names = int.from_bytes(machine.host.read(head, 8), "little"), []
+        while p and p != end and len(names) < 16:
+            hit = machine.symbols.symbolize(p)
+            names.append(hit[0].name if hit and hit[1] == 0 else "(an fprobe's own ops)")
+            p = int.from_bytes(machine.host.read(p + 8, 8), "little")   # ftrace_ops.next
+    finally:
+        machine.run(f"cd {t}; echo 0 > events/enable; echo > dynamic_events")
+    if series == "6.12":    # the kprobes' ops (armed at enable) before both fprobes' own
+        assert names == ["kprobe_ftrace_ops"] + ["(an fprobe's own ops)"] * 2, names
+    else:                   # the group enabled last first: exits, kprobes, entries
+        assert names == ["graph_ops", "kprobe_ftrace_ops", "fprobe_ftrace_ops"], names
+
+
 @pytest.mark.parametrize("series", NEWER)
 def test_fprobe_handlers_order_on_one_function(series, diff):
     """Where several fprobes share a function, the entry ones read the return slot as the
