@@ -251,11 +251,39 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                   st.lists(st.tuples(aname, st.one_of(st.just("$retval"), ufetch), utype)
                            .map(argtext), max_size=2)))
 
-    good_parts = st.one_of(p_line, p_line, r_line, *([u_line] if guest != "module" else []))
+    # fprobe events (6.12+, kernel/trace/trace_fprobe.c): no registers; an exit by %return
+    # or by $retval; 6.12's f[N] on exits. The module registers kprobes only.
+    f_lines = []
+    if r.fprobe and guest != "module":
+        def fleaves(entry: bool) -> Any:
+            return st.one_of(
+                st.integers(0, 40).map(lambda n: f"$stack{n}"),
+                st.sampled_from(["$stack", "$comm"] + (["$arg1", "$arg2", "$arg3", "$arg6"]
+                                                       if entry else [])),
+                st.tuples(st.sampled_from(["linux_proc_banner", "init_uts_ns", "_sdata"]),
+                          st.sampled_from(["", "+4", "-8"])).map(lambda t: f"@{t[0]}{t[1]}"),
+                st.integers(-5, 300).map(lambda n: f"\\{n}"),
+                *([st.sampled_from(newer)] if newer else []))
+        f_entry = st.tuples(aname, st.recursive(fleaves(True), deref, max_leaves=4),
+                            tname).map(argtext)
+        f_ret = st.tuples(aname, st.one_of(st.just("$retval"),
+                                           st.recursive(fleaves(True), deref, max_leaves=4)),
+                          tname).map(argtext)
+        f_heads = ["f", "f", "f"] + (["f2", "f16"] if r.fprobe == "rethook" else [])
+        f_lines = [
+            st.tuples(st.just("f"), name, syms, st.lists(f_entry, max_size=3)),
+            st.tuples(st.sampled_from(f_heads), name, syms.map(lambda s: f"{s}%return"),
+                      st.lists(f_ret, max_size=3)),
+            st.tuples(st.just("f"), name, syms,
+                      st.lists(f_ret, max_size=2).map(lambda a: [*a, "rv=$retval"])),
+        ]
+    good_parts = st.one_of(p_line, p_line, r_line, *f_lines,
+                           *([u_line] if guest != "module" else []))
     good = good_parts.map(line)
 
     # -- one defect each
-    bad_kind = st.sampled_from(["r0", "r5000", "p5", "x", "rx", "p-"])
+    bad_kind = st.sampled_from(["r0", "r5000", "p5", "x", "rx", "p-",
+                                *(["f0", "f5000", "fx", "f-"] if r.fprobe else [])])
     bad_name = st.sampled_from([":1abc", ":a-b", ":a.b", ":", ":" + "x" * 65, ":g/",
                                 ":/e", ":a/b/c"])
     bad_place = st.one_of(
@@ -303,12 +331,13 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
         st.tuples(p_line, st.just(max_args + 1)).map(
             lambda t: line((t[0][0], t[0][1], t[0][2], [f"a{i}=%di" for i in range(t[1])]))),
     )
+    kinds = ["p", "r"] + (["f"] if f_lines else [])
     same_event = st.tuples(
-        st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line),
-        st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line))
+        st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line),
+        st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line))
     # a -: line after a definition (dyn_event_release(): by name, group, place, arguments)
     release = st.tuples(
-        st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), syms, args).map(line),
+        st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line),
         st.one_of(st.sampled_from(["-:kph/e", "-:e", "-:kph/", "-:kph/x", "-:x/e", "-:"]),
                   syms.map(lambda s: f"-:kph/e {s}")))
     if guest == "module":
@@ -325,11 +354,12 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
     toks = line.split()
-    f = "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+    f = "dynamic_events" if line[:1] == "f" else \
+        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log", timeout=30)
     if "@rc=0" in r.stdout:
-        vm.run("cd /sys/kernel/tracing; echo > kprobe_events; echo > uprobe_events", timeout=30)
+        vm.run("cd /sys/kernel/tracing; echo > dynamic_events", timeout=30)
         return True, 0, None, None
     import os
     err = r.stderr.rsplit("write error: ", 1)[-1].strip()
@@ -337,7 +367,8 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     log_lines = r.stdout.split("\n", 1)[1].splitlines() if "\n" in r.stdout else []
     if not log_lines or " error: " not in log_lines[0]:
         return False, code, None, None
-    msg = log_lines[0].split(" error: ", 1)[1]
+    # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
+    msg = [ln for ln in log_lines if " error: " in ln][-1].split(" error: ", 1)[1]
     caret = log_lines[-1].index("^") - len("  Command: ") if "^" in log_lines[-1] else None
     return False, code, msg, caret
 

@@ -379,12 +379,10 @@ NOT_MIRRORED = {"6.12": _T_6_12, "7.3": _T_6_12}
 
 _SKIPPED_COMMON = {
     "dynevent/add_remove_tprobe.tc, add_remove_tprobe_module.tc, "
-    "tprobe_syntax_errors.tc, the t: lines of add_remove_btfarg.tc":
+    "tprobe_syntax_errors.tc, the t: lines of add_remove_btfarg.tc and of "
+    "fprobe_syntax_errors.tc":
         "tracepoint probes (t:): not mirrored host-side yet; their lines are refused "
         "host-side (NOT_MIRRORED checks that)",
-    "dynevent/add_remove_btfarg.tc: f:fpevent getname_flags%return with t: lines beside it, "
-    "and the fprobe_syntax_errors.tc t: line":
-        "their t: lines are tracepoint probes (above); the f: lines run alone",
     "kprobe/kprobe_module.tc: rmmod trace-printk, then modprobe it and see event1 fire":
         "pvpanic (the stand-in) cannot be unloaded while its device is bound; "
         "trace_printk.ko is not built (CONFIG_SAMPLES is off in Debian's kernels)",
