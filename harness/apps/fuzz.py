@@ -251,8 +251,9 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                   st.lists(st.tuples(aname, st.one_of(st.just("$retval"), ufetch), utype)
                            .map(argtext), max_size=2)))
 
-    # fprobe events (6.12+, kernel/trace/trace_fprobe.c): no registers; an exit by %return
-    # or by $retval; 6.12's f[N] on exits. The module registers kprobes only.
+    # fprobe events and tracepoint probes (6.12+, kernel/trace/trace_fprobe.c): no
+    # registers; an exit by %return or by $retval; 6.12's f[N] on exits. The module
+    # registers kprobes only.
     f_lines = []
     if r.fprobe and guest != "module":
         def fleaves(entry: bool) -> Any:
@@ -270,7 +271,12 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                                            st.recursive(fleaves(True), deref, max_leaves=4)),
                           tname).map(argtext)
         f_heads = ["f", "f", "f"] + (["f2", "f16"] if r.fprobe == "rethook" else [])
+        # tracepoint probes: the fork's and exec's (the default workload forks and
+        # execs), kfree's (hot) and a name no kernel has (kept, never registered)
+        tps = st.sampled_from(["sched_process_fork", "sched_process_exec", "kfree",
+                               "sched_process_exit", "no_such_tp_kph"])
         f_lines = [
+            st.tuples(st.just("t"), name, tps, st.lists(f_entry, max_size=3)),
             st.tuples(st.just("f"), name, syms, st.lists(f_entry, max_size=3)),
             st.tuples(st.sampled_from(f_heads), name, syms.map(lambda s: f"{s}%return"),
                       st.lists(f_ret, max_size=3)),
@@ -331,7 +337,7 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
         st.tuples(p_line, st.just(max_args + 1)).map(
             lambda t: line((t[0][0], t[0][1], t[0][2], [f"a{i}=%di" for i in range(t[1])]))),
     )
-    kinds = ["p", "r"] + (["f"] if f_lines else [])
+    kinds = ["p", "r"] + (["f", "t"] if f_lines else [])
     same_event = st.tuples(
         st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line),
         st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line))
@@ -354,7 +360,7 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
     toks = line.split()
-    f = "dynamic_events" if line[:1] == "f" else \
+    f = "dynamic_events" if line[:1] in "ft" else \
         "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log", timeout=30)

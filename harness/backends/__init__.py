@@ -49,15 +49,16 @@ class ProbeBackend(Protocol):
 
 
 def make_backend(name: str, vm: Machine) -> ProbeBackend:
-    """The backend called ``name`` (host, events, module) on ``vm``."""
-    if name == "host":
-        return HostBackend(vm)
+    """The backend called ``name`` (host, events, module) on ``vm``; a host engine's as
+    in a host-only run (``alone``: it puts tracepoint probes' stubs on itself)."""
+    if name == "host":        # alone: a host-only run (run_single)
+        return HostBackend(vm, alone=True)
     if name == "events":
         return EventsBackend(vm)
     if name == "module":
         return ModuleBackend(vm)
     if name == "plugin":
-        return PluginBackend(vm)
+        return PluginBackend(vm, alone=True)
     raise ValueError(f"unknown backend {name!r}: use host, plugin, events or module")
 
 

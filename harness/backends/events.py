@@ -199,7 +199,8 @@ class EventsBackend:
         if spec.is_uprobe:
             return Outcome(o.probe, True, mode="uprobe", index=o.index)
         if spec.is_fprobe:      # an ftrace_ops, not in kprobes/list
-            return Outcome(o.probe, True, mode="fprobe", index=o.index)
+            return Outcome(o.probe, True, mode="tprobe" if spec.is_tprobe else "fprobe",
+                           index=o.index)
         try:
             addr = spec.addr if spec.addr is not None else \
                 self.vm.symbols.lookup(spec.symbol_name).addr + spec.offset

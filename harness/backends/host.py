@@ -20,8 +20,8 @@ from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
-from .tracelayer import (FprobeOps, TraceLayer, fprobe_pool, register_lines, saved_cmdlines,
-                         spec_group)
+from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
+                         register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,8 @@ class HostBackend:
     side = "host"
 
     def __init__(self, vm: Machine, *, hook: FetchHook | None = None,
-                 comm_rule: str = "saved_cmdlines", armed: bool = True) -> None:
+                 comm_rule: str = "saved_cmdlines", armed: bool = True,
+                 alone: bool = False) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
         (what a kernel module reading ``current->comm`` records).
@@ -173,9 +174,15 @@ class HostBackend:
         too): a return probe's instance pool is then in use over the same window as the
         guest's (the harness's own guest commands between registering and enabling exit
         through ``do_exit`` too). ``armed=False`` never arms them: every registration rule
-        applies, no breakpoint is inserted."""
+        applies, no breakpoint is inserted.
+
+        ``alone``: a host-only run (no guest side): a tracepoint probe's stub is put on
+        its tracepoint by the harness (:func:`harness.backends.tracelayer.attach_stubs`),
+        where in a differential run the guest's own ``t`` event does it."""
         self.vm = vm
         self.armed = armed
+        self.alone = alone
+        self._stubs: list[str] = []         # tracepoints attach_stubs() put a stub on
         self._armed_now = False
         self.comm_rule = comm_rule
         self.engine = vm.host
@@ -292,7 +299,7 @@ class HostBackend:
         self._probes.extend((name, p) for p in probes)
         self._placed[id(spec)] = probes
         self._ops_changed(spec, +1)
-        return Outcome(name, True, mode="fprobe", index=i)
+        return Outcome(name, True, mode="tprobe" if spec.is_tprobe else "fprobe", index=i)
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
@@ -481,6 +488,10 @@ class HostBackend:
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
+        if self.alone and not self._stubs:
+            self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe}) \
+                if self.layer is not None else []
+            attach_stubs(self.vm, self._stubs)
         if also is None:
             self.arm()
             self.recording = True
@@ -563,6 +574,8 @@ class HostBackend:
         if self.vm.aborting:  # interrupted: the guest is about to vanish
             self._probes.clear()
             return
+        detach_stubs(self.vm, self._stubs)
+        self._stubs = []
         handler_error: HandlerError | None = None
         probes = list(self._probes)
         if self._comm_probe is not None:

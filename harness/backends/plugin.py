@@ -24,8 +24,8 @@ from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT,
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
-from .tracelayer import (FprobeOps, TraceLayer, fprobe_pool, register_lines, saved_cmdlines,
-                         spec_group)
+from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
+                         register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,17 @@ class PluginBackend:
 
     side = "plugin"
 
-    def __init__(self, vm: Machine, *, comm_rule: str = "saved_cmdlines") -> None:
+    def __init__(self, vm: Machine, *, comm_rule: str = "saved_cmdlines",
+                 alone: bool = False) -> None:
         self.vm = vm
         self.engine = vm.host
         if getattr(self.engine, "kind", "") != "plugin":
             raise HarnessError(f"{vm.name}'s host-side engine is not the plugin; boot it "
                                "with Machine.boot(host='plugin')")
         self.comm_rule = comm_rule
+        #: a host-only run: tracepoint probes' stubs put on by the harness (HostBackend)
+        self.alone = alone
+        self._stubs: list[str] = []
         self.recording = False
         self._specs: dict[int, tuple[ProbeSpec, str]] = {}
         self._uprobes: dict[int, Uprobe] = {}
@@ -135,7 +139,8 @@ class PluginBackend:
         if spec.is_fprobe or (not spec.is_uprobe and self.engine.ftrace_flag(placed[0].addr)):
             self._ops.changed(spec_group(spec), +1)     # an fprobe, or kprobe_ftrace_ops
             self._grouped.add(id(spec))
-        return Outcome(name, True, mode="fprobe" if spec.is_fprobe else "plugin", index=i)
+        mode = "tprobe" if spec.is_tprobe else "fprobe" if spec.is_fprobe else "plugin"
+        return Outcome(name, True, mode=mode, index=i)
 
     def _place_fprobe(self, spec: ProbeSpec) -> list[Any]:
         """An ``f`` line: a plugin probe at each ftrace location its filter matches, all
@@ -251,6 +256,9 @@ class PluginBackend:
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
+        if self.alone and not self._stubs and self.layer is not None:
+            self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe})
+            attach_stubs(self.vm, self._stubs)
         self.engine.records()              # what came before does not count
         self._dropped0 = self.engine.link.dropped
         self.arm()
@@ -390,6 +398,9 @@ class PluginBackend:
         return out
 
     def close(self) -> None:
+        if not getattr(self.vm, "aborting", False):
+            detach_stubs(self.vm, self._stubs)
+        self._stubs = []
         if self._comm_probe is not None:
             self._probes.setdefault("kphinternal/comm", []).append(self._comm_probe)
             self._comm_probe = None

@@ -44,6 +44,7 @@ from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, 
                         registration_refusal, resolve_fetch_symbols, target_refusal)
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
 from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symbol_offset
+from ..kernel.grammar.fprobe import probestub
 from ..records import Hit, Outcome
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
@@ -204,6 +205,40 @@ def spec_group(spec: ProbeSpec) -> str:
     return "kprobe"
 
 
+#: the group of the events a host-only run puts a tracepoint probe's stub on with
+STUB_GROUP = "kphstub"
+
+
+def attach_stubs(vm: Machine, tracepoints: Sequence[str]) -> None:
+    """For a host-only run: put each tracepoint's stub on it, as a ``t`` event does, so that
+    the host's probe at the stub fires. The guest's own ``t`` event does it, in a group of
+    the harness's (``kphstub``), enabled (7.3 puts the stub on at enable; 6.12 at
+    creation) with a filter no record passes (``common_pid < 0``): the guest keeps nothing.
+    In a differential run the guest side's event puts it on instead."""
+    if not tracepoints:
+        return
+    script = [f"cd {TRACING_EVENTS}/.."]
+    for tp in tracepoints:
+        ev = f"{STUB_GROUP}/{tp}"
+        script.append(f"echo 't:{ev} {tp}' >> dynamic_events && "
+                      f"echo 'common_pid < 0' > events/{ev}/filter && "
+                      f"echo 1 > events/{ev}/enable || echo @fail {tp}")
+    r = vm.run("\n".join(script), timeout=60)
+    for ln in r.stdout.splitlines():
+        if ln.startswith("@fail"):
+            log.warning("tracepoint %s: its stub could not be put on it in the guest (%s); "
+                        "the host's probe fires only while something else does",
+                        ln[6:], r.stderr.strip()[:200])
+
+
+def detach_stubs(vm: Machine, tracepoints: Sequence[str]) -> None:
+    if not tracepoints or getattr(vm, "aborting", False):
+        return
+    vm.run("; ".join([f"cd {TRACING_EVENTS}/.."] + [
+        f"echo 0 > events/{STUB_GROUP}/{tp}/enable; "
+        f"echo '-:{STUB_GROUP}/{tp}' >> dynamic_events" for tp in tracepoints]), timeout=60)
+
+
 def _names(spec: ProbeSpec) -> list[str]:
     """The kernel symbols a kprobe line names: its target and every ``@SYM``."""
     out = [spec.symbol_name] if spec.symbol_name else []
@@ -323,10 +358,14 @@ class TraceLayer:
         return True
 
     def fprobe_targets(self, spec: ProbeSpec) -> list[tuple[int, str]]:
-        """The ftrace locations (address, function) an ``f`` line's filter matches."""
+        """The ftrace locations (address, function) an ``f`` line's filter matches, or a
+        ``t`` line's stub (``__probestub_TP``)."""
         if spec.symbol is None:
             return []
-        return fprobe_matches(spec.symbol, ftrace_addrs(self.vm, frozenset(self.symbols.modules())))
+        funcs = ftrace_addrs(self.vm, frozenset(self.symbols.modules()))
+        if spec.is_tprobe:
+            return fprobe_matches(probestub(spec.symbol), funcs)
+        return fprobe_matches(spec.symbol, funcs)
 
     def refresh_modules(self) -> frozenset[str]:
         loaded = frozenset(self.vm.refresh_module_symbols())
@@ -399,6 +438,11 @@ class TraceLayer:
                 if self.rules.symbol_check == "after_retprobe" else None
             if ref is not None:
                 return Admission(spec, ref)
+        if spec.is_tprobe and not self.fprobe_targets(spec):
+            # find_tracepoint() found none: TRACEPOINT_STUB, registered when a module
+            # brings the tracepoint (__tracepoint_probe_module_cb())
+            return Admission(spec, pending=f"kept unregistered: no tracepoint {spec.symbol} "
+                                          "in the kernel (a module may bring it)")
         if spec.is_fprobe and not self.fprobe_targets(spec):
             # register_fprobe(): ftrace_set_filter() matches no location
             return Admission(spec, Refusal(_errno.EINVAL, self.rules.message(
@@ -411,6 +455,10 @@ class TraceLayer:
             self.table.other |= other_event_names(listing)
             self._events_read = True
         ref = self.table.check(spec)
+        if ref is None and spec.is_tprobe and self.rules.tprobe_stub_once and any(
+                o.is_tprobe and o.symbol == spec.symbol
+                for olds in self.table.defined.values() for o in olds):
+            ref = Refusal(_errno.EEXIST, os.strerror(_errno.EEXIST), 0)
         if ref is not None:
             if spec.is_fprobe and self.rules.fprobe_register_errno is not None:
                 ref = dataclasses.replace(ref, errno=self.rules.fprobe_register_errno)

@@ -168,7 +168,8 @@ class EventTable:
         same_kind = [o for o in olds if _family(o) == _family(spec)]
         if same_kind:
             old = same_kind[0]
-            if spec.is_return != old.is_return:
+            # append_trace_fprobe(): an exit or a tracepoint probe is another type too
+            if spec.is_return != old.is_return or spec.is_tprobe != old.is_tprobe:
                 return Refusal(_errno.EEXIST, DIFF_PROBE_TYPE, 0)
             i = _compare_arg_type(spec, old)
             if i:
@@ -210,6 +211,10 @@ class EventTable:
             else:
                 del self.defined[key]
         return gone
+
+    def specs(self) -> list[ProbeSpec]:
+        """Every line defined now."""
+        return [s for olds in self.defined.values() for s in olds]
 
     def appended(self, spec: ProbeSpec) -> bool:
         """Whether ``spec`` would join an event that exists (a multi-probe event)."""

@@ -210,6 +210,11 @@ class KernelRules:
     #: registration's (7.3 returns -EINVAL whatever register_trace_fprobe_event() said;
     #: 6.12 keeps its -EEXIST); None: the registration's
     fprobe_register_errno: int | None = None
+    #: a tracepoint probe on a tracepoint another ``t`` event already probes fails with
+    #: -EEXIST and no error_log entry (6.12: ``__regsiter_tracepoint_fprobe()`` puts the
+    #: same stub on the tracepoint again, ``tracepoint_probe_register_prio_may_exist()``
+    #: refuses it; 7.3 puts it once for all of them)
+    tprobe_stub_once: bool = False
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -238,7 +243,7 @@ _6_12 = KernelRules(
     comm_type_logged=True, current_var=False, this_cpu=False, typecasts=False,
     max_nested=None, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="rethook", fprobe_reg_error="BAD_FETCH_ARG",
-    fprobe_no_match="FAIL_REG_PROBE")
+    fprobe_no_match="FAIL_REG_PROBE", tprobe_stub_once=True)
 
 _7_3 = KernelRules(
     series="7.3", errors=_ERRORS_7_3, arg_parser="context", maxact_on_kprobe="BAD_MAXACT_TYPE",
@@ -277,6 +282,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
         "fprobe": "kernel/trace/trace_fprobe.c: __trace_fprobe_create(); kernel/trace/fprobe.c: fprobe_init_rethook(), fprobe_exit_handler()",
         "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (case '%': BAD_VAR, then BAD_FETCH_ARG)",
         "fprobe_no_match": "kernel/trace/trace_fprobe.c: __trace_fprobe_create() (register_trace_fprobe() -EINVAL)",
+        "tprobe_stub_once": "kernel/trace/trace_fprobe.c: __regsiter_tracepoint_fprobe(); "
+                            "kernel/tracepoint.c: tracepoint_add_func() (-EEXIST)",
         "arg_parser": "kernel/trace/trace_probe.c: traceprobe_parse_probe_arg(tp, i, arg, "
                       "ctx), traceprobe_parse_probe_arg_body(), parse_probe_arg()",
         "maxact_on_kprobe": "kernel/trace/trace_kprobe.c: __trace_kprobe_create()",

@@ -97,9 +97,9 @@ def test_6_1_has_no_fprobe_events():
 
 
 @pytest.mark.parametrize("series", NEWER)
-def test_tracepoint_probes_stay_refused_with_a_reason(series):
-    with pytest.raises(NotMirroredError, match=f"tracepoint probes .* on {series}"):
-        _parse("t:x kfree", series)
+def test_event_probes_stay_refused_with_a_reason(series):
+    with pytest.raises(NotMirroredError, match=f"event probes .* on {series}"):
+        _parse("e:x syscalls/sys_enter_openat", series)
 
 
 def test_filters_match_as_ftrace_does():
@@ -136,3 +136,48 @@ def test_an_fprobe_joins_only_an_fprobe_event():
         "Probe type is different from existing probe"
     assert t.check(_parse("f:fprobes/ev kernel_clone", "6.12")).message == \
         "There is already the exact same probe event"
+
+
+# ---------------------------------------------------------------- tracepoint probes (t:)
+
+@pytest.mark.parametrize("series", NEWER)
+@pytest.mark.parametrize("line,shown", [
+    ("t:myevent1 kfree", "t:tracepoints/myevent1 kfree"),
+    ("t kfree $arg1 $stack0", "t:tracepoints/kfree kfree arg1=$arg1 arg2=$stack0"),
+    ("t 3tp", "t:tracepoints/_3tp 3tp"),
+])
+def test_tracepoint_probes_show_as_dynamic_events_does(series, line, shown):
+    spec = _parse(line, series)
+    assert spec.is_tprobe and spec.is_fprobe and not spec.is_return
+    assert kernel_format(spec) == shown and format(spec) == line
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_a_tracepoint_probes_first_argument_is_its_stubs_second(series):
+    """The stub is ``__probestub_TP(void *__data, proto)``: ``$arg1`` reads the second
+    register (TPARG_FL_TPOINT: ``code->param++``)."""
+    spec = _parse("t kfree $arg1 $arg2", series)
+    assert [a.code[0] for a in spec.args] == [("arg", 1), ("arg", 2)]
+    assert [a.code[0] for a in _parse("f kfree $arg1", series).args] == [("arg", 0)]
+
+
+@pytest.mark.parametrize("series", NEWER)
+@pytest.mark.parametrize("line,msg,col", [
+    ("t kmem/kfree", "Invalid character in tracepoint name", 6),
+    ("t kfree $retval", "$retval is not available on probe", 8),
+    ("t kfree%return", "Invalid probed address suffix", 7),
+])
+def test_tracepoint_probe_refusals(series, line, msg, col):
+    assert _refusal(line, series) == (msg, col, errno.EINVAL)
+
+
+def test_maxactive_on_a_tracepoint_probe():
+    assert _refusal("t3:x kfree", "6.12")[:2] == ("Maxactive is only for function exit", 1)
+    assert _refusal("t3:x kfree", "7.3")[:2] == ("Invalid maxactive number", 1)
+
+
+def test_a_tracepoint_probe_is_another_type_for_an_fprobe_event():
+    t = EventTable()
+    t.add(_parse("t:tracepoints/ev kfree", "6.12"))
+    assert t.check(_parse("f:tracepoints/ev kfree", "6.12")).message == \
+        "Probe type is different from existing probe"

@@ -23,6 +23,7 @@ line to the grammar its target names; :func:`format`, :func:`kernel_format` and
     p[:[GRP/][EVENT]] [MOD:]SYM[+0]%return [FETCHARGS]
     p[:[GRP/][EVENT]] PATH:OFFSET[(REF_CTR_OFFSET)][%return] [FETCHARGS]
     f[MAXACTIVE][:[GRP/][EVENT]] KSYM[%return] [FETCHARGS]          (6.12+)
+    t[:[GRP/][EVENT]] TRACEPOINT [FETCHARGS]                         (6.12+)
     -:[GRP/][EVENT] [SYM [NAME=FETCHARG]...]
 
 ``format(parse(s)) == s`` for canonical ``s``: one space between tokens, no comment, symbol
@@ -151,10 +152,10 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     rules = kernel.rules if kernel is not None else rules_for(None)
     h0, head = toks[0]
     kind = head[0]
-    if kind == "f" and rules.fprobe and len(toks) >= 2:
+    if kind in ("f", "t") and rules.fprobe and len(toks) >= 2:
         return parse_fprobe(toks, text, kernel)
     if kind not in ("p", "r"):
-        if kind == "f" and rules.fprobe:       # trace_fprobe_create(): argc < 2
+        if kind in ("f", "t") and rules.fprobe:     # trace_fprobe_create(): argc < 2
             raise ParseFail("Unknown probe type; use p, r or -", h0, logged=False)
         if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
             raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "
@@ -202,7 +203,7 @@ def guest_line(spec: ProbeSpec) -> str:
         return kernel_format(spec)
     toks = _SPACE.findall(spec.text.split("#", 1)[0])
     if spec.is_fprobe:
-        head = "f" + (str(spec.maxactive) if spec.maxactive else "")
+        head = spec.kind + (str(spec.maxactive) if spec.maxactive else "")
         if not spec.explicit_event and not is_good_name(spec.event):
             # the kernel does not check a name it made ("f vfs_read+10" is refused at
             # registration, not for its name "vfs_read+10__entry"): let it make it

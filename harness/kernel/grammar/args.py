@@ -35,7 +35,7 @@ from .fetch import (FETCH_TYPES, REGISTERS, THREAD_SIZE, BtfVar, Comm, Current, 
 from ..rules import KernelRules
 
 __all__ = ["LineContext", "Fail", "parse_arg", "expand_meta_args", "expand_dentry_args",
-           "FL_RETURN", "FL_KERNEL", "FL_FENTRY", "FL_USER", "FL_FPROBE", "FL_ANY"]
+           "FL_RETURN", "FL_KERNEL", "FL_FENTRY", "FL_USER", "FL_FPROBE", "FL_TPOINT", "FL_ANY"]
 
 FL_RETURN, FL_KERNEL, FL_FENTRY, FL_USER = 1, 2, 4, 16      # TPARG_FL_* (trace_probe.h)
 FL_TEVENT, FL_FPROBE, FL_TPOINT = 8, 32, 64
@@ -113,7 +113,16 @@ class LineContext:
 
     @property
     def params(self) -> list[Any]:
-        return self.proto[1] if self.proto is not None else []
+        """The prototype's parameters; a tracepoint probe's stub hides its first, the
+        tracepoint's ``void *__data`` (``query_btf_context()``: TPARG_FL_TPOINT)."""
+        params = self.proto[1] if self.proto is not None else []
+        return params[1:] if self.flags & FL_TPOINT else params
+
+    @property
+    def arg_shift(self) -> int:
+        """Where argument 0 of the line is in the registers: 1 on a tracepoint probe,
+        whose stub's first argument is the hidden ``__data`` (``code->param++``)."""
+        return 1 if self.flags & FL_TPOINT else 0
 
 
 # ---------------------------------------------------------------- lib/kstrtox.c
@@ -335,7 +344,7 @@ def _btf_arg(lc: LineContext, varname: str, a: _Arg) -> FetchArg:
         for i, p in enumerate(lc.params):
             if p.name == this:
                 if lc.is_entry:
-                    a.ops.append(("arg", i))
+                    a.ops.append(("arg", i + lc.arg_shift))
                     node = FuncArg(i + 1)
                 else:
                     a.ops.append(("edata", i))
@@ -411,7 +420,7 @@ def _vars(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
         if n == 0 or n > PARAM_MAX_STACK:
             raise lc.err("BAD_ARG_NUM")
         if lc.is_entry:
-            a.ops.append(("arg", n - 1))
+            a.ops.append(("arg", n - 1 + lc.arg_shift))
             return FuncArg(n)
         if lc.is_return and r.entry_args_on_return:
             a.ops.append(("edata", n - 1))

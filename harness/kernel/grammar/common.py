@@ -159,9 +159,15 @@ class ProbeSpec:
 
     @property
     def is_fprobe(self) -> bool:
-        """An ``f`` line (fprobe event, ``kernel/trace/trace_fprobe.c``): ``symbol`` is then
-        an ftrace filter, probed at each matching function's ftrace location."""
-        return self.kind == "f"
+        """An ``f`` or ``t`` line (fprobe event or tracepoint probe,
+        ``kernel/trace/trace_fprobe.c``): ``symbol`` is then an ftrace filter, probed at each
+        matching function's ftrace location, or a tracepoint, probed at its stub's."""
+        return self.kind in ("f", "t")
+
+    @property
+    def is_tprobe(self) -> bool:
+        """A ``t`` line: ``symbol`` is a tracepoint."""
+        return self.kind == "t"
 
     @property
     def symbol_name(self) -> str | None:
