@@ -45,6 +45,7 @@ from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, 
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
 from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symbol_offset
 from ..kernel.grammar.fprobe import probestub
+from ..engines.uprobes import file_type
 from ..records import Hit, Outcome
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
@@ -74,11 +75,11 @@ class Admission:
 def uprobe_file_refusal(vm: Machine, spec: ProbeSpec) -> Refusal | None:
     """``__trace_uprobe_create()``'s first check, ``kern_path(LOOKUP_FOLLOW)`` and
     ``d_is_reg()`` (kernel/trace/trace_uprobe.c), made in the guest with ``stat -L``."""
-    r = vm.run(f"stat -L -c %F {shlex.quote(spec.path or '')}", timeout=30)
+    kind = file_type(vm, spec.path or "")
     col = arg_column(spec, 1)
-    if r.status != 0:
+    if kind is None:
         return Refusal(_errno.ENOENT, FILE_NOT_FOUND, col)
-    if not r.stdout.strip().startswith("regular"):       # "regular [empty ]file"
+    if not kind.startswith("regular"):       # "regular [empty ]file"
         return Refusal(_errno.EINVAL, NO_REGULAR_FILE, col)
     return None
 

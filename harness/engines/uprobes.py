@@ -43,7 +43,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import HarnessError, ProbeRejectedError
+from ..errors import GuestAgentError, HarnessError, ProbeRejectedError
 from ..kernel.elf import ElfImage
 from ..kernel.kprobes import Kprobe, ProbeFlags, PtRegs
 
@@ -122,6 +122,22 @@ class UretprobeInstance:
     mm: int
     pid: int | None = None
 
+
+
+def file_type(vm: Any, path: str) -> str | None:
+    """``stat -L -c %F`` of ``path`` in the guest ("regular file", "directory", ...), None
+    when there is no such file. A ``stat`` that succeeds and prints nothing is the agent
+    losing its output (seen once under load, kph fuzz on 7.3), not a kind of file: asked
+    again, then an error of the harness, never a kernel's refusal.
+
+    :raise GuestAgentError: the guest's answer stayed empty."""
+    for _ in range(2):
+        st = vm.run(f"stat -L -c %F {shlex.quote(path)}", timeout=30)
+        if st.status != 0:
+            return None
+        if st.stdout.strip():
+            return st.stdout.strip()
+    raise GuestAgentError(f"stat -L {path} in the guest succeeded twice with no output")
 
 class UprobeManager:
     """The uprobes of one ``HostEngine`` (``vm.host.uprobes``); runs on its dispatcher."""
@@ -213,12 +229,12 @@ class UprobeManager:
         The file is checked first, as ``__trace_uprobe_create()`` does before anything else
         of a line (``kern_path(LOOKUP_FOLLOW)``, then ``d_is_reg()``): ENOENT "Failed to find
         the given file", EINVAL "Not a regular file" (a directory such as /sys, a device)."""
-        st = self.vm.run(f"stat -L -c %F {shlex.quote(up.path)}", timeout=30)
-        if st.status != 0:
+        kind = file_type(self.vm, up.path)
+        if kind is None:
             raise ProbeRejectedError(f"{up.path}: Failed to find the given file (-ENOENT)",
                                      ENOENT, reason="Failed to find the given file")
-        if not st.stdout.strip().startswith("regular"):
-            raise ProbeRejectedError(f"{up.path} is a {st.stdout.strip()}: Not a regular file "
+        if not kind.startswith("regular"):
+            raise ProbeRejectedError(f"{up.path} is a {kind}: Not a regular file "
                                      "(-EINVAL)", EINVAL, reason="Not a regular file")
         img = self.elf(up.path)
         if up.symbol is not None:
