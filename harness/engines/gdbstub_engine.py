@@ -62,6 +62,7 @@ from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
                               ProbeFlags, PtRegs)
+from ..kernel.unwind import stack_trace
 from ..kernel.symbols import ReservedText, is_ftrace_site
 from ..vmctl import register_host_engine
 from .uprobes import UprobeManager
@@ -300,7 +301,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
     def _regs(self, th: int, values: dict[str, int]) -> PtRegs:
         return PtRegs(values, loader=lambda names: self._read_regs(th, names),
                       sys_reader=lambda n: self.stub.read_registers((n,), thread=th)[n],
-                      cpu=th - 1)
+                      cpu=th - 1, unwinder=lambda r, n: stack_trace(self, r, n))
 
     def _read_regs(self, th: int, names: Iterable[str] | None = None) -> dict[str, int]:
         gdb_names = _GENERAL if names is None else tuple(PT_REGS_FIELDS[n] for n in names)

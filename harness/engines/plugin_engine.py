@@ -141,6 +141,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self._reserved: ReservedText | None = None
         vm.add_stop_holder(self._holding)
         self._by_id: dict[int, Kprobe | Kretprobe] = {}
+        self._hooked: dict[int, list[KretprobeInstance]] = {}
         self._aggr: dict[int, list[Kprobe | Kretprobe]] = {}
         self._pending: dict[int, tuple[int, list[Kprobe]]] = {}
         self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
@@ -185,10 +186,16 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         """
         ch = self._channel()
         if ch is not None:
-            data = ch.read(addr, n)
-            if data is None:
-                raise HarnessError(f"cannot read guest memory at {addr:#x}")
-            return data
+            # the plugin answers at most a record's worth a request (REC_MAX - 8 bytes)
+            buf = bytearray()
+            while len(buf) < n:
+                data = ch.read(addr + len(buf), n - len(buf))
+                if data is None:
+                    raise HarnessError(f"cannot read guest memory at {addr + len(buf):#x}")
+                if not data:
+                    raise HarnessError(f"the plugin read nothing at {addr + len(buf):#x}")
+                buf += data
+            return bytes(buf)
         out = bytearray()
         while len(out) < n:
             chunk = min(n - len(out), 1024)

@@ -30,6 +30,7 @@ from .base import ERROR_CODE_VECTORS
 from ..errors import HarnessError
 from ..kernel.grammar.program import REG_INDEX, REGS
 from ..kernel.kprobes import INT3_INSN_SIZE, Kprobe, Kretprobe, PtRegs
+from ..kernel.unwind import stack_trace
 from ..machine.pluginlink import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC, EV_FAULT,
                      EV_MISS, EV_POST, EV_PRE, EV_RET, EV_RET_ENTRY, Channel, Event)
 
@@ -48,6 +49,9 @@ class HandlerDispatch:
     _exc: dict[int, int]
     _tls: Any
     _held_by: dict[int, tuple[float, str]]
+    #: Python kretprobes' instances pending on each stack slot, oldest first
+    _hooked: dict[int, list[Any]]
+    read: Any
 
     def _serve(self, ch: Channel) -> None:
         # Handlers run here with this vCPU stopped (harness.machine.handlerctx: no vm.run).
@@ -82,7 +86,8 @@ class HandlerDispatch:
         vals = dict(zip(REGS, ev.regs))
         orig_ax = vals.pop("orig_ax", None)     # -1 (int3 frame), 0 at an ftrace site
         vals.update(values or {})
-        regs = PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu)
+        regs = PtRegs(vals, sys_reader=ch.read_reg, cpu=ev.vcpu,
+                      unwinder=lambda r, n: stack_trace(self, r, n))
         if orig_ax is not None:
             regs.orig_ax = orig_ax
         return regs
@@ -185,7 +190,22 @@ class HandlerDispatch:
         if not self.kretprobe_entry(ri, regs, ev.vcpu, ev.task or None):
             return ACT_DISCARD, self._writes(regs, keep_ip=False)
         rp.nhit += 1
+        # what the slot holds before the plugin hooks it (after this round trip): the
+        # real return address, unless another return probe of the call hooked it first
+        try:
+            ri.ret_addr = int.from_bytes(self.read(ev.b, 8), "little")
+        except HarnessError:
+            ri.ret_addr = 0
+        self._hooked.setdefault(ev.b, []).append(ri)
         return ACT_CONTINUE, self._writes(regs, keep_ip=False)
+
+    def kretprobe_find_ret_addr(self, slot: int) -> int | None:
+        """The real return address a Python kretprobe's hook replaced at stack ``slot``
+        (``kretprobe_find_ret_addr()``, for the unwinder), or None."""
+        for ri in self._hooked.get(slot, ()):
+            if ri.ret_addr and ri.ret_addr != getattr(self, "trampoline", None):
+                return ri.ret_addr
+        return None
 
     def _on_ret(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
         """The function returned into the trampoline; ``ev.a`` is the real return address
@@ -194,6 +214,11 @@ class HandlerDispatch:
         if not isinstance(rp, Kretprobe):
             return ACT_CONTINUE, {}
         ri = rp._kph_insts[ev.extra]  # type: ignore[attr-defined]
+        hooked = self._hooked.get(ev.b, [])
+        if ri in hooked:
+            hooked.remove(ri)
+            if not hooked:
+                self._hooked.pop(ev.b, None)
         ri.ret_addr, ri.stack_slot = ev.a, ev.b
         self.stats["returns"] += 1
         regs = self._regs(ev, ch, {"ip": ev.a})

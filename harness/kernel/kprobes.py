@@ -56,17 +56,29 @@ class PtRegs:
     exception frame. ``cpu`` is the vCPU index; ``read_sys("cr2")`` reads a system register.
     """
 
-    __slots__ = ("_vals", "_dirty", "_loader", "_sys", "cpu", "orig_ax")
+    __slots__ = ("_vals", "_dirty", "_loader", "_sys", "_unwinder", "cpu", "orig_ax")
 
     def __init__(self, values: dict[str, int] | None = None, *,
                  loader: Callable[[tuple[str, ...]], dict[str, int]] | None = None,
-                 sys_reader: Callable[[str], int] | None = None, cpu: int = 0) -> None:
+                 sys_reader: Callable[[str], int] | None = None, cpu: int = 0,
+                 unwinder: Callable[["PtRegs", int], list[int]] | None = None) -> None:
         self._vals: dict[str, int] = dict(values or {})
         self._dirty: set[str] = set()
         self._loader = loader
         self._sys = sys_reader
+        self._unwinder = unwinder
         self.cpu = cpu
         self.orig_ax = MASK64
+
+    def stack_trace(self, max_entries: int = 16) -> list[int]:
+        """``stack_trace_save_regs(regs, ...)``: ``ip`` first, then the return addresses
+        outwards, as the guest kernel's unwinder finds them (ORC or frame pointers, as its
+        configuration says; a return the host's kretprobe trampoline took shows as the
+        real address): ``harness.kernel.unwind.stack_trace``. In a handler."""
+        if self._unwinder is None:
+            raise AttributeError("no stack trace here: these registers are not a stopped "
+                                 "vCPU's in a handler")
+        return self._unwinder(self, max_entries)
 
     def _load(self, names: tuple[str, ...] | None = None) -> None:
         if self._loader is None:
