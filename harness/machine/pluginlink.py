@@ -416,10 +416,14 @@ class Channel:
                      comm.split(b"\0", 1)[0], a, b, ids)
 
     def read(self, addr: int, n: int) -> bytes | None:
-        """``n`` bytes of guest virtual memory in this vCPU's address space, or None."""
-        self.sock.sendall(struct.pack("<IIQI", C_READ, 12, addr & (1 << 64) - 1, n))
-        status, length = struct.unpack("<II", self._recv(8))
-        data = self._recv(length) if length else b""
+        """``n`` bytes of guest virtual memory in this vCPU's address space, or None (also
+        when the plugin closed the channel: the session is ending)."""
+        try:
+            self.sock.sendall(struct.pack("<IIQI", C_READ, 12, addr & (1 << 64) - 1, n))
+            status, length = struct.unpack("<II", self._recv(8))
+            data = self._recv(length) if length else b""
+        except (EOFError, OSError):
+            return None
         return None if status else data
 
     def write(self, addr: int, data: bytes) -> bool:
