@@ -346,3 +346,17 @@ def test_nhit_counters_are_not_compared_but_nmissed_is():
     assert res.equivalent and res.applied["nhit"] == 1
     b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 1)})
     assert compare(a, b).first.field == "nmissed"
+
+
+def test_a_guest_value_that_is_the_kretprobe_trampoline_compares_equal_and_no_other():
+    """An fprobe's or kprobe's ``$stack0`` at an ftrace location a host return probe
+    hooked first: the guest reads the host's trampoline (``_etext``) as a value,
+    ``trampoline_text`` gives its number too. Any other value still diverges."""
+    tramp = ("_etext+0x0", "0xffffffff82000000")
+    o = [Outcome("u/work", True, mode="fprobe")]
+    host = [uhit("host", 0, 10, s0="0xffffffff810bd1c4")]
+    same = SideResult("events", o, [uhit("events", 0, 10, s0="0xffffffff82000000")], {})
+    other = SideResult("events", o, [uhit("events", 0, 10, s0="0xffffffff82000008")], {})
+    assert compare(SideResult("host", o, host, {}), same, trampoline=tramp).equivalent
+    assert not compare(SideResult("host", o, host, {}), other, trampoline=tramp).equivalent
+    assert not compare(SideResult("host", o, host, {}), same, trampoline=("_etext+0x0",)).equivalent
