@@ -78,10 +78,12 @@ def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
     (``fprobes`` holds their ``GROUP/EVENT`` and ``EVENT`` names), else ``kprobe_events``."""
     if spec.is_uprobe:
         return "uprobe_events"
-    if spec.is_fprobe:
+    if spec.is_fprobe or spec.is_eprobe:
         return "dynamic_events"
     if spec.kind == "-" and (f"{spec.group}/{spec.event}" in fprobes or
-                             (not spec.group and spec.event in fprobes)):
+                             (not spec.group and spec.event in fprobes) or
+                             (not spec.event and any(n.startswith(f"{spec.group}/")
+                                                     for n in fprobes))):
         return "dynamic_events"
     return "kprobe_events"
 
@@ -118,8 +120,8 @@ class EventsBackend:
                    "kph_log() { x=; while IFS= read -r l; do case $l in *error:*) x=$l;; "
                    "esac; done < error_log; [ -n \"$x\" ] && echo \"$x\"; }"]
         err, last_error = "kph_err", "kph_log"
-        fprobes = frozenset(n for s in specs if s.is_fprobe for n in (f"{s.group}/{s.event}",
-                                                                       s.event))
+        fprobes = frozenset(n for s in specs if s.is_fprobe or s.is_eprobe
+                            for n in (f"{s.group}/{s.event}", s.event))
         for spec in specs:
             line = shlex.quote(guest_line(spec))
             enable = f"events/{spec.group}/{spec.event}/enable"
@@ -152,7 +154,10 @@ class EventsBackend:
                 out.append(Outcome(name, True, index=n))
             else:
                 msg = status[5:].strip().rsplit("write error: ", 1)[-1]
-                text_err = detail.split("error:", 1)[1].strip() if "error:" in detail else msg
+                # "[ts] SUBSYSTEM: error: MSG" (an event filter's: "event filter parse
+                # error: error: MSG")
+                text_err = detail.split(": error:", 1)[1].strip() if ": error:" in detail \
+                    else msg
                 out.append(Outcome.rejected(name, STRERROR.get(msg, _errno.EINVAL), text_err,
                                             index=n))
         modes = probe_modes(listing)
@@ -198,6 +203,8 @@ class EventsBackend:
             return o
         if spec.is_uprobe:
             return Outcome(o.probe, True, mode="uprobe", index=o.index)
+        if spec.is_eprobe:      # a trigger on the attached event
+            return Outcome(o.probe, True, mode="eprobe", index=o.index)
         if spec.is_fprobe:      # an ftrace_ops, not in kprobes/list
             return Outcome(o.probe, True, mode="tprobe" if spec.is_tprobe else "fprobe",
                            index=o.index)
@@ -317,6 +324,8 @@ class EventsBackend:
                                     f"0x{rec.u64(fields['__probe_func']):x}")
                 else:
                     ip, ret_from = f"0x{rec.u64(fields['__probe_ip']):x}", None
+            elif spec.is_eprobe:        # print_eprobe_event(): "(SYSTEM.EVENT)"
+                ip, ret_from = "{}.{}".format(*(spec.attach or ("", ""))), None
             elif "__probe_ret_ip" in fields:
                 text = format_ip(rec.u64(fields["__probe_ret_ip"]), symbolize,
                                  rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)

@@ -36,10 +36,22 @@ class _Ctx:
     """``harness.kernel.grammar.fetch.FetchContext`` over one host-side hit."""
 
     def __init__(self, engine: Any, regs: PtRegs, ip: int, overrides: dict[str, int],
-                 uprobe: Uprobe | None = None, entry: bytes = b"") -> None:
+                 uprobe: Uprobe | None = None, entry: bytes = b"", record: int = 0) -> None:
         self.engine, self.regs, self.ip, self.overrides = engine, regs, ip, overrides
         self.uprobe = uprobe
         self.entry = entry
+        self.record = record
+
+    def event_record(self) -> int:
+        """An event probe's attached record (``rec`` of ``eprobe_trigger_func()``)."""
+        return self.record
+
+    def comm_address(self) -> int:
+        """``current->comm`` as an address (an event probe's untyped ``$comm``)."""
+        task, off = self.task(), getattr(self.engine, "_comm_off", None)
+        if task is None or off is None:
+            raise EngineReadError("the engine does not know where current->comm is")
+        return task + off
 
     def entry_arg(self, n: int) -> int:
         """``$argN`` of a return probe (6.12+, ``FETCH_OP_EDATA``): what the entry handler
@@ -183,6 +195,7 @@ class HostBackend:
         self.armed = armed
         self.alone = alone
         self._stubs: list[str] = []         # tracepoints attach_stubs() put a stub on
+        self._estubs: list[tuple[str, str]] = []    # and events it put an e event on
         self._armed_now = False
         self.comm_rule = comm_rule
         self.engine = vm.host
@@ -201,6 +214,11 @@ class HostBackend:
         self._grouped: dict[int, bool] = {}
         self.layer: TraceLayer | None = None
         self._comm_probe: Kprobe | None = None
+        #: event probes (spec, name, the attached event's ID), in trigger order, and the
+        #: probe at trace_event_buffer_commit() they share
+        self._eprobes: list[tuple[ProbeSpec, str, int]] = []
+        self._commit: Kprobe | None = None
+        self._commit_offs: tuple[int, ...] = ()
         #: (hits recorded before it, pid, new comm) of every rename while recording
         self._comm_changes: list[tuple[int, int, str]] = []
 
@@ -223,6 +241,8 @@ class HostBackend:
         """
         if spec.is_fprobe:
             return self._place_fprobe(spec, name, i)
+        if spec.is_eprobe:
+            return self._place_eprobe(spec, name, i)
         try:
             p = self._make(spec, name)
             if isinstance(p, Uprobe):
@@ -301,6 +321,97 @@ class HostBackend:
         self._ops_changed(spec, +1)
         return Outcome(name, True, mode="tprobe" if spec.is_tprobe else "fprobe", index=i)
 
+    def _place_eprobe(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """An ``e`` line: a trigger on the attached event (trace_eprobe.c:
+        ``enable_eprobe()``), run by ``event_triggers_call()`` from
+        ``trace_event_buffer_commit()`` once the event's record is complete. Host-side, one
+        probe at ``trace_event_buffer_commit()`` serves every event probe
+        (:meth:`_commit_hit`): the record committed is the attached event's (its file's
+        ``event_call->event.type`` is the event's ID, in the top trace instance), its
+        filter matches, then the line's arguments are fetched from the record. Triggers
+        run in the order they were added (``list_add_tail_rcu()``): here, the lines'."""
+        assert self.layer is not None and spec.attach is not None
+        fmt = self.layer.event_format(*spec.attach)
+        if fmt is None:                     # the trace layer checked it: not expected
+            raise ProbeRejectedError(f"no trace event {spec.attach[0]}.{spec.attach[1]}",
+                                     errno=19)
+        if self._commit is None:
+            btf = self.vm.facts.btf
+            self._commit_offs = (btf.offset("trace_event_buffer", "trace_file"),
+                                 btf.offset("trace_event_buffer", "entry"),
+                                 btf.offset("trace_event_file", "event_call"),
+                                 btf.offset("trace_event_file", "tr"),
+                                 btf.offset("trace_event_call", "event.type"),
+                                 self.engine.symbols.lookup("global_trace").addr)
+            self._commit = Kprobe(symbol_name="trace_event_buffer_commit",
+                                  flags=ProbeFlags.DISABLED, pre_handler=self._commit_hit)
+            self.engine.register_kprobe(self._commit)
+            if self._armed_now:
+                self.engine.enable_kprobe(self._commit)
+        self._eprobes.append((spec, name, fmt.id))
+        self.layer.registered(spec, None)
+        self._placed[id(spec)] = ("eprobe", spec)
+        return Outcome(name, True, mode="eprobe", index=i)
+
+    def _commit_hit(self, p: Kprobe, regs: PtRegs) -> int:
+        """``trace_event_buffer_commit(fbuffer)``: the event probes on the event committed."""
+        if not self.recording or not self._eprobes:
+            return 0
+        try:
+            read = self.engine.stub.read_memory
+            f_file, f_entry, f_call, f_tr, f_type, top = self._commit_offs
+            fb = read(regs.di, max(f_file, f_entry) + 8)
+            tfile = int.from_bytes(fb[f_file:f_file + 8], "little")
+            rec = int.from_bytes(fb[f_entry:f_entry + 8], "little")
+            if int.from_bytes(read(tfile + f_tr, 8), "little") != top:
+                return 0                    # another trace instance's event
+            call = int.from_bytes(read(tfile + f_call, 8), "little")
+            etype = int.from_bytes(read(call + f_type, 4), "little")
+        except HarnessError as exc:
+            err = EngineReadError(f"the gdbstub engine could not read the event being "
+                                  f"committed: {exc}")
+            self.engine_errors.append(("(event probes)", err))
+            return 0
+        for spec, name, ident in list(self._eprobes):
+            if ident == etype:
+                self._eprobe_hit(spec, name, regs, rec)
+        return 0
+
+    def _eprobe_hit(self, spec: ProbeSpec, name: str, regs: PtRegs, rec: int) -> None:
+        """``event_triggers_call()`` for one event probe: its filter on the record
+        (``filter_match_preds()``), then ``eprobe_trigger_func()``."""
+        try:
+            if spec.filter is not None and spec.filter.tree is not None:
+                ctx = _Ctx(self.engine, regs, regs.ip, {}, record=rec)
+                if not spec.filter.match(lambda pr: self._filter_field(ctx, pr, regs, rec)):
+                    return
+            self._record_hit(spec, name, regs, rec, None)
+        except HarnessError as exc:
+            err = exc if isinstance(exc, EngineReadError) else EngineReadError(
+                f"the gdbstub engine failed during a hit of {name}: {exc}")
+            self.engine_errors.append((name, err))
+
+    def _filter_field(self, ctx: _Ctx, pred: Any, regs: PtRegs, rec: int) -> Any:
+        """A filter predicate's field as ``filter_pred_*()`` read it (numbers, or a
+        string's bytes up to its NUL)."""
+        if pred.kind == "cpu":
+            return regs.cpu
+        if pred.kind == "comm":
+            return ctx.comm_bytes()
+        addr = rec + pred.offset
+        if pred.kind == "static":
+            return ctx.read(addr, pred.size).split(b"\0", 1)[0]
+        if pred.kind in ("dyn", "rdyn"):
+            loc = int.from_bytes(ctx.read(addr, 4), "little")
+            base = rec if pred.kind == "dyn" else addr + 4
+            n = loc >> 16
+            return ctx.read(base + (loc & 0xFFFF), n).split(b"\0", 1)[0] if n else b""
+        if pred.kind == "ptr":
+            ptr = int.from_bytes(ctx.read(addr, 8), "little")
+            return self.engine.read_string(ptr, 1024) or b""
+        n = pred.size if pred.size in (1, 2, 4, 8) else 8
+        return int.from_bytes(ctx.read(addr, n), "little")
+
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are
         unregistered; none matching is -ENOENT."""
@@ -312,6 +423,9 @@ class HostBackend:
             placed = self._placed.pop(id(s), None)
             if placed is None:
                 continue                    # kept unregistered (pending): nothing placed
+            if isinstance(placed, tuple):   # an event probe's trigger
+                self._eprobes = [e for e in self._eprobes if e[0] is not s]
+                continue
             for p in placed if isinstance(placed, list) else [placed]:
                 self._probes = [(n, q) for n, q in self._probes if q is not p]
                 self._unregister(p)
@@ -397,7 +511,8 @@ class HostBackend:
     def _record_hit(self, spec: ProbeSpec, name: str, regs: PtRegs, what: Any,
                     up: Uprobe | None) -> int:
         eng = self.engine
-        if up is None and not spec.is_fprobe and eng.guest_kprobe_running(regs):
+        if up is None and not spec.is_fprobe and not spec.is_eprobe and \
+                eng.guest_kprobe_running(regs):
             # A call made from inside one of the guest's own kprobe handlers (an in-guest
             # probe on kfree(), and its handler frees): the kernel misses any probe hit
             # there, its own and the one this mirrors. Counted whenever armed, recording
@@ -420,6 +535,11 @@ class HostBackend:
             ret_from = f"0x{what.func:x}" if spec.is_return else None
             if spec.is_return:
                 self._returns[name] = self._returns.get(name, 0) + 1
+        elif spec.is_eprobe:
+            # print_eprobe_event(): "(SYSTEM.EVENT)" where a kprobe shows "(SYM+OFFS)"
+            ip_val = regs.ip
+            ip_text = "{}.{}".format(*(spec.attach or ("", "")))
+            ret_from = None
         elif spec.is_return:
             func = what.rp.addr
             ip_val = regs.ip
@@ -444,7 +564,8 @@ class HostBackend:
             ip_text = eng.symbols.format(what.addr)
             ret_from = None
         ctx = _Ctx(eng, regs, ip_val, overrides, up,
-                   bytes(getattr(what, "data", b"") or b"") if spec.is_return else b"")
+                   bytes(getattr(what, "data", b"") or b"") if spec.is_return else b"",
+                   record=what if spec.is_eprobe else 0)
         ctx.entry_index = entry_args(spec)
         why: dict[int, str] = {}
         values = evaluate(spec, ctx, why)
@@ -471,6 +592,8 @@ class HostBackend:
             for _, p in self._probes:
                 if not isinstance(p, Uprobe):
                     self.engine.enable_kprobe(p)
+            if self._commit is not None:
+                self.engine.enable_kprobe(self._commit)
             self._armed_now = True
 
     def disarm(self) -> None:
@@ -478,6 +601,8 @@ class HostBackend:
             for _, p in self._probes:
                 if not isinstance(p, Uprobe):
                     self.engine.disable_kprobe(p)
+            if self._commit is not None:
+                self.engine.disable_kprobe(self._commit)
             self._armed_now = False
 
     def enable(self, *, also: Callable[[], None] | None = None) -> None:
@@ -488,10 +613,11 @@ class HostBackend:
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
-        if self.alone and not self._stubs:
-            self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe}) \
-                if self.layer is not None else []
-            attach_stubs(self.vm, self._stubs)
+        if self.alone and not self._stubs and not self._estubs and self.layer is not None:
+            specs = self.layer.table.specs()
+            self._stubs = sorted({s.symbol for s in specs if s.is_tprobe})
+            self._estubs = sorted({s.attach for s in specs if s.is_eprobe and s.attach})
+            attach_stubs(self.vm, self._stubs, self._estubs)
         if also is None:
             self.arm()
             self.recording = True
@@ -574,13 +700,17 @@ class HostBackend:
         if self.vm.aborting:  # interrupted: the guest is about to vanish
             self._probes.clear()
             return
-        detach_stubs(self.vm, self._stubs)
-        self._stubs = []
+        detach_stubs(self.vm, self._stubs, self._estubs)
+        self._stubs, self._estubs = [], []
         handler_error: HandlerError | None = None
         probes = list(self._probes)
         if self._comm_probe is not None:
             probes.append(("(comm watch)", self._comm_probe))
             self._comm_probe = None
+        if self._commit is not None:
+            probes.append(("(event probes)", self._commit))
+            self._commit = None
+            self._eprobes.clear()
         for _, p in probes:
             try:
                 self._unregister(p)

@@ -516,10 +516,10 @@ class ModuleBackend:
                     name, _errno.EINVAL, "kph_kprobes.ko registers kprobes only; compare "
                     "uprobes with --guest events (uprobe_events)", index=index))
                 continue
-            if spec.is_fprobe:
+            if spec.is_fprobe or spec.is_eprobe:
                 raise NotMirroredError(
-                    f"not mirrored by the module backend: {spec.kind}: lines (fprobe events "
-                    "and tracepoint probes: kph_kprobes.ko registers kprobes)",
+                    f"not mirrored by the module backend: {spec.kind}: lines (fprobe events, "
+                    "tracepoint probes and event probes: kph_kprobes.ko registers kprobes)",
                     spec.text, 0, hint="compare with --guest events (dynamic_events)")
             adm = layer.admit(spec)
             spec = adm.spec          # as the booted kernel parsed it

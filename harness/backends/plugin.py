@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
+from ..errors import (EngineReadError, HarnessError, NotMirroredError, PluginRecordError,
+                      ProbeRejectedError)
 from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
 from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
@@ -119,6 +120,12 @@ class PluginBackend:
         """Place every line as ``kprobe_events`` would: the trace layer's checks in the
         kernel's order (``harness.backends.tracelayer``, as the gdbstub backend), then the
         plugin's ``register_kprobe()`` rules; one Outcome per line."""
+        for spec in specs:
+            if spec.is_eprobe:
+                raise NotMirroredError(
+                    "not mirrored by the plugin engine: e: lines (event probes: the gdbstub "
+                    "engine fires them at trace_event_buffer_commit())", spec.text, 0,
+                    hint="use the gdbstub engine (--host gdbstub)")
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
             self._ops = FprobeOps(self.layer.rules)

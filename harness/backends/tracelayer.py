@@ -47,6 +47,7 @@ from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symb
 from ..kernel.grammar.fprobe import probestub
 from ..engines.uprobes import file_type
 from ..records import Hit, Outcome
+from ..kernel.ringbuf import EventFormat, parse_format
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
 from ..vmctl import Machine
@@ -208,36 +209,54 @@ def spec_group(spec: ProbeSpec) -> str:
 
 #: the group of the events a host-only run puts a tracepoint probe's stub on with
 STUB_GROUP = "kphstub"
+MAX_EVENT_NAME_LEN = 64
 
 
-def attach_stubs(vm: Machine, tracepoints: Sequence[str]) -> None:
+def _stub_lines(tracepoints: Sequence[str], events: Sequence[tuple[str, str]]
+                ) -> list[tuple[str, str]]:
+    """(group/event, line) of each guest-side stub event."""
+    out = [(f"{STUB_GROUP}/{tp}", f"t:{STUB_GROUP}/{tp} {tp}") for tp in tracepoints]
+    for sys, ev in events:
+        name = f"e_{ev}"[:MAX_EVENT_NAME_LEN - 1]
+        out.append((f"{STUB_GROUP}/{name}", f"e:{STUB_GROUP}/{name} {sys}.{ev}"))
+    return out
+
+
+def attach_stubs(vm: Machine, tracepoints: Sequence[str],
+                 events: Sequence[tuple[str, str]] = ()) -> None:
     """For a host-only run: put each tracepoint's stub on it, as a ``t`` event does, so that
     the host's probe at the stub fires. The guest's own ``t`` event does it, in a group of
     the harness's (``kphstub``), enabled (7.3 puts the stub on at enable; 6.12 at
     creation) with a filter no record passes (``common_pid < 0``): the guest keeps nothing.
-    In a differential run the guest side's event puts it on instead."""
-    if not tracepoints:
+    In a differential run the guest side's event puts it on instead.
+
+    ``events`` (system, event): the same for the events event probes attach to. An event
+    no one enabled records nothing; an ``e`` event of the harness's on it, enabled, makes
+    the kernel build each record and commit it (``trace_event_buffer_commit()``, where the
+    host's event probes fire), and its filter (the attached event's ``common_pid < 0``)
+    keeps its trigger from recording anything."""
+    if not tracepoints and not events:
         return
     script = [f"cd {TRACING_EVENTS}/.."]
-    for tp in tracepoints:
-        ev = f"{STUB_GROUP}/{tp}"
-        script.append(f"echo 't:{ev} {tp}' >> dynamic_events && "
+    for ev, line in _stub_lines(tracepoints, events):
+        script.append(f"echo '{line}' >> dynamic_events && "
                       f"echo 'common_pid < 0' > events/{ev}/filter && "
-                      f"echo 1 > events/{ev}/enable || echo @fail {tp}")
+                      f"echo 1 > events/{ev}/enable || echo @fail {ev}")
     r = vm.run("\n".join(script), timeout=60)
     for ln in r.stdout.splitlines():
         if ln.startswith("@fail"):
-            log.warning("tracepoint %s: its stub could not be put on it in the guest (%s); "
-                        "the host's probe fires only while something else does",
-                        ln[6:], r.stderr.strip()[:200])
+            log.warning("%s: the guest-side stub could not be put on (%s); the host's probe "
+                        "fires only while something else enables it", ln[6:],
+                        r.stderr.strip()[:200])
 
 
-def detach_stubs(vm: Machine, tracepoints: Sequence[str]) -> None:
-    if not tracepoints or getattr(vm, "aborting", False):
+def detach_stubs(vm: Machine, tracepoints: Sequence[str],
+                 events: Sequence[tuple[str, str]] = ()) -> None:
+    if not tracepoints and not events or getattr(vm, "aborting", False):
         return
     vm.run("; ".join([f"cd {TRACING_EVENTS}/.."] + [
-        f"echo 0 > events/{STUB_GROUP}/{tp}/enable; "
-        f"echo '-:{STUB_GROUP}/{tp}' >> dynamic_events" for tp in tracepoints]), timeout=60)
+        f"echo 0 > events/{ev}/enable; echo '-:{ev}' >> dynamic_events"
+        for ev, _ in _stub_lines(tracepoints, events)]), timeout=60)
 
 
 def _names(spec: ProbeSpec) -> list[str]:
@@ -261,6 +280,7 @@ class TraceLayer:
         self._inodes: dict[str, object] = {}
         self._loaded: frozenset[str] | None = None
         self._traced: dict[str, bool] = {}      # function name -> has an ftrace location
+        self._formats: dict[tuple[str, str], EventFormat | None] = {}
 
     @property
     def symbols(self) -> Any:
@@ -396,7 +416,21 @@ class TraceLayer:
         """The booted kernel as the parser sees it (``harness.kernel.grammar.KernelView``)."""
         def read(addr: int, n: int) -> bytes:
             return self.vm.host.read(addr, n)
-        return kernel_view(self.vm.facts, self.symbols, read=read, loaded=self.module_loaded)
+        view = kernel_view(self.vm.facts, self.symbols, read=read, loaded=self.module_loaded)
+        return dataclasses.replace(view, event_format=self.event_format)
+
+    def event_format(self, system: str, event: str) -> EventFormat | None:
+        """The guest's ``events/SYSTEM/EVENT/format`` (None: no such event), for an event
+        probe's ``find_and_get_event()`` and its fields; read once per event."""
+        key = (system, event)
+        if key not in self._formats:
+            path = f"{TRACING_EVENTS}/{system}/{event}/format"
+            r = self.vm.run(f"cat {shlex.quote(path)} 2>/dev/null", timeout=30)
+            try:
+                self._formats[key] = parse_format(r.stdout) if r.status == 0 else None
+            except ValueError:
+                self._formats[key] = None
+        return self._formats[key]
 
     def kernel_spec(self, spec: ProbeSpec) -> ProbeSpec | Refusal:
         """Step 2: ``spec`` as the booted kernel parses it, or its refusal.
@@ -434,7 +468,7 @@ class TraceLayer:
         if isinstance(got, Refusal):
             return Admission(spec, got, reason=f"{self.rules.series}'s parser: {got.message}")
         spec = got
-        if not spec.is_uprobe:
+        if not spec.is_uprobe and not spec.is_eprobe:
             ref = target_refusal(spec, self.symbols.count) \
                 if self.rules.symbol_check == "after_retprobe" else None
             if ref is not None:
@@ -466,10 +500,12 @@ class TraceLayer:
             return Admission(spec, ref)
         if spec.is_uprobe:
             return Admission(spec)
-        if not spec.is_fprobe and self.notrace(spec):
+        if not spec.is_fprobe and not spec.is_eprobe and self.notrace(spec):
             return Admission(spec, Refusal(_errno.EINVAL, FAIL_REG_PROBE, arg_column(spec, 1)),
                              reason="no ftrace location (notrace): within_notrace_func()")
         resolved = resolve_fetch_symbols(spec, self.lookup)
+        if isinstance(resolved, Refusal) and spec.is_eprobe:
+            return Admission(spec, resolved)    # traceprobe_update_arg() fails the line
         if isinstance(resolved, Refusal):
             after = registration_refusal(spec, resolved.errno, self.module_loaded)
             if after is None:

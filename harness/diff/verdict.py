@@ -28,7 +28,8 @@ Normalizations, all listed here and named in every report (nothing else is norma
   sets ``regs->ip`` to the saved return address before the handlers run,
   kernel/events/uprobes.c: ``handle_trampoline()``, kernel/kprobes.c:
   ``__kretprobe_trampoline_handler()``).
-- ``stale``, ``below-sp``, ``flags``: a host ``(unknown)`` matches any value, for that
+- ``stale``, ``below-sp``, ``flags``, ``kernel-data``: a host ``(unknown)`` matches any
+  value, for that
   argument of that hit only, and only where the host's record says why the kernel makes
   it unknowable (``Hit.unknown``; a host read that fails for any other reason is no value:
   the run fails, ``harness.errors.EngineReadError``). ``stale``: the fetch took a real
@@ -37,6 +38,8 @@ Normalizations, all listed here and named in every report (nothing else is norma
   ``below-sp``: the fetch read the probed context's stack below its sp, where the guest
   probe's own frames are by the time its handler reads. ``flags``: the plugin engine's
   ``%flags`` (TCG keeps the arithmetic flags lazily; the plugin API cannot read them).
+  ``kernel-data``: an event probe's untyped ``\\"STR"`` records the address of the
+  kernel's own copy of the string (kernel/trace/trace_probe.c: ``parse_probe_arg()``).
 - ``pid``: a hit whose pid one side cannot know (no ``task_struct`` offsets, or the task
   not readable at the hit) has its pid left out of that comparison, counted. Where both
   sides know it, the pid is compared, and so is the cpu, always.
@@ -101,6 +104,9 @@ NORMALIZATIONS = {
                 "guest probe's own frames) matches any value, that argument only",
     "flags": "a plugin-engine (unknown) %flags (TCG's lazy flags) matches any value, that "
              "argument only",
+    "kernel-data": "a host (unknown) where an event probe records the address of the "
+                   "kernel's own copy of an immediate string matches any value, that "
+                   "argument only",
     "pid": "a pid one side cannot know left out of that hit's comparison",
     "refused-missing": "a line one side refused that the other side never placed: no "
                        "registration to compare",
@@ -109,7 +115,7 @@ NORMALIZATIONS = {
 }
 UNKNOWN_TEXT = "(unknown)"
 #: The rules that make a host (unknown) match, by the reason its record gives.
-UNKNOWN_RULES = ("stale", "below-sp", "flags")
+UNKNOWN_RULES = ("stale", "below-sp", "flags", "kernel-data")
 
 
 def _unknown_match(a: str, b: str) -> bool:

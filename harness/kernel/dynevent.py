@@ -166,7 +166,7 @@ class EventTable:
         # find_trace_kprobe(), find_trace_uprobe(), find_trace_fprobe(): a line joins an
         # event of its own kind; another kind's event of that name is EVENT_EXIST
         same_kind = [o for o in olds if _family(o) == _family(spec)]
-        if same_kind:
+        if same_kind and not spec.is_eprobe:    # an event probe is never appended to
             old = same_kind[0]
             # append_trace_fprobe(): an exit or a tracepoint probe is another type too
             if spec.is_return != old.is_return or spec.is_tprobe != old.is_tprobe:
@@ -222,7 +222,7 @@ class EventTable:
 
 
 def _family(spec: ProbeSpec) -> str:
-    return "u" if spec.is_uprobe else "f" if spec.is_fprobe else "k"
+    return "u" if spec.is_uprobe else "f" if spec.is_fprobe else "e" if spec.is_eprobe else "k"
 
 
 def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
@@ -230,10 +230,31 @@ def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
     (hashed: no text a user writes matches it)."""
     if not argv:
         return True
+    if old.is_eprobe:
+        return _match_eprobe(old, argv)
     if old.symbol is None:
         return False
     head = old.symbol_name + (f"+{old.offset}" if old.offset else "")
     if argv[0] != head or len(argv) - 1 > len(old.args):
+        return False
+    return all(a == f"{p.name}={_comm(p)}" for a, p in zip(argv[1:], old.args))
+
+
+def _match_eprobe(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
+    """``eprobe_dyn_event_match()`` (kernel/trace/trace_eprobe.c, 6.12 and 7.3) past the
+    name: the first word is the attached ``SYSTEM/EVENT`` (or ``SYSTEM.EVENT``), the system
+    compared with ``strncmp()`` over the word's length (``sys/EVENT`` matches a probe on
+    ``syscalls.EVENT``), then ``NAME=COMM`` of the first arguments."""
+    word = argv[0]
+    cut = word.find("/")
+    if cut < 0:
+        cut = word.find(".")
+    if cut < 0 or old.attach is None:
+        return False
+    system, event = old.attach
+    if (system + "\0" * cut)[:cut] != word[:cut] or event != word[cut + 1:]:
+        return False
+    if len(argv) - 1 > len(old.args):
         return False
     return all(a == f"{p.name}={_comm(p)}" for a, p in zip(argv[1:], old.args))
 

@@ -215,6 +215,11 @@ class KernelRules:
     #: same stub on the tracepoint again, ``tracepoint_probe_register_prio_may_exist()``
     #: refuses it; 7.3 puts it once for all of them)
     tprobe_stub_once: bool = False
+    #: event probes (``e`` lines) host-side: "" not mirrored (6.1); "dollar" (6.12: an
+    #: event field is ``$FIELD`` only, a bare name is a BTF argument: NOSUP_BTFARG);
+    #: "bare" (7.3: ``FIELD`` or ``$FIELD``, an unknown bare name NO_EVENT_FIELD, and a
+    #: typecast may take a field: ``(STRUCT)FIELD->MEMBER``)
+    eprobe: str = ""
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -243,7 +248,7 @@ _6_12 = KernelRules(
     comm_type_logged=True, current_var=False, this_cpu=False, typecasts=False,
     max_nested=None, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="rethook", fprobe_reg_error="BAD_FETCH_ARG",
-    fprobe_no_match="FAIL_REG_PROBE", tprobe_stub_once=True)
+    fprobe_no_match="FAIL_REG_PROBE", tprobe_stub_once=True, eprobe="dollar")
 
 _7_3 = KernelRules(
     series="7.3", errors=_ERRORS_7_3, arg_parser="context", maxact_on_kprobe="BAD_MAXACT_TYPE",
@@ -253,7 +258,7 @@ _7_3 = KernelRules(
     comm_type_logged=True, current_var=True, this_cpu=True, typecasts=True,
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
-    fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22)
+    fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare")
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
 
@@ -282,6 +287,9 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
         "fprobe": "kernel/trace/trace_fprobe.c: __trace_fprobe_create(); kernel/trace/fprobe.c: fprobe_init_rethook(), fprobe_exit_handler()",
         "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (case '%': BAD_VAR, then BAD_FETCH_ARG)",
         "fprobe_no_match": "kernel/trace/trace_fprobe.c: __trace_fprobe_create() (register_trace_fprobe() -EINVAL)",
+        "eprobe": "kernel/trace/trace_eprobe.c: __trace_eprobe_create(), "
+                  "trace_eprobe_tp_update_arg(); trace_probe.c: parse_probe_vars() "
+                  "(TPARG_FL_TEVENT), parse_trace_event_arg()",
         "tprobe_stub_once": "kernel/trace/trace_fprobe.c: __regsiter_tracepoint_fprobe(); "
                             "kernel/tracepoint.c: tracepoint_add_func() (-EEXIST)",
         "arg_parser": "kernel/trace/trace_probe.c: traceprobe_parse_probe_arg(tp, i, arg, "
@@ -312,6 +320,9 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
         "fprobe": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal(); kernel/trace/fprobe.c: fprobe_fgraph_entry(), fprobe_return()",
         "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (parse_probe_arg_register(): BAD_VAR)",
         "fprobe_no_match": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() (register_trace_fprobe_event() -ENOENT)",
+        "eprobe": "kernel/trace/trace_eprobe.c: trace_eprobe_create_internal(); "
+                  "trace_probe.c: parse_probe_arg_default(), parse_trace_event(), "
+                  "handle_typecast() (tparg_is_event_probe())",
         "fprobe_register_errno": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
                                  "(return -EINVAL after register_trace_fprobe_event())",
         "arg_parser": "kernel/trace/trace_probe.c: parse_probe_arg() (a loop: "

@@ -135,7 +135,7 @@ def guest_error(vm, line: str) -> tuple[int, str | None, int | None] | None:
     """Write ``line`` to the guest's kprobe_events/uprobe_events: (errno, error_log message
     or None, caret column or None), or None when the guest accepts it (then removed)."""
     target = line.split()[1] if len(line.split()) > 1 else ""
-    f = "dynamic_events" if line[:1] in "ft" else \
+    f = "dynamic_events" if line[:1] in "fte" else \
         "uprobe_events" if "/" in target else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log")
@@ -148,7 +148,8 @@ def guest_error(vm, line: str) -> tuple[int, str | None, int | None] | None:
     if not log:
         return code, None, None
     # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
-    msg = [ln for ln in log if " error: " in ln][-1].split(" error: ", 1)[1]
+    # "[ts] event_probe: error: MSG", or "[ts] event filter parse error: error: MSG"
+    msg = [ln for ln in log if " error: " in ln][-1].split(": error: ", 1)[1]
     caret = log[-1].index("^") - len("  Command: ")
     return code, msg, caret
 
@@ -191,10 +192,11 @@ def check_parse_refusals(vm, items, *, carets: bool = True) -> tuple[int, int, i
     ``carets``: the selftest's caret must be the kernel's too (its own kernel's list).
     Returns (logged, silent, accepted) counts."""
     from harness.errors import ProbeSpecError
-    from harness.machine.image.facts import kernel_view
     from harness.kernel.grammar import parse
 
-    view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
+    from harness.backends.tracelayer import TraceLayer
+
+    view = TraceLayer(vm).view()        # the booted kernel: rules, BTF, symbols, events
     bad, logged, silent, accepted = [], 0, 0, 0
     for source, raw in items:
         raw = fill(raw, vm)

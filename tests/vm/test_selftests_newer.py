@@ -16,9 +16,8 @@ is here once (``$FUNCTION_FORK`` = ``kernel_clone``), in one of:
 - ``FPROBE_CASES[series]`` and ``FPARSE[series]``: the dynevent selftests' ``f:`` and
   ``t:`` lines (fprobe events, tracepoint probes), run on both sides as ``CASES`` and
   ``PARSE`` are;
-- ``NOT_MIRRORED[series]``: the ``e:`` lines of the dynevent selftests, which the host
-  refuses with a one-line reason (no eprobe side yet), checked to be refused host-side
-  and taken by the guest;
+- ``EPROBE_CASES[series]`` and ``EPARSE[series]``: the ``e:`` lines (event probes) of the
+  dynevent selftests and refused filters, run on both sides as ``CASES`` and ``PARSE``;
 - ``SKIPPED[series]``: what cannot run here, each with the reason.
 
 Each kernel's image is built on first use; every test boots a fresh machine of its own
@@ -423,14 +422,84 @@ FPARSE["7.3"] += _TPARSE_COMMON + [("dynevent/tprobe_syntax_errors.tc", line) fo
     "t kfree ^" + "+1234567(" * 26 + "@1234" + ")" * 26)] + [
     ("dynevent/fprobe_syntax_errors.tc", "t kmem^/kfree")]
 
-#: The e: lines of the dynevent selftests (event probes), refused host-side.
-_E_LINES = [
-    ("dynevent/add_remove_eprobe.tc", "e:eprobes/sys_enter_chdir syscalls/sys_enter_chdir "
-     "file=+0($filename):ustring"),
-    ("dynevent/test_duplicates.tc",
-     "e:egroup/eevent syscalls/sys_enter_openat file=+0($filename):ustring"),
+#: Event probes (e:): the dynevent selftests' lines, each kind of field, filters.
+CHDIR = "cd /sys/kernel/tracing; cd /"                # add_remove_eprobe.tc's workload
+_EP = "syscalls/sys_enter_chdir file=+0($filename):ustring"
+_DUP = "syscalls/sys_enter_openat file=+0($filename):ustring"
+_DUP_LINES = [f"e:egroup/eevent {_DUP}", f"e:egroup/eevent {_DUP}",
+              f"e:syscalls/sys_enter_open {_DUP}", "p:kgroup/kevent vfs_open file=+0($arg2)",
+              f"e:kgroup/kevent {_DUP}", "p:kgroup/kevent vfs_open file=+0($arg2)",
+              "p:egroup/eevent vfs_open file=+0($arg2)",
+              "p:syscalls/sys_enter_open vfs_open file=+0($arg2)"]
+_DUP_WANT = ("hit", EEXIST_EVENT, EEXIST_EVENT, "hit", EEXIST_EVENT, EEXIST_SAME,
+             EEXIST_EVENT, EEXIST_EVENT)
+_EPROBE = [
+    C("dynevent/add_remove_eprobe.tc", f"e:eprobe_chdir {_EP}", CHDIR),
+    *[C("dynevent/add_remove_eprobe.tc", [f"e:eprobe_chdir {_EP}", minus], CHDIR, "ok", "ok")
+      for minus in ("-:eprobe_chdir", "-:eprobes/eprobe_chdir",
+                    "-:eprobes/eprobe_chdir syscalls/sys_enter_chdir",
+                    "-:eprobe_chdir syscalls/sys_enter_chdir", f"-:eprobe_chdir {_EP}",
+                    f"-:eprobes/eprobe_chdir {_EP}")],
+    C("dynevent/add_remove_eprobe.tc", f"e:mygroup/ {_EP}", CHDIR),
+    C("dynevent/add_remove_eprobe.tc", [f"e:mygroup/ {_EP}", "-:mygroup/"], CHDIR, "ok", "ok"),
+    # -: lines that match nothing: another attached event, another argument
+    C("dynevent/add_remove_eprobe.tc", [f"e:eprobe_chdir {_EP}",
+                                        "-:eprobe_chdir sched/sys_enter_chdir",
+                                        "-:eprobe_chdir syscalls/sys_enter_chdir x=$filename"],
+      CHDIR, "hit", "ENOENT", "ENOENT"),
+    C("dynevent/test_duplicates.tc", _DUP_LINES, OPEN, *_DUP_WANT),
+    C("dynevent/test_duplicates.tc", _DUP_LINES + ["-:kgroup/kevent", "-:egroup/eevent"], OPEN,
+      "ok", *_DUP_WANT[1:3], "ok", *_DUP_WANT[4:], "ok", "ok"),
+    # each kind of field get_event_field() reads, $comm untyped (an address) and typed,
+    # @SYM and immediates, and filters on numbers, strings, the generic comm and CPU
+    C("dynevent/add_remove_eprobe.tc",
+      "e:op syscalls.sys_enter_openat f=+0($filename):ustring fl=$flags:x32 d=$dfd:s32 "
+      "c=$comm c2=$comm:string j=@nr_cpu_ids:u32 i=\\7 s=\\\"str\"", OPEN),
+    C("dynevent/add_remove_eprobe.tc",
+      "e:fk sched.sched_process_fork pp=$parent_pid cp=$child_pid:s32 "
+      "pc=$parent_comm:string pa=$parent_comm if child_pid > 0 && parent_comm ~ \"*s*\"",
+      FORK),
+    C("dynevent/add_remove_eprobe.tc",
+      ["e:a syscalls.sys_enter_openat f=+0($filename):ustring if comm == \"nothing\"",
+       "e:b syscalls.sys_enter_openat f=+0($filename):ustring if dfd != 1 || CPU == 0",
+       "e:c sched.sched_process_fork p=$child_pid if !(child_pid < 2) && common_pid > 0"],
+      f"{OPEN}; {FORK}", "ok", "hit", "hit"),
 ]
-NOT_MIRRORED = {"6.12": _E_LINES, "7.3": _E_LINES}
+_EPROBE_7_3 = [
+    # bare field names, a __data_loc string, a typecast of a field (7.3)
+    C("dynevent/eprobes_syntax_errors.tc",
+      "e:op syscalls.sys_enter_openat f=filename:ustring v=__filename_val:string dfd",
+      OPEN),
+    C("dynevent/btf_typecast_accepted.tc",
+      "e:tc sched.sched_process_fork p=(task_struct)$parent_comm->pid:x32", FORK),
+]
+EPROBE_CASES = {"6.12": _EPROBE, "7.3": _EPROBE + _EPROBE_7_3}
+
+#: eprobes_syntax_errors.tc's parse errors (caret where the selftest puts it), and filters
+#: create_event_filter() refuses (the caret in the filter: no selftest caret).
+_EPARSE_COMMON = [("dynevent/eprobes_syntax_errors.tc", line) for line in (
+    "e ^a.", "e ^.b", "e ^a.b", "e syscalls/sys_enter_openat ^foo",
+    "e:^/bar syscalls/sys_enter_openat",
+    "e:^12345678901234567890123456789012345678901234567890123456789012345/bar "
+    "syscalls/sys_enter_openat",
+    "e:^foo.1/bar syscalls/sys_enter_openat", "e:^ syscalls/sys_enter_openat",
+    "e:foo/^12345678901234567890123456789012345678901234567890123456789012345 "
+    "syscalls/sys_enter_openat",
+    "e:foo/^bar.1 syscalls/sys_enter_openat", "e:foo/bar syscalls/sys_enter_openat arg=^$foo",
+    "e:foo/bar syscalls/sys_enter_openat if ^")] + [
+    ("dynevent/add_remove_eprobe.tc", line) for line in (
+        "e sched/sched_switch if prev_pid >", "e sched/sched_switch if foo == 1",
+        "e sched/sched_switch if prev_comm == 1", "e sched/sched_switch if prev_comm < \"a\"",
+        "e sched/sched_switch if prev_pid == 1x", "e sched/sched_switch if prev_comm ~ \"ab",
+        "e sched/sched_switch ^$common_pid", "e sched/sched_switch ^%ax",
+        "e sched/sched_switch ^$arg1", "e sched/sched_switch +0(^$comm)",
+        "e sched/sched_switch $prev_comm:^unknown")]
+EPARSE = {"6.12": _EPARSE_COMMON + [("dynevent/eprobes_syntax_errors.tc",
+                                     "e:foo/bar syscalls/sys_enter_openat arg=^dfd")],
+          "7.3": _EPARSE_COMMON + [("dynevent/eprobes_syntax_errors.tc", line) for line in (
+              "e:foo/bar syscalls/sys_enter_openat arg=^COMM",
+              "e:foo/bar syscalls/sys_enter_openat arg=^current",
+              "e:foo/bar syscalls/sys_enter_openat arg=^this_cpu_read(file)")]}
 
 _SKIPPED_COMMON = {
     "dynevent/add_remove_btfarg.tc: t:tpevent2 sched_wakeup p->se.group_node.next->prev":
@@ -449,14 +518,11 @@ _SKIPPED_COMMON = {
         "a property of clearing kprobe_events, not of a probe definition",
     "dynevent/clear_select_events.tc, generic_clear_event.tc":
         "their kprobe definitions are add_remove_kprobe.tc's; they test synthetic events",
-    "dynevent/test_duplicates.tc: the 'e:' lines": "eprobes: the harness has no eprobe side "
-    "yet; their lines are refused host-side (NOT_MIRRORED checks that)",
     "dynevent/add_remove_uprobe.tc: p:myevent on /bin/busybox's ELF entry point":
         "a uprobe on a program's first instruction stops the host's gdbstub engine (QEMU "
         "answers E14 reading the instruction at the first hit, on 6.1 too): a known "
         "limitation of the uprobe engine, not of these kernels' rules",
-    "dynevent/add_remove_eprobe.tc, eprobes_syntax_errors.tc, add_remove_synth.tc":
-        "eprobes and synthetic events, not kprobe/uprobe lines",
+    "dynevent/add_remove_synth.tc": "synthetic events, not probe lines",
 }
 SKIPPED = {"6.12": _SKIPPED_COMMON, "7.3": _SKIPPED_COMMON | {
     "dynevent/btf_typecast_accepted.tc: kpevent9, kpevent10; btf_probe_event.tc":
@@ -699,24 +765,48 @@ def test_fprobe_handlers_order_on_one_function(series, diff):
         assert set(e1) == set(e2) == {addr}, (e1, e2, addr)
 
 
-@pytest.mark.parametrize("series", NEWER)
-def test_eprobe_lines_are_refused_host_side(series, machine):
-    """What the host cannot mirror it refuses, with one line, before placing anything;
-    the guest takes the same lines (written to ``dynamic_events``)."""
-    from harness.errors import NotMirroredError
-    from harness.machine.image.facts import kernel_view
-    from harness.kernel.grammar import parse
+_EPROBE_PARAMS = [(s, c) for s in NEWER for c in EPROBE_CASES[s]]
 
-    view = kernel_view(machine.facts, machine.symbols)
-    for source, raw in NOT_MIRRORED[series]:
-        line = raw.replace("^", "")
-        with pytest.raises(NotMirroredError, match=f"not mirrored host-side: event probes .* on {series}"):
-            parse(line, kernel=view)
-        if "^" in raw:
-            continue
-        r = machine.run(f"echo '{line}' >> /sys/kernel/tracing/dynamic_events && echo @ok; "
-                        "echo > /sys/kernel/tracing/dynamic_events")
-        assert "@ok" in r.stdout, f"{source}: the guest refused {line!r}: {r.stderr}"
+
+@pytest.mark.parametrize("series,case", _EPROBE_PARAMS,
+                         ids=ids(_EPROBE_PARAMS, lambda p: f"{p[0]} {case_id(p[1])}"))
+def test_own_eprobe_case(series, case, diff):
+    """Event probes (``e:``) host-side (at ``trace_event_buffer_commit()`` of the attached
+    event, its filter, then the fields of its record) against the guest's own."""
+    check_case(diff, case, series)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_own_eprobe_parse_refusals(series, machine):
+    """eprobes_syntax_errors.tc and refused filters: message, caret and errno alike."""
+    logged, silent, accepted = check_parse_refusals(machine, EPARSE[series])
+    assert (logged, silent, accepted) == (len(EPARSE[series]), 0, 0)
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_eprobe_host_only_puts_a_stub_on_the_event(series, machine):
+    """A host-only run (no guest side): the harness's own ``e`` event on the attached
+    event makes the kernel build its records (filtered out: the guest keeps nothing),
+    and the host's probe fires on each; the stub is gone afterwards."""
+    from harness.backends.host import HostBackend
+    from harness.kernel.grammar import KernelView, parse
+
+    spec = parse("e:fk sched.sched_process_fork cp=$child_pid:s32 pc=$parent_comm:string",
+                 kernel=KernelView(machine.facts.rules))
+    host = HostBackend(machine, alone=True)
+    try:
+        assert host.register([spec])[0].accepted
+        host.enable()
+        machine.run("(true); (true); (true)")
+        host.disable()
+        hits = host.collect()
+    finally:
+        host.close()
+    forks = [h for h in hits if h.probe == "eprobes/fk"]
+    assert len(forks) >= 3 and all(int(h.arg("cp")) > 1 for h in forks), hits
+    left = machine.run("cat /sys/kernel/tracing/dynamic_events; cat /sys/kernel/tracing/trace"
+                       " | grep -c kphstub || true").stdout
+    assert "kphstub" not in left.split("\n", 1)[0] and left.strip().endswith("0"), left
 
 
 def test_inventory():
@@ -724,7 +814,7 @@ def test_inventory():
     readme = (Path(__file__).parents[2] / "docs" / "matrix.md").read_text()
     for s in NEWER:
         total = len(CASES[s]) + len(PARSE[s]) + len(REGISTRATION) + len(FPROBE_CASES[s]) + \
-            len(FPARSE[s])
+            len(FPARSE[s]) + len(EPROBE_CASES[s]) + len(EPARSE[s])
         assert f"{s}: **{total} selftest-derived cases**" in readme, s
         for what in SKIPPED[s]:
             assert what in readme, what

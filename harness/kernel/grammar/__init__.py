@@ -8,11 +8,13 @@
 - ``kprobe``   ``kprobe_events`` lines (``kernel/trace/trace_kprobe.c``);
 - ``uprobe``   ``uprobe_events`` lines (``kernel/trace/trace_uprobe.c``);
 - ``fprobe``   ``f`` lines of ``dynamic_events`` (``kernel/trace/trace_fprobe.c``, 6.12+);
+- ``eprobe``   ``e`` lines of ``dynamic_events`` (``kernel/trace/trace_eprobe.c``, 6.12+),
+               their ``if`` filters parsed by :mod:`harness.kernel.evfilter`;
 - ``fetch``    what fetch args are and yield: the tree, host-side evaluation, printed text
                (``kernel/trace/trace_probe_tmpl.h``: ``process_fetch_insn()``);
 - ``program``  fetch args compiled for the QEMU plugin, and its captures read back.
 
-``kprobe``, ``uprobe`` and ``fprobe`` build on ``common`` and none imports another. This
+``kprobe``, ``uprobe``, ``fprobe`` and ``eprobe`` build on ``common`` and none imports another. This
 package is the one entry, as the ``dynamic_events`` file is (``kernel/trace/trace_dynevent.c``):
 :func:`parse` splits a line, takes comments and ``-:`` deletions, and hands a ``p``/``r``
 line to the grammar its target names; :func:`format`, :func:`kernel_format` and
@@ -24,6 +26,7 @@ line to the grammar its target names; :func:`format`, :func:`kernel_format` and
     p[:[GRP/][EVENT]] PATH:OFFSET[(REF_CTR_OFFSET)][%return] [FETCHARGS]
     f[MAXACTIVE][:[GRP/][EVENT]] KSYM[%return] [FETCHARGS]          (6.12+)
     t[:[GRP/][EVENT]] TRACEPOINT [FETCHARGS]                         (6.12+)
+    e[:[GRP/][EVENT]] SYSTEM.EVENT [FETCHARGS] [if FILTER]           (6.12+)
     -:[GRP/][EVENT] [SYM [NAME=FETCHARG]...]
 
 ``format(parse(s)) == s`` for canonical ``s``: one space between tokens, no comment, symbol
@@ -41,6 +44,7 @@ from .common import (MAX_TRACE_ARGS, REGISTERS, KernelView, ParseFail, ProbeArg,
                      kstrtoul, parse_arg, render_body, split_symbol_offset)
 from .fetch import (Bitfield, Comm, Deref, FetchArg, FuncArg, Imm, ImmString, MemAddr, MemSymbol,
                     Reg, RetVal, StackEntry, StackPointer)
+from .eprobe import format_eprobe, kernel_format_eprobe, parse_eprobe
 from .fprobe import format_fprobe, kernel_format_fprobe, parse_fprobe
 from .kprobe import format_kprobe, kernel_format_kprobe, parse_kprobe
 from .uprobe import format_uprobe, kernel_format_uprobe, parse_uprobe
@@ -154,8 +158,10 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
     kind = head[0]
     if kind in ("f", "t") and rules.fprobe and len(toks) >= 2:
         return parse_fprobe(toks, text, kernel)
+    if kind == "e" and rules.eprobe and len(toks) >= 2:
+        return parse_eprobe(toks, text, kernel)
     if kind not in ("p", "r"):
-        if kind in ("f", "t") and rules.fprobe:     # trace_fprobe_create(): argc < 2
+        if kind in ("f", "t", "e") and rules.fprobe:    # *_create(): argc < 2
             raise ParseFail("Unknown probe type; use p, r or -", h0, logged=False)
         if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
             raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "
@@ -179,6 +185,8 @@ def format(spec: ProbeSpec) -> str:  # noqa: A001 - the module's verb, as in the
         return " ".join((f"-:{name}",) + spec.match)
     if spec.is_fprobe:
         return format_fprobe(spec)
+    if spec.is_eprobe:
+        return format_eprobe(spec)
     return format_kprobe(spec)
 
 
@@ -191,6 +199,8 @@ def kernel_format(spec: ProbeSpec) -> str:
         return kernel_format_uprobe(spec)
     if spec.is_fprobe:
         return kernel_format_fprobe(spec)
+    if spec.is_eprobe:
+        return kernel_format_eprobe(spec)
     return kernel_format_kprobe(spec)
 
 
@@ -202,6 +212,8 @@ def guest_line(spec: ProbeSpec) -> str:
     if spec.is_uprobe or spec.kind == "-" or not spec.text:
         return kernel_format(spec)
     toks = _SPACE.findall(spec.text.split("#", 1)[0])
+    if spec.is_eprobe:
+        return " ".join([f"e:{spec.group}/{spec.event}"] + toks[1:])
     if spec.is_fprobe:
         head = spec.kind + (str(spec.maxactive) if spec.maxactive else "")
         if not spec.explicit_event and not is_good_name(spec.event):

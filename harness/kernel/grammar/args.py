@@ -31,7 +31,8 @@ from ..btf import (BTF, INT_SIGNED, KIND_ARRAY, KIND_ENUM, KIND_ENUM64, KIND_INT
                   KIND_STRUCT, KIND_UNION, BtfType)
 from .fetch import (FETCH_TYPES, REGISTERS, THREAD_SIZE, BtfVar, Comm, Current, Deref, EntryArg,
                         FetchArg, FileOffset, FuncArg, Imm, ImmString, MemAddr, MemSymbol,
-                        PerCpu, Reg, RetVal, StackEntry, StackPointer, Bitfield)
+                        PerCpu, Reg, RetVal, StackEntry, StackPointer, Bitfield, EventField,
+                        field_kind)
 from ..rules import KernelRules
 
 __all__ = ["LineContext", "Fail", "parse_arg", "expand_meta_args", "expand_dentry_args",
@@ -89,6 +90,9 @@ class LineContext:
     struct_type: BtfType | None = None        # 7.3 typecast target (struct_btf)
     prefix_byteoffs: int = 0
     entry_args: list[int] = field(default_factory=list)   # __store_entry_arg()
+    #: an event probe's attached event: its fields by name (``trace_get_fields()``: the
+    #: event's own, no ``common_*``), None when not known yet (lenient)
+    event_fields: Any = None
 
     def err(self, code: str, pos: int | None = None, errno: int = E.EINVAL) -> Fail:
         return Fail(self.rules.message(code), self.offset if pos is None else pos, errno)
@@ -369,10 +373,32 @@ def _btf_arg(lc: LineContext, varname: str, a: _Arg) -> FetchArg:
 
 # ---------------------------------------------------------------- $variables
 
+def _event_field(lc: LineContext, name: str, a: _Arg, bare: bool = False) -> FetchArg | None:
+    """``parse_trace_event_arg()``: ``name`` among the attached event's fields
+    (``FETCH_OP_TP_ARG``), or None. Before the kernel is known any name is taken."""
+    if lc.event_fields is None:
+        a.ops.append(("tp_arg", name, None, 8, False, "int"))
+        return EventField(name, bare)
+    f = lc.event_fields.get(name)
+    if f is None:
+        return None
+    a.ops.append(("tp_arg", name, f.offset, f.size, bool(f.signed), field_kind(f.decl)))
+    return EventField(name, bare)
+
+
 def _vars(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
     """``parse_probe_vars()`` (6.12) / 7.3's split of it; ``arg`` starts at ``$``."""
     v = arg[1:]
     r = lc.rules
+    if lc.flags & FL_TEVENT:
+        # parse_probe_vars() (6.12) / 7.3's: an event field first, then $comm, nothing else
+        node = _event_field(lc, v, a)
+        if node is not None:
+            return node
+        if v in ("comm", "COMM"):
+            a.ops.append(("comm",))
+            return Comm()
+        raise lc.err("BAD_VAR")
     if r.current_var and v in ("comm", "COMM"):         # 7.3 checks $comm first
         a.ops.append(("comm",))
         return Comm()
@@ -499,6 +525,12 @@ def _leaf(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
         node = _mem(lc, arg, a)
     elif c == "\\":
         node = _imm(lc, arg, a)
+    elif c.isascii() and (c.isalpha() or c == "_") and lc.flags & FL_TEVENT and \
+            lc.rules.eprobe == "bare":
+        # 7.3's parse_probe_arg_default(): a bare name is an event field
+        node = _event_field(lc, arg, a, bare=True)
+        if node is None:
+            raise lc.err("NO_EVENT_FIELD")
     elif c.isascii() and (c.isalpha() or c == "_"):
         if not lc.is_entry and not lc.is_return:
             raise lc.err("NOSUP_BTFARG")
@@ -575,7 +607,9 @@ def _parse_7_3(lc: LineContext, arg: str, a: _Arg) -> FetchArg:
             st, arg = _typecast_head(lc, arg)
             stack.append(st)
         else:
-            if not lc.flags & FL_KERNEL:
+            # parse_this_cpu(): kernel probes only, and not event probes ("event data
+            # pointer should not be recorded by events")
+            if not lc.flags & FL_KERNEL or lc.flags & FL_TEVENT:
                 raise lc.err("NOSUP_PERCPU")
             read = arg.startswith(_THIS_CPU_READ)
             n = len(_THIS_CPU_READ if read else _THIS_CPU_PTR)
@@ -621,7 +655,8 @@ def _typecast_head(lc: LineContext, arg: str) -> tuple[tuple, str]:
     """``handle_typecast()``: ``(STRUCT[,FIELD])VAR->...``; returns the state and the
     inner argument."""
     orig = lc.offset
-    if not (lc.is_entry or lc.is_return):
+    # 7.3: tparg_is_event_probe() || tparg_is_function_entry() || ..._return()
+    if not (lc.is_entry or lc.is_return or lc.flags & FL_TEVENT and lc.rules.eprobe == "bare"):
         raise lc.err("NOSUP_BTFARG", errno=E.EOPNOTSUPP)
     rp = arg.find(")")
     if rp < 0:
@@ -704,7 +739,7 @@ def _arg_type(lc: LineContext, body: str) -> tuple[str, str | None, int, int, st
             if n > MAX_ARRAY_LEN:
                 raise lc.err("ARRAY_TOO_BIG", lc.offset + npos)
             count = n
-    if arg in ("$comm", "$COMM") or arg.startswith('\\"'):
+    if not lc.flags & FL_TEVENT and (arg in ("$comm", "$COMM") or arg.startswith('\\"')):
         if count or (tstr is not None and tstr != "string"):
             if lc.rules.comm_type_logged:
                 raise lc.err("NEED_STRING_TYPE", lc.offset + (colon + 1 if colon >= 0 else 0))
@@ -795,11 +830,11 @@ def _finalize(lc: LineContext, a: _Arg, tname: str, count: int, tstr: str | None
     tpos = lc.offset + toff
     if ftype.is_string:
         symstr = tname == "symstr"
-        allowed = (("reg", "stack", "retval", "arg", "deref") if symstr else
-                   ("deref", "uderef", "imm", "comm", "data"))
+        allowed = (("reg", "stack", "retval", "arg", "deref", "tp_arg") if symstr else
+                   ("deref", "uderef", "imm", "comm", "data", "tp_arg"))
         if last not in allowed:
             raise lc.err("BAD_SYMSTRING" if symstr else "BAD_STRING", tpos)
-        if symstr or last in ("imm", "comm", "data") or count:
+        if symstr or last in ("imm", "comm", "data", "tp_arg") or count:
             a.push(lc, ("nop",))
         cur = ops[-1]
         off = cur[1] if cur[0] in ("deref", "uderef") else 0

@@ -139,6 +139,10 @@ class ProbeSpec:
     #: an ``f`` line made an exit probe by a ``$retval`` argument, without ``%return``
     #: (trace_fprobe.c: ``parse_symbol_and_return()``)
     implicit_return: bool = field(default=False, compare=False)
+    #: an ``e`` line (kernel/trace/trace_eprobe.c): the attached event (system, event),
+    #: and its ``if`` filter (``harness.kernel.evfilter.EventFilter``)
+    attach: tuple[str, str] | None = None
+    filter: Any = None
 
     def __post_init__(self) -> None:
         if not self.event and self.kind != "-":
@@ -163,6 +167,11 @@ class ProbeSpec:
         ``kernel/trace/trace_fprobe.c``): ``symbol`` is then an ftrace filter, probed at each
         matching function's ftrace location, or a tracepoint, probed at its stub's."""
         return self.kind in ("f", "t")
+
+    @property
+    def is_eprobe(self) -> bool:
+        """An ``e`` line: an event probe on the trace event ``attach``."""
+        return self.kind == "e"
 
     @property
     def is_tprobe(self) -> bool:
@@ -526,6 +535,10 @@ class KernelView:
     count_symbol: Callable[[str], int] | None = None
     module_count: Callable[[str, str], int | None] | None = None
     dentry_offsets: tuple[int, int] | None = None
+    #: ``event_format(system, event)``: the ``format`` of a trace event of the running
+    #: kernel (``harness.kernel.ringbuf.EventFormat``), None when it has none; unset, an
+    #: event probe takes any attached event and field (the booted kernel decides)
+    event_format: Callable[[str, str], Any] | None = None
 
     @property
     def lenient(self) -> bool:
@@ -534,13 +547,15 @@ class KernelView:
 
 def context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | None,
                   rules: KernelRules, flags: int, funcname: str | None,
-                  uprobe: bool = False) -> list[ProbeArg]:
+                  uprobe: bool = False, event_fields: Any = None,
+                  eprobe: bool = False) -> list[ProbeArg]:
     """The arguments of a line as 6.12/7.3 parse them (:mod:`harness.kernel.grammar.common`):
     ``$arg*``/``$argN`` expanded from BTF, the argument count checked, ``%pd``/``%pD``
     rewritten, then each argument. Errors are placed as ``__trace_probe_log_err()`` places
     them: against the line as written, at the argument index the kernel logs."""
     lc = argp.LineContext(rules, flags, funcname, kernel.btf if kernel else None,
                         lenient=kernel is None or kernel.lenient)
+    lc.event_fields = event_fields
 
     def column(index: int, pos: int) -> int:
         """Argument ``index`` of the line (0 the head), ``pos`` into it."""
@@ -549,6 +564,8 @@ def context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | No
         return len(" ".join(t for _, t in toks)) + 1
 
     raw = [t for _, t in toks[2:]]
+    if eprobe:      # trace_eprobe_tp_update_arg(): each word as it is, no expansion
+        uprobe = True
     try:
         if not uprobe:
             items = argp.expand_meta_args(lc, raw)

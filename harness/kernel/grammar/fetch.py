@@ -22,11 +22,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, Tuple, Union
 
+from ..evfilter import field_kind
+
 log = logging.getLogger(__name__)
 
 __all__ = ["FetchArg", "Reg", "StackEntry", "StackPointer", "RetVal", "Comm", "FuncArg", "Imm",
            "ImmString", "MemAddr", "MemSymbol", "FileOffset", "Deref", "Bitfield", "render_fetch",
-           "EntryArg", "Current", "PerCpu", "BtfVar",
+           "EntryArg", "Current", "PerCpu", "BtfVar", "EventField", "field_kind",
            "FetchContext", "FetchType", "FETCH_TYPES", "FaultError", "UnknowableRead", "FAULT",
            "UNKNOWN", "UNKNOWN_WHY",
            "evaluate", "format_value", "format_fields", "format_ip", "escape_bytes", "TraceRecord",
@@ -160,6 +162,14 @@ class EntryArg(FetchArg):
 
 
 @dataclass(frozen=True)
+class EventField(FetchArg):
+    """``$FIELD`` (7.3: also a bare ``FIELD``) of an event probe: a field of the attached
+    event's record (``FETCH_OP_TP_ARG``, kernel/trace/trace_eprobe.c: ``get_event_field()``)."""
+    name: str
+    bare: bool = False
+
+
+@dataclass(frozen=True)
 class Current(FetchArg):
     """``$current`` (7.3): the ``struct task_struct *`` of the running task."""
 
@@ -215,6 +225,8 @@ def render_fetch(node: FetchArg) -> str:
         return f"this_cpu_{'read' if node.read else 'ptr'}({render_fetch(node.base)})"
     if isinstance(node, BtfVar):
         return node.text
+    if isinstance(node, EventField):
+        return node.name if node.bare else f"${node.name}"
     if isinstance(node, Deref):
         sign = "-" if node.offset < 0 else "+"
         return f"{sign}{'u' if node.user else ''}{abs(node.offset)}({render_fetch(node.base)})"
@@ -344,8 +356,10 @@ class _Cached:
 
 @dataclass(frozen=True)
 class _Blob:
-    """Kernel memory that always reads: ``current->comm`` or an immediate string."""
+    """Kernel memory that always reads: ``current->comm`` or an immediate string
+    (``kind`` "comm" or "data")."""
     data: bytes
+    kind: str = "comm"
 
 
 def _read(ctx: FetchContext, addr: Any, size: int, user: bool) -> bytes | None:
@@ -471,6 +485,26 @@ def _strlen(op: str, ctx: FetchContext, addr: Any) -> int:
     return 0 if got is None else (len(got[0]) + 1 if got[1] else MAX_STRING_SIZE + 1)
 
 
+def _event_field(op: Insn, ctx: FetchContext) -> int:
+    """``get_event_field()`` (kernel/trace/trace_eprobe.c, 6.12 and 7.3) on the attached
+    event's record, ``ctx.event_record()``: op is ``("tp_arg", name, offset, size,
+    signed, kind)`` (kind: :func:`field_kind`)."""
+    _, name, off, size, signed, kind = op
+    if off is None:
+        raise ValueError(f"event field {name!r} was not resolved for a kernel")
+    rec = ctx.event_record() & _M
+    addr = (rec + off) & _M
+    if kind == "static":
+        return addr
+    if kind in ("dyn", "rdyn"):
+        loc = int.from_bytes(ctx.read(addr, 4), "little") & 0xFFFF
+        return ((rec if kind == "dyn" else addr) + loc) & _M
+    if kind == "ptr":
+        return int.from_bytes(ctx.read(addr, 8), "little")
+    n = size if size in (1, 2, 4) else 8
+    return int.from_bytes(ctx.read(addr, n), "little", signed=bool(signed)) & _M
+
+
 def _fetch(op: Insn, ctx: FetchContext) -> Any:
     """Stage 1 of ``process_fetch_insn()``: the value the program starts from."""
     kind = op[0]
@@ -488,7 +522,9 @@ def _fetch(op: Insn, ctx: FetchContext) -> Any:
         raw = getattr(ctx, "comm_bytes", None)
         return _Blob(raw() if raw is not None else ctx.comm().encode("utf-8", "surrogateescape"))
     if kind == "data":
-        return _Blob(op[1].encode("utf-8", "surrogateescape"))
+        return _Blob(op[1].encode("utf-8", "surrogateescape"), "data")
+    if kind == "tp_arg":    # FETCH_OP_TP_ARG: trace_eprobe.c, get_event_field()
+        return _event_field(op, ctx)
     if kind == "ustack":    # get_user_stack_nth() (trace_uprobe.c): 0 when the read faults
         data = _read(ctx, (ctx.reg("sp") + 8 * op[1]) & _M, 8, True)
         return 0 if data is None else int.from_bytes(data, "little")
@@ -553,7 +589,13 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
                 loc = st.loc
                 ret = _store_string(op[0], ctx, addr, st)
             else:
-                if op[0] == "st_raw":
+                if op[0] == "st_raw" and isinstance(val, _Blob):
+                    # an event probe's untyped $comm (or \"STR"): the address of
+                    # current->comm (of the kernel's own copy of the string)
+                    v = UNKNOWN
+                    if val.kind == "comm" and hasattr(ctx, "comm_address"):
+                        v = ctx.comm_address() & ((1 << 8 * op[2]) - 1)
+                elif op[0] == "st_raw":
                     v: Any = val & ((1 << 8 * op[2]) - 1)
                 else:
                     data = _read(ctx, addr, op[2], op[0] == "st_umem")
@@ -587,7 +629,10 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
 #: guest probe's own frames are by the time its handler reads (:class:`UnknowableRead`);
 #: ``stale``: a fetch that failed (a real fault) stored nothing, so the event keeps the
 #: ring buffer's old bytes there (``store_trace_args()``, ``process_fetch_insn()``).
-UNKNOWN_WHY = ("below-sp", "stale")
+#: ``kernel-data``: an event probe's untyped ``\\"STR"`` records the address of the
+#: kernel's own copy of the string (``parse_probe_arg()``: ``kstrdup()`` into
+#: ``code->data``), which only the guest's probe holds.
+UNKNOWN_WHY = ("below-sp", "stale", "kernel-data")
 
 
 def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) -> Any:
@@ -648,7 +693,7 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) 
         else:
             elems = [_typed(t, e) for e in elems]
         if why is not None and any(e is UNKNOWN for e in elems):
-            why[i] = "stale"
+            why[i] = "kernel-data" if a.code and a.code[0][0] == "data" else "stale"
         values.append(elems if a.count else elems[0])
     return tuple(values) if hasattr(target, "args") else values[0]
 
