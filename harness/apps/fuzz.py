@@ -42,10 +42,10 @@ from .. import constants as C
 from ..errors import HarnessError, NotMirroredError, ProbeSpecError, VMError
 from ..kernel import grammar
 from ..kernel.rules import SERIES
-from ..machine.image.facts import kernel_view
 from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
+from ..backends.tracelayer import TraceLayer
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -283,17 +283,70 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
             st.tuples(st.just("f"), name, syms,
                       st.lists(f_ret, max_size=2).map(lambda a: [*a, "rv=$retval"])),
         ]
-    good_parts = st.one_of(p_line, p_line, r_line, *f_lines,
+    # event probes (6.12+, kernel/trace/trace_eprobe.c): fields of the attached event's
+    # record ($FIELD, 7.3's bare FIELD and typecasts), $comm (untyped: its address), @SYM,
+    # immediates, dereferences, and an `if` filter on the record. Events the default
+    # workload fires (opens, forks, execs), one with a __data_loc string, and one no
+    # kernel has (BAD_ATTACH_EVENT).
+    e_lines: list[Any] = []
+    if r.eprobe and guest != "module":
+        ev_fields = {"syscalls.sys_enter_openat": ["dfd", "filename", "flags", "mode"],
+                     "syscalls.sys_exit_openat": ["ret", "__syscall_nr"],
+                     "sched.sched_process_fork": ["parent_comm", "parent_pid", "child_comm",
+                                                  "child_pid"],
+                     "sched.sched_process_exec": ["filename", "pid", "old_pid"],
+                     "sched/sched_process_exit": ["comm", "pid", "prio"],
+                     "no_sys.no_event_kph": ["x"]}
+        str_fields = {"filename", "parent_comm", "child_comm", "comm"}
+        bare = r.eprobe == "bare"
+
+        def eleaves(fields: list[str]) -> Any:
+            return st.one_of(
+                st.sampled_from(fields).map(lambda f: f"${f}"),
+                *([st.sampled_from(fields)] if bare else []),
+                st.sampled_from(["$comm", "$comm", '\\"kph\\"', "\\7", "@linux_proc_banner",
+                                 "@init_uts_ns+4"]),
+                *([st.sampled_from(fields).map(lambda f: f"(task_struct)${f}->pid")]
+                  if r.typecasts else []))
+
+        def eargs(fields: list[str]) -> Any:
+            return st.lists(st.tuples(aname, st.recursive(eleaves(fields), deref, max_leaves=3),
+                                      tname).map(argtext), max_size=3)
+
+        def efilter(fields: list[str]) -> Any:
+            nums = [f for f in fields if f not in str_fields] + ["common_pid", "CPU"]
+            strs = [f for f in fields if f in str_fields] + ["comm"]
+            pred = st.one_of(
+                st.tuples(st.sampled_from(nums), st.sampled_from(["==", "!=", "<", "<=", ">",
+                                                                  ">=", "&"]),
+                          st.sampled_from(["0", "1", "-1", "0x40", "100000"]))
+                .map(" ".join),
+                st.tuples(st.sampled_from(strs), st.sampled_from(["==", "!=", "~"]),
+                          st.sampled_from(['"sh"', '"k*"', '"*sh*"', '"*t"', '"k?loop"',
+                                           '"[a-c]*"', '"!sh"'])).map(" ".join))
+            expr = st.one_of(pred, st.tuples(pred, st.sampled_from(["&&", "||"]), pred)
+                             .map(" ".join),
+                             pred.map(lambda p: f"!({p})"))
+            return st.one_of(st.just([]), st.just([]), expr.map(lambda e: ["if", e]))
+
+        e_line = st.sampled_from(sorted(ev_fields)).flatmap(
+            lambda ev: st.tuples(st.just("e"), name, st.just(ev),
+                                 st.tuples(eargs(ev_fields[ev]), efilter(ev_fields[ev]))
+                                 .map(lambda t: t[0] + t[1])))
+        e_lines = [e_line, e_line]
+    good_parts = st.one_of(p_line, p_line, r_line, *f_lines, *e_lines,
                            *([u_line] if guest != "module" else []))
     good = good_parts.map(line)
 
     # -- one defect each
     bad_kind = st.sampled_from(["r0", "r5000", "p5", "x", "rx", "p-",
-                                *(["f0", "f5000", "fx", "f-"] if r.fprobe else [])])
+                                *(["f0", "f5000", "fx", "f-"] if r.fprobe else []),
+                                *(["e5", "ex"] if r.eprobe else [])])
     bad_name = st.sampled_from([":1abc", ":a-b", ":a.b", ":", ":" + "x" * 65, ":g/",
                                 ":/e", ":a/b/c"])
     bad_place = st.one_of(
         st.sampled_from(["no_such_function_kph", "init_task", "linux_proc_banner",
+                         *(["a.", ".b", "sched.", "sched/no_event_kph"] if r.eprobe else []),
                          "kprobe_int3_handler", "do_int3", "asm_exc_int3",
                          "virtio_console:port_fops_open", "port_fops_open", "no_mod:vfs_read",
                          "0xffffffff81000000", "0x1234", ""]),
@@ -303,6 +356,9 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                                 "$retvalx", "$retval", "@no_such_sym", "@_sdata*10", "@",
                                 '\\"', "%", "$", "+", "10", "+0x(%di)", "+8($comm)",
                                 "+u0($retval)", "+8(%di", "+(%di)", "+u8(+8($arg1))",
+                                *(["$no_field_kph", "$common_pid", "if", "if pid >",
+                                   "if comm == kph", "if nofield == 1", "if pid ~ 1",
+                                   'if comm < "a"', 'if (pid == 1'] if r.eprobe else []),
                                 *older])
     bad_fetch = st.one_of(bad_leaf, st.tuples(st.integers(0, 32), bad_leaf)
                           .map(lambda t: f"+{t[0]}({t[1]})"))
@@ -346,6 +402,13 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
         st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line),
         st.one_of(st.sampled_from(["-:kph/e", "-:e", "-:kph/", "-:kph/x", "-:x/e", "-:"]),
                   syms.map(lambda s: f"-:kph/e {s}")))
+    if e_lines:     # eprobe_dyn_event_match(): the attached event, then the arguments
+        release = st.one_of(release, st.tuples(
+            st.just("e:kph/e sched.sched_process_fork c=$child_pid"),
+            st.sampled_from(["-:kph/e", "-:kph/e sched/sched_process_fork",
+                             "-:kph/e sched.sched_process_fork c=$child_pid",
+                             "-:kph/e sch/sched_process_fork", "-:kph/e sched/sched_switch",
+                             "-:kph/e sched.sched_process_fork c=$parent_pid"])))
     if guest == "module":
         defective = defective.filter(lambda s: not s.lstrip().startswith("-"))
     return st.one_of(good.map(lambda s: (s,)), good.map(lambda s: (s,)),
@@ -360,7 +423,7 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
     toks = line.split()
-    f = "dynamic_events" if line[:1] in "ft" else \
+    f = "dynamic_events" if line[:1] in "fte" else \
         "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log", timeout=30)
@@ -374,7 +437,8 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     if not log_lines or " error: " not in log_lines[0]:
         return False, code, None, None
     # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
-    msg = [ln for ln in log_lines if " error: " in ln][-1].split(" error: ", 1)[1]
+    # "[ts] SUBSYSTEM: error: MSG" (an event filter's: "event filter parse error: error:")
+    msg = [ln for ln in log_lines if " error: " in ln][-1].split(": error: ", 1)[1]
     caret = log_lines[-1].index("^") - len("  Command: ") if "^" in log_lines[-1] else None
     return False, code, msg, caret
 
@@ -389,9 +453,8 @@ class Oracle:
         # The booted kernel's grammar (harness.kernel.rules), BTF and symbols: the host
         # parses each line as that kernel does.
 
-        def read(addr: int, n: int) -> bytes:
-            return vm.host.read(addr, n)
-        self._parse_kw = {"kernel": kernel_view(vm.facts, vm.symbols, read=read)}
+        # and the trace events an event probe attaches to (TraceLayer.event_format)
+        self._parse_kw = {"kernel": TraceLayer(vm).view()}
         self.stats = FuzzStats()
         self._places: dict[str, str] = {}
 

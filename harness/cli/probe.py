@@ -59,6 +59,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     for h in res.hits:
         out.text(h.line())
     counts = ", ".join(f"{p} {c.nhit} hits/{c.nmissed} missed" for p, c in res.counters.items())
-    out.text(f"{backend}: {len(res.hits)} events; {counts}; workload "
+    # an fprobe's or event probe's event has no kprobe_profile line (no counters)
+    out.text(f"{backend}: {len(res.hits)} events; {counts + '; ' if counts else ''}workload "
              f"{report.workload_status(res.workload_status, res.workload_stderr)}")
     return EXIT_OK
