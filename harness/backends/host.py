@@ -11,6 +11,7 @@ the current address space.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
@@ -20,6 +21,7 @@ from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
+from .eprobes import COMMIT, CommitSite, trigger_args, triggered
 from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
                          register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
@@ -214,11 +216,11 @@ class HostBackend:
         self._grouped: dict[int, bool] = {}
         self.layer: TraceLayer | None = None
         self._comm_probe: Kprobe | None = None
-        #: event probes (spec, name, the attached event's ID), in trigger order, and the
-        #: probe at trace_event_buffer_commit() they share
-        self._eprobes: list[tuple[ProbeSpec, str, int]] = []
+        #: event probes (spec, name, the attached event's ID, their trigger arguments), in
+        #: trigger order, and the probe at trace_event_buffer_commit() they share
+        self._eprobes: list[tuple[ProbeSpec, str, int, tuple]] = []
         self._commit: Kprobe | None = None
-        self._commit_offs: tuple[int, ...] = ()
+        self._site: CommitSite | None = None
         #: (hits recorded before it, pid, new comm) of every rename while recording
         self._comm_changes: list[tuple[int, int, str]] = []
 
@@ -324,93 +326,45 @@ class HostBackend:
     def _place_eprobe(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """An ``e`` line: a trigger on the attached event (trace_eprobe.c:
         ``enable_eprobe()``), run by ``event_triggers_call()`` from
-        ``trace_event_buffer_commit()`` once the event's record is complete. Host-side, one
-        probe at ``trace_event_buffer_commit()`` serves every event probe
-        (:meth:`_commit_hit`): the record committed is the attached event's (its file's
-        ``event_call->event.type`` is the event's ID, in the top trace instance), its
-        filter matches, then the line's arguments are fetched from the record. Triggers
-        run in the order they were added (``list_add_tail_rcu()``): here, the lines'."""
+        ``trace_event_buffer_commit()`` once the event's record is complete
+        (:mod:`harness.backends.eprobes`). One probe there serves every event probe
+        (:meth:`_commit_hit`); triggers run in the order they were added
+        (``list_add_tail_rcu()``): here, the lines'."""
         assert self.layer is not None and spec.attach is not None
         fmt = self.layer.event_format(*spec.attach)
         if fmt is None:                     # the trace layer checked it: not expected
             raise ProbeRejectedError(f"no trace event {spec.attach[0]}.{spec.attach[1]}",
                                      errno=19)
         if self._commit is None:
-            btf = self.vm.facts.btf
-            self._commit_offs = (btf.offset("trace_event_buffer", "trace_file"),
-                                 btf.offset("trace_event_buffer", "entry"),
-                                 btf.offset("trace_event_file", "event_call"),
-                                 btf.offset("trace_event_file", "tr"),
-                                 btf.offset("trace_event_call", "event.type"),
-                                 self.engine.symbols.lookup("global_trace").addr)
-            self._commit = Kprobe(symbol_name="trace_event_buffer_commit",
-                                  flags=ProbeFlags.DISABLED, pre_handler=self._commit_hit)
+            self._site = CommitSite.of(self.vm.facts.btf, self.engine.symbols)
+            self._commit = Kprobe(symbol_name=COMMIT, flags=ProbeFlags.DISABLED,
+                                  pre_handler=self._commit_hit)
             self.engine.register_kprobe(self._commit)
             if self._armed_now:
                 self.engine.enable_kprobe(self._commit)
-        self._eprobes.append((spec, name, fmt.id))
+        self._eprobes.append((spec, name, fmt.id, trigger_args(spec, self._site)))
         self.layer.registered(spec, None)
         self._placed[id(spec)] = ("eprobe", spec)
         return Outcome(name, True, mode="eprobe", index=i)
 
     def _commit_hit(self, p: Kprobe, regs: PtRegs) -> int:
-        """``trace_event_buffer_commit(fbuffer)``: the event probes on the event committed."""
-        if not self.recording or not self._eprobes:
+        """``trace_event_buffer_commit(fbuffer)``: each event probe whose trigger the
+        kernel runs on this record (:func:`harness.backends.eprobes.triggered`)."""
+        if not self.recording or not self._eprobes or self._site is None:
             return 0
-        try:
-            read = self.engine.stub.read_memory
-            f_file, f_entry, f_call, f_tr, f_type, top = self._commit_offs
-            fb = read(regs.di, max(f_file, f_entry) + 8)
-            tfile = int.from_bytes(fb[f_file:f_file + 8], "little")
-            rec = int.from_bytes(fb[f_entry:f_entry + 8], "little")
-            if int.from_bytes(read(tfile + f_tr, 8), "little") != top:
-                return 0                    # another trace instance's event
-            call = int.from_bytes(read(tfile + f_call, 8), "little")
-            etype = int.from_bytes(read(call + f_type, 4), "little")
-        except HarnessError as exc:
-            err = EngineReadError(f"the gdbstub engine could not read the event being "
-                                  f"committed: {exc}")
-            self.engine_errors.append(("(event probes)", err))
-            return 0
-        for spec, name, ident in list(self._eprobes):
-            if ident == etype:
-                self._eprobe_hit(spec, name, regs, rec)
-        return 0
-
-    def _eprobe_hit(self, spec: ProbeSpec, name: str, regs: PtRegs, rec: int) -> None:
-        """``event_triggers_call()`` for one event probe: its filter on the record
-        (``filter_match_preds()``), then ``eprobe_trigger_func()``."""
-        try:
-            if spec.filter is not None and spec.filter.tree is not None:
+        for spec, name, ident, targs in list(self._eprobes):
+            try:
+                rec = int.from_bytes(self.engine.stub.read_memory(regs.di + self._site.entry,
+                                                                  8), "little")
                 ctx = _Ctx(self.engine, regs, regs.ip, {}, record=rec)
-                if not spec.filter.match(lambda pr: self._filter_field(ctx, pr, regs, rec)):
-                    return
-            self._record_hit(spec, name, regs, rec, None)
-        except HarnessError as exc:
-            err = exc if isinstance(exc, EngineReadError) else EngineReadError(
-                f"the gdbstub engine failed during a hit of {name}: {exc}")
-            self.engine_errors.append((name, err))
-
-    def _filter_field(self, ctx: _Ctx, pred: Any, regs: PtRegs, rec: int) -> Any:
-        """A filter predicate's field as ``filter_pred_*()`` read it (numbers, or a
-        string's bytes up to its NUL)."""
-        if pred.kind == "cpu":
-            return regs.cpu
-        if pred.kind == "comm":
-            return ctx.comm_bytes()
-        addr = rec + pred.offset
-        if pred.kind == "static":
-            return ctx.read(addr, pred.size).split(b"\0", 1)[0]
-        if pred.kind in ("dyn", "rdyn"):
-            loc = int.from_bytes(ctx.read(addr, 4), "little")
-            base = rec if pred.kind == "dyn" else addr + 4
-            n = loc >> 16
-            return ctx.read(base + (loc & 0xFFFF), n).split(b"\0", 1)[0] if n else b""
-        if pred.kind == "ptr":
-            ptr = int.from_bytes(ctx.read(addr, 8), "little")
-            return self.engine.read_string(ptr, 1024) or b""
-        n = pred.size if pred.size in (1, 2, 4, 8) else 8
-        return int.from_bytes(ctx.read(addr, n), "little")
+                values = evaluate(SimpleNamespace(args=targs), ctx)
+                if triggered(spec, ident, self._site, values, regs.cpu):
+                    self._record_hit(spec, name, regs, rec, None)
+            except HarnessError as exc:
+                err = exc if isinstance(exc, EngineReadError) else EngineReadError(
+                    f"the gdbstub engine failed during a hit of {name}: {exc}")
+                self.engine_errors.append((name, err))
+        return 0
 
     def _release(self, layer: Any, spec: ProbeSpec, name: str, i: int) -> Outcome:
         """A ``-:`` line (``dyn_event_release()``): the probes of the lines it frees are

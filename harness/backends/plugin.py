@@ -14,10 +14,10 @@ and a trace prints each pid under the comm it had at its last hit (``saved_cmdli
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..errors import (EngineReadError, HarnessError, NotMirroredError, PluginRecordError,
-                      ProbeRejectedError)
+from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
 from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
 from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
@@ -25,6 +25,7 @@ from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT,
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
+from .eprobes import COMMIT, CommitSite, trigger_args, triggered
 from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
                          register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
@@ -65,6 +66,20 @@ class _RecordCtx:
     def comm(self) -> str:
         return self.rec.comm.decode("utf-8", "replace") if self.rec.flags & RF_COMM else ""
 
+    def event_record(self) -> int:
+        """An event probe's record: ``fbuffer->entry``, read at the hit (captured)."""
+        site = self.backend._site
+        if site is None:
+            raise ValueError("not an event probe's hit")
+        return int.from_bytes(self.mem.read(self._regs["di"] + site.entry, 8), "little")
+
+    def comm_address(self) -> int:
+        """``current->comm`` as an address (an event probe's untyped ``$comm``)."""
+        off = self.backend.engine.task_offsets[2]
+        if not self.rec.task or not off:
+            raise EngineReadError("the plugin engine does not know where current->comm is")
+        return self.rec.task + off
+
     def retval(self) -> int:
         return self._regs["ax"]
 
@@ -100,6 +115,9 @@ class PluginBackend:
         self.recording = False
         self._specs: dict[int, tuple[ProbeSpec, str]] = {}
         self._uprobes: dict[int, Uprobe] = {}
+        #: event probes: probe id -> (the attached event's ID, the trigger arguments)
+        self._eprobes: dict[int, tuple[int, tuple]] = {}
+        self._site: CommitSite | None = None
         self._probes: dict[str, list[Any]] = {}
         #: the kernel's callback order where fprobes are, and the lines counted in it
         self._ops: Any = None
@@ -120,12 +138,6 @@ class PluginBackend:
         """Place every line as ``kprobe_events`` would: the trace layer's checks in the
         kernel's order (``harness.backends.tracelayer``, as the gdbstub backend), then the
         plugin's ``register_kprobe()`` rules; one Outcome per line."""
-        for spec in specs:
-            if spec.is_eprobe:
-                raise NotMirroredError(
-                    "not mirrored by the plugin engine: e: lines (event probes: the gdbstub "
-                    "engine fires them at trace_event_buffer_commit())", spec.text, 0,
-                    hint="use the gdbstub engine (--host gdbstub)")
         if self.layer is None:
             self.layer = TraceLayer(self.vm)
             self._ops = FprobeOps(self.layer.rules)
@@ -138,6 +150,8 @@ class PluginBackend:
 
         :raise ProbeRejectedError: the kernel's rules refuse it.
         """
+        if spec.is_eprobe:
+            return self._place_eprobe(spec, name, i)
         placed = self._place_fprobe(spec) if spec.is_fprobe else [self._place(spec)]
         self.layer.registered(spec, None)
         for p in placed:
@@ -170,6 +184,31 @@ class PluginBackend:
                 self.engine.remove_probe(p)
             raise
         return done
+
+    def _place_eprobe(self, spec: ProbeSpec, name: str, i: int) -> Outcome:
+        """An ``e`` line: a compiled probe at ``trace_event_buffer_commit()`` running its
+        trigger arguments, then its own (:mod:`harness.backends.eprobes`); :meth:`_hit`
+        keeps the records of commits the kernel's trigger runs on. Each line its own probe
+        there, added in the lines' order (the plugin runs a place's probes newest first:
+        :meth:`_hit` does not depend on it)."""
+        assert spec.attach is not None
+        fmt = self.layer.event_format(*spec.attach)
+        if fmt is None:                     # the trace layer checked it: not expected
+            raise ProbeRejectedError(f"no trace event {spec.attach[0]}.{spec.attach[1]}",
+                                     errno=19)
+        if self._site is None:
+            self._site = CommitSite.of(self.vm.btf, self.engine.symbols)
+        addr = self.engine.resolve(COMMIT, 0, None)
+        self.engine.check_address(addr, kretprobe=False)
+        targs = trigger_args(spec, self._site)
+        prog = compile_spec(targs + spec.args, event_entry=self._site.entry,
+                            resolve=lambda s: self.engine.symbols.lookup(s).addr)
+        p = self.engine.add_spec_probe(addr, ret=False, program=prog, enabled=False)
+        self.layer.registered(spec, None)
+        self._specs[p.id] = (spec, name)
+        self._probes.setdefault(name, []).append(p)
+        self._eprobes[p.id] = (fmt.id, targs)
+        return Outcome(name, True, mode="eprobe", index=i)
 
     def _arrange(self) -> None:
         """The kernel's order of the callbacks at each place an fprobe is (``FprobeOps``):
@@ -296,6 +335,8 @@ class PluginBackend:
             except EngineReadError as exc:
                 self.engine_errors.append((name, exc))
                 continue
+            if h is None:       # a commit no event probe's trigger runs on
+                continue
             if self._comm_probe is not None and rec.probe_id == self._comm_probe.id:
                 if h.pid:
                     self._comm_changes.append((len(self._hits), h.pid, h.arg("comm")[1:-1]))
@@ -334,10 +375,13 @@ class PluginBackend:
         self._specs[self._comm_probe.id] = (spec, "kphinternal/comm")
         self.engine.enable_probe(self._comm_probe, True)
 
-    def _hit(self, rec: PluginRecord, seq: int) -> Hit:
+    def _hit(self, rec: PluginRecord, seq: int) -> Hit | None:
         spec, name = self._specs[rec.probe_id]
         syms = self.engine.symbols
         up = self._uprobes.get(rec.probe_id)
+        ep = self._eprobes.get(rec.probe_id)
+        if ep is not None:
+            return self._eprobe_hit(rec, seq, spec, name, *ep)
         if up is not None:
             # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
             # address first; %ip is the probed address itself (handle_swbp() sets it)
@@ -379,6 +423,27 @@ class PluginBackend:
                    ret_ip_args=spec.ret_ip_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
 
+    def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,
+                    event_id: int, targs: tuple) -> Hit | None:
+        """A commit an event probe's trigger runs on, as its hit; else None
+        (:func:`harness.backends.eprobes.triggered`, on the trigger arguments captured)."""
+        assert self._site is not None
+        ctx = _RecordCtx(self, rec, rec.func + INT3_INSN_SIZE)
+        site = self._site
+        try:
+            values = evaluate(SimpleNamespace(args=targs), ctx)
+            if not triggered(spec, event_id, site, values, rec.vcpu):
+                return None
+            why: dict[int, str] = {}
+            values = evaluate(spec, ctx, why)
+        finally:
+            self.capture_misses += ctx.mem.misses
+        args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
+        return Hit(side=self.side, probe=name, kind="p", seq=seq, cpu=rec.vcpu,
+                   pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
+                   ip="{}.{}".format(*(spec.attach or ("", ""))), ret_from=None, args=args,
+                   mode="plugin", unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
+
     def collect(self) -> list[Hit]:
         """The hits, each pid under the comm of its last hit (see the module docstring).
 
@@ -395,6 +460,8 @@ class PluginBackend:
     def counters(self) -> dict[str, Counters]:
         out = {}
         for name, ps in self._probes.items():
+            if any(p.id in self._eprobes for p in ps):
+                continue        # an event probe has no kprobe_profile line
             nhit = nmissed = 0
             for p in ps:
                 h, m, _ = self.engine.probe_stats(p)

@@ -61,6 +61,20 @@ class EventFilter:
     def __str__(self) -> str:
         return self.text
 
+    def predicates(self) -> list[Any]:
+        """Every predicate, in the filter's order (each field a matcher must read)."""
+        out: list[Any] = []
+
+        def walk(node: Any) -> None:
+            if node[0] == "pred":
+                out.append(node[1])
+            else:
+                for n in node[1:]:
+                    walk(n)
+        if self.tree is not None:
+            walk(self.tree)
+        return out
+
     def match(self, field_value: Callable[[_Pred], Any]) -> bool:
         """``filter_match_preds()``: ``field_value(pred)`` gives a predicate's field as an
         int (numeric) or bytes (strings, up to the NUL)."""

@@ -195,6 +195,48 @@ static int run_one(kph_capture *c, const kph_insn *code, size_t end, const uint6
     case KOP_ARG:
         val = code[0].imm < 6 ? regs[arg_regs[code[0].imm]] : stack_nth(c, regs, code[0].imm - 5);
         break;
+    case KOP_TP_ARG: {
+        /* get_event_field() (kernel/trace/trace_eprobe.c, 6.12 and 7.3) on the record
+         * trace_event_buffer_commit() was given: fbuffer->entry, then the field */
+        uint64_t rec = 0, addr, raw = 0;
+        uint32_t size = code[0].b & 0xff;
+
+        if (cap_read(c, regs[KREG_DI] + code[0].pad, 8, &rec) != 0) {
+            return 0;
+        }
+        addr = rec + code[0].imm;
+        switch (code[0].a) {
+        case KTP_STATIC:
+            val = addr;
+            break;
+        case KTP_DYN:
+        case KTP_RDYN:
+        case KTP_RDYN4:
+            if (cap_read(c, addr, 4, &raw) != 0) {
+                return 0;
+            }
+            val = (code[0].a == KTP_DYN ? rec : code[0].a == KTP_RDYN ? addr : addr + 4) +
+                  (raw & 0xffff);
+            break;
+        case KTP_PTR:
+            if (cap_read(c, addr, 8, &val) != 0) {
+                return 0;
+            }
+            break;
+        default:
+            if (size != 1 && size != 2 && size != 4) {
+                size = 8;
+            }
+            if (cap_read(c, addr, size, &raw) != 0) {
+                return 0;
+            }
+            if ((code[0].b >> 8) & 1 && size < 8 && (raw >> (8 * size - 1)) & 1) {
+                raw |= ~0ULL << (8 * size);
+            }
+            val = raw;
+        }
+        break;
+    }
     default:
         return -1;
     }

@@ -32,6 +32,10 @@ enum {
     /* stage 1: where the value comes from */
     KOP_REG = 1, KOP_STACK, KOP_STACKP, KOP_RETVAL, KOP_IMM, KOP_COMM, KOP_DATA, KOP_ARG,
     KOP_USTACK, KOP_FOFFS,
+    /* an event probe's field (FETCH_OP_TP_ARG) at trace_event_buffer_commit(fbuffer): the
+     * record is *(%di + pad) (fbuffer->entry), the field at imm; a = KTP_* (how
+     * get_event_field() reads it), b = size | signed << 8 */
+    KOP_TP_ARG,
     /* stage 2: dereferences */
     KOP_DEREF = 16, KOP_UDEREF,
     /* stage 3: stores */
@@ -47,6 +51,10 @@ enum {
     KREG_R8, KREG_AX, KREG_CX, KREG_DX, KREG_SI, KREG_DI, KREG_ORIG_AX, KREG_IP, KREG_CS,
     KREG_FLAGS, KREG_SP, KREG_SS, KREG_NUM
 };
+
+/* trace_eprobe.c: get_event_field(), by the field's filter_type */
+enum { KTP_INT = 0, KTP_DYN, KTP_RDYN, KTP_STATIC, KTP_PTR,
+       KTP_RDYN4 /* a __rel_loc as an event filter reads it: filter_pred_strrelloc() */ };
 
 enum { KBLK_DATA = 1, KBLK_FAULT = 2, KBLK_STR = 3, KBLK_STR_LIMIT = 4 };
 

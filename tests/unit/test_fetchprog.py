@@ -206,12 +206,13 @@ def driver(tmp_path_factory):
     return exe
 
 
-def run_driver(driver, mem: Memory, prog: bytes) -> tuple[int, int, bytes]:
-    """fetch.c over ``mem`` and REGS: (its return value, blocks, the output)."""
+def run_driver(driver, mem: Memory, prog: bytes, regs: dict[str, int] = REGS
+               ) -> tuple[int, int, bytes]:
+    """fetch.c over ``mem`` and ``regs``: (its return value, blocks, the output)."""
     inp = struct.pack("<I", len(mem.pages))
     for b, data in sorted(mem.pages.items()):
         inp += struct.pack("<Q", b) + bytes(data)
-    inp += b"".join(struct.pack("<Q", REGS.get(n, 0) if n != "orig_ax" else (1 << 64) - 1)
+    inp += b"".join(struct.pack("<Q", regs.get(n, 0) if n != "orig_ax" else (1 << 64) - 1)
                     for n in fetchprog.REGS)
     inp += struct.pack("<I", len(prog) // 16) + prog
     out = subprocess.run([str(driver)], input=inp, capture_output=True, check=True,
@@ -243,3 +244,62 @@ def test_c_interpreter_refuses_array_counts_the_kernel_refuses(driver, count, ok
     prog[at + 4:at + 8] = count.to_bytes(4, "little")
     nargs = run_driver(driver, Memory(7), bytes(prog))[0]
     assert nargs == (1 if ok else -1)
+
+
+def _event_mem() -> tuple[Memory, dict[str, int]]:
+    """A trace_event_buffer_commit(fbuffer) stop: fbuffer at %di, its entry (offset 24)
+    a record with each kind of field get_event_field() reads."""
+    mem = Memory(11)
+    fbuf, rec = KDATA + 0x600, KDATA + 0x700
+    mem.put(fbuf + 24, struct.pack("<Q", rec))
+    mem.put(rec + 8, struct.pack("<i", -2))                     # int, signed
+    mem.put(rec + 12, b"sh\0")                                  # char[16]
+    mem.put(rec + 28, struct.pack("<H", 0xfffe))                # u16
+    mem.put(rec + 32, struct.pack("<I", 8 << 16 | 96))          # __data_loc char[]
+    mem.put(rec + 40, struct.pack("<Q", KDATA + 0x20))          # const char *
+    mem.put(rec + 48, struct.pack("<I", 6 << 16 | 12))          # __rel_loc char[]
+    mem.put(rec + 96, b"dyn-str\0")
+    mem.put(rec + 48 + 12, b"ra\0")                             # get_event_field()'s base
+    mem.put(rec + 52 + 12, b"rb\0")                             # the filter's (after the u32)
+    return mem, dict(REGS, di=fbuf)
+
+
+EVENT_FIELDS = [("i", 8, 4, True, "int", "x64"), ("u", 28, 2, False, "int", "x64"),
+                ("c", 12, 16, False, "static", "string"), ("d", 32, 4, True, "dyn", "string"),
+                ("p", 40, 8, False, "ptr", "string"), ("r", 48, 4, True, "rdyn", "string"),
+                ("r4", 48, 4, True, "rdyn4", "string"), ("cx", 12, 16, False, "static", "x64")]
+
+
+@pytest.mark.parametrize("field", EVENT_FIELDS, ids=[f[0] for f in EVENT_FIELDS])
+def test_c_reads_event_fields_as_the_reference_does(driver, field):
+    """KOP_TP_ARG (an event probe's $FIELD): fetch.c and simulate() capture the same reads,
+    and evaluate() over them gives get_event_field()'s value."""
+    from harness.kernel.grammar import ProbeArg
+    from harness.kernel.grammar.fetch import EventField, evaluate
+
+    name, off, size, signed, kind, t = field
+    store = ("st_string", 0) if t == "string" else ("st_raw", 0, 8)
+    arg = ProbeArg(name, EventField(name), t,
+                   code=(("tp_arg", name, off, size, signed, kind), store, ("end",)))
+    mem, regs = _event_mem()
+    prog = fetchprog.compile_spec([arg], event_entry=24)
+    nargs, nblocks, out = run_driver(driver, mem, prog, regs)
+    assert nargs == 1
+    blocks = fetchprog.parse_blocks(out, nblocks, 8)
+    assert blocks == fetchprog.simulate(arg.code, regs, mem.read, event_entry=24)
+
+    class Ctx:
+        def __init__(self):
+            self.cap = fetchprog.CaptureContext(blocks)
+
+        def reg(self, n):
+            return regs[n]
+
+        def read(self, a, n):
+            return self.cap.read(a, n)
+
+        def event_record(self):
+            return int.from_bytes(self.cap.read(regs["di"] + 24, 8), "little")
+    want = {"i": (1 << 64) - 2, "u": 0xfffe, "c": b"sh", "d": b"dyn-str", "p": b"kernel-string",
+            "r": b"ra", "r4": b"rb", "cx": KDATA + 0x70c}[name]
+    assert evaluate(arg, Ctx()) == want

@@ -776,6 +776,19 @@ def test_own_eprobe_case(series, case, diff):
     check_case(diff, case, series)
 
 
+@pytest.mark.parametrize("series,case", _EPROBE_PARAMS,
+                         ids=ids(_EPROBE_PARAMS, lambda p: f"{p[0]} {case_id(p[1])}"))
+def test_own_eprobe_case_with_the_plugin_engine(series, case, newer_image):
+    """The same cases with the plugin engine: one compiled program per line at
+    ``trace_event_buffer_commit()``, the trigger arguments and the line's own, judged
+    from the capture (harness.backends.eprobes)."""
+    from harness import Machine
+    from harness.apps.pytest_plugin import DiffHelper
+
+    with Machine.boot(newer_image(series), host="plugin") as vm:
+        check_case(DiffHelper(vm, "events"), case, series)
+
+
 @pytest.mark.parametrize("series", NEWER)
 def test_own_eprobe_parse_refusals(series, machine):
     """eprobes_syntax_errors.tc and refused filters: message, caret and errno alike."""

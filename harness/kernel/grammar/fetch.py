@@ -488,7 +488,7 @@ def _strlen(op: str, ctx: FetchContext, addr: Any) -> int:
 def _event_field(op: Insn, ctx: FetchContext) -> int:
     """``get_event_field()`` (kernel/trace/trace_eprobe.c, 6.12 and 7.3) on the attached
     event's record, ``ctx.event_record()``: op is ``("tp_arg", name, offset, size,
-    signed, kind)`` (kind: :func:`field_kind`)."""
+    signed, kind)`` (kind: :func:`harness.kernel.evfilter.field_kind`)."""
     _, name, off, size, signed, kind = op
     if off is None:
         raise ValueError(f"event field {name!r} was not resolved for a kernel")
@@ -496,9 +496,12 @@ def _event_field(op: Insn, ctx: FetchContext) -> int:
     addr = (rec + off) & _M
     if kind == "static":
         return addr
-    if kind in ("dyn", "rdyn"):
+    if kind in ("dyn", "rdyn", "rdyn4"):
+        # rdyn4: a __rel_loc string as an event filter finds it, after the u32
+        # (trace_events_filter.c: filter_pred_strrelloc())
         loc = int.from_bytes(ctx.read(addr, 4), "little") & 0xFFFF
-        return ((rec if kind == "dyn" else addr) + loc) & _M
+        base = rec if kind == "dyn" else addr if kind == "rdyn" else addr + 4
+        return (base + loc) & _M
     if kind == "ptr":
         return int.from_bytes(ctx.read(addr, 8), "little")
     n = size if size in (1, 2, 4) else 8

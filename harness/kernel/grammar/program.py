@@ -45,15 +45,17 @@ REG_INDEX = {name: i for i, name in enumerate(REGS)}
 
 # probes/plugin/fetch.h
 KOP = {"end": 0, "reg": 1, "stack": 2, "stackp": 3, "retval": 4, "imm": 5, "comm": 6,
-       "data": 7, "arg": 8, "ustack": 9, "foffs": 10, "deref": 16, "uderef": 17,
+       "data": 7, "arg": 8, "ustack": 9, "foffs": 10, "tp_arg": 11, "deref": 16, "uderef": 17,
        "st_raw": 32, "st_mem": 33, "st_umem": 34, "st_string": 35, "st_ustring": 36,
        "st_symstr": 37, "st_string_uprobe": 38, "mod_bf": 48, "lp_array": 49}
 DATA, FAULT, STR, STR_LIMIT = 1, 2, 3, 4
+#: probes/plugin/fetch.h: KTP_*, how get_event_field() reads a field
+KTP = {"int": 0, "dyn": 1, "rdyn": 2, "static": 3, "ptr": 4, "rdyn4": 5}
 _STRING_STORES = ("st_string", "st_ustring", "st_string_uprobe")
 
 
-def _insn(op: str, a: int = 0, b: int = 0, imm: int = 0) -> bytes:
-    return _INSN.pack(KOP[op], a, 0, b & 0xFFFFFFFF, imm & _M)
+def _insn(op: str, a: int = 0, b: int = 0, imm: int = 0, pad: int = 0) -> bytes:
+    return _INSN.pack(KOP[op], a, pad, b & 0xFFFFFFFF, imm & _M)
 
 
 #: 6.12+/7.3 fetch ops the plugin's programs do not have (the gdbstub engine evaluates them).
@@ -64,8 +66,13 @@ _NOT_MIRRORED = {"edata": "$argN of a return probe (entry data, 6.12+)",
 
 def compile_code(code: Sequence[tuple[Any, ...]], *,
                  resolve: Callable[[str], int] | None = None,
-                 file_offset_vaddr: Callable[[int], int] | None = None) -> bytes:
+                 file_offset_vaddr: Callable[[int], int] | None = None,
+                 event_entry: int | None = None) -> bytes:
     """One argument's ``fetch_insn`` tuples (``ProbeArg.code``) as ``kph_insn`` records.
+
+    ``event_entry``: for an event probe's fields (``tp_arg``), ``offsetof(struct
+    trace_event_buffer, entry)``: the probe is at ``trace_event_buffer_commit(fbuffer)``
+    and the record is ``fbuffer->entry``.
 
     ``@SYM`` (``nop_symbol``) is resolved here, as ``traceprobe_update_arg()`` does at
     registration; an unknown symbol becomes 0 (the host evaluation raises for it, as
@@ -90,6 +97,12 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
             continue
         if kind == "reg":
             out.append(_insn("reg", a=REG_INDEX[op[1]]))
+        elif kind == "tp_arg":
+            _, name, off, size, signed, fkind = op
+            if off is None or event_entry is None:
+                raise ValueError(f"event field {name!r} without its record's offsets")
+            out.append(_insn("tp_arg", a=KTP[fkind], b=size | int(signed) << 8, imm=off,
+                             pad=event_entry))
         elif kind in ("stack", "arg", "ustack"):
             out.append(_insn(kind, imm=op[1]))
         elif kind in ("stackp", "retval", "comm", "data", "end"):
@@ -120,9 +133,11 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
 
 
 def compile_spec(args: Iterable[Any], *, resolve: Callable[[str], int] | None = None,
-                 file_offset_vaddr: Callable[[int], int] | None = None) -> bytes:
+                 file_offset_vaddr: Callable[[int], int] | None = None,
+                 event_entry: int | None = None) -> bytes:
     """Every ``ProbeArg`` of a spec, one program after the other (each ends in ``end``)."""
-    return b"".join(compile_code(a.code, resolve=resolve, file_offset_vaddr=file_offset_vaddr)
+    return b"".join(compile_code(a.code, resolve=resolve, file_offset_vaddr=file_offset_vaddr,
+                                 event_entry=event_entry)
                     for a in args)
 
 
@@ -244,17 +259,19 @@ class _Sim:
 
 def simulate(code: Sequence[tuple[Any, ...]], regs: dict[str, int],
              mem: Callable[[int, int], bytes | None], *,
-             resolve: Callable[[str], int] | None = None) -> list[Block]:
+             resolve: Callable[[str], int] | None = None,
+             event_entry: int | None = None) -> list[Block]:
     """What ``fetch.c`` captures for one argument (the reference the tests hold C to).
 
     ``mem(addr, size)`` returns the bytes, or None when any of them cannot be read.
     """
     sim = _Sim(mem)
     # Decode our own encoding back, so the simulation runs what C runs.
-    prog = [_INSN.unpack_from(compile_code(code, resolve=resolve), i)
-            for i in range(0, len(compile_code(code, resolve=resolve)), INSN_SIZE)]
+    raw = compile_code(code, resolve=resolve, event_entry=event_entry)
+    prog = [_INSN.unpack_from(raw, i) for i in range(0, len(raw), INSN_SIZE)]
     names = {v: k for k, v in KOP.items()}
     ins = [(names[op], a, b, imm) for op, a, _, b, imm in prog]
+    pads = [pad for _, _, pad, _, _ in prog]
     r = [regs.get(n, 0) & _M for n in REGS]
     sp = r[REG_INDEX["sp"]]
 
@@ -285,6 +302,32 @@ def simulate(code: Sequence[tuple[Any, ...]], regs: dict[str, int],
     elif op == "arg":
         regs6 = ("di", "si", "dx", "cx", "r8", "r9")
         val = r[REG_INDEX[regs6[imm]]] if imm < 6 else stack_nth(imm - 5)
+    elif op == "tp_arg":        # fetch.c: KOP_TP_ARG
+        rec = sim.read(r[REG_INDEX["di"]] + pads[0], 8)
+        if rec is None:
+            return sim.blocks
+        addr, size = (rec + imm) & _M, b & 0xFF
+        if a == KTP["static"]:
+            val = addr
+        elif a in (KTP["dyn"], KTP["rdyn"], KTP["rdyn4"]):
+            loc = sim.read(addr, 4)
+            if loc is None:
+                return sim.blocks
+            base = rec if a == KTP["dyn"] else addr if a == KTP["rdyn"] else addr + 4
+            val = (base + (loc & 0xFFFF)) & _M
+        elif a == KTP["ptr"]:
+            v = sim.read(addr, 8)
+            if v is None:
+                return sim.blocks
+            val = v
+        else:
+            size = size if size in (1, 2, 4) else 8
+            v = sim.read(addr, size)
+            if v is None:
+                return sim.blocks
+            if b >> 8 & 1 and size < 8 and v >> (8 * size - 1) & 1:
+                v |= _M ^ ((1 << 8 * size) - 1)
+            val = v
     else:
         raise ValueError(op)
     pc, lval, count = 1, val, 0

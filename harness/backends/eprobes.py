@@ -1,0 +1,100 @@
+"""Event probes (``e`` lines) on either host engine: where the kernel runs them, and how a
+hit there is taken for one of them (kernel/trace/trace_eprobe.c, 6.12 and 7.3).
+
+An event probe is a trigger on the attached event (``enable_eprobe()``), run by
+``event_triggers_call()`` from ``trace_event_buffer_commit(fbuffer)`` once the record is
+complete; its filter is tested on the record first (``filter_match_preds()``). Host-side
+both engines put a probe at ``trace_event_buffer_commit()`` for each line and fetch, with
+the line's own arguments, a few more values from the same stop, the *trigger arguments*
+(:func:`trigger_args`): ``fbuffer->trace_file->tr`` (the top trace instance's events
+only), ``fbuffer->trace_file->event_call->event.type`` (the attached event's ID), and each
+field the filter reads. :func:`triggered` then says whether the kernel's trigger ran. The
+gdbstub engine evaluates them at the stop, the plugin engine from its capture: one
+program, one rule, both engines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..kernel.grammar import ProbeArg, ProbeSpec
+from ..kernel.grammar.fetch import Reg
+
+__all__ = ["COMMIT", "CommitSite", "trigger_args", "triggered"]
+
+#: where the kernel runs event probes' triggers (kernel/trace/trace.c)
+COMMIT = "trace_event_buffer_commit"
+
+
+@dataclass(frozen=True)
+class CommitSite:
+    """Offsets (from the kernel's BTF) and the top trace instance's address
+    (``global_trace``) that :func:`trigger_args` reads through."""
+
+    entry: int      # struct trace_event_buffer: entry (the record)
+    file: int       # struct trace_event_buffer: trace_file
+    call: int       # struct trace_event_file: event_call
+    tr: int         # struct trace_event_file: tr
+    type: int       # struct trace_event_call: event.type (the event's ID)
+    top: int        # &global_trace
+
+    @classmethod
+    def of(cls, btf: Any, symbols: Any) -> "CommitSite":
+        return cls(btf.offset("trace_event_buffer", "entry"),
+                   btf.offset("trace_event_buffer", "trace_file"),
+                   btf.offset("trace_event_file", "event_call"),
+                   btf.offset("trace_event_file", "tr"),
+                   btf.offset("trace_event_call", "event.type"),
+                   symbols.lookup("global_trace").addr)
+
+
+def _arg(name: str, type_: str, code: tuple) -> ProbeArg:
+    return ProbeArg(name, Reg("di"), type_, code=code + (("end",),))
+
+
+def _field_code(pred: Any) -> tuple[tuple, str]:
+    """A filter predicate's field as ``filter_pred_*()`` reads it: (code, type)."""
+    if pred.kind == "comm":
+        return (("comm",), ("st_string", 0)), "string"
+    kind = pred.kind
+    off = pred.offset
+    if kind == "rdyn":
+        # filter_pred_strrelloc(): the string is after the u32 (get_event_field() takes
+        # it from the field's own address): the same as a __data_loc relative to off + 4
+        kind = "rdyn4"
+    tp = ("tp_arg", pred.field, off, pred.size, pred.signed, kind)
+    if kind in ("static", "dyn", "rdyn4", "ptr"):
+        return (tp, ("st_string", 0)), "string"
+    return (tp, ("st_raw", 0, 8)), "x64"
+
+
+def trigger_args(spec: ProbeSpec, site: CommitSite) -> tuple[ProbeArg, ...]:
+    """The values :func:`triggered` needs, as fetch arguments at
+    ``trace_event_buffer_commit(fbuffer)``: the trace instance, the event's ID, then each
+    filter predicate's field (a ``cpu`` predicate reads the hit's CPU instead)."""
+    out = [_arg("tr", "x64", (("reg", "di"), ("deref", site.file), ("deref", site.tr),
+                              ("st_raw", 0, 8))),
+           _arg("type", "u32", (("reg", "di"), ("deref", site.file), ("deref", site.call),
+                                ("st_mem", site.type, 4)))]
+    for i, pred in enumerate(spec.filter.predicates() if spec.filter is not None else []):
+        if pred.kind != "cpu":
+            code, t = _field_code(pred)
+            out.append(_arg(f"f{i}", t, code))
+    return tuple(out)
+
+
+def triggered(spec: ProbeSpec, event_id: int, site: CommitSite, values: Sequence[Any],
+              cpu: int) -> bool:
+    """Whether the kernel's trigger for ``spec`` ran at this commit: the record is the
+    attached event's in the top instance, and the filter matches it. ``values`` are
+    :func:`trigger_args`' as ``evaluate()`` gave them."""
+    if spec.filter is not None and spec.filter.tree is None:
+        raise ValueError(f"{spec.text!r}: its filter was not parsed for the booted kernel")
+    if values[0] != site.top or values[1] != event_id:
+        return False
+    preds = spec.filter.predicates() if spec.filter is not None else []
+    if not preds:
+        return True
+    it = iter(values[2:])
+    got = {id(p): (cpu if p.kind == "cpu" else next(it)) for p in preds}
+    return spec.filter.match(lambda p: got[id(p)])
