@@ -18,10 +18,12 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
-from ..kernel.grammar.fetch import UNKNOWN, Reg, below_sp, evaluate, format_ip, format_value
-from ..kernel.grammar.program import REGS, CaptureContext, compile_spec, parse_blocks
+from ..kernel.grammar.fetch import (UNKNOWN, FaultError, Reg, below_sp, evaluate, format_ip,
+                                   format_value)
+from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
-from ..machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC, REC_HIT, REC_RET, PluginRecord
+from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_PID, RF_TASK, RF_TRUNC, REC_HIT, REC_RET,
+                                  PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeManager
@@ -65,6 +67,27 @@ class _RecordCtx:
 
     def comm(self) -> str:
         return self.rec.comm.decode("utf-8", "replace") if self.rec.flags & RF_COMM else ""
+
+    def current_task(self) -> int:
+        """``$current`` (7.3, ``FETCH_OP_CURRENT``): the task the plugin read at the hit."""
+        if not self.rec.flags & RF_TASK:
+            raise EngineReadError("the plugin could not read current at this hit")
+        return self.rec.task
+
+    def percpu_offset(self) -> int:
+        """``this_cpu_ptr()``'s offset (7.3, ``FETCH_OP_CPU_PTR``), as the plugin added it."""
+        for b in self.mem.blocks:
+            if b.kind == PERCPU:
+                return int.from_bytes(b.data, "little")
+        raise FaultError(0, 8)      # fetch.c could not read it: the fetch stopped there
+
+    def entry_arg(self, n: int) -> int:
+        """``$argN`` of a return probe (6.12+, ``FETCH_OP_EDATA``): what the plugin's entry
+        saved of argument ``n`` (0-based)."""
+        for b in self.mem.blocks:
+            if b.kind == EDATA and b.addr == n:
+                return int.from_bytes(b.data, "little")
+        raise EngineReadError(f"the plugin saved no argument {n + 1} at the entry")
 
     def event_record(self) -> int:
         """An event probe's record: ``fbuffer->entry``, read at the hit (captured)."""

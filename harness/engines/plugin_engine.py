@@ -133,9 +133,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         # what the guest kernel writes in a return-address slot it hooks: a program
         # reading a slot the plugin hooked sees that (kph_plugin.c: prog_read())
         rth = self.symbols.get("return_to_handler")
-        self.link.request(CMD_CONFIG, struct.pack("<7Q", *self.task_offsets, self.trampoline,
+        # and this_cpu_off's per-cpu offset: what this_cpu_ptr() adds (fetch.c: KOP_CPU_PTR)
+        tco = self.symbols.get("this_cpu_off")
+        self.link.request(CMD_CONFIG, struct.pack("<8Q", *self.task_offsets, self.trampoline,
                                                   flags, kernel_rethook_trampoline(self.symbols),
-                                                  rth.addr if rth is not None else 0))
+                                                  rth.addr if rth is not None else 0,
+                                                  tco.addr if tco is not None else 0))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None

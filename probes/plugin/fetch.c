@@ -237,13 +237,48 @@ static int run_one(kph_capture *c, const kph_insn *code, size_t end, const uint6
         }
         break;
     }
+    case KOP_CURRENT:
+        val = c->task;
+        break;
+    case KOP_EDATA: {
+        /* FETCH_OP_EDATA: the entry handler's store_trace_entry_data() */
+        uint32_t i;
+        uint8_t *dst;
+
+        for (i = 0; i < c->nedata && c->edata_idx[i] != code[0].imm; i++) {
+        }
+        if (i >= c->nedata) {
+            return -1;      /* the probe did not save it: a malformed program */
+        }
+        val = c->edata[i];
+        dst = blk_alloc(c, code[0].imm, 8, KBLK_EDATA);
+        if (dst) {
+            memcpy(dst, &val, 8);
+        }
+        break;
+    }
     default:
         return -1;
     }
     pc = 1;
     lval = val;
     for (;;) {
-        while (pc < end && (code[pc].op == KOP_DEREF || code[pc].op == KOP_UDEREF)) {   /* stage 2 */
+        while (pc < end && (code[pc].op == KOP_DEREF || code[pc].op == KOP_UDEREF ||
+                            code[pc].op == KOP_CPU_PTR)) {                          /* stage 2 */
+            if (code[pc].op == KOP_CPU_PTR) {
+                uint8_t *dst;
+
+                if (!c->has_percpu || blob) {
+                    return 0;
+                }
+                dst = blk_alloc(c, 0, 8, KBLK_PERCPU);
+                if (dst) {
+                    memcpy(dst, &c->percpu, 8);
+                }
+                val += c->percpu;
+                pc++;
+                continue;
+            }
             lval = val;
             if (blob || cap_read(c, val + code[pc].imm, 8, &val) != 0) {
                 return 0;

@@ -36,8 +36,13 @@ enum {
      * record is *(%di + pad) (fbuffer->entry), the field at imm; a = KTP_* (how
      * get_event_field() reads it), b = size | signed << 8 */
     KOP_TP_ARG,
+    /* $current (7.3, FETCH_OP_CURRENT): the task; $argN of a return probe (6.12+,
+     * FETCH_OP_EDATA): what the entry saved of argument imm */
+    KOP_CURRENT, KOP_EDATA,
     /* stage 2: dereferences */
     KOP_DEREF = 16, KOP_UDEREF,
+    /* this_cpu_ptr() (7.3, FETCH_OP_CPU_PTR): plus this CPU's per-cpu offset */
+    KOP_CPU_PTR,
     /* stage 3: stores */
     KOP_ST_RAW = 32, KOP_ST_MEM, KOP_ST_UMEM, KOP_ST_STRING, KOP_ST_USTRING, KOP_ST_SYMSTR,
     KOP_ST_STRING_UPROBE,
@@ -56,7 +61,10 @@ enum {
 enum { KTP_INT = 0, KTP_DYN, KTP_RDYN, KTP_STATIC, KTP_PTR,
        KTP_RDYN4 /* a __rel_loc as an event filter reads it: filter_pred_strrelloc() */ };
 
-enum { KBLK_DATA = 1, KBLK_FAULT = 2, KBLK_STR = 3, KBLK_STR_LIMIT = 4 };
+/* KBLK_EDATA: an entry-saved argument a program used (addr: its number, 8 bytes);
+ * KBLK_PERCPU: the per-cpu offset a program added (addr 0, 8 bytes) */
+enum { KBLK_DATA = 1, KBLK_FAULT = 2, KBLK_STR = 3, KBLK_STR_LIMIT = 4, KBLK_EDATA = 5,
+       KBLK_PERCPU = 6 };
 
 #define KPH_MAX_STRING 4096      /* MAX_STRING_SIZE = PATH_MAX (trace_probe.h) */
 #define KPH_MAX_ARRAY_LEN 64     /* MAX_ARRAY_LEN (trace_probe.h): "Array number is too big" */
@@ -72,6 +80,13 @@ typedef struct {
     int truncated;      /* a block did not fit */
     kph_read_fn read;
     void *read_ctx;
+    /* the hit's context: current, this CPU's per-cpu offset (has_percpu), and a return
+     * hit's entry-saved arguments (edata[i] is argument edata_idx[i]) */
+    uint64_t task, percpu;
+    int has_percpu;
+    const uint64_t *edata;
+    const uint8_t *edata_idx;
+    uint32_t nedata;
 } kph_capture;
 
 /* Run every argument program in prog[0..n) against regs; append the reads to cap.

@@ -119,12 +119,17 @@ typedef struct probe {
     struct inst *insts;
     struct inst **freelist;
     uint64_t born;                  /* the order of adds (CMD_STATS: the newest of an id) */
+    /* a return probe's $argN (KOP_EDATA): the arguments its entry saves, in first-use
+     * order (__store_entry_arg()); its program adds the per-cpu offset (KOP_CPU_PTR) */
+    uint8_t nsave, save[8];
+    int uses_percpu;
 } probe;
 
 typedef struct inst {
     probe *rp;
     uint64_t slot, ret_addr, task;
     uint64_t mm;                    /* user return probes: the address space of the slot */
+    uint64_t edata[8];              /* the arguments the entry saved (probe.save) */
     struct inst *next;              /* same bucket of the live table */
 } inst;
 
@@ -187,6 +192,7 @@ static uint64_t g_born;
 static uint64_t g_tramp;
 static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
+static uint64_t g_this_cpu_off;     /* per-cpu offset of this_cpu_off (CMD_CONFIG) */
 static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists */
 /* CMD_CONFIG flags: CFG_URET_SYSCALL, the kernel's 64-bit uretprobe trampoline pushes
  * rax, rcx and r11 and calls sys_uretprobe() (6.11+, arch/x86/kernel/uprobes.c) */
@@ -631,11 +637,23 @@ static void ring_put(int i, const uint8_t *rec, uint32_t size)
 
 /* Build and append a record: header (240 bytes), then the captured blocks. */
 static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func,
-                 uint64_t ret_addr)
+                 uint64_t ret_addr, const inst *ri)
 {
     kph_capture cap = {
         .buf = v->rec + REC_HDR, .cap = REC_MAX - REC_HDR, .read = prog_read, .read_ctx = v,
+        .task = v->task,
     };
+
+    if (ri) {
+        cap.edata = ri->edata;
+        cap.edata_idx = p->save;
+        cap.nedata = p->nsave;
+    }
+    if (p->uses_percpu && g_this_cpu_off) {
+        uint64_t base = reg_read(v, (v->regs[KREG_CS] & 3) == 3 ? g_kgs_base : g_gs_base);
+
+        cap.has_percpu = mem_read(v, base + g_this_cpu_off, &cap.percpu, 8) == 0;
+    }
     uint8_t *h = v->rec;
     uint32_t size, flags = v->tflags;
     uint16_t vc16 = (uint16_t)vcpu;
@@ -708,6 +726,31 @@ static int filter_ok(vcpu_t *v, probe *p)
     return val == p->expect;
 }
 
+/* store_trace_entry_data() of the entry handler (6.12+, trace_kprobe.c and trace_fprobe.c):
+ * each argument a return line's $argN reads, regs_get_kernel_argument() (past the sixth,
+ * the stack: regs_get_kernel_stack_nth(), 0 outside the stack or on a fault) */
+static void save_entry_args(vcpu_t *v, const probe *p, inst *ri)
+{
+    static const uint8_t areg[6] = {KREG_DI, KREG_SI, KREG_DX, KREG_CX, KREG_R8, KREG_R9};
+    uint8_t i;
+
+    for (i = 0; i < p->nsave; i++) {
+        uint8_t n = p->save[i];
+        uint64_t sp = v->regs[KREG_SP], a, val = 0;
+
+        if (n < 6) {
+            val = v->regs[areg[n]];
+        } else {
+            a = sp + 8 * (uint64_t)(n - 5);
+            if ((a & ~(uint64_t)(KPH_THREAD_SIZE - 1)) != (sp & ~(uint64_t)(KPH_THREAD_SIZE - 1)) ||
+                mem_read(v, a, &val, 8) != 0) {
+                val = 0;
+            }
+        }
+        ri->edata[i] = val;
+    }
+}
+
 /* pre_handler_kretprobe(): take an instance or count nmissed, run the entry_handler
  * (non-zero: no return probe for this call), hijack [sp]. */
 static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
@@ -748,6 +791,7 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     ri->slot = slot;
     ri->ret_addr = ret;
     ri->task = v->task;
+    save_entry_args(v, p, ri);
     ri->mm = p->mm_off ? task_mm(v, p->mm_off) : 0;
     b = live_bucket(slot);
     ri->next = g_live_tab[b];
@@ -866,7 +910,7 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
              * was stacked on another kretprobe of the same call; the harness prints the
              * kernel's own trampoline for it. uretprobes chain the real one instead
              * (prepare_uretprobe(): ri->chained). */
-            emit(v, vcpu, p, REC_RET, p->addr, shown_ret(done, n, i, tramp, real));
+            emit(v, vcpu, p, REC_RET, p->addr, shown_ret(done, n, i, tramp, real), done[i]);
         }
     }
     if (uret_frame) {
@@ -1229,7 +1273,7 @@ static void on_site(unsigned int vcpu, void *ud)
         }
         if (p->kind == PK_SPEC_P) {
             atomic_fetch_add(&p->nhit, 1);
-            emit(v, vcpu, p, REC_HIT, p->addr, 0);
+            emit(v, vcpu, p, REC_HIT, p->addr, 0, NULL);
         } else if (p->kind == PK_SPEC_R || p->kind == PK_KRET) {
             kret_entry(vcpu, v, p);
         } else if (p->kind == PK_KPROBE) {
@@ -1842,6 +1886,28 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
             probe_free(p);
             return reply(fd, EINVAL, NULL, 0);
         }
+        {
+            size_t k;
+            uint8_t j;
+
+            for (k = 0; k < nprog; k++) {
+                if (p->prog[k].op == KOP_CPU_PTR) {
+                    p->uses_percpu = 1;
+                }
+                if (p->prog[k].op != KOP_EDATA) {
+                    continue;
+                }
+                for (j = 0; j < p->nsave && p->save[j] != p->prog[k].imm; j++) {
+                }
+                if (j == p->nsave) {
+                    if (p->nsave >= 8 || p->prog[k].imm > 255) {
+                        probe_free(p);
+                        return reply(fd, EINVAL, NULL, 0);
+                    }
+                    p->save[p->nsave++] = (uint8_t)p->prog[k].imm;
+                }
+            }
+        }
     }
     p->flags = enabled;
     p->tramp = g_tramp;
@@ -1968,8 +2034,9 @@ static int serve(int fd)
             break;
         case CMD_CONFIG:
             /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
-             * u64 flags (CFG_*) */
-            if (len != 40 && len != 56) {
+             * u64 flags (CFG_*)[, u64 kernel rethook trampoline, u64 return_to_handler
+             * [, u64 this_cpu_off's per-cpu offset]] */
+            if (len != 40 && len != 56 && len != 64) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -1978,11 +2045,14 @@ static int serve(int fd)
                 uint64_t f;
                 memcpy(&f, pl + 32, 8);
                 atomic_store(&g_cfg_flags, f);
-                if (len == 56) {
+                if (len >= 56) {
                     memcpy(&f, pl + 40, 8);
                     atomic_store(&g_ktramp_rethook, f);
                     memcpy(&f, pl + 48, 8);
                     atomic_store(&g_ktramp_fgraph, f);
+                }
+                if (len >= 64) {
+                    memcpy(&g_this_cpu_off, pl + 56, 8);
                 }
             }
             memcpy(&g_cur_task_off, pl, 8);

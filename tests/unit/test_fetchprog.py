@@ -168,7 +168,8 @@ DRIVER = r"""
 #include <stdlib.h>
 #include <string.h>
 #include "fetch.h"
-/* stdin: u32 npages, pages {u64 base, u8[4096]}, u64 regs[21], u32 nprog, kph_insn[nprog] */
+/* stdin: u32 npages, pages {u64 base, u8[4096]}, u64 regs[21], u32 nprog, kph_insn[nprog],
+ * then (optional) u64 task, u64 percpu, u32 has_percpu, u32 nedata, {u64 idx, u64 val}[] */
 static uint64_t base[64]; static unsigned char page[64][4096]; static unsigned npages;
 static int rd(void *c, uint64_t a, void *buf, size_t n) {
     (void)c;
@@ -186,6 +187,15 @@ int main(void) {
     for (unsigned k = 0; k < npages; k++) { fread(&base[k], 8, 1, stdin); fread(page[k], 4096, 1, stdin); }
     fread(regs, 8, KREG_NUM, stdin); fread(&n, 4, 1, stdin); fread(prog, 16, n, stdin);
     kph_capture c = {.buf = out, .cap = sizeof(out), .read = rd};
+    static uint64_t edata[8]; static uint8_t idx[8]; uint32_t hp = 0, ne = 0;
+    if (fread(&c.task, 8, 1, stdin) == 1 && fread(&c.percpu, 8, 1, stdin) == 1 &&
+        fread(&hp, 4, 1, stdin) == 1 && fread(&ne, 4, 1, stdin) == 1) {
+        c.has_percpu = (int)hp;
+        for (uint32_t i = 0; i < ne && i < 8; i++) {
+            uint64_t k; fread(&k, 8, 1, stdin); fread(&edata[i], 8, 1, stdin); idx[i] = (uint8_t)k;
+        }
+        c.edata = edata; c.edata_idx = idx; c.nedata = ne;
+    }
     int r = kph_capture_args(&c, prog, n, regs);
     fwrite(&r, 4, 1, stdout); fwrite(&c.nblocks, 4, 1, stdout); fwrite(out, 1, c.len, stdout);
     return 0;
@@ -206,15 +216,20 @@ def driver(tmp_path_factory):
     return exe
 
 
-def run_driver(driver, mem: Memory, prog: bytes, regs: dict[str, int] = REGS
+def run_driver(driver, mem: Memory, prog: bytes, regs: dict[str, int] = REGS, *,
+               task: int = 0, percpu: int | None = None, edata: dict[int, int] | None = None
                ) -> tuple[int, int, bytes]:
-    """fetch.c over ``mem`` and ``regs``: (its return value, blocks, the output)."""
+    """fetch.c over ``mem`` and ``regs`` (and the hit's current, per-cpu offset and
+    entry-saved arguments): (its return value, blocks, the output)."""
     inp = struct.pack("<I", len(mem.pages))
     for b, data in sorted(mem.pages.items()):
         inp += struct.pack("<Q", b) + bytes(data)
     inp += b"".join(struct.pack("<Q", regs.get(n, 0) if n != "orig_ax" else (1 << 64) - 1)
                     for n in fetchprog.REGS)
     inp += struct.pack("<I", len(prog) // 16) + prog
+    ed = sorted((edata or {}).items())
+    inp += struct.pack("<QQII", task, percpu or 0, percpu is not None, len(ed))
+    inp += b"".join(struct.pack("<QQ", k, v & ((1 << 64) - 1)) for k, v in ed)
     out = subprocess.run([str(driver)], input=inp, capture_output=True, check=True,
                          timeout=30).stdout
     nargs, nblocks = struct.unpack_from("<iI", out)
@@ -303,3 +318,33 @@ def test_c_reads_event_fields_as_the_reference_does(driver, field):
     want = {"i": (1 << 64) - 2, "u": 0xfffe, "c": b"sh", "d": b"dyn-str", "p": b"kernel-string",
             "r": b"ra", "r4": b"rb", "cx": KDATA + 0x70c}[name]
     assert evaluate(arg, Ctx()) == want
+
+
+CONTEXT_CODES = [
+    ("current", (("current",), ("st_raw", 0, 8))),
+    ("current->comm", (("current",), ("st_string", 0x28))),
+    ("this_cpu_read", (("imm", KDATA - 0x800), ("cpu_ptr",), ("deref", 0), ("st_raw", 0, 8))),
+    ("this_cpu_ptr", (("imm", KDATA - 0x800), ("cpu_ptr",), ("st_raw", 0, 8))),
+    ("edata", (("edata", 0), ("st_raw", 0, 8))),
+    ("edata deref", (("edata", 7), ("deref", 0), ("st_mem", 8, 4))),
+]
+
+
+@pytest.mark.parametrize("name,code", CONTEXT_CODES, ids=[c[0] for c in CONTEXT_CODES])
+def test_c_takes_the_hit_context_as_the_reference_does(driver, name, code):
+    """KOP_CURRENT, KOP_CPU_PTR and KOP_EDATA ($current, this_cpu_*() and a return line's
+    $argN): fetch.c and simulate() capture the same, the per-cpu offset and the saved
+    argument as blocks of their own."""
+    code = tuple(code) + (("end",),)
+    mem = Memory(5)
+    mem.put(KDATA + 0x28, b"kph-task\0")
+    ctx = {"task": KDATA, "percpu": 0x800 + 0x10, "edata": {0: 0x1234, 7: KDATA + 0x200}}
+    prog = fetchprog.compile_code(code)
+    nargs, nblocks, out = run_driver(driver, mem, prog, **ctx)
+    assert nargs == 1
+    blocks = fetchprog.parse_blocks(out, nblocks, 8)
+    assert blocks == fetchprog.simulate(code, REGS, mem.read, **ctx)
+    if name.startswith("edata"):
+        assert blocks[0].kind == fetchprog.EDATA
+    if name.startswith("this_cpu"):
+        assert blocks[0].kind == fetchprog.PERCPU

@@ -694,22 +694,43 @@ def test_own_fprobe_parse_refusals(series, machine):
 
 
 def _plugin_mirrors(c) -> bool:
-    """The plugin engine takes every f: line but a return one's $argN and 7.3's
-    ``$current`` (the plugin refuses both for every kind of line: docs/plugin.md), and
-    kfree's (and the other functions and tracepoints the idle task hits: kmem_cache_*,
-    sched_switch, sched_wakeup), whose hits at the window's edges the plugin cannot take
-    in the guest's halt (it has no settled halt: docs/plugin.md)."""
+    """The plugin engine takes every f: line (a return one's $argN and 7.3's ``$current``
+    included), but kfree's (and the other functions and tracepoints the idle task hits:
+    kmem_cache_*, sched_switch, sched_wakeup), whose hits at the window's edges the plugin
+    cannot take in the guest's halt (it has no settled halt: docs/plugin.md)."""
     return not any(any(f" {hot}" in s for hot in ("kfree", "kmem_cache_", "sched_switch",
-                                                  "sched_wakeup"))
-                   or "$current" in s or ("%return" in s and "$arg" in s) for s in c.specs)
+                                                  "sched_wakeup")) for s in c.specs)
 
 
 _FPROBE_PLUGIN = [(s, c) for s, c in _FPROBE_PARAMS if _plugin_mirrors(c)]
+#: kprobe cases with what the plugin's programs took last: $current, this_cpu_*(), a
+#: return line's $argN (fetch.c: KOP_CURRENT, KOP_CPU_PTR, KOP_EDATA)
+_KPROBE_PLUGIN = [(s, c) for s, c in _CASE_PARAMS if _plugin_mirrors(c) and any(
+    "$current" in x or "this_cpu" in x or (x[:1] == "r" or "%return" in x) and "$arg" in x
+    for x in c.specs)] + [
+    # per-cpu reads (7.3's this_cpu_read()/this_cpu_ptr()), and an exit's $argN past the
+    # registers (kernel_clone has one argument: $arg7 reads the stack at the entry)
+    ("7.3", C("kprobe/kprobe_args_syntax.tc",
+              "p:pc vfs_read off=this_cpu_read(@this_cpu_off):x64 "
+              "cur=this_cpu_read(@current_task):x64 at=this_cpu_ptr(@this_cpu_off):x64", READ)),
+    *[(s, C("dynevent/fprobe_entry_arg.tc", ["f:x kernel_clone%return a=$arg1 s=$arg7",
+                                             "r:r kernel_clone a=$arg1"], FORK))
+      for s in NEWER]]
 
 
 @pytest.mark.parametrize("series,case", _FPROBE_PLUGIN,
                          ids=ids(_FPROBE_PLUGIN, lambda p: f"{p[0]} {case_id(p[1])}"))
 def test_own_fprobe_case_with_the_plugin_engine(series, case, newer_image):
+    from harness import Machine
+    from harness.apps.pytest_plugin import DiffHelper
+
+    with Machine.boot(newer_image(series), host="plugin") as vm:
+        check_case(DiffHelper(vm, "events"), case, series)
+
+
+@pytest.mark.parametrize("series,case", _KPROBE_PLUGIN,
+                         ids=ids(_KPROBE_PLUGIN, lambda p: f"{p[0]} {case_id(p[1])}"))
+def test_own_case_with_the_plugin_engine(series, case, newer_image):
     from harness import Machine
     from harness.apps.pytest_plugin import DiffHelper
 

@@ -45,10 +45,10 @@ REG_INDEX = {name: i for i, name in enumerate(REGS)}
 
 # probes/plugin/fetch.h
 KOP = {"end": 0, "reg": 1, "stack": 2, "stackp": 3, "retval": 4, "imm": 5, "comm": 6,
-       "data": 7, "arg": 8, "ustack": 9, "foffs": 10, "tp_arg": 11, "deref": 16, "uderef": 17,
+       "data": 7, "arg": 8, "ustack": 9, "foffs": 10, "tp_arg": 11, "current": 12, "edata": 13, "deref": 16, "uderef": 17, "cpu_ptr": 18,
        "st_raw": 32, "st_mem": 33, "st_umem": 34, "st_string": 35, "st_ustring": 36,
        "st_symstr": 37, "st_string_uprobe": 38, "mod_bf": 48, "lp_array": 49}
-DATA, FAULT, STR, STR_LIMIT = 1, 2, 3, 4
+DATA, FAULT, STR, STR_LIMIT, EDATA, PERCPU = 1, 2, 3, 4, 5, 6
 #: probes/plugin/fetch.h: KTP_*, how get_event_field() reads a field
 KTP = {"int": 0, "dyn": 1, "rdyn": 2, "static": 3, "ptr": 4, "rdyn4": 5}
 _STRING_STORES = ("st_string", "st_ustring", "st_string_uprobe")
@@ -59,9 +59,7 @@ def _insn(op: str, a: int = 0, b: int = 0, imm: int = 0, pad: int = 0) -> bytes:
 
 
 #: 6.12+/7.3 fetch ops the plugin's programs do not have (the gdbstub engine evaluates them).
-_NOT_MIRRORED = {"edata": "$argN of a return probe (entry data, 6.12+)",
-                 "current": "$current (7.3)", "cpu_ptr": "this_cpu_ptr()/this_cpu_read() (7.3)",
-                 "btf": "a BTF argument not resolved for the booted kernel"}
+_NOT_MIRRORED = {"btf": "a BTF argument not resolved for the booted kernel"}
 
 
 def compile_code(code: Sequence[tuple[Any, ...]], *,
@@ -105,8 +103,10 @@ def compile_code(code: Sequence[tuple[Any, ...]], *,
                              pad=event_entry))
         elif kind in ("stack", "arg", "ustack"):
             out.append(_insn(kind, imm=op[1]))
-        elif kind in ("stackp", "retval", "comm", "data", "end"):
+        elif kind in ("stackp", "retval", "comm", "data", "end", "current", "cpu_ptr"):
             out.append(_insn(kind))
+        elif kind == "edata":
+            out.append(_insn("edata", imm=op[1]))
         elif kind == "imm":
             out.append(_insn("imm", imm=op[1] or 0))
         elif kind == "foffs":
@@ -260,10 +260,13 @@ class _Sim:
 def simulate(code: Sequence[tuple[Any, ...]], regs: dict[str, int],
              mem: Callable[[int, int], bytes | None], *,
              resolve: Callable[[str], int] | None = None,
-             event_entry: int | None = None) -> list[Block]:
+             event_entry: int | None = None, task: int = 0, percpu: int | None = None,
+             edata: dict[int, int] | None = None) -> list[Block]:
     """What ``fetch.c`` captures for one argument (the reference the tests hold C to).
 
-    ``mem(addr, size)`` returns the bytes, or None when any of them cannot be read.
+    ``mem(addr, size)`` returns the bytes, or None when any of them cannot be read;
+    ``task`` is ``current``, ``percpu`` this CPU's per-cpu offset (None: not known),
+    ``edata`` a return hit's entry-saved arguments by number.
     """
     sim = _Sim(mem)
     # Decode our own encoding back, so the simulation runs what C runs.
@@ -302,6 +305,13 @@ def simulate(code: Sequence[tuple[Any, ...]], regs: dict[str, int],
     elif op == "arg":
         regs6 = ("di", "si", "dx", "cx", "r8", "r9")
         val = r[REG_INDEX[regs6[imm]]] if imm < 6 else stack_nth(imm - 5)
+    elif op == "current":
+        val = task
+    elif op == "edata":
+        if edata is None or imm not in edata:
+            raise ValueError(f"argument {imm} was not saved at the entry")
+        val = edata[imm] & _M
+        sim.blocks.append(Block(imm, EDATA, val.to_bytes(8, "little"), 8))
     elif op == "tp_arg":        # fetch.c: KOP_TP_ARG
         rec = sim.read(r[REG_INDEX["di"]] + pads[0], 8)
         if rec is None:
@@ -332,7 +342,13 @@ def simulate(code: Sequence[tuple[Any, ...]], regs: dict[str, int],
         raise ValueError(op)
     pc, lval, count = 1, val, 0
     while True:
-        while ins[pc][0] in ("deref", "uderef"):
+        while ins[pc][0] in ("deref", "uderef", "cpu_ptr"):
+            if ins[pc][0] == "cpu_ptr":
+                if percpu is None or blob:
+                    return sim.blocks
+                sim.blocks.append(Block(0, PERCPU, (percpu & _M).to_bytes(8, "little"), 8))
+                val, pc = (val + percpu) & _M, pc + 1
+                continue
             lval = val
             v = None if blob else sim.read(val + ins[pc][3], 8)
             if v is None:
