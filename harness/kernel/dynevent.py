@@ -241,10 +241,11 @@ def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
 
 
 def _match_eprobe(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
-    """``eprobe_dyn_event_match()`` (kernel/trace/trace_eprobe.c, 6.12 and 7.3) past the
-    name: the first word is the attached ``SYSTEM/EVENT`` (or ``SYSTEM.EVENT``), the system
-    compared with ``strncmp()`` over the word's length (``sys/EVENT`` matches a probe on
-    ``syscalls.EVENT``), then ``NAME=COMM`` of the first arguments."""
+    """``eprobe_dyn_event_match()`` (kernel/trace/trace_eprobe.c, Debian's 6.12.117 and
+    7.3.4) past the name: the first word is the attached ``SYSTEM/EVENT`` (or
+    ``SYSTEM.EVENT``), both parts whole (the ``strncmp()`` of the system is followed by a
+    check of its end, a stable fix: ``sch/EVENT`` does not match ``sched.EVENT``; kph fuzz
+    found the harness taking the prefix), then ``NAME=COMM`` of the first arguments."""
     word = argv[0]
     cut = word.find("/")
     if cut < 0:
@@ -252,7 +253,7 @@ def _match_eprobe(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
     if cut < 0 or old.attach is None:
         return False
     system, event = old.attach
-    if (system + "\0" * cut)[:cut] != word[:cut] or event != word[cut + 1:]:
+    if system != word[:cut] or event != word[cut + 1:]:
         return False
     if len(argv) - 1 > len(old.args):
         return False

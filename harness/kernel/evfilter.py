@@ -323,7 +323,9 @@ class _Parser:
             i += 1
         kind = generic or (field_kind(f.decl) if f is not None else "int")
         size = f.size if f is not None else 8
-        signed = bool(f.signed) if f is not None else False
+        # the generic cpu field is an int (trace_events.c: __generic_field(int, CPU,
+        # FILTER_CPU)): kstrtoll() and a signed compare (filter_pred_cpu())
+        signed = bool(f.signed) if f is not None else generic == "cpu"
         strfield = kind in ("static", "dyn", "rdyn", "ptr", "comm")
         off = f.offset if f is not None else 0
         if s[i:i + 1] == "{":

@@ -220,6 +220,10 @@ class KernelRules:
     #: "bare" (7.3: ``FIELD`` or ``$FIELD``, an unknown bare name NO_EVENT_FIELD, and a
     #: typecast may take a field: ``(STRUCT)FIELD->MEMBER``)
     eprobe: str = ""
+    #: a ``dynamic_events`` line no kind takes (every ``*_create()`` returned -ECANCELED:
+    #: an ``f``, ``t`` or ``e`` head alone) is EINVAL; 7.3 logs "No matching dynamic
+    #: event type" against it at 0, 6.12 logs nothing
+    dynevent_no_match_logged: bool = False
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -258,7 +262,8 @@ _7_3 = KernelRules(
     comm_type_logged=True, current_var=True, this_cpu=True, typecasts=True,
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
-    fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare")
+    fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare",
+    dynevent_no_match_logged=True)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
 
@@ -320,6 +325,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
         "fprobe": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal(); kernel/trace/fprobe.c: fprobe_fgraph_entry(), fprobe_return()",
         "fprobe_reg_error": "kernel/trace/trace_probe.c: parse_probe_arg() (parse_probe_arg_register(): BAD_VAR)",
         "fprobe_no_match": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() (register_trace_fprobe_event() -ENOENT)",
+        "dynevent_no_match_logged": "kernel/trace/trace_dynevent.c: create_dyn_event() "
+                                    "(tracing_log_err(NULL, \"dynevent\", ...))",
         "eprobe": "kernel/trace/trace_eprobe.c: trace_eprobe_create_internal(); "
                   "trace_probe.c: parse_probe_arg_default(), parse_trace_event(), "
                   "handle_typecast() (tparg_is_event_probe())",

@@ -197,14 +197,37 @@ def test_release_matches_as_eprobe_dyn_event_match_does():
     line = "e:eprobe_chdir syscalls/sys_enter_chdir file=+0($filename):ustring"
     for minus in ("-:eprobe_chdir", "-:eprobes/eprobe_chdir",
                   "-:eprobes/eprobe_chdir syscalls/sys_enter_chdir",
-                  "-:eprobe_chdir syscalls.sys_enter_chdir file=+0($filename):ustring",
-                  "-:eprobe_chdir sys/sys_enter_chdir"):        # strncmp() of the system
+                  "-:eprobe_chdir syscalls.sys_enter_chdir file=+0($filename):ustring"):
         table.add(_parse(line, "6.12"))
         assert table.release(_parse(minus, "6.12")), minus
     table.add(_parse(line, "6.12"))
+    # kph fuzz (7.3, seed 31): a prefix of the system is no match (the kernel checks the
+    # system's end after its strncmp())
     for minus in ("-:eprobe_chdir sched/sys_enter_chdir", "-:eprobe_chdir syscalls",
+                  "-:eprobe_chdir sys/sys_enter_chdir",
                   "-:eprobe_chdir syscalls/sys_enter_chdir file=$filename"):
         assert not table.release(_parse(minus, "6.12")), minus
     # an event probe is never appended to: the name is taken
     ref = table.check(_parse("e:eprobe_chdir sched.sched_switch", "6.12"))
     assert ref is not None and ref.errno == errno.EEXIST
+
+
+def test_the_generic_cpu_field_compares_signed():
+    """kph fuzz (7.3, seed 31): ``if CPU < -1`` matched on CPU 0 host-side. The generic
+    field is an int: kstrtoll() and filter_pred_cpu()'s int compare."""
+    fields = FORMATS[("sched", "sched_switch")].fields
+    assert not parse_filter("CPU < -1", fields).match(lambda p: 0)
+    assert parse_filter("CPU > -1", fields).match(lambda p: 0)
+
+
+@pytest.mark.parametrize("line", ["t:sched_process_fork", "e:x", "f"])
+def test_a_dynamic_events_head_alone(line):
+    """kph fuzz (7.3, seed 31): 7.3's create_dyn_event() logs "No matching dynamic event
+    type" at 0 when no kind takes the line; 6.12 logs nothing (both EINVAL)."""
+    with pytest.raises(ProbeSpecError) as exc:
+        _parse(line, "7.3")
+    assert (str(exc.value), exc.value.column, exc.value.logged) == \
+        ("No matching dynamic event type", 0, True)
+    with pytest.raises(ProbeSpecError) as exc:
+        _parse(line, "6.12")
+    assert not exc.value.logged and exc.value.errno == errno.EINVAL

@@ -162,6 +162,10 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
         return parse_eprobe(toks, text, kernel)
     if kind not in ("p", "r"):
         if kind in ("f", "t", "e") and rules.fprobe:    # *_create(): argc < 2
+            # create_dyn_event(): every kind said -ECANCELED; 7.3 logs it against the
+            # whole command (the "dynevent" subsystem) at 0
+            if rules.dynevent_no_match_logged:
+                raise ParseFail("No matching dynamic event type", 0)
             raise ParseFail("Unknown probe type; use p, r or -", h0, logged=False)
         if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
             raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "
