@@ -39,6 +39,10 @@ class Hit:
     #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
     #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.
     unknown: tuple[tuple[str, str], ...] = ()
+    #: With a ``stacktrace`` trigger on the event (``harness.backends.triggers``): the
+    #: functions of the stack trace taken after the hit, innermost first (the ``=>``
+    #: lines of the trace); None without one
+    stack: tuple[str, ...] | None = None
 
     def arg(self, name: str) -> str:
         for k, v in self.args:

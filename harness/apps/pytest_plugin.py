@@ -188,9 +188,11 @@ class DiffHelper:
 
     def __call__(self, specs: Sequence[str], workload: str, *, guest: str | None = None,
                  hook: Callable[..., None] | None = None, timeout: float = 120.0,
-                 strict: bool | None = None, allow: Sequence[str] | None = None) -> Any:
+                 strict: bool | None = None, allow: Sequence[str] | None = None,
+                 triggers: Sequence[str] = ()) -> Any:
         """Run ``specs`` on both sides of one execution of ``workload``; ``strict`` and
-        ``allow`` as ``harness.diff.verdict.compare`` (default: the --kph-strict options)."""
+        ``allow`` as ``harness.diff.verdict.compare`` (default: the --kph-strict options);
+        ``triggers``: ``EVENT=stacktrace[:N]`` items (``kph diff --trigger``)."""
         from harness.diff.verdict import compare
         from harness.kernel.grammar import parse
         from harness.diff.runner import run_differential, trampoline_text
@@ -210,8 +212,10 @@ class DiffHelper:
                               timeout=timeout, **verdict)
             self.last = three
             return _CheckedThree(three)
+        from harness.backends.triggers import parse_triggers
+
         runs = run_differential(self.vm, parsed, workload, guest=guest or self.guest,
-                                hook=hook, timeout=timeout)
+                                hook=hook, timeout=timeout, triggers=parse_triggers(triggers))
         res = compare(*runs, trampoline=trampoline_text(self.vm), **verdict)
         res.runs = runs  # type: ignore[attr-defined]
         self.last = res

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..kernel.grammar import ProbeArg, ProbeSpec
-from ..kernel.grammar.fetch import Reg
+from ..kernel.grammar.fetch import TASK_SIZE_MAX, Reg
 
 __all__ = ["COMMIT", "CommitSite", "trigger_args", "triggered"]
 
@@ -77,6 +77,9 @@ def trigger_args(spec: ProbeSpec, site: CommitSite) -> tuple[ProbeArg, ...]:
            _arg("type", "u32", (("reg", "di"), ("deref", site.file), ("deref", site.call),
                                 ("st_mem", site.type, 4)))]
     for i, pred in enumerate(spec.filter.predicates() if spec.filter is not None else []):
+        if pred.kind == "ptr":      # the pointer too: test_string() takes kernel ones only
+            out.append(_arg(f"p{i}", "x64", (("tp_arg", pred.field, pred.offset, 8, False,
+                                              "int"), ("st_raw", 0, 8))))
         if pred.kind != "cpu":
             code, t = _field_code(pred)
             out.append(_arg(f"f{i}", t, code))
@@ -96,5 +99,16 @@ def triggered(spec: ProbeSpec, event_id: int, site: CommitSite, values: Sequence
     if not preds:
         return True
     it = iter(values[2:])
-    got = {id(p): (cpu if p.kind == "cpu" else next(it)) for p in preds}
+    got: dict[int, Any] = {}
+    for p in preds:
+        if p.kind == "cpu":
+            got[id(p)] = cpu
+        elif p.kind == "ptr":
+            # filter_pred_pchar(): test_string() copies with strncpy_from_kernel_nofault(),
+            # which refuses a user address (copy_from_kernel_nofault_allowed()); a string
+            # it cannot copy makes the predicate false, whatever its operator
+            ptr, text = next(it), next(it)
+            got[id(p)] = text if ptr >= TASK_SIZE_MAX and isinstance(text, bytes) else None
+        else:
+            got[id(p)] = next(it)
     return spec.filter.match(lambda p: got[id(p)])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import errno as _errno
+import dataclasses
 import heapq
 import logging
 import os
@@ -101,6 +102,12 @@ class EventsBackend:
         self._args: dict[int, tuple[Any, ...]] = {}
         self._tr: tuple[int, int, int, int] | None = None
         self._cpus: list[int] = []
+        #: ``{GROUP/EVENT: count}`` of stacktrace triggers to put on our events
+        #: (``harness.backends.triggers``; -1: no count), and where the kernel_stack
+        #: entries they write keep their frames: (its ID, size offset, caller offset)
+        self.triggers: dict[str, int] = {}
+        self._stack_fmt: tuple[int, int, int] | None = None
+        self._trigger_files: dict[str, int] = {}
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -164,6 +171,70 @@ class EventsBackend:
         self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]
         self._formats = self._read_formats()
         return self.outcomes
+
+    def _set_triggers(self) -> None:
+        """``echo 'stacktrace[:N]' > events/GROUP/EVENT/trigger`` for each trigger on an
+        event of ours, through the agent's file API (no shell: a fork would run a count
+        down on a probe of ``kernel_clone``), and the ``ftrace/kernel_stack`` entry's
+        format (the stack trace the trigger writes after each record: ``struct
+        stack_entry``, kernel/trace/trace.h). The last thing the agent does before the
+        recording window; what the agent's own operations run down is read back in the
+        window's halt (:meth:`trigger_counts`)."""
+        mine = {n: c for n, c in self.triggers.items() if n in self.specs}
+        if not mine:
+            return
+        if self._stack_fmt is None:
+            fmt = parse_format(self.vm.pull(f"{TRACING}/events/ftrace/kernel_stack/format")
+                               .decode("utf-8", "replace"))
+            self._stack_fmt = (fmt.id, fmt.fields["size"].offset, fmt.fields["caller"].offset)
+        for name, count in mine.items():
+            cmd = "stacktrace" + (f":{count}" if count > 0 else "")
+            self.vm.write_file(f"{TRACING}/events/{name}/trigger", f"{cmd}\n".encode())
+
+    def _find_trigger_files(self) -> None:
+        """The ``struct trace_event_file`` of each event with a counted trigger, in the
+        top trace instance (``global_trace.events``, found by the event's ID), so that
+        :meth:`trigger_counts` can read what is left of the count in a halt."""
+        counted = {n for n, c in self.triggers.items() if c > 0 and n in self.specs}
+        self._trigger_files = {}
+        if not counted:
+            return
+        ids = {fmt.id: name for name, _, fmt in self._formats.values() if name in counted}
+        btf, read = self.vm.btf, self.vm.host.read
+        off = {k: btf.offset(*k.split(":")) for k in (
+            "trace_array:events", "trace_event_file:list", "trace_event_file:event_call",
+            "trace_event_file:triggers", "trace_event_call:event.type",
+            "event_trigger_data:list", "event_trigger_data:count")}
+        self._trigger_offs = off
+        head = self.vm.symbols.lookup("global_trace").addr + off["trace_array:events"]
+        node = int.from_bytes(read(head, 8), "little")
+        seen = 0
+        while node and node != head and seen < 100000 and len(self._trigger_files) < len(ids):
+            file = node - off["trace_event_file:list"]
+            call = int.from_bytes(read(file + off["trace_event_file:event_call"], 8), "little")
+            etype = int.from_bytes(read(call + off["trace_event_call:event.type"], 4), "little")
+            if etype in ids:
+                self._trigger_files[ids[etype]] = file
+            node = int.from_bytes(read(node, 8), "little")
+            seen += 1
+
+    def trigger_counts(self) -> dict[str, int]:
+        """What is left of each counted trigger's count (``event_trigger_data->count``:
+        ``event_trigger_count()`` runs it down at every hit of the enabled event, the
+        agent's own while the harness set things up included), read from guest memory:
+        for a caller holding the guest halted at the start of the window."""
+        out: dict[str, int] = {}
+        read = self.vm.host.read
+        for name, file in self._trigger_files.items():
+            off = self._trigger_offs
+            head = file + off["trace_event_file:triggers"]
+            first = int.from_bytes(read(head, 8), "little")
+            if first == head:
+                continue
+            data = first - off["event_trigger_data:list"]
+            count = int.from_bytes(read(data + off["event_trigger_data:count"], 8), "little")
+            out[name] = -1 if count == (1 << 64) - 1 else count
+        return out
 
     def _read_formats(self) -> dict[int, tuple[str, ProbeSpec, EventFormat]]:
         """event id -> (GROUP/EVENT, its first spec, its format), and the CPUs."""
@@ -250,6 +321,8 @@ class EventsBackend:
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self.vm.write_file(f"{TRACING}/trace", b"\n")
+        self._find_trigger_files()
+        self._set_triggers()
         if tracing:             # else the caller switches it on (:meth:`switch`)
             self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
 
@@ -301,7 +374,8 @@ class EventsBackend:
             got, missed = read_pages(self._raw_pages(cpu), cpu)
             if missed:
                 log.warning("cpu%d: the ring buffer lost events before %d page(s)", cpu, missed)
-            per_cpu.append([r for r in got if r.type in self._formats])
+            stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
+            per_cpu.append([r for r in got if r.type in self._formats or r.type == stack_id])
         # Merged by time stamp, each CPU's own order kept: a CPU's buffer is in commit
         # order, and an event written from an interrupt that nested inside another
         # event's write can carry an earlier stamp than the one before it.
@@ -314,8 +388,11 @@ class EventsBackend:
         ktramp = kernel_rethook_trampoline(table)
 
         modes = {o.probe: o.mode for o in self.outcomes}
-        hits = []
+        hits: list[Hit] = []
         for rec in recs:
+            if rec.type not in self._formats:       # a stack trace: the last hit's here
+                self._attach_stack(hits, rec)
+                continue
             name, spec, fmt = self._formats[rec.type]
             fields = fmt.fields
             if spec.is_uprobe:
@@ -342,6 +419,30 @@ class EventsBackend:
                             ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
                             irq="" if spec.is_uprobe else _context(rec.data[2])))
         return hits
+
+    def _attach_stack(self, hits: list[Hit], rec: Any) -> None:
+        """A ``kernel_stack`` entry: the frames of the stacktrace trigger of the event
+        just before it on its CPU (a post trigger runs right after the event's commit),
+        up to ``size`` entries or ULONG_MAX (``trace_stack_print()``)."""
+        assert self._stack_fmt is not None
+        _, size_off, caller_off = self._stack_fmt
+        n = int.from_bytes(rec.data[size_off:size_off + 4], "little")
+        names = []
+        for i in range(n):
+            at = caller_off + 8 * i
+            if at + 8 > len(rec.data):
+                break
+            addr = int.from_bytes(rec.data[at:at + 8], "little")
+            if addr == (1 << 64) - 1:
+                break
+            hit = self.vm.symbols.symbolize(addr)
+            names.append(hit[0].name if hit else f"0x{addr:x}")
+        for j in range(len(hits) - 1, -1, -1):
+            if hits[j].cpu == rec.cpu:
+                if hits[j].stack is None and self.triggers.get(hits[j].probe):
+                    hits[j] = dataclasses.replace(hits[j], stack=tuple(names))
+                return
+        log.warning("cpu%d: a stack trace with no event before it", rec.cpu)
 
     def counters(self) -> dict[str, Counters]:
         out = {}
@@ -370,6 +471,9 @@ class EventsBackend:
             self.specs.clear()
             return
         cmds = []
+        for name in self.triggers:
+            if name in self.specs:      # an event with a trigger cannot be removed
+                cmds.append(f"echo '!stacktrace' > {TRACING}/events/{name}/trigger")
         for spec in self.specs.values():
             cmds.append(f"echo 0 > {TRACING}/events/{spec.group}/{spec.event}/enable")
             cmds.append(f"echo '-:{spec.group}/{spec.event}' >> {TRACING}/{_events_file(spec)}")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import (EngineReadError, HandlerError, HarnessError, MemoryFaultError,
                       ProbeRejectedError)
 from ..kernel.grammar.fetch import FaultError, below_sp, escape_bytes, evaluate, format_ip, format_value
 from ..kernel.kprobes import Kprobe, Kretprobe, ProbeFlags, PtRegs
+from ..kernel.unwind import stack_trace
 from ..kernel.grammar import ProbeSpec
 from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
@@ -178,7 +179,7 @@ class HostBackend:
 
     def __init__(self, vm: Machine, *, hook: FetchHook | None = None,
                  comm_rule: str = "saved_cmdlines", armed: bool = True,
-                 alone: bool = False) -> None:
+                 alone: bool = False, triggers: Mapping[str, int] | None = None) -> None:
         """``comm_rule``: ``saved_cmdlines`` reports each hit under the comm its pid had at
         its last hit, as the trace file prints it; ``at_hit`` keeps the comm of the moment
         (what a kernel module reading ``current->comm`` records).
@@ -192,8 +193,13 @@ class HostBackend:
 
         ``alone``: a host-only run (no guest side): a tracepoint probe's stub is put on
         its tracepoint by the harness (:func:`harness.backends.tracelayer.attach_stubs`),
-        where in a differential run the guest's own ``t`` event does it."""
+        where in a differential run the guest's own ``t`` event does it.
+
+        ``triggers``: ``{GROUP/EVENT: count}`` of ``stacktrace`` triggers
+        (``harness.backends.triggers``): each hit of the event while armed uses one
+        (-1: no limit), and a recorded one carries ``regs.stack_trace()``."""
         self.vm = vm
+        self._stacks_left = dict(triggers or {})
         self.armed = armed
         self.alone = alone
         self._stubs: list[str] = []         # tracepoints attach_stubs() put a stub on
@@ -475,6 +481,9 @@ class HostBackend:
             target = what.rp if spec.is_return else what
             target.nmissed += 1
             return 0
+        stack = self._stacks_left.get(name, 0) != 0     # stacktrace_count_trigger()
+        if stack and self._stacks_left[name] > 0:
+            self._stacks_left[name] -= 1
         if not self.recording:
             return 0
         nth = sum(1 for h in self._hits if h.probe == name) + 1
@@ -533,8 +542,40 @@ class HostBackend:
                               ret_from=ret_from, args=args,
                               mode="host", irq=irq,
                               ret_ip_args=spec.ret_ip_args,
-                              unknown=tuple((spec.args[i].name, w) for i, w in why.items())))
+                              unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                              stack=self._stack(regs, what) if stack else None))
         return 0
+
+    def trigger_counts(self, left: Mapping[str, int]) -> None:
+        """Take what the guest's counted triggers have left at the window's start (the
+        guest's own setup runs them down: ``EventsBackend.trigger_counts``)."""
+        self._stacks_left.update({n: c for n, c in left.items() if n in self._stacks_left})
+
+    def _stack(self, regs: PtRegs, what: Any) -> tuple[str, ...]:
+        """The functions of the stack as the guest's own unwinder finds it at this hit
+        (``harness.kernel.unwind.stack_trace(guest_view=True)``), as the trace's ``=>``
+        lines name them (``%ps``: no offset).
+
+        The guest's handlers run after the host's stop: where a host return probe on the
+        same place takes the call at this stop, the guest's unwinder finds the host's
+        trampoline in the function's return slot and ends after the function itself."""
+        if hasattr(what, "rp"):
+            # a return hit: the guest's handler runs under its return trampoline
+            # (arch_rethook_trampoline, arch/x86/kernel/rethook.c; 7.3's fprobe exits:
+            # return_to_handler, arch/x86/kernel/ftrace_64.S), where its unwinder ends:
+            # the function returned and the trampoline's frame leads nowhere (measured on
+            # 6.12 and 7.3). The trace holds the probe machinery only.
+            return ()
+        addrs = stack_trace(self.engine, regs, 64, guest_view=True)
+        at = getattr(what, "addr", None)
+        if at is not None and self._armed_now and any(
+                isinstance(p, Kretprobe) and p.addr == at for _, p in self._probes):
+            addrs = addrs[:1]
+        out = []
+        for addr in addrs:
+            hit = self.engine.symbols.symbolize(addr)
+            out.append(hit[0].name if hit else f"0x{addr:x}")
+        return tuple(out)
 
     def _symname(self, addr: int) -> str:
         hit = self.engine.symbols.symbolize(addr)

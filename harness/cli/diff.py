@@ -15,7 +15,8 @@ NAME = "diff"
 EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
             "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
             "kph diff -f probes/examples/open.spec --run 'cat /proc/version' --json "
-            "--html open.html"]
+            "--html open.html",
+            "kph diff --image 6.12 'p:k kernel_clone' --trigger k=stacktrace --run 'ls /'"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -34,6 +35,13 @@ def add_parser(subparsers: Any) -> None:
                     help="the host-side engine: gdbstub (default), plugin, or both (three "
                     "worlds on one execution, every pair compared)")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
+    df.add_argument("--trigger", metavar="EVENT=stacktrace[:N]", action="append", default=[],
+                    help="put a stacktrace trigger on an event of the lines (GROUP/EVENT or "
+                    "EVENT), as `echo stacktrace > events/GROUP/EVENT/trigger` does, N times "
+                    "at most: the guest's trace takes a stack trace after each record, the "
+                    "host takes regs.stack_trace() at the hit, and the two are compared "
+                    "frame for frame from the probed function down (docs/diff.md). "
+                    "Repeatable; the gdbstub engine and --guest events")
     verdict_group(df)
     kernel_group(df)
     qemu_group(df)
@@ -46,8 +54,16 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
     check_output("-o", out.json_file)
     check_output("--html", args.html)
+    from ..backends.triggers import check_counts, parse_triggers
+
     verdict = verdict_opts(args)
     specs = load_specs(args)
+    triggers = parse_triggers(args.trigger)
+    check_counts(triggers, specs)
+    if triggers and (args.host != "gdbstub" or args.guest != "events"):
+        raise SetupError("--trigger compares the gdbstub engine with --guest events (the "
+                         "plugin's records hold no stack; triggers are event triggers)",
+                         "use --host gdbstub --guest events with --trigger")
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
@@ -57,7 +73,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     with machine(args) as vm:
         booted(vm, args, out)
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
-                                progress=out.progress)
+                                progress=out.progress, triggers=triggers)
         tramp = trampoline_text(vm)
     workload_ran(runs[0], args.run)
     out.progress("comparing the two sides")

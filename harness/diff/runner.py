@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..backends import make_backend
-from ..errors import HarnessError, SetupError, VMError
+from ..backends.triggers import check_counts as check_trigger_counts, resolve as resolve_triggers
+from ..errors import HarnessError, NotMirroredError, SetupError, VMError
 from ..backends.host import FetchHook, HostBackend
 from ..kernel.grammar import ProbeSpec
 from ..progress import ProgressFn, hits_text, say, ticking
@@ -92,15 +93,31 @@ def run_single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: 
 
 def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
-                     timeout: float = 120.0, progress: ProgressFn | None = None
+                     timeout: float = 120.0, progress: ProgressFn | None = None,
+                     triggers: Mapping[str, int] | None = None
                      ) -> tuple[SideResult, SideResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
         while the workload runs when it can show live lines.
+    :param triggers: ``{EVENT: count}`` of ``stacktrace`` triggers
+        (``harness.backends.triggers.parse_triggers``; -1: no count): the guest's events
+        get them, the host takes ``regs.stack_trace()`` at the same hits.
     """
     specs = resolve_uprobes(vm, specs)
+    trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
+                                             if s.kind != "-"])
+    check_trigger_counts(triggers or {}, specs)
+    if trig and guest != "events":
+        raise NotMirroredError("stacktrace triggers are event triggers: compare them with "
+                               "--guest events", "", 0, hint="use --guest events")
+    if trig and getattr(vm, "host_kind", "gdbstub") == "plugin":
+        raise NotMirroredError("stacktrace triggers are mirrored by the gdbstub engine "
+                               "(the plugin's records hold no stack)", "", 0,
+                               hint="use --host gdbstub")
     g = make_backend(guest, vm)
+    if trig:
+        g.triggers = trig
     h: Any = None
     try:
         comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
@@ -110,7 +127,7 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                                  "boot with host='gdbstub' to use hook=")
             h = PluginBackend(vm, comm_rule=comm_rule)
         else:
-            h = HostBackend(vm, hook=hook, comm_rule=comm_rule)
+            h = HostBackend(vm, hook=hook, comm_rule=comm_rule, triggers=trig)
         say(progress, f"registering {len(specs)} probe line(s): {h.side} and {guest}")
         h_out = h.register(specs)
         g_out = g.register(specs)
@@ -130,7 +147,11 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         g.enable(**({} if not same_halt else {"tracing": False} if guest == "events"
                     else {"recording": False}))
         if same_halt:
-            h.enable(also=lambda: g.switch(True))
+            def start() -> None:
+                g.switch(True)
+                if trig:    # the counts the guest's triggers have left, in this halt
+                    h.trigger_counts(g.trigger_counts())
+            h.enable(also=start)
         else:
             h.enable()
         say(progress, f"workload running: {workload}")

@@ -40,6 +40,12 @@ Normalizations, all listed here and named in every report (nothing else is norma
   ``%flags`` (TCG keeps the arithmetic flags lazily; the plugin API cannot read them).
   ``kernel-data``: an event probe's untyped ``\\"STR"`` records the address of the
   kernel's own copy of the string (kernel/trace/trace_probe.c: ``parse_probe_arg()``).
+- ``stack-machinery``: a ``stacktrace`` trigger's frames (``kph diff --trigger``) are
+  compared from the probed context down, frame for frame; the guest's frames above it
+  are its own probe machinery, between the probed function and the trigger's unwinder
+  (``kprobe_trace_func``, ``kprobe_dispatcher``, ``kprobe_ftrace_handler``,
+  ``ftrace_regs_call``; a return probe's ``arch_rethook_trampoline``), which a host
+  breakpoint never runs: left out when every one of them is such a function, counted.
 - ``pid``: a hit whose pid one side cannot know (no ``task_struct`` offsets, or the task
   not readable at the hit) has its pid left out of that comparison, counted. Where both
   sides know it, the pid is compared, and so is the cpu, always.
@@ -108,6 +114,9 @@ NORMALIZATIONS = {
                    "kernel's own copy of an immediate string matches any value, that "
                    "argument only",
     "pid": "a pid one side cannot know left out of that hit's comparison",
+    "stack-machinery": "a stacktrace trigger's frames compared from the probed context "
+                       "down; the guest's frames above it, of its own probe machinery "
+                       "(kprobe_trace_func ... ftrace_regs_call), left out",
     "refused-missing": "a line one side refused that the other side never placed: no "
                        "registration to compare",
     "refusal-text": "a refusal with the same errno on both sides and other words: "
@@ -286,7 +295,47 @@ def _fields(h: Hit) -> dict[str, str]:
     if h.pid is not None:
         out["pid"] = str(h.pid)
     out.update({f"arg:{k}": v for k, v in h.args})
+    if h.stack is not None:
+        out["stack"] = " ".join(h.stack)
     return out
+
+
+#: Where the kernel's own probe and trace machinery runs between a probed function and a
+#: stacktrace trigger's unwinder (kernel/trace/: trace_kprobe.c, trace_fprobe.c,
+#: trace_eprobe.c, trace_events_trigger.c, trace.c; kernel/kprobes.c, kernel/trace/fprobe.c,
+#: rethook.c, ftrace.c, fgraph.c; arch/x86/kernel/kprobes/, ftrace_64.S, rethook.c): the
+#: frames of 6.12's and 7.3's traces above the probed context, by name.
+_MACHINERY_PREFIXES = ("kprobe_", "kretprobe_", "aggr_", "opt_pre_handler", "optimized_callback",
+                       "optprobe_template", "fprobe_", "fentry_", "fexit_", "ftrace_", "arch_ftrace",
+                       "function_graph", "return_to_handler", "__ftrace", "rethook_",
+                       "arch_rethook", "trace_", "__trace", "event_triggers", "eprobe_",
+                       "__eprobe", "stacktrace_", "exc_int3", "asm_exc_int3", "do_int3",
+                       "perf_trace", "__traceiter_", "__probestub_", "tracing_")
+
+
+#: Where x86_64 keeps executable allocations (MODULES_VADDR..MODULES_END): a frame there
+#: that no symbol holds, above the probed context, is a trampoline ftrace made for one
+#: ftrace_ops (arch/x86/kernel/ftrace.c: create_trampoline(); kallsyms does not list it)
+_EXEC_AREA = (0xFFFFFFFFA0000000, 0xFFFFFFFFFF000000)
+
+
+def _machinery(name: str) -> bool:
+    if name.startswith("0x"):
+        try:
+            return _EXEC_AREA[0] <= int(name, 16) < _EXEC_AREA[1]
+        except ValueError:
+            return False
+    return name.startswith(_MACHINERY_PREFIXES)
+
+
+def stack_match(host: str, guest: str) -> bool:
+    """``guest`` (a stacktrace trigger's frames, innermost first) is ``host``'s with frames
+    of the kernel's probe machinery on top: from the probed context down, frame for frame,
+    the same functions. Where the trigger's unwinder starts, the probe's own handler is
+    running (``kprobe_trace_func`` ... ``ftrace_regs_call``); a host breakpoint never ran it."""
+    h, g = host.split(), guest.split()
+    extra = len(g) - len(h)
+    return extra >= 0 and g[extra:] == h and all(_machinery(f) for f in g[:extra])
 
 
 def _is_trampoline(ip: str, trampoline: str | tuple[str, ...]) -> bool:
@@ -429,6 +478,13 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
                 note(i, "comm", "comm-change", fa["comm"], fb.get("comm", ""))
                 fb["comm"] = fa["comm"]
                 res.applied["comm-change"] = res.applied.get("comm-change", 0) + 1
+            if "stack" in fa and "stack" in fb and fa["stack"] != fb["stack"]:
+                for x, y in ((fa, fb), (fb, fa)):
+                    if stack_match(x["stack"], y["stack"]):
+                        note(i, "stack", "stack-machinery", fa["stack"], fb["stack"])
+                        y["stack"] = x["stack"]
+                        res.applied["stack-machinery"] = res.applied.get("stack-machinery", 0) + 1
+                        break
             if ("pid" in fa) != ("pid" in fb):      # a side that cannot know this pid
                 note(i, "pid", "pid", fa.get("pid", "<none>"), fb.get("pid", "<none>"))
                 fa.pop("pid", None)

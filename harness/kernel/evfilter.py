@@ -77,7 +77,8 @@ class EventFilter:
 
     def match(self, field_value: Callable[[_Pred], Any]) -> bool:
         """``filter_match_preds()``: ``field_value(pred)`` gives a predicate's field as an
-        int (numeric) or bytes (strings, up to the NUL)."""
+        int (numeric) or bytes (strings, up to the NUL), or None for a string the kernel
+        could not read (the predicate is then false, ``!=`` too)."""
         return _eval(self.tree, field_value)
 
 
@@ -116,6 +117,8 @@ def _glob(pattern: str) -> tuple[str, str, bool]:
 
 
 def _test(p: _Pred, v: Any) -> bool:
+    if v is None:       # a string the kernel could not read: the predicate is false
+        return False
     if isinstance(p.value, str):                 # a string predicate: a regex
         s = v.decode("latin-1") if isinstance(v, (bytes, bytearray)) else str(v)
         if p.op == "~":

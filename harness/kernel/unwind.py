@@ -155,7 +155,8 @@ def _read_all(read: Callable[[int, int], bytes], addr: int, n: int, chunk: int =
     return bytes(out)
 
 
-def stack_trace(host: Any, regs: Any, max_entries: int = 16) -> list[int]:
+def stack_trace(host: Any, regs: Any, max_entries: int = 16, *,
+                guest_view: bool = False) -> list[int]:
     """``stack_trace_save_regs(regs)``: ``regs.ip`` first, then each frame's return
     address outwards, a hijacked one recovered as the kernel's unwinders recover it. The
     unwinder is the kernel's own (:func:`orc_unwind` when the machine's kernel has ORC
@@ -163,11 +164,16 @@ def stack_trace(host: Any, regs: Any, max_entries: int = 16) -> list[int]:
 
     :param host: the host engine (``vm.host``); call this from a handler, where the vCPU
         is stopped, or with the guest halted.
+    :param guest_view: the trace the guest kernel's own unwinder makes of this stack
+        (a stacktrace trigger's, :mod:`harness.backends.triggers`): a slot the guest's
+        rethook hooked is recovered from the task's rethook list as
+        ``rethook_find_ret_addr()`` does, and the walk ends at the host's trampoline, a
+        return address the guest's unwinder does not know.
     """
     table = orc_table(host)
     if table is not None:
-        return orc_unwind(host, regs, table, max_entries)
-    return fp_unwind(host, regs, max_entries)
+        return orc_unwind(host, regs, table, max_entries, guest_view=guest_view)
+    return fp_unwind(host, regs, max_entries, guest_view=guest_view)
 
 
 def orc_table(host: Any) -> OrcTable | None:
@@ -185,22 +191,78 @@ def orc_table(host: Any) -> OrcTable | None:
     return got
 
 
-def _recover(host: Any, ret: int, slot: int) -> int:
+class _HostTrampoline(Exception):
+    """In the guest's view: a return address the guest's unwinder does not know."""
+
+
+def _recover(host: Any, ret: int, slot: int, guest: Any = None) -> int:
     """``unwind_recover_ret_addr()``: the host's trampoline in a return slot is the real
-    address its pending instance saved."""
-    if ret == getattr(host, "trampoline", None):
+    address its pending instance saved. In the guest's view (``guest``: the task whose
+    stack this is) the guest's own rethook trampoline is recovered from its list, and the
+    host's ends the walk (:class:`_HostTrampoline`)."""
+    tramp = getattr(host, "trampoline", None)
+    if guest is not None:
+        if ret == guest.rethook_trampoline:
+            ret = guest.rethook_ret_addr(slot) or ret
+        if ret == tramp:
+            raise _HostTrampoline()
+        return ret
+    if ret == tramp:
         find = getattr(host, "kretprobe_find_ret_addr", None)
         real = find(slot) if find is not None else None
         return real or ret
     return ret
 
 
-def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16) -> list[int]:
+class _GuestRethooks:
+    """``rethook_find_ret_addr(current, frame, ...)`` (kernel/trace/rethook.c, 6.12 and
+    7.3): the task's ``rethooks`` list, newest first; a node whose ``frame`` is the slot
+    and whose ``ret_addr`` is not the trampoline itself holds the real return address."""
+
+    def __init__(self, host: Any, regs: Any) -> None:
+        sym = host.symbols.get("arch_rethook_trampoline")
+        self.rethook_trampoline = sym.addr if sym is not None else None
+        self.host, self.regs = host, regs
+        self._nodes: list[tuple[int, int]] | None = None
+
+    def rethook_ret_addr(self, slot: int) -> int | None:
+        if self._nodes is None:
+            self._nodes = self._read()
+        for frame, ret in self._nodes:
+            if frame == slot and ret != self.rethook_trampoline:
+                return ret
+        return None
+
+    def _read(self) -> list[tuple[int, int]]:
+        host = self.host
+        btf = getattr(getattr(getattr(host, "vm", None), "facts", None), "btf", None)
+        task = host.current_task(self.regs) if hasattr(host, "current_task") else None
+        if btf is None or not task:
+            return []
+        try:
+            head = btf.offset("task_struct", "rethooks")
+            link = btf.offset("rethook_node", "llist")
+            f_ret, f_frame = btf.offset("rethook_node", "ret_addr"), btf.offset("rethook_node", "frame")
+        except KeyError:
+            return []
+        out: list[tuple[int, int]] = []
+        node = int.from_bytes(host.read(task + head, 8), "little")
+        while node and len(out) < 64:
+            rh = node - link
+            out.append((int.from_bytes(host.read(rh + f_frame, 8), "little"),
+                        int.from_bytes(host.read(rh + f_ret, 8), "little")))
+            node = int.from_bytes(host.read(node, 8), "little")       # llist_node.next
+        return out
+
+
+def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16, *,
+               guest_view: bool = False) -> list[int]:
     """``arch_stack_walk()`` with the ORC unwinder from ``regs``: ``regs->ip``, then
     ``unwind_start()`` (which skips the regs frame) and each ``unwind_next_frame()``'s
     return address while ``__kernel_text_address()`` holds (arch/x86/kernel/stacktrace.c,
     arch/x86/kernel/unwind_orc.c)."""
     out = [regs.ip & _M]
+    guest = _GuestRethooks(host, regs) if guest_view else None
     base = regs.sp & ~(THREAD_SIZE - 1)
 
     def on_stack(addr: int, n: int = 8) -> bool:
@@ -276,19 +338,19 @@ def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16) -> 
             v = deref(ip_p)
             if v is None:
                 return False
-            ip, sp = _recover(host, v, ip_p), new_sp
+            ip, sp = _recover(host, v, ip_p, guest), new_sp
             first_regs, regs_addr = None, None
         elif orc.type == "regs":
             v_ip, v_sp = deref(new_sp + PT_REGS_OFFSETS["ip"]), deref(new_sp + PT_REGS_OFFSETS["sp"])
             if v_ip is None or v_sp is None:
                 return False
-            ip, sp = _recover(host, v_ip, v_sp - 8), v_sp
+            ip, sp = _recover(host, v_ip, v_sp - 8, guest), v_sp
             first_regs, regs_addr, full_regs = None, new_sp, True
         elif orc.type == "regs_partial":
             v_ip, v_sp = deref(new_sp), deref(new_sp + 24)
             if v_ip is None or v_sp is None:
                 return False
-            ip, sp = _recover(host, v_ip, v_sp - 8), v_sp
+            ip, sp = _recover(host, v_ip, v_sp - 8, guest), v_sp
             first_regs, regs_addr, full_regs = None, new_sp - IRET_FRAME_OFFSET, False
         else:
             return False
@@ -313,20 +375,25 @@ def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16) -> 
         return True
 
     # unwind_start(regs): skip the regs frame
-    if not next_frame():
-        return out
-    while len(out) < max_entries:
-        if not host.symbols.is_text(ip):       # unwind_get_return_address()
-            break
-        out.append(ip)
+    try:
         if not next_frame():
-            break
+            return out
+        while len(out) < max_entries:
+            if not host.symbols.is_text(ip):       # unwind_get_return_address()
+                break
+            out.append(ip)
+            if not next_frame():
+                break
+    except _HostTrampoline:
+        pass
     return out
 
 
-def fp_unwind(host: Any, regs: Any, max_entries: int = 16) -> list[int]:
+def fp_unwind(host: Any, regs: Any, max_entries: int = 16, *,
+              guest_view: bool = False) -> list[int]:
     """The frame-pointer chain from ``regs`` (``CONFIG_UNWINDER_FRAME_POINTER``)."""
     out = [regs.ip]
+    guest = _GuestRethooks(host, regs) if guest_view else None
     base = regs.sp & ~(THREAD_SIZE - 1)
     bp = regs.bp
     while len(out) < max_entries and base <= bp and bp + 16 <= base + THREAD_SIZE:
@@ -335,7 +402,10 @@ def fp_unwind(host: Any, regs: Any, max_entries: int = 16) -> list[int]:
         except Exception:  # noqa: BLE001 - an unreadable frame ends the walk
             break
         nxt, ret = int.from_bytes(data[:8], "little"), int.from_bytes(data[8:], "little")
-        ret = _recover(host, ret, bp + 8)
+        try:
+            ret = _recover(host, ret, bp + 8, guest)
+        except _HostTrampoline:
+            break
         if not host.symbols.is_text(ret):
             break
         out.append(ret & _M)
