@@ -16,7 +16,8 @@ EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
             "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
             "kph diff -f probes/examples/open.spec --run 'cat /proc/version' --json "
             "--html open.html",
-            "kph diff --image 6.12 'p:k kernel_clone' --trigger k=stacktrace --run 'ls /'"]
+            "kph diff --image 6.12 'p:k kernel_clone' --trigger k=stacktrace "
+            "--run 'ls / >/dev/null; ls /'"]
 
 
 def add_parser(subparsers: Any) -> None:

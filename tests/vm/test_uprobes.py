@@ -172,6 +172,8 @@ def test_close_puts_back_a_hijacked_return_address(vm):
 
 
 def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, host):
+    # the engine's counters live as long as the module's machine: this test's own returns
+    returns0 = host.stats["uretprobe_returns"]
     calls = []
     up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
                                      ret_handler=lambda ri, regs: calls.append(regs.ax)))
@@ -184,4 +186,4 @@ def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, 
     assert vm.run(f"touch /tmp/goF; {until('[ -s /tmp/f.rc ]')}; cat /tmp/f.rc",
                   check=True).stdout == "0\n"
     assert calls == [] and not host.uprobes.tramps      # no handler; trampoline gone after
-    assert host.stats["uretprobe_returns"] == 1
+    assert host.stats["uretprobe_returns"] - returns0 == 1
