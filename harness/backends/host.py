@@ -358,10 +358,12 @@ class HostBackend:
         kernel runs on this record (:func:`harness.backends.eprobes.triggered`)."""
         if not self.recording or not self._eprobes or self._site is None:
             return 0
+        rec: int | None = None
         for spec, name, ident, targs in list(self._eprobes):
             try:
-                rec = int.from_bytes(self.engine.stub.read_memory(regs.di + self._site.entry,
-                                                                  8), "little")
+                if rec is None:     # fbuffer->entry, once per commit
+                    rec = int.from_bytes(self.engine.stub.read_memory(
+                        regs.di + self._site.entry, 8), "little")
                 ctx = _Ctx(self.engine, regs, regs.ip, {}, record=rec)
                 values = evaluate(SimpleNamespace(args=targs), ctx)
                 if triggered(spec, ident, self._site, values, regs.cpu):

@@ -96,6 +96,21 @@ def test_host_unknown_without_a_reason_is_a_divergence():
     assert not res.equivalent and res.first.field == "arg:m" and res.applied["stale"] == 1
 
 
+def test_kernel_data_unknown_matches_only_an_unknown_host_value_of_that_argument():
+    """An event probe's untyped immediate string: the host's (unknown) with the kernel-data
+    reason matches the guest's address; a host value that is not (unknown), or another
+    argument's difference, still diverges."""
+    b = run("events", [hit("events", 0, s="0xffff888005ad2b60", n="5")])
+    h = dataclasses.replace(hit("host", 0, s="(unknown)", n="5"), unknown=(("s", "kernel-data"),))
+    res = compare(run("host", [h]), b)
+    assert res.equivalent and res.applied["kernel-data"] == 1
+    h = dataclasses.replace(hit("host", 0, s="0xffff888005ad0000", n="5"),
+                            unknown=(("s", "kernel-data"),))
+    assert compare(run("host", [h]), b).first.field == "arg:s"
+    h = dataclasses.replace(hit("host", 0, s="(unknown)", n="6"), unknown=(("s", "kernel-data"),))
+    assert compare(run("host", [h]), b).first.field == "arg:n"
+
+
 def test_plugin_flags_unknown_matches_on_either_side():
     """A three-way diff puts the plugin engine on side b: its %flags rule holds there too."""
     a = run("host", [hit("host", 0, fl="0x246")])

@@ -231,3 +231,28 @@ def test_a_dynamic_events_head_alone(line):
     with pytest.raises(ProbeSpecError) as exc:
         _parse(line, "6.12")
     assert not exc.value.logged and exc.value.errno == errno.EINVAL
+
+
+def test_only_an_untyped_immediate_string_is_kernel_data():
+    """evaluate(): an untyped \\"STR" is (unknown), kernel-data; an untyped $comm is the
+    address the context gives, and a context that cannot give it raises (an engine's
+    failure is never a value)."""
+    spec = _parse('e sched.sched_switch s=\\"str" c=$comm', "6.12")
+
+    class Ctx:
+        def reg(self, name):
+            return 0xffffc90000003f00 if name == "sp" else 0
+
+        def comm_bytes(self):
+            return b"cat"
+
+        def comm_address(self):
+            return 0xffff888000777000
+    why: dict[int, str] = {}
+    s, c = evaluate(spec, Ctx(), why)
+    assert c == 0xffff888000777000 and why == {0: "kernel-data"}
+
+    class NoComm(Ctx):
+        comm_address = None
+    with pytest.raises(TypeError):
+        evaluate(spec, NoComm(), {})

@@ -595,8 +595,10 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
                 if op[0] == "st_raw" and isinstance(val, _Blob):
                     # an event probe's untyped $comm (or \"STR"): the address of
                     # current->comm (of the kernel's own copy of the string)
+                    # (only the immediate string's is unknowable: a context that cannot
+                    # say where current->comm is raises, never a value)
                     v = UNKNOWN
-                    if val.kind == "comm" and hasattr(ctx, "comm_address"):
+                    if val.kind == "comm":
                         v = ctx.comm_address() & ((1 << 8 * op[2]) - 1)
                 elif op[0] == "st_raw":
                     v: Any = val & ((1 << 8 * op[2]) - 1)
