@@ -26,6 +26,7 @@ from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_PID, RF_TASK, RF_TRUNC
                                   PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
+from ..engines.plugin_uprobes import user_filter, user_trampoline
 from ..engines.uprobes import Uprobe, UprobeManager
 from .eprobes import COMMIT, CommitSite, trigger_args, triggered
 from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
@@ -280,29 +281,17 @@ class PluginBackend:
         (``harness.engines.uprobes.UprobeManager.prepare``: ELF, executable text, inode, no PIE),
         then a plugin probe at the program's address, for processes whose executable is
         that file (``current->mm->exe_file->f_inode->i_ino``, offsets from BTF)."""
-        from types import SimpleNamespace
-
         assert spec.path is not None
         eng = self.engine
         up = Uprobe(spec.path, spec.offset if spec.symbol is None else None, symbol=spec.symbol)
-        mgr = UprobeManager(SimpleNamespace(stub=None, vm=self.vm, stats=eng.stats,
-                                            symbols=eng.symbols))
+        mgr = UprobeManager.resolver(self.vm, stats=eng.stats, symbols=eng.symbols)
         mgr.prepare(up)
         assert up.vaddr is not None and up.ino is not None
-        btf = self.vm.btf
-        chain = (btf.offset("task_struct", "mm"), btf.offset("mm_struct", "exe_file"),
-                 btf.offset("file", "f_inode"), btf.offset("inode", "i_ino"))
-        tramp = eng.trampoline
-        if spec.is_return:
-            # the byte after the gdbstub engine's trampoline (the end of the program's
-            # executable segment), so the two engines never share it
-            tramp = mgr.elf(up.path).trampoline() + 1
-            if tramp % 4096 == 0:
-                raise ProbeRejectedError(f"{up.path}: no room for a uretprobe trampoline "
-                                         "after its text (-EINVAL)", EINVAL)
+        chain, ino = user_filter(self.vm.btf, up)
+        tramp = user_trampoline(mgr, up) if spec.is_return else eng.trampoline
         prog = compile_spec(spec.args, file_offset_vaddr=lambda off: up.vaddr - up.offset + off)
         p = eng.add_spec_probe(up.vaddr, ret=spec.is_return, program=prog, enabled=False,
-                               user=(tramp, chain, up.ino))
+                               user=(tramp, chain, ino))
         return p, up
 
     def arm(self) -> None:

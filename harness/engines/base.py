@@ -148,6 +148,28 @@ class EngineCore:
             if not ri.orphan and ri.rp.handler is not None:
                 self._handler(ri.rp.handler, ri, regs)
 
+    def uprobe_handlers(self, probes: list[Any], regs: PtRegs) -> None:
+        """``handler_chain()`` (kernel/events/uprobes.c, 6.1) over the consumers of one
+        user address that target this process (``harness.engines.uprobes``), newest
+        first: every one counts the hit, then each handler runs with ``regs.ip`` the
+        probed address (``handle_swbp()``). A handler's return value is not acted on
+        (``UPROBE_HANDLER_REMOVE`` is not mirrored) and a change of ``ip`` is dropped:
+        the probed instruction runs next."""
+        for up in probes:
+            up.nhit += 1
+        for up in probes:
+            if up.handler is not None:
+                self._handler(up.handler, up, regs)
+
+    def uretprobe_handlers(self, ri: Any, regs: PtRegs) -> None:
+        """``handle_uretprobe_chain()``: ``regs.ip`` is already the real return address;
+        each consumer of the return instance that is still registered and enabled runs
+        its ret_handler, in consumer order (a consumer unregistered while the call was
+        in flight runs none)."""
+        for up in ri.probes:
+            if up.registered and not up.disabled and up.ret_handler is not None:
+                self._handler(up.ret_handler, ri, regs)
+
     # -- registration rules (kernel/kprobes.c: register_kprobe()) ---------------------------
     blacklist: Any
     trampoline: int

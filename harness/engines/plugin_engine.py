@@ -54,11 +54,11 @@ import struct
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 from .base import EXCEPTION_ENTRIES, EngineCore, read_cstring
 from ..errors import HarnessError, ProbeRejectedError, SetupError
+from .uprobes import Uprobe
 from ..kernel.kprobes import (Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs,
                               kernel_rethook_trampoline)
 from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, ADD_FTRACE,
@@ -68,6 +68,7 @@ from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, A
                      PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, PluginRecord,
                      decode)
 from .plugin_handlers import HandlerDispatch
+from .plugin_uprobes import PluginUprobes, user_ext
 from ..machine.image.facts import percpu_current_task
 from ..machine.handlerctx import HandlerErrors
 from ..kernel.symbols import ReservedText, is_ftrace_site, kprobe_addr
@@ -112,7 +113,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self.stats: Counter[str] = Counter()
         self._init_handler_errors()
         #: What ``harness.diff.runner.trampoline_text`` reads: the uretprobe trampolines in use.
-        self._uprobes = SimpleNamespace(used_trampolines=set())
+        self._uprobes = PluginUprobes(self)
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
@@ -264,12 +265,10 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         if user is not None:
             tramp, chain, ino = user
             flags |= ADD_EXT | ADD_FLUSH
-            ext = struct.pack("<QII4QQQ", tramp, len(chain), 0, *(list(chain) + [0] * 4)[:4], ino, 0)
+            ext = user_ext(tramp, chain, ino)
             if ret:
                 self._uprobes.used_trampolines.add(tramp)
-        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
-                              len(program) // 16, 0) + program + ext
-        st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        st = self._cmd_add(pid, kind, addr, maxactive, flags, program, ext)
         p = PluginProbe(pid, addr, kind, maxactive, enabled, INVAL_TEXT.get(st, str(st)))
         if st == INVAL_PENDING:
             log.warning("probe at %#x: old translations not invalidated yet (a busy vCPU "
@@ -278,6 +277,13 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         with self._lock:
             self._probes[pid] = p
         return p
+
+    def _cmd_add(self, pid: int, kind: int, addr: int, maxactive: int, flags: int,
+                 program: bytes = b"", ext: bytes = b"") -> int:
+        """``CMD_ADD`` of one probe; the invalidation status (``INVAL_*``)."""
+        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
+                              len(program) // 16, 0) + program + ext
+        return struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
 
     def arrange_probes(self, addr: int, probes: Sequence[PluginProbe]) -> None:
         """Run the probes at ``addr`` in the order of ``probes`` (the others after them, as
@@ -290,21 +296,30 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         with self._lock:
             if self._probes.pop(p.id, None) is None:
                 return
-        self.link.request(CMD_REMOVE, struct.pack("<I", p.id))
+        self._cmd_remove(p.id)
+
+    def _cmd_remove(self, pid: int) -> None:
+        self.link.request(CMD_REMOVE, struct.pack("<I", pid))
+
+    def _cmd_enable(self, pid: int, on: bool) -> None:
+        self.link.request(CMD_ENABLE, struct.pack("<II", pid, int(on)))
 
     def enable_probe(self, p: PluginProbe, on: bool) -> None:
-        self.link.request(CMD_ENABLE, struct.pack("<II", p.id, int(on)))
+        self._cmd_enable(p.id, on)
         p.enabled = on
 
     def probe_stats(self, p: PluginProbe) -> tuple[int, int, int]:
         """``(nhit, nmissed, instances in use)`` of one probe."""
-        return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", p.id)))
+        return self._cmd_stats(p.id)
+
+    def _cmd_stats(self, pid: int) -> tuple[int, int, int]:
+        return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", pid)))
 
     def global_stats(self) -> dict[str, int]:
-        vals = struct.unpack("<11Q", self.link.request(CMD_GSTATS))
+        vals = struct.unpack("<12Q", self.link.request(CMD_GSTATS))
         keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
                 "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
-                "posts_interrupt", "flushes", "uprobe_filtered")
+                "posts_interrupt", "flushes", "uprobe_filtered", "uretprobe_inherited")
         return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:
@@ -338,23 +353,30 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             self._threads.append(th)
             th.start()
 
-    def _add_handler_probe(self, p: Kprobe | Kretprobe, addr: int, kind: int, flags: int,
-                           maxactive: int = 0) -> int:
+    def _add_handler_probe(self, p: Any, addr: int, kind: int, flags: int,
+                           maxactive: int = 0, *, ext: bytes = b"",
+                           table: dict[int, Any] | None = None) -> int:
+        """A probe whose hits are round trips to Python handlers (``PK_KPROBE``,
+        ``PK_KRET``). ``table``: where its id is looked up at a hit (a uprobe's is
+        ``harness.engines.plugin_uprobes``'s; a kprobe's, ``_by_id``)."""
         self._ensure_channels()
         pid = next(self._ids)
         flags |= self.ftrace_flag(addr)
-        payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags, 0, 0)
+        if ext:
+            flags |= ADD_EXT
+        own = self._by_id if table is None else table
         with self._lock:
-            self._by_id[pid] = p
+            own[pid] = p
         try:
-            st = struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+            st = self._cmd_add(pid, kind, addr, maxactive, flags, b"", ext)
         except HarnessError:
             with self._lock:
-                self._by_id.pop(pid, None)
+                own.pop(pid, None)
             raise
         self.stats["invalidation_" + INVAL_TEXT.get(st, str(st)).replace(" ", "_")] += 1
-        p._kph_id = pid  # type: ignore[attr-defined]
-        self._aggr.setdefault(addr, []).insert(0, p)   # add_new_kprobe(): newest first
+        if table is None:
+            p._kph_id = pid  # type: ignore[attr-defined]
+            self._aggr.setdefault(addr, []).insert(0, p)   # add_new_kprobe(): newest first
         return pid
 
     def _register(self, p: Kprobe) -> None:
@@ -382,7 +404,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         if not lst:
             self._aggr.pop(p.addr or 0, None)
         try:
-            self.link.request(CMD_REMOVE, struct.pack("<I", pid))
+            self._cmd_remove(pid)
         except HarnessError as exc:
             log.warning("removing probe %d: %s", pid, exc)
 
@@ -413,7 +435,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             p.flags |= ProbeFlags.DISABLED
         pid = getattr(p, "_kph_id", None)
         if pid is not None and p.registered:
-            self.link.request(CMD_ENABLE, struct.pack("<II", pid, int(on)))
+            self._cmd_enable(pid, on)
 
     def enable_kprobe(self, p: Kprobe | Kretprobe) -> None:
         self._set_enabled(p, True)
@@ -452,6 +474,27 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         for ri in getattr(rp, "_kph_insts", ()):
             ri.orphan = True
         self._unregister(rp)
+        self.raise_handler_errors()
+
+    # -- uprobes: Python handlers in user code (harness.engines.plugin_uprobes) -------------
+    @property
+    def uprobes(self) -> PluginUprobes:
+        """The user-space probes with Python handlers."""
+        return self._uprobes
+
+    def register_uprobe(self, up: Uprobe) -> Uprobe:
+        """Arm a ``harness.engines.uprobes.Uprobe`` (a uretprobe too when it has
+        ``ret_handler``), for every process running ``up.path`` or, with ``pid``, for
+        that process alone; the rules of the gdbstub engine's (docs/uprobes.md).
+
+        :raise ProbeRejectedError: no such file, symbol, process or mapping; a PIE
+            without ``pid``.
+        """
+        self.raise_handler_errors()
+        return self._uprobes.register(up)
+
+    def unregister_uprobe(self, up: Uprobe) -> None:
+        self._uprobes.unregister(up)
         self.raise_handler_errors()
 
     # -- in a handler: the vCPU's own view --------------------------------------------------
@@ -531,6 +574,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         for probes in self._aggr.values():
             for p in probes:
                 p.registered = False
+        self._uprobes.close()
         self.link.close()
         self.raise_handler_errors()
 

@@ -47,6 +47,7 @@ class HandlerDispatch:
     _by_id: dict[int, Kprobe | Kretprobe]
     _pending: dict[int, tuple[int, list[Kprobe]]]
     _exc: dict[int, int]
+    _uprobes: Any
     _tls: Any
     _held_by: dict[int, tuple[float, str]]
     #: Python kretprobes' instances pending on each stack slot, oldest first
@@ -101,23 +102,27 @@ class HandlerDispatch:
 
     def _dispatch(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
         self.stats["round_trips"] += 1
-        if ev.type == EV_PRE:
-            return self._on_pre(ch, ev)
-        if ev.type == EV_POST:
-            return self._on_post(ch, ev)
-        if ev.type == EV_FAULT:
-            return self._on_fault(ch, ev)
-        if ev.type == EV_RET_ENTRY:
-            return self._on_ret_entry(ch, ev)
-        if ev.type == EV_RET:
-            return self._on_ret(ch, ev)
-        if ev.type == EV_MISS:
-            for i in ev.ids:
-                p = self._by_id.get(i)
-                if p is not None:
-                    p.nmissed += 1
-            return ACT_CONTINUE, {}
-        raise HarnessError(f"unknown plugin event {ev.type}")
+        if ev.ids and self._uprobes.owns(ev.ids[0]):
+            # a Python uprobe's (harness.engines.plugin_uprobes)
+            ups = self._uprobes
+            on = {EV_PRE: ups.on_pre, EV_RET: ups.on_ret, EV_MISS: ups.on_miss}
+        else:
+            on = {EV_PRE: self._on_pre, EV_POST: self._on_post, EV_FAULT: self._on_fault,
+                  EV_RET_ENTRY: self._on_ret_entry, EV_RET: self._on_ret,
+                  EV_MISS: self._on_miss}
+        fn = on.get(ev.type)
+        if fn is None:
+            raise HarnessError(f"unexpected plugin event {ev.type}")
+        return fn(ch, ev)
+
+    def _on_miss(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
+        """nmissed, counted where the kernel counts it (the pool was empty, or a hit
+        came between a pre and its post_handler)."""
+        for i in ev.ids:
+            p = self._by_id.get(i)
+            if p is not None:
+                p.nmissed += 1
+        return ACT_CONTINUE, {}
 
     def _on_pre(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
         probes = [p for i in ev.ids if isinstance(p := self._by_id.get(i), Kprobe)

@@ -41,6 +41,7 @@ import functools
 import logging
 import shlex
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from ..errors import GuestAgentError, HarnessError, ProbeRejectedError
@@ -156,6 +157,16 @@ class UprobeManager:
         self._off: dict[tuple[str, str], int] = {}
         self.used_trampolines: set[int] = set()
         self.stats = engine.stats
+
+    @classmethod
+    def resolver(cls, vm: Any, *, stats: Any, symbols: Any,
+                 read: Callable[[int, int], bytes] | None = None) -> "UprobeManager":
+        """A manager that only prepares uprobes and looks kernel objects up, for the plugin
+        engine (``harness.engines.plugin_uprobes``, ``harness.backends.plugin``): the
+        same checks as this engine's, reading kernel memory through ``read``."""
+        stub = SimpleNamespace(read_memory=read) if read is not None else None
+        return cls(SimpleNamespace(stub=stub, vm=vm, stats=stats, symbols=symbols,
+                                   btf=getattr(vm, "btf", None)))
 
     # -- kernel objects -------------------------------------------------------------------
     def _offset(self, struct: str, member: str) -> int:
@@ -391,11 +402,7 @@ class UprobeManager:
             self.stats["uprobe_filtered"] += 1
             return self.engine._execute(pc, th, regs.get)
         self.stats["uprobe_hits"] += 1
-        for up in mine:
-            up.nhit += 1
-        for up in mine:
-            if up.handler is not None:
-                self.engine._handler(up.handler, up, regs)
+        self.engine.uprobe_handlers(mine, regs)
         rets = tuple(up for up in mine if up.ret_handler is not None)
         if rets:
             self._prepare_uretprobe(rets, pc, regs, mm, tgid)
@@ -462,9 +469,7 @@ class UprobeManager:
             self._push_trampoline_args(sp, regs.get("r11"), regs.get("cx"), regs.get("ax"))
         regs.set("ip", ri.ret_addr)
         regs.clear_dirty()
-        for up in ri.probes:
-            if up.registered and not up.disabled and up.ret_handler is not None:
-                self.engine._handler(up.ret_handler, ri, regs)
+        self.engine.uretprobe_handlers(ri, regs)
         if syscall_tramp and regs.sp == sp:
             # sys_uretprobe() writes back r11, cx and, in ax's slot, the address its
             # trampoline's ret goes to (a consumer that moved sp gets an iret instead)

@@ -74,6 +74,8 @@ ADD_FGRAPH = 128
 #: an fprobe (ftrace_ops callback): its exit record carries the real return address even
 #: when stacked on another return hook (fprobe_exit_handler(), fprobe_return())
 ADD_FTRACE_OPS = 256
+#: a Python return probe with no entry round trip (a uretprobe: no entry_handler)
+ADD_NO_ENTRY_RT = 512
 
 RING_MAGIC = 0x4B504852
 RING_CTL_OFF = 4096

@@ -95,7 +95,10 @@ enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_
         * handler is given the real return address, stacked or not
         * (rethook_trampoline_handler()); through the function graph (ADD_FGRAPH, 7.3)
         * what the slot held when it hooked (fprobe_return()) */
-       ADD_FTRACE_OPS = 256 };
+       ADD_FTRACE_OPS = 256,
+       /* a Python return probe with no entry round trip: a uretprobe, whose consumers
+        * have no entry_handler (the harness builds the instance at the return) */
+       ADD_NO_ENTRY_RT = 512 };
 #define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
 
 typedef struct probe {
@@ -204,6 +207,7 @@ static _Atomic uint64_t g_cfg_flags;
 static _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
+static atomic_uint_fast64_t g_uret_inherited;   /* fork children's inherited user slots */
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
  * path (next instruction, next block, interrupt), full flushes */
 static atomic_uint_fast64_t g_n_irq, g_n_exc, g_n_post_insn, g_n_post_tb, g_n_post_irq, g_n_flush;
@@ -508,7 +512,6 @@ static unsigned int live_bucket(uint64_t slot);
 static int prog_read(void *ctx, uint64_t addr, void *buf, size_t len)
 {
     uint64_t s, val;
-    unsigned int b;
     inst *ri;
 
     if (mem_read(ctx, addr, buf, len) != 0) {
@@ -769,7 +772,7 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
         return;
     }
     ri = p->freelist[--p->nfree];
-    if (p->kind == PK_KRET) {
+    if (p->kind == PK_KRET && !(p->flags & ADD_NO_ENTRY_RT)) {
         uint32_t idx = (uint32_t)(ri - p->insts);
         int act;
 
@@ -845,7 +848,7 @@ static uint64_t shown_ret(inst **done, int n, int i, uint64_t tramp, uint64_t re
 static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
 {
     inst *done[MAX_PER_SITE];
-    int n = 0, i, uret_frame;
+    int n = 0, i, k, uret_frame;
     uint64_t slot, real = 0, mm = 0;
     unsigned int b;
 
@@ -880,7 +883,27 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
             break;
         }
     }
-    pthread_mutex_unlock(&rp_lock);
+    if (!real && tramp != g_tramp) {
+        /* A fork child returning through a slot it copied from its parent (same address,
+         * another mm): no handler, but the real return address (the gdbstub engine's
+         * rule, harness.engines.uprobes: _on_trampoline()). The parent's instance stays. */
+        inst *ri;
+
+        for (ri = g_live_tab[b]; ri; ri = ri->next) {
+            if (ri->slot == slot && ri->rp->tramp == tramp && ri->ret_addr != tramp) {
+                real = ri->ret_addr;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&rp_lock);
+        if (real) {
+            atomic_fetch_add(&g_uret_inherited, 1);
+            qemu_plugin_set_pc(real);
+            return;
+        }
+    } else {
+        pthread_mutex_unlock(&rp_lock);
+    }
     if (!real) {
         /* Nothing of ours: let the guest run into whatever is there (and count it). */
         atomic_fetch_add(&g_tramp_missing, 1);
@@ -896,9 +919,15 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
 
         mem_write(v, v->regs[KREG_SP] - 24, args, sizeof(args));
     }
-    for (i = 0; i < n; i++) {
-        probe *p = done[i]->rp;
+    /* A kernel frame's handlers run from the last hooked down (rethook: the task's list).
+     * A user frame's run in consumer order, the newest registered first
+     * (handle_uretprobe_chain(), kernel/events/uprobes.c): that consumer's probe came
+     * first at the entry and hooked first, so it is the last of done[]. */
+    for (k = 0; k < n; k++) {
+        probe *p;
 
+        i = tramp != g_tramp ? n - 1 - k : k;
+        p = done[i]->rp;
         if (p->kind == PK_KRET) {
             /* the harness runs the handler unless the kretprobe is gone (orphan) */
             uint32_t idx = (uint32_t)(done[i] - p->insts);
@@ -1281,14 +1310,23 @@ static void on_site(unsigned int vcpu, void *ud)
             uint32_t n = 0;
             int act;
 
+            /* each probe of the run has its own filter: Python uprobes of one user
+             * address may target different processes */
             while (i < l->n && l->p[i]->kind == PK_KPROBE) {
                 if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
-                    ids[n++] = l->p[i]->id;
-                    atomic_fetch_add(&l->p[i]->nhit, 1);
+                    if (filter_ok(v, l->p[i])) {
+                        ids[n++] = l->p[i]->id;
+                        atomic_fetch_add(&l->p[i]->nhit, 1);
+                    } else {
+                        atomic_fetch_add_explicit(&g_n_filtered, 1, memory_order_relaxed);
+                    }
                 }
                 i++;
             }
             i--;
+            if (!n) {
+                continue;
+            }
             act = round_trip(v, vcpu, EV_PRE, s->addr, ids, n, 0, 0, 0, 0);
             if (act == ACT_SETPC) {
                 /* the path was changed: no instruction, no post_handler */
@@ -2218,7 +2256,7 @@ static int serve(int fd)
             break;
         }
         case CMD_GSTATS: {
-            uint64_t out[11];
+            uint64_t out[12];
 
             out[0] = atomic_load(&inval_count);
             out[1] = atomic_load(&inval_ns_total);
@@ -2231,6 +2269,7 @@ static int serve(int fd)
             out[8] = atomic_load(&g_n_post_irq);
             out[9] = atomic_load(&g_n_flush);
             out[10] = atomic_load(&g_n_filtered);
+            out[11] = atomic_load(&g_uret_inherited);
             rc = reply(fd, 0, out, sizeof(out));
             break;
         }

@@ -2,16 +2,22 @@
 
 The cases of tests/vm/test_uprobes.py that compare with uprobe_events, on the plugin,
 plus the inode rule (a copy of the program, same code at the same address, is not
-probed) and the three worlds.
+probed) and the three worlds: for spec lines (``kph diff --host both``) and for Python
+handlers (the gdbstub engine's and the plugin engine's ``register_uprobe``, and the
+guest's uprobe_events, on one execution). The Python API's own cases run on both engines
+in tests/vm/test_uprobes.py.
 """
 from __future__ import annotations
 
 import pytest
 
 from harness import Machine
+from harness.backends import make_backend
 from harness.diff.verdict import compare
+from harness.engines.gdbstub_engine import HostEngine
+from harness.engines.uprobes import Uprobe
 from harness.kernel.grammar import parse
-from harness.diff.runner import run_differential, trampoline_text
+from harness.diff.runner import resolve_uprobes, run_differential, trampoline_text
 
 pytestmark = pytest.mark.vm
 
@@ -88,3 +94,79 @@ def test_kph_diff_host_both_with_uprobes(capsys):
     assert cap.out == ""
     assert rc == 0, out
     assert out.rstrip().endswith("three worlds: EQUIVALENT")
+
+
+def three_worlds(vm, lines, workload, *, pid=None, guest_filter=None):
+    """One execution: the same uprobe and uretprobe as Python handlers in the gdbstub
+    engine and in the plugin engine (``pid``: per process), and as uprobe_events
+    ``lines`` in the guest (``guest_filter`` on its events). Each world's hits as
+    (event, value) in order, and the handlers' (ip, func) as seen."""
+    specs = resolve_uprobes(vm, [parse(s) for s in lines])
+    entry = specs[0]
+    name_p, name_r = (line.split()[0].split(":", 1)[1] for line in lines)
+    stub = HostEngine(vm, emulate=False)       # the gdbstub engine, beside the plugin's vm.host
+    g = make_backend("events", vm)
+    seen = {"gdbstub": [], "plugin": []}
+    where = {"gdbstub": set(), "plugin": set()}
+    try:
+        for world, eng in (("gdbstub", stub), ("plugin", vm.host)):
+            log, at = seen[world], where[world]
+            eng.register_uprobe(Uprobe(
+                entry.path, symbol=lines[0].split(":")[2].split()[0], pid=pid,
+                handler=lambda up, r, log=log, at=at: (log.append((name_p, r.di)),
+                                                       at.add(("ip", r.ip - up.vaddr))),
+                ret_handler=lambda ri, r, log=log, at=at: (log.append((name_r, r.ax)),
+                                                           at.add(("func", ri.func)))))
+        outs = g.register(specs)
+        assert all(o.accepted for o in outs), outs
+        for ev in (name_p, name_r):
+            if guest_filter:
+                vm.run(f"echo '{guest_filter}' > /sys/kernel/tracing/events/{ev}/filter",
+                       check=True)
+        stub.invalidate_code()
+        g.enable()
+        vm.run(workload, check=True, timeout=120)
+        g.disable()
+        guest = [(h.probe, int(h.args[0][1], 0)) for h in g.collect()]
+        errors = stub.take_handler_errors() + vm.host.take_handler_errors()
+        assert not errors, errors
+    finally:
+        g.close()
+        stub.close()
+    return seen, guest, where
+
+
+def test_python_handlers_in_three_worlds(pvm):
+    """kph_fact recursing: the handlers of both engines see what uprobe_events records,
+    call for call (innermost return first), and the probed address at each entry."""
+    seen, guest, where = three_worlds(
+        pvm, ["p:u/fact /usr/bin/kph-recurse:kph_fact n=%di:s64",
+              "r:u/factr /usr/bin/kph-recurse:kph_fact v=$retval:s64"],
+        "/usr/bin/kph-recurse 5")
+    want = [("u/fact", n) for n in range(5, 0, -1)] + \
+        [("u/factr", v) for v in (1, 2, 6, 24, 120)]
+    assert guest == want
+    assert seen["gdbstub"] == want and seen["plugin"] == want
+    assert where["gdbstub"] == where["plugin"] and ("ip", 0) in where["plugin"]
+
+
+def test_per_process_handlers_in_three_worlds(pvm):
+    """Two kph-loop processes at the same address; both engines' uprobes target one
+    (``pid``), the guest's events filter on it (``common_pid``, one thread)."""
+    r = pvm.run("rm -f /tmp/g3A /tmp/g3B; "
+                "(/usr/bin/kph-loop 4 aa /tmp/g3A > /tmp/3a.out 2>&1 < /dev/null &); "
+                "(/usr/bin/kph-loop 3 bbb /tmp/g3B > /tmp/3b.out 2>&1 < /dev/null &); "
+                "i=0; until [ -s /tmp/3a.out ] && [ -s /tmp/3b.out ]; do "
+                "[ $i -ge 150 ] && break; sleep 0.1; i=$((i+1)); done; "
+                "head -n1 /tmp/3a.out; head -n1 /tmp/3b.out", check=True)
+    pid_a, pid_b = (int(x) for x in r.stdout.split())
+    go = (f"touch /tmp/g3A /tmp/g3B; i=0; while kill -0 {pid_a} 2>/dev/null || "
+          f"kill -0 {pid_b} 2>/dev/null; do [ $i -ge 300 ] && break; sleep 0.1; "
+          "i=$((i+1)); done; cat /tmp/3a.out /tmp/3b.out")
+    seen, guest, _ = three_worlds(
+        pvm, ["p:u/add /usr/bin/kph-loop:kph_add a=%di",
+              "r:u/addr /usr/bin/kph-loop:kph_add v=$retval:s64"],
+        go, pid=pid_a, guest_filter=f"common_pid == {pid_a}")
+    want = [x for i in range(4) for x in (("u/add", i), ("u/addr", 4 * i + 2))]
+    assert guest == want
+    assert seen["gdbstub"] == want and seen["plugin"] == want

@@ -17,6 +17,21 @@ from harness.engines.uprobes import Uprobe
 pytestmark = pytest.mark.vm
 
 
+@pytest.fixture(scope="module", params=["gdbstub", "plugin"])
+def evm(request, default_image):
+    """A machine per host engine: the Python uprobe API's tests run on both."""
+    from harness import Machine
+
+    with Machine.boot(default_image, host=request.param) as m:
+        yield m
+
+
+@pytest.fixture
+def host_vm(evm):
+    """conftest's ``host`` on ``evm``: the API's tests run on each engine."""
+    return evm
+
+
 def kph(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
@@ -83,9 +98,9 @@ def test_multithreaded_agrees_per_thread(vm):
     assert vals == sorted(t * 1000 + i for t in range(4) for i in range(8))
 
 
-def test_a_process_not_targeted_does_not_fire(vm, host):
+def test_a_process_not_targeted_does_not_fire(evm, host):
     """Two kph-loop processes run the same code at the same address; pid targets one."""
-    r = vm.run("rm -f /tmp/goA /tmp/goB; "
+    r = evm.run("rm -f /tmp/goA /tmp/goB; "
                f"{bg('/usr/bin/kph-loop 5 aa /tmp/goA', '/tmp/a.out')}; "
                f"{bg('/usr/bin/kph-loop 5 bbb /tmp/goB', '/tmp/b.out')}; "
                f"{until('[ -s /tmp/a.out ] && [ -s /tmp/b.out ]')}; "
@@ -96,7 +111,7 @@ def test_a_process_not_targeted_does_not_fire(vm, host):
                                      handler=lambda u, regs: seen.append(regs.di)))
     host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
                                 handler=lambda u, regs: everyone.append(regs.di)))
-    vm.run(f"touch /tmp/goA /tmp/goB; "
+    evm.run(f"touch /tmp/goA /tmp/goB; "
            f"{until(f'! kill -0 {pid_a} 2>/dev/null && ! kill -0 {pid_b} 2>/dev/null')}; "
            "cat /tmp/a.out /tmp/b.out", check=True)
     assert seen == [0, 1, 2, 3, 4] and up.nhit == 5    # only process A
@@ -104,8 +119,8 @@ def test_a_process_not_targeted_does_not_fire(vm, host):
     assert pid_a != pid_b
 
 
-def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
-    r = vm.run("rm -f /tmp/go2; " + bg("/usr/bin/kph-forkexec /tmp/go2", "/tmp/fe2.out") +
+def test_fork_child_does_not_inherit_and_exec_drops_the_probe(evm, host):
+    r = evm.run("rm -f /tmp/go2; " + bg("/usr/bin/kph-forkexec /tmp/go2", "/tmp/fe2.out") +
                f"; {until('[ -s /tmp/fe2.out ]')}; head -n1 /tmp/fe2.out", check=True)
     pid = int(r.stdout.split()[0])
     seen = []
@@ -115,7 +130,7 @@ def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
     rp = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
                                      ret_handler=lambda ri, regs: rets.append(regs.ax)))
     done = until("grep -q 'after 201' /tmp/fe2.out")
-    out = vm.run(f"touch /tmp/go2; {done}; cat /tmp/fe2.out", check=True).stdout
+    out = evm.run(f"touch /tmp/go2; {done}; cat /tmp/fe2.out", check=True).stdout
     assert "after 201" in out                          # the exec'd image ran kph_tick(200)
     assert seen == [1, 2]                              # not the child's 100, not 200 after exec
     assert rets == [2, 3]
@@ -127,11 +142,11 @@ def test_fork_child_does_not_inherit_and_exec_drops_the_probe(vm, host):
     everyone = []
     host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick",
                                 handler=lambda u, regs: everyone.append(regs.di)))
-    vm.run("/usr/bin/kph-forkexec > /dev/null", check=True)
+    evm.run("/usr/bin/kph-forkexec > /dev/null", check=True)
     assert sorted(everyone) == [1, 2, 100, 200]
 
 
-def test_refusals(vm, host):
+def test_refusals(evm, host):
     with pytest.raises(ProbeRejectedError) as e:
         host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="no_such_function"))
     assert e.value.errno == 2
@@ -154,36 +169,105 @@ def test_cli_diff_on_a_uprobe_and_a_malformed_spec_exits_2():
     assert nosym.returncode == 2 and "trace_uprobe: error: no symbol no_such_fn" in nosym.stderr
 
 
-def test_close_puts_back_a_hijacked_return_address(vm):
+def test_close_puts_back_a_hijacked_return_address(evm):
     """kph-loop waits inside main for its go-file; a uretprobe on main hijacked the return
-    address. Closing the engine must restore it, or main returns into the padding."""
-    host = vm.host
+    address. After the engine closes, main must still return where it was called from:
+    the gdbstub engine puts the address back; the plugin, which stays loaded, keeps
+    servicing returns in flight (docs/plugin.md)."""
+    host = evm.host
     up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
                                      ret_handler=lambda ri, regs: None))
-    vm.run("rm -f /tmp/goM; (/usr/bin/kph-loop 2 x /tmp/goM > /tmp/m.out 2>&1 < /dev/null; "
-           "echo $? > /tmp/m.rc) > /dev/null 2>&1 < /dev/null &", check=True)
-    wait_hits(vm, up)
+    evm.run("rm -f /tmp/goM; (/usr/bin/kph-loop 2 x /tmp/goM > /tmp/m.out 2>&1 < /dev/null; "
+            "echo $? > /tmp/m.rc) > /dev/null 2>&1 < /dev/null &", check=True)
+    wait_hits(evm, up)
     assert up.nhit == 1
     host.close()
-    assert host.stats["uretprobe_restored"] == 1
-    out = vm.run(f"touch /tmp/goM; {until('[ -s /tmp/m.rc ]')}; cat /tmp/m.rc /tmp/m.out",
-                 check=True).stdout
+    if getattr(host, "kind", "gdbstub") == "gdbstub":
+        assert host.stats["uretprobe_restored"] == 1
+    out = evm.run(f"touch /tmp/goM; {until('[ -s /tmp/m.rc ]')}; cat /tmp/m.rc /tmp/m.out",
+                  check=True).stdout
     assert out.split()[0] == "0" and out.split()[2] == "6"   # exit 0; (0+0+1) + (1+3+1)
 
-
-def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(vm, host):
+def test_unregistering_a_uretprobe_keeps_its_trampoline_for_calls_in_flight(evm, host):
     # the engine's counters live as long as the module's machine: this test's own returns
     returns0 = host.stats["uretprobe_returns"]
     calls = []
     up = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="main",
                                      ret_handler=lambda ri, regs: calls.append(regs.ax)))
-    vm.run("rm -f /tmp/goF; (/usr/bin/kph-loop 1 x /tmp/goF > /dev/null 2>&1 < /dev/null; "
+    evm.run("rm -f /tmp/goF; (/usr/bin/kph-loop 1 x /tmp/goF > /dev/null 2>&1 < /dev/null; "
            "echo $? > /tmp/f.rc) > /dev/null 2>&1 < /dev/null &", check=True)
-    wait_hits(vm, up)
+    wait_hits(evm, up)
     assert up.nhit == 1
     host.unregister_uprobe(up)
     assert host.uprobes.tramps                          # main is still running
-    assert vm.run(f"touch /tmp/goF; {until('[ -s /tmp/f.rc ]')}; cat /tmp/f.rc",
+    assert evm.run(f"touch /tmp/goF; {until('[ -s /tmp/f.rc ]')}; cat /tmp/f.rc",
                   check=True).stdout == "0\n"
     assert calls == [] and not host.uprobes.tramps      # no handler; trampoline gone after
     assert host.stats["uretprobe_returns"] - returns0 == 1
+
+
+def test_consumers_run_newest_first_and_register_writes_reach_the_program(evm, host):
+    """Two consumers of kph_add: handler_chain() runs the newest registered first, and
+    so does handle_uretprobe_chain() at the return. A handler's register writes reach
+    the program: the entry's rsi (b) and the return's rax (the value main adds up)."""
+    order = []
+
+    def entry(tag, b=None):
+        def fn(up, regs):
+            order.append(("entry", tag, regs.ip == up.vaddr))
+            if b is not None:
+                regs.si = b
+        return fn
+
+    def ret(tag, ax=None):
+        def fn(ri, regs):
+            order.append(("ret", tag, regs.ax))
+            if ax is not None:
+                regs.ax = ax
+        return fn
+
+    old = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
+                                       handler=entry("old"), ret_handler=ret("old", 100)))
+    new = host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
+                                       handler=entry("new", 0), ret_handler=ret("new")))
+    out = evm.run("/usr/bin/kph-loop 3 ab", check=True).stdout
+    assert order[:4] == [("entry", "new", True), ("entry", "old", True),
+                         ("ret", "new", 2), ("ret", "old", 2)]    # a + 0 + strlen("ab")
+    assert len(order) == 12 and old.nhit == new.nhit == 3
+    assert out == "300\n"                   # every call returned what the old consumer set
+
+
+@pytest.mark.parametrize("series", ["6.12", "7.3"])
+@pytest.mark.parametrize("engine", ["gdbstub", "plugin"])
+def test_newer_kernels_per_process_and_the_syscall_trampolines_frame(series, engine):
+    """The Python API on 6.12 and 7.3, both engines: a per-process uprobe fires for the
+    parent only and is GONE after its exec (``uprobe_clear_state()`` on these kernels
+    too), and a ret_handler finds rax, rcx and r11 just below sp, as
+    ``uretprobe_trampoline_entry`` pushed them for ``sys_uretprobe()`` (6.11+)."""
+    from harness import Machine
+    from harness.machine.image.store import default_image
+
+    with Machine.boot(default_image(series), host=engine) as m:
+        host = m.host
+        r = m.run("rm -f /tmp/go5; " + bg("/usr/bin/kph-forkexec /tmp/go5", "/tmp/fe5.out") +
+                  f"; {until('[ -s /tmp/fe5.out ]')}; head -n1 /tmp/fe5.out", check=True)
+        pid = int(r.stdout.split()[0])
+        seen, frames = [], []
+
+        def ret(ri, regs):
+            below = host.read(regs.sp - 24, 24)
+            frames.append((tuple(int.from_bytes(below[i:i + 8], "little") for i in (16, 8, 0)),
+                           (regs.ax, regs.cx, regs.r11)))
+
+        up = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick", pid=pid,
+                                         handler=lambda u, regs: seen.append(regs.di),
+                                         ret_handler=ret))
+        out = m.run(f"touch /tmp/go5; {until('grep -q after /tmp/fe5.out')}; cat /tmp/fe5.out",
+                    check=True).stdout
+        assert "after 201" in out
+        assert seen == [1, 2] and up.gone, (seen, up)
+        assert len(frames) == 2 and all(a == b for a, b in frames), frames
+        host.unregister_uprobe(up)
+        errors = host.take_handler_errors()
+        host.close()
+        assert not errors, errors

@@ -1,0 +1,69 @@
+"""The plugin engine's uprobe filter and trampoline (harness.engines.plugin_uprobes),
+pure logic: what CMD_ADD carries for a Python uprobe."""
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from harness.engines.plugin_uprobes import user_ext, user_filter, user_trampoline
+from harness.engines.uprobes import Uprobe
+from harness.errors import ProbeRejectedError
+
+OFFSETS = {("task_struct", "mm"): 0x530, ("mm_struct", "exe_file"): 0x3a8,
+           ("file", "f_inode"): 0x20, ("inode", "i_ino"): 0x40}
+
+
+class Btf:
+    def offset(self, struct_name, member):
+        return OFFSETS[(struct_name, member)]
+
+
+def test_ext_is_the_size_kph_plugin_c_reads():
+    text = (Path(__file__).resolve().parents[2] / "probes/plugin/kph_plugin.c").read_text()
+    size = int(re.search(r"#define ADD_EXT_SIZE (\d+)", text)[1])
+    ext = user_ext(0x401fff, (1, 2, 3), 77)
+    assert len(ext) == size
+    tramp, n, _pad, *chain, expect, _ = struct.unpack("<QII4QQQ", ext)
+    assert (tramp, n, chain, expect) == (0x401fff, 3, [1, 2, 3, 0], 77)
+
+
+def test_one_process_is_its_mm_every_process_the_files_inode():
+    one = Uprobe("/usr/bin/kph-loop", 0x1000, pid=42)
+    one.mm = 0xffff888004a1c000
+    assert user_filter(Btf(), one) == ((0x530,), 0xffff888004a1c000)
+    every = Uprobe("/usr/bin/kph-loop", 0x1000)
+    every.ino = 1234
+    assert user_filter(Btf(), every) == ((0x530, 0x3a8, 0x20, 0x40), 1234)
+
+
+class Img:
+    def __init__(self, end, pie=False):
+        self.end, self.pie = end, pie
+
+    def trampoline(self):
+        return self.end
+
+    def vaddr(self, offset):
+        return 0x1000 + offset
+
+
+class Mgr:
+    def __init__(self, img):
+        self.img = img
+
+    def elf(self, path):
+        return self.img
+
+
+def test_trampoline_is_the_byte_after_the_gdbstub_engines():
+    up = Uprobe("/usr/bin/kph-loop", 0x10)
+    assert user_trampoline(Mgr(Img(0x4a2ffe)), up) == 0x4a2fff
+    # a PIE mapped by one process moves with its load bias
+    pie = Uprobe("/usr/bin/pie", 0x10, pid=7)
+    pie.vaddr = 0x5555_5555_5010
+    assert user_trampoline(Mgr(Img(0x2ffe, pie=True)), pie) == 0x5555_5555_4000 + 0x2fff
+    with pytest.raises(ProbeRejectedError, match="no room for a uretprobe trampoline"):
+        user_trampoline(Mgr(Img(0x4a2fff)), up)
