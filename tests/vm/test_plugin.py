@@ -157,6 +157,25 @@ def test_kph_diff_host_both_agrees_three_ways(capsys):
     assert out.rstrip().endswith("three worlds: EQUIVALENT")
 
 
+def test_flags_in_three_worlds(pvm):
+    """``%flags`` (samples/kprobes/kprobe_example.c prints it): the gdbstub engine reads
+    it exactly, as the guest does; the plugin's is ``(unknown)`` for TCG's lazy flags
+    (docs/plugin.md), matched by the diff's named ``flags`` rule, never a wrong value."""
+    from harness.diff.worlds import run_three
+
+    tw = run_three(pvm, [parse("p:kprobe_example kernel_clone ip=%ip flags=%flags")],
+                   "ls / | cat > /dev/null")
+    assert tw.equivalent, tw.first_divergence().first
+    gdb_guest, plugin_guest, _ = tw.pairs
+    assert gdb_guest.applied.get("flags", 0) == 0 and "unknown" not in gdb_guest.applied
+    assert plugin_guest.applied.get("flags", 0) >= 2
+    gdb, plugin, guest = (run.hits for run in tw.runs)
+    assert len(gdb) == len(plugin) == len(guest) >= 2
+    assert {h.arg("flags") for h in plugin} == {"(unknown)"}
+    assert [h.arg("flags") for h in gdb] == [h.arg("flags") for h in guest]
+    assert all(int(h.arg("flags"), 16) & 0x2 for h in gdb)      # bit 1 is always set
+
+
 def test_kph_probe_host_plugin(capsys):
     from harness.cli import main
 
