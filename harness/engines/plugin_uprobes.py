@@ -45,7 +45,7 @@ from .uprobes import Uprobe, UprobeManager, UretprobeInstance
 from ..errors import HarnessError, ProbeRejectedError
 from ..kernel.kprobes import Kprobe, ProbeFlags
 from ..machine.pluginlink import (ACT_CONTINUE, ADD_ENABLED, ADD_FLUSH, ADD_NO_ENTRY_RT,
-                                  PK_KPROBE, PK_KRET, Channel, Event)
+                                  ADD_NO_INVALIDATE, PK_KPROBE, PK_KRET, Channel, Event)
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,11 @@ class PluginUprobes:
             if up.ret_handler is not None:
                 # added first: the newest runs first at the address, so the handlers'
                 # probe comes before the hook (handler_chain(), then prepare_uretprobe())
-                rid = self.engine._add_handler_probe(up, up.vaddr, PK_KRET,
-                                                     flags | ADD_NO_ENTRY_RT, URET_INSTANCES,
-                                                     ext=ext, table=self._ids)
+                # not invalidated here: the next add flushes every translation (a user
+                # address has no one virtual address to invalidate through)
+                rid = self.engine._add_handler_probe(
+                    up, up.vaddr, PK_KRET, flags | ADD_NO_ENTRY_RT | ADD_NO_INVALIDATE,
+                    URET_INSTANCES, ext=ext, table=self._ids)
                 ids.append(rid)
                 self._ret_ids.add(rid)
                 self.used_trampolines.add(tramp)
@@ -287,10 +289,7 @@ class PluginUprobes:
     def close(self) -> None:
         """Drop the state. Returns in flight stay serviced by the plugin (no handler)."""
         if self._clear_kp is not None:
-            try:
-                self.engine.unregister_kprobe(self._clear_kp)
-            except HarnessError as exc:
-                log.debug("uprobe_clear_state hook: %s", exc)
+            self.engine._unregister(self._clear_kp)     # logs a failure, raises nothing
             self._clear_kp = None
         for up in set(self._ids.values()):
             up.registered = False
