@@ -94,6 +94,8 @@ class FuzzStats:
     agreed_runs: int = 0
     #: examples with a construct the host engine or the guest side does not mirror
     not_mirrored: int = 0
+    #: each reason, as the refusal's first line says it, and how many examples had it
+    not_mirrored_why: dict[str, int] = field(default_factory=dict)
     events: int = 0
     known: dict[str, int] = field(default_factory=dict)
     #: The machine the run ended on (a reboot replaces the first).
@@ -481,17 +483,17 @@ class Oracle:
                 # the kernel's text only: a PATH:SYMBOL left (a mutated place) is its
                 # BAD_UPROBE_OFFS, not a symbol for the harness to look up
                 specs.append(parse(ln, uprobe_symbols=False, **self._parse_kw))
-            except NotMirroredError:
-                self.stats.not_mirrored += 1
+            except NotMirroredError as exc:
+                self._not_mirrored(exc)
                 return None
             except ProbeSpecError as exc:
                 return self._parse_refusal(ln, exc)
         try:
             return self._differential(lines, specs)
-        except NotMirroredError:
+        except NotMirroredError as exc:
             # a construct this host engine or in-guest side says it does not mirror
             # (harness.kernel.grammar.program: the plugin engine's, 7.3's $current): not a verdict
-            self.stats.not_mirrored += 1
+            self._not_mirrored(exc)
             return None
         except VMError as exc:
             return self._vm_error(lines, exc)
@@ -501,6 +503,13 @@ class Oracle:
         except Exception as exc:  # noqa: BLE001 - a traceback is a finding, with its text
             tb = traceback.format_exc(limit=6)
             return Finding(lines, "crash", tb, f"crash:{type(exc).__name__}:{_where(exc)}")
+
+    def _not_mirrored(self, exc: NotMirroredError) -> None:
+        """Count an example the oracle cannot judge, by its reason (the run's summary
+        names them, so a count is never left unexplained)."""
+        why = str(exc).splitlines()[0]
+        self.stats.not_mirrored += 1
+        self.stats.not_mirrored_why[why] = self.stats.not_mirrored_why.get(why, 0) + 1
 
     def _vm_error(self, lines: tuple[str, ...], exc: Exception) -> Finding:
         """A guest that died or hung: the finding, with the kernel's last console lines

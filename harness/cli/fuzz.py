@@ -95,6 +95,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             vm.close()
         shards = [{"examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
                    "agreed_refusals": st.agreed_refusals, "not_mirrored": st.not_mirrored,
+                   "not_mirrored_why": st.not_mirrored_why,
                    "events": st.events, "findings": [f.as_dict() for f in st.findings]}]
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.text(f"kph fuzz: {examples} examples in {wall:.0f} s ({rate:.0f}/min, {args.workers} "
              f"worker(s)); {sum(s['agreed_runs'] for s in shards)} agreed on events, "
              f"{sum(s['agreed_refusals'] for s in shards)} on refusals; "
-             + (f"{unmirrored} not mirrored by this host engine or guest side; "
+             + (f"{unmirrored} not mirrored by this host engine or guest side "
+                f"({not_mirrored_why(shards)}); "
                 if (unmirrored := sum(s.get('not_mirrored', 0) for s in shards)) else "")
              + f"{len(findings)} finding(s); in {runs}")
     for ln in report_lines:
@@ -185,3 +187,13 @@ def shard_progress(runs: Any, total: int, elapsed: float, say: Any) -> None:
     left = (total - done) / (done / elapsed) if done < total else 0
     say(f"fuzz: {done}/{total} examples, {found} finding(s), {rate:.0f}/min, "
         f"about {left / 60:.0f} min left")
+
+
+def not_mirrored_why(shards: list[dict[str, Any]]) -> str:
+    """The reasons of the shards' not-mirrored examples, most frequent first:
+    ``"not mirrored host-side: synthetic events on 6.12": 3; ...``."""
+    total: dict[str, int] = {}
+    for s in shards:
+        for why, n in s.get("not_mirrored_why", {}).items():
+            total[why] = total.get(why, 0) + n
+    return "; ".join(f"{why}: {n}" for why, n in sorted(total.items(), key=lambda kv: -kv[1]))
