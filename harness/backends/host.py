@@ -568,8 +568,9 @@ class HostBackend:
             # the function returned and the trampoline's frame leads nowhere (measured on
             # 6.12 and 7.3). The trace holds the probe machinery only.
             return ()
-        addrs = stack_trace(self.engine, regs, 64, guest_view=True)
         at = getattr(what, "addr", None)
+        addrs = stack_trace(self.engine, regs, 64, guest_view=True,
+                            optprobe=at is not None and self._guest_optimized(at))
         if at is not None and self._armed_now and any(
                 isinstance(p, Kretprobe) and p.addr == at for _, p in self._probes):
             addrs = addrs[:1]
@@ -578,6 +579,20 @@ class HostBackend:
             hit = self.engine.symbols.symbolize(addr)
             out.append(hit[0].name if hit else f"0x{addr:x}")
         return tuple(out)
+
+    def _guest_optimized(self, addr: int) -> bool:
+        """Is the guest's own probe at ``addr`` optimized at this hit? Its optimizer
+        (``arch_optimize_kprobes()``, arch/x86/kernel/kprobes/opt.c) puts a ``jmp rel32``
+        there, into a detour buffer no symbol names; before that, and after, an int3.
+        The host's breakpoint is not in memory: the bytes read are the guest's."""
+        try:
+            text = self.engine.stub.read_memory(addr, 5)
+        except HarnessError:
+            return False
+        if text[0] != 0xE9:
+            return False
+        target = (addr + 5 + int.from_bytes(text[1:5], "little", signed=True)) & ((1 << 64) - 1)
+        return self.engine.symbols.symbolize(target) is None
 
     def _symname(self, addr: int) -> str:
         hit = self.engine.symbols.symbolize(addr)

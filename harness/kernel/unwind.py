@@ -66,6 +66,7 @@ PT_REGS_OFFSETS = {name: 8 * i for i, name in enumerate(
     ("r15", "r14", "r13", "r12", "bp", "bx", "r11", "r10", "r9", "r8", "ax", "cx", "dx",
      "si", "di", "orig_ax", "ip", "cs", "flags", "sp", "ss"))}
 IRET_FRAME_OFFSET = PT_REGS_OFFSETS["ip"]
+PT_REGS_SIZE = 8 * len(PT_REGS_OFFSETS)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _read_all(read: Callable[[int, int], bytes], addr: int, n: int, chunk: int =
 
 
 def stack_trace(host: Any, regs: Any, max_entries: int = 16, *,
-                guest_view: bool = False) -> list[int]:
+                guest_view: bool = False, optprobe: bool = False) -> list[int]:
     """``stack_trace_save_regs(regs)``: ``regs.ip`` first, then each frame's return
     address outwards, a hijacked one recovered as the kernel's unwinders recover it. The
     unwinder is the kernel's own (:func:`orc_unwind` when the machine's kernel has ORC
@@ -169,10 +170,16 @@ def stack_trace(host: Any, regs: Any, max_entries: int = 16, *,
         rethook hooked is recovered from the task's rethook list as
         ``rethook_find_ret_addr()`` does, and the walk ends at the host's trampoline, a
         return address the guest's unwinder does not know.
+    :param optprobe: with ``guest_view``, the guest's probe at ``regs.ip`` is optimized
+        (a jump into its detour buffer): its handler's unwinder reaches the buffer, which
+        has no ORC data, and goes on by the frame-pointer guess from the probe's ``rbp``
+        (``unwind_next_frame()``: ``orc_fp_entry``). The probed context's own frames are
+        not in that trace (measured on 6.12): the trace is what that guess finds.
     """
     table = orc_table(host)
     if table is not None:
-        return orc_unwind(host, regs, table, max_entries, guest_view=guest_view)
+        return orc_unwind(host, regs, table, max_entries, guest_view=guest_view,
+                          optprobe=optprobe)
     return fp_unwind(host, regs, max_entries, guest_view=guest_view)
 
 
@@ -256,12 +263,17 @@ class _GuestRethooks:
 
 
 def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16, *,
-               guest_view: bool = False) -> list[int]:
+               guest_view: bool = False, optprobe: bool = False) -> list[int]:
     """``arch_stack_walk()`` with the ORC unwinder from ``regs``: ``regs->ip``, then
     ``unwind_start()`` (which skips the regs frame) and each ``unwind_next_frame()``'s
     return address while ``__kernel_text_address()`` holds (arch/x86/kernel/stacktrace.c,
-    arch/x86/kernel/unwind_orc.c)."""
-    out = [regs.ip & _M]
+    arch/x86/kernel/unwind_orc.c).
+
+    ``optprobe``: the walk of a handler under an optimized probe, from its detour
+    buffer's frame on (:func:`stack_trace`): no ``regs->ip``, and the first step is the
+    frame-pointer guess from ``regs.bp``, which the optprobe template and
+    ``optimized_callback()`` leave as the probe found it."""
+    out = [] if optprobe else [regs.ip & _M]
     guest = _GuestRethooks(host, regs) if guest_view else None
     base = regs.sp & ~(THREAD_SIZE - 1)
 
@@ -374,7 +386,11 @@ def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16, *,
             return False
         return True
 
-    # unwind_start(regs): skip the regs frame
+    if optprobe:
+        # the detour buffer's frame (kprobe_optinsn_page: no ORC entry): its pt_regs lie
+        # below the probe's sp, so the guess's sp (bp + 16) is above it
+        ip, sp, first_regs = 0, (regs.sp & _M) - PT_REGS_SIZE, None
+    # unwind_start(regs): skip the regs frame (the detour buffer's, for an optprobe)
     try:
         if not next_frame():
             return out

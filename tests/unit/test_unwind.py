@@ -63,3 +63,23 @@ def test_a_walk_over_call_frames_recovers_a_hooked_return():
     host.hooked[sp + 32] = caller + 0x8
     regs = PtRegs({"ip": f + 4, "sp": sp, "bp": 0, "cs": 0x10})
     assert orc_unwind(host, regs, table, 8) == [f + 4, g + 0x10, h + 0x20, caller + 0x8]
+
+
+def test_under_an_optimized_probe_the_walk_is_the_frame_pointer_guess():
+    """The guest's handler under an optprobe walks out of the detour buffer (no ORC data)
+    by ``orc_fp_entry`` from the probe's rbp: ip = [bp + 8], sp = bp + 16, bp = [bp];
+    then ORC again. The probed function (f) and its ORC-known caller (g) are not in it."""
+    text = (0xFFFFFFFF81000000, 0xFFFFFFFF81100000)
+    f, g, entry = 0xFFFFFFFF81000100, 0xFFFFFFFF81000200, 0xFFFFFFFF81000300
+    lay = ORC_LAYOUTS["6.12"]
+    call = lambda off: _raw(off, 0, 5 | 0 << 4 | 2 << 8)      # noqa: E731 - CALL, sp+off
+    end = _raw(0, 0, 1 << 8)                                 # END_OF_STACK
+    table = OrcTable([f, g, entry], call(8) + call(8) + end, text, lay)
+    sp = 0xFFFFC90000010F00
+    bp = sp + 0x80                                           # an rbp the caller left
+    mem = {sp: g + 0x10, sp + 8: entry + 0x4,                # the ORC walk's slots
+           bp: 0, bp + 8: entry + 0x40}                      # the guess's frame
+    host = _Host(mem, text)
+    regs = PtRegs({"ip": f + 4, "sp": sp, "bp": bp, "cs": 0x10})
+    assert orc_unwind(host, regs, table, 8) == [f + 4, g + 0x10, entry + 0x4]
+    assert orc_unwind(host, regs, table, 8, optprobe=True) == [entry + 0x40]

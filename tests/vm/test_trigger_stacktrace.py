@@ -77,3 +77,46 @@ def test_a_count_on_a_return_probes_trigger_is_refused():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "a count on a return probe's trigger" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _after_entry_site(vm, func):
+    """The offset of the first instruction after ``func``'s ENDBR and ftrace site: a
+    probe there is at an offset, and the guest's optimizer may turn it into a jump."""
+    from harness.kernel.symbols import instruction_at, is_ftrace_site
+
+    addr = vm.symbols.lookup(func).addr
+    code = vm.host.read(addr, 32)
+    off = 4 if code.startswith(b"\xf3\x0f\x1e\xfa") else 0
+    assert is_ftrace_site(code[off:off + 5]), code.hex()
+    off += 5
+    assert instruction_at(code[off:], addr + off) is not None
+    return off
+
+
+@pytest.mark.parametrize("series", NEWER)
+def test_an_optimized_probes_stack_is_the_frame_pointer_guess(series):
+    """A probe at an offset: the guest optimizes it after ``OPTIMIZE_DELAY`` (a jump into a
+    detour buffer, arch/x86/kernel/kprobes/opt.c). Its handler's unwinder reaches the
+    buffer, which has no ORC data, and goes on by the frame-pointer guess from the
+    probe's rbp (``unwind_next_frame()``: ``orc_fp_entry``): the probed function and its
+    callers are not in that trace. The host reads the jump at each hit and predicts the
+    guest's trace, hit for hit, int3 hits (before the optimizer ran) too."""
+    from harness import Machine
+    from harness.apps.pytest_plugin import DiffHelper
+    from harness.machine.image.build import build_image
+
+    with Machine.boot(build_image(kernel=series, progress=lambda s: None)) as vm:
+        off = _after_entry_site(vm, "do_sys_openat2")
+        res = DiffHelper(vm, "events")(
+            [f"p:o do_sys_openat2+{off}"],
+            "sleep 1; cat /proc/version > /dev/null; cat /proc/version > /dev/null",
+            triggers=["o=stacktrace"])
+        res.assert_equivalent()
+        host, guest = ([h for h in side.hits if h.stack and h.comm != "qemu-ga"]
+                       for side in res.runs)
+        assert len(host) == len(guest) >= 2
+        optimized = ["optimized_callback" in g.stack for g in guest]
+        assert any(optimized), [g.stack for g in guest]      # the optimizer ran in the run
+        for h, g, opt in zip(host, guest, optimized):
+            assert ("do_sys_openat2" in h.stack) != opt, (h.stack, g.stack)
+            assert h.stack and g.stack[-len(h.stack):] == h.stack
