@@ -175,6 +175,16 @@ class BTF:
             holder = self.type(tid)
 
     # -- struct member offsets (the host's own reads) ------------------------------------------
+    def sizeof(self, struct_name: str) -> int:
+        """``sizeof(struct struct_name)``.
+
+        :raise KeyError: no such struct."""
+        tid = self.find(struct_name, KIND_STRUCT)
+        t = self.type(tid) if tid is not None else None
+        if t is None:
+            raise KeyError(f"no struct {struct_name}")
+        return t.size
+
     def offset(self, struct_name: str, member: str) -> int:
         """Byte offset of ``member`` in ``struct struct_name``, also inside anonymous
         structs and unions (6.1's ``mm_struct`` keeps nearly everything, ``exe_file``

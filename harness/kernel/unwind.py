@@ -202,13 +202,17 @@ class _HostTrampoline(Exception):
     """In the guest's view: a return address the guest's unwinder does not know."""
 
 
-def _recover(host: Any, ret: int, slot: int, guest: Any = None) -> int:
+def _recover(host: Any, ret: int, slot: int, guest: Any = None, *, graph: bool = True) -> int:
     """``unwind_recover_ret_addr()``: the host's trampoline in a return slot is the real
     address its pending instance saved. In the guest's view (``guest``: the task whose
-    stack this is) the guest's own rethook trampoline is recovered from its list, and the
-    host's ends the walk (:class:`_HostTrampoline`)."""
+    stack this is) the guest's own hooks are recovered, the function graph's first
+    (``ftrace_graph_ret_addr()``; not for a regs frame's ip: ``graph=False``, as
+    ``unwind_next_frame()`` calls ``unwind_recover_rethook()`` alone there), then its
+    rethook's from its list, and the host's ends the walk (:class:`_HostTrampoline`)."""
     tramp = getattr(host, "trampoline", None)
     if guest is not None:
+        if graph:
+            ret = guest.graph_ret_addr(ret, slot)
         if ret == guest.rethook_trampoline:
             ret = guest.rethook_ret_addr(slot) or ret
         if ret == tramp:
@@ -229,8 +233,71 @@ class _GuestRethooks:
     def __init__(self, host: Any, regs: Any) -> None:
         sym = host.symbols.get("arch_rethook_trampoline")
         self.rethook_trampoline = sym.addr if sym is not None else None
+        sym = host.symbols.get("return_to_handler")
+        self.return_to_handler = sym.addr if sym is not None else None
         self.host, self.regs = host, regs
         self._nodes: list[tuple[int, int]] | None = None
+        self._graph_idx = 0            # unwind_state.graph_idx: where the last one was found
+        self._task: int | None | bool = False
+
+    def _btf(self) -> Any:
+        return getattr(getattr(getattr(self.host, "vm", None), "facts", None), "btf", None)
+
+    def _current(self) -> int | None:
+        if self._task is False:
+            host = self.host
+            self._task = host.current_task(self.regs) if hasattr(host, "current_task") else None
+        return self._task or None
+
+    def _u64(self, addr: int) -> int:
+        return int.from_bytes(self.host.read(addr, 8), "little")
+
+    def graph_ret_addr(self, ret: int, slot: int) -> int:
+        """``ftrace_graph_ret_addr(task, &state->graph_idx, ret, retp)`` (kernel/trace/
+        fgraph.c, 6.12 and 7.3): ``return_to_handler`` in a slot is the ``ret`` of the
+        task's newest ``ftrace_ret_stack`` at or below the last one found whose ``retp``
+        is the slot and whose ``ret`` is not ``return_to_handler`` itself (a tail call's
+        frames). ``ret_stack`` holds words; each frame's last word's low
+        ``FGRAPH_FRAME_OFFSET_BITS`` (10) give the distance down to the frame
+        (``get_ret_stack()``). 6.1's array of frames is searched from the bottom
+        (its ``ftrace_graph_ret_addr()`` with ``HAVE_FUNCTION_GRAPH_RET_ADDR_PTR``)."""
+        if self.return_to_handler is None or ret != self.return_to_handler:
+            return ret
+        btf, task = self._btf(), self._current()
+        if btf is None or not task:
+            return ret
+        try:
+            base = self._u64(task + btf.offset("task_struct", "ret_stack"))
+            raw = self.host.read(task + btf.offset("task_struct", "curr_ret_stack"), 4)
+            f_ret, f_retp = (btf.offset("ftrace_ret_stack", m) for m in ("ret", "retp"))
+            old = getattr(getattr(getattr(self.host.vm, "facts", None), "rules", None),
+                          "series", "") == "6.1"
+            size = btf.sizeof("ftrace_ret_stack") if old else 0
+        except (KeyError, AttributeError):
+            return ret
+        curr = int.from_bytes(raw, "little", signed=True)
+        if not base:
+            return ret
+        if old:
+            for i in range(0, min(curr, 256) + 1):
+                frame = base + i * size
+                if self._u64(frame + f_retp) == slot:
+                    return self._u64(frame + f_ret)
+            return ret
+        i = self._graph_idx or curr
+        for _ in range(4096):
+            if i <= 0:
+                break
+            offs = self._u64(base + 8 * (i - 1)) & 0x3FF        # FGRAPH_FRAME_OFFSET_MASK
+            if offs <= 0 or offs > i - 1:
+                break
+            i = i - 1 - offs
+            frame = base + 8 * i
+            found = self._u64(frame + f_ret)
+            if self._u64(frame + f_retp) == slot and found != self.return_to_handler:
+                self._graph_idx = i
+                return found
+        return ret
 
     def rethook_ret_addr(self, slot: int) -> int | None:
         if self._nodes is None:
@@ -242,8 +309,7 @@ class _GuestRethooks:
 
     def _read(self) -> list[tuple[int, int]]:
         host = self.host
-        btf = getattr(getattr(getattr(host, "vm", None), "facts", None), "btf", None)
-        task = host.current_task(self.regs) if hasattr(host, "current_task") else None
+        btf, task = self._btf(), self._current()
         if btf is None or not task:
             return []
         try:
@@ -356,13 +422,13 @@ def orc_unwind(host: Any, regs: Any, table: OrcTable, max_entries: int = 16, *,
             v_ip, v_sp = deref(new_sp + PT_REGS_OFFSETS["ip"]), deref(new_sp + PT_REGS_OFFSETS["sp"])
             if v_ip is None or v_sp is None:
                 return False
-            ip, sp = _recover(host, v_ip, v_sp - 8, guest), v_sp
+            ip, sp = _recover(host, v_ip, v_sp - 8, guest, graph=False), v_sp
             first_regs, regs_addr, full_regs = None, new_sp, True
         elif orc.type == "regs_partial":
             v_ip, v_sp = deref(new_sp), deref(new_sp + 24)
             if v_ip is None or v_sp is None:
                 return False
-            ip, sp = _recover(host, v_ip, v_sp - 8, guest), v_sp
+            ip, sp = _recover(host, v_ip, v_sp - 8, guest, graph=False), v_sp
             first_regs, regs_addr, full_regs = None, new_sp - IRET_FRAME_OFFSET, False
         else:
             return False

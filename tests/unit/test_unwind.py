@@ -83,3 +83,32 @@ def test_under_an_optimized_probe_the_walk_is_the_frame_pointer_guess():
     regs = PtRegs({"ip": f + 4, "sp": sp, "bp": bp, "cs": 0x10})
     assert orc_unwind(host, regs, table, 8) == [f + 4, g + 0x10, entry + 0x4]
     assert orc_unwind(host, regs, table, 8, optprobe=True) == [entry + 0x40]
+
+
+def test_a_function_graph_hook_is_recovered_from_the_return_stack():
+    """``ftrace_graph_ret_addr()`` of 6.12 and 7.3 over a made-up ``ret_stack``: two
+    frames of three words (ret, func, retp), each followed by the word whose low 10 bits
+    say how far down its frame starts; searched from ``curr_ret_stack`` down, and on
+    from where the last one was found (``graph_idx``)."""
+    from harness.kernel.unwind import _GuestRethooks
+
+    rth, base, task = 0xFFFFFFFF81F00000, 0xFFFF888000100000, 0xFFFF888000200000
+    slot_a, slot_b = 0xFFFFC90000010F80, 0xFFFFC90000010F40
+    real_a, real_b = 0xFFFFFFFF81000400, 0xFFFFFFFF81000500
+    words = [real_a, 0, slot_a, 3 | 1 << 10, real_b, 0, slot_b, 3 | 1 << 10]
+    mem = {base + 8 * i: w for i, w in enumerate(words)}
+    mem[task + 0x100] = base
+    mem[task + 0x108] = len(words)                       # curr_ret_stack (an int)
+    offsets = {("task_struct", "ret_stack"): 0x100, ("task_struct", "curr_ret_stack"): 0x108,
+               ("ftrace_ret_stack", "ret"): 0, ("ftrace_ret_stack", "retp"): 16}
+    btf = SimpleNamespace(offset=lambda s, m: offsets[(s, m)])
+    host = _Host(mem, (0, 0))
+    host.symbols = SimpleNamespace(get=lambda name: SimpleNamespace(addr=rth)
+                                   if name == "return_to_handler" else None)
+    host.vm = SimpleNamespace(facts=SimpleNamespace(btf=btf, rules=SimpleNamespace(series="7.3")))
+    host.current_task = lambda regs: task
+    g = _GuestRethooks(host, None)
+    assert g.graph_ret_addr(0x1234, slot_b) == 0x1234       # not return_to_handler
+    assert g.graph_ret_addr(rth, slot_b) == real_b          # graph_idx: 4
+    assert g.graph_ret_addr(rth, slot_b) == rth             # at or above it: not searched
+    assert g.graph_ret_addr(rth, slot_a) == real_a          # below it

@@ -120,3 +120,35 @@ def test_an_optimized_probes_stack_is_the_frame_pointer_guess(series):
         for h, g, opt in zip(host, guest, optimized):
             assert ("do_sys_openat2" in h.stack) != opt, (h.stack, g.stack)
             assert h.stack and g.stack[-len(h.stack):] == h.stack
+
+
+@pytest.mark.parametrize("series", ("6.1",) + NEWER)
+def test_a_function_graph_hook_below_the_probe_is_recovered(series):
+    """The guest's function_graph tracer (in an instance of its own) hooks kernel_clone's
+    return slot with ``return_to_handler``; a kprobe below it, in copy_process, takes a
+    stack trace. The guest's unwinder recovers the slot through the task's return stack
+    (``ftrace_graph_ret_addr()``: 6.12's and 7.3's frames of words, 6.1's array) and so
+    does the host: kernel_clone's caller, not ``return_to_handler``."""
+    from harness import Machine
+    from harness.apps.pytest_plugin import DiffHelper
+    from harness.machine.image.build import build_image
+
+    # 6.1 runs function_graph only in the top instance (its records then share the
+    # buffer with the probe's, and the harness reads past them)
+    t = "/sys/kernel/tracing"
+    fg = t if series == "6.1" else f"{t}/instances/kphfg"
+    with Machine.boot(build_image(kernel=series, progress=lambda s: None)) as vm:
+        vm.run(f"mkdir -p {fg} && echo kernel_clone > {fg}/set_ftrace_filter && "
+               f"echo function_graph > {fg}/current_tracer", check=True)
+        try:
+            res = DiffHelper(vm, "events")(["p:k copy_process"],
+                                           "ls / > /dev/null; cat /proc/version > /dev/null",
+                                           triggers=["k=stacktrace"])
+        finally:
+            vm.run(f"echo nop > {fg}/current_tracer; echo > {fg}/set_ftrace_filter" +
+                   (f"; rmdir {fg}" if fg != t else ""), check=True)
+        res.assert_equivalent()
+        host = [h for h in res.runs[0].hits if h.stack and h.comm != "qemu-ga"]
+        assert host and all(h.stack[:2] == ("copy_process", "kernel_clone") and
+                            h.stack[2].startswith("__do_sys_clone") for h in host), \
+            [h.stack for h in host]
