@@ -65,7 +65,8 @@ from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, A
                      ADD_FTRACE_OPS,
                      ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE,
                      CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
-                     PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink, PluginRecord,
+                     PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink,
+                     PluginRecord,
                      decode)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
@@ -114,6 +115,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self._init_handler_errors()
         #: What ``harness.diff.runner.trampoline_text`` reads: the uretprobe trampolines in use.
         self._uprobes = PluginUprobes(self)
+        self._fork_hook: int | None = None
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
@@ -268,6 +270,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             ext = user_ext(tramp, chain, ino)
             if ret:
                 self._uprobes.used_trampolines.add(tramp)
+                self.ensure_fork_hook()
         st = self._cmd_add(pid, kind, addr, maxactive, flags, program, ext)
         p = PluginProbe(pid, addr, kind, maxactive, enabled, INVAL_TEXT.get(st, str(st)))
         if st == INVAL_PENDING:
@@ -277,6 +280,22 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         with self._lock:
             self._probes[pid] = p
         return p
+
+    def ensure_fork_hook(self) -> None:
+        """Once a user return probe exists, for the rest of the session: the plugin's
+        ``PK_FORK`` probe at ``uprobe_copy_process()``, which gives a fork child copies of
+        its parent task's user return instances there, as ``dup_utask()`` does (kph_plugin.c
+        ``user_fork()``). A call that forks (``fork()`` itself, probed with ``r:``) then
+        returns through the trampoline in both processes and is recorded twice, as the
+        kernel records it; a copy's program sees the child. Kept after the last uretprobe
+        goes: calls in flight may still fork."""
+        if self._fork_hook is not None:
+            return
+        addr = self.resolve("uprobe_copy_process", 0, None)
+        self.check_address(addr)
+        pid = next(self._ids)
+        self._cmd_add(pid, PK_FORK, addr, 0, ADD_ENABLED | self.ftrace_flag(addr))
+        self._fork_hook = pid
 
     def _cmd_add(self, pid: int, kind: int, addr: int, maxactive: int, flags: int,
                  program: bytes = b"", ext: bytes = b"") -> int:
@@ -316,10 +335,11 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", pid)))
 
     def global_stats(self) -> dict[str, int]:
-        vals = struct.unpack("<12Q", self.link.request(CMD_GSTATS))
+        vals = struct.unpack("<13Q", self.link.request(CMD_GSTATS))
         keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
                 "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
-                "posts_interrupt", "flushes", "uprobe_filtered", "uretprobe_inherited")
+                "posts_interrupt", "flushes", "uprobe_filtered", "uretprobe_inherited",
+                "uretprobe_forked")
         return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:

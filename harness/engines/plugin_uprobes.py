@@ -28,9 +28,9 @@ plugin's own is where a hit is decided:
   engine's, the end of its executable segment), instances keyed by (mm, stack slot) in C. At the trampoline the ret_handlers run with ``regs.ip`` the
   real return address, the newest registered consumer first (``handle_uretprobe_chain()``),
   and on 6.11+ the ``sys_uretprobe()`` frame below sp is written as the kernel's
-  trampoline leaves it (kph_plugin.c: ``on_trampoline()``). A fork child returning
-  through a slot copied from its parent resumes at the parent's return address, no
-  handler. A call in flight when its uprobe is unregistered returns with no handler.
+  trampoline leaves it (kph_plugin.c: ``on_trampoline()``). A fork child gets copies of
+  the task's instances at ``uprobe_copy_process()`` (``PK_FORK``, ``dup_utask()``): its
+  return runs an every-process consumer's ret_handler, not a per-process one's. A call in flight when its uprobe is unregistered returns with no handler.
 
 Adding a uprobe flushes every translation (user code has no one virtual address to
 invalidate through; docs/plugin.md).
@@ -168,6 +168,7 @@ class PluginUprobes:
                 ids.append(rid)
                 self._ret_ids.add(rid)
                 self.used_trampolines.add(tramp)
+                self.engine.ensure_fork_hook()
                 up._kph_tramp = tramp  # type: ignore[attr-defined]
             ids.append(self.engine._add_handler_probe(up, up.vaddr, PK_KPROBE,
                                                       flags | ADD_FLUSH, ext=ext,

@@ -28,7 +28,9 @@ executable, never executed by the program, like the kernel's ``_etext`` trampoli
 ``harness.engines.gdbstub_engine``). At the trampoline the instance is found by ``(mm, stack slot)``, so
 threads and recursion match; the handler runs with ``regs.ip`` = the real return address
 (``handle_uretprobe_chain()`` sets it first) and the thread resumes there. A fork child
-that returns through an inherited hijacked slot resumes at the parent's return address
+gets copies of the task's instances at ``uprobe_copy_process()`` (``dup_utask()``): its
+return runs the every-process consumers' ret_handlers (:meth:`UprobeManager._on_fork`).
+A child returning through a slot no copy covers resumes at the parent's return address
 without a handler call.
 
 User pages may be absent: memory is only read at a hit, while that process is current
@@ -122,6 +124,10 @@ class UretprobeInstance:
     stack_slot: int
     mm: int
     pid: int | None = None
+    #: the task whose call it is (``utask->return_instances`` are per task)
+    task: int = field(default=0, repr=False)
+    #: the trampoline the call returns through
+    tramp: int | None = field(default=None, repr=False)
 
 
 
@@ -154,6 +160,7 @@ class UprobeManager:
         self._elf: dict[str, ElfImage] = {}
         self._exe_ino: dict[int, int | None] = {}      # mm -> its exe inode number
         self._clear_kp: Kprobe | None = None
+        self._fork_kp: Kprobe | None = None
         self._off: dict[tuple[str, str], int] = {}
         self.used_trampolines: set[int] = set()
         self.stats = engine.stats
@@ -354,7 +361,16 @@ class UprobeManager:
             self.engine._bp.pop(addr, None)
 
     def _sync_clear_hook(self) -> None:
-        """A host kprobe on ``uprobe_clear_state(mm)`` while some state is per mm."""
+        """A host kprobe on ``uprobe_clear_state(mm)`` while some state is per mm, and one
+        on ``uprobe_copy_process()`` while return instances are live."""
+        forks = bool(self._live)
+        if forks and self._fork_kp is None:
+            self._fork_kp = Kprobe(symbol_name="uprobe_copy_process",
+                                   pre_handler=lambda p, regs: self._on_fork(regs))
+            self.engine._register(self._fork_kp)
+        elif not forks and self._fork_kp is not None:
+            self.engine._unregister(self._fork_kp)
+            self._fork_kp = None
         need = bool(self.addrs or self._live)
         if need != (self._clear_kp is not None):
             # Without the hook an mm can be freed and its address reused unnoticed: the
@@ -367,6 +383,30 @@ class UprobeManager:
         elif not need and self._clear_kp is not None:
             self.engine._unregister(self._clear_kp)
             self._clear_kp = None
+
+    def _on_fork(self, regs: PtRegs) -> int:
+        """``uprobe_copy_process(t, flags)`` (kernel/events/uprobes.c, 6.1 to 7.3): a child
+        with an mm of its own gets a copy of each return instance of the current task
+        (``dup_utask()``), so its return through a copied slot runs the chain as its own:
+        a ``fork()`` probed with ``r:`` returns twice, in the parent and in the child. The
+        copy keeps the consumers that target every process; one process's (``pid``) do
+        not follow into its children. A thread shares the mm and gets none; a vfork
+        child (the same mm, ``CLONE_VFORK``) is not mirrored (its copies would share the
+        parent's keys)."""
+        task, _tgid, mm = self.current(regs)
+        child = regs.di
+        try:
+            cmm = self._task_mm(child)
+        except HarnessError:
+            return 0
+        if not task or not cmm or cmm == mm:
+            return 0
+        for ri in [r for (m, _s), r in self._live.items() if m == mm and r.task == task]:
+            keep = tuple(up for up in ri.probes if up.pid is None)
+            self._live[(cmm, ri.stack_slot)] = UretprobeInstance(
+                keep, ri.func, ri.ret_addr, ri.stack_slot, cmm, None, child, ri.tramp)
+            self.stats["uretprobe_forked"] += 1
+        return 0
 
     def _on_clear_state(self, mm: int) -> int:
         """The kernel drops ``mm``'s uprobes state (exit, or the old mm of an exec)."""
@@ -405,7 +445,7 @@ class UprobeManager:
         self.engine.uprobe_handlers(mine, regs)
         rets = tuple(up for up in mine if up.ret_handler is not None)
         if rets:
-            self._prepare_uretprobe(rets, pc, regs, mm, tgid)
+            self._prepare_uretprobe(rets, pc, regs, mm, tgid, task or 0)
         self.engine._flush(regs, th, keep_ip=False)
         return self.engine._execute(pc, th, regs.get)
 
@@ -415,7 +455,7 @@ class UprobeManager:
         return mm != 0 and self.exe_ino(mm) == up.ino
 
     def _prepare_uretprobe(self, rets: tuple[Uprobe, ...], func: int, regs: PtRegs, mm: int,
-                           tgid: int) -> None:
+                           tgid: int, task: int = 0) -> None:
         """``prepare_uretprobe()``: save the return address at ``[sp]``, put the trampoline."""
         slot = regs.sp
         try:
@@ -426,7 +466,7 @@ class UprobeManager:
             return
         tramp = getattr(rets[0], "_kph_tramp")
         self.stub.write_memory(slot, tramp.to_bytes(8, "little"))
-        self._live[(mm, slot)] = UretprobeInstance(rets, func, ret, slot, mm, tgid)
+        self._live[(mm, slot)] = UretprobeInstance(rets, func, ret, slot, mm, tgid, task, tramp)
         self._sync_clear_hook()
 
     @functools.cached_property
@@ -523,10 +563,11 @@ class UprobeManager:
         self._bps.clear()
         self.addrs.clear()
         self.tramps.clear()
-        if self._clear_kp is not None:
-            self.engine._unregister(self._clear_kp)
-            self._clear_kp = None
+        for kp in (self._clear_kp, self._fork_kp):
+            if kp is not None:
+                self.engine._unregister(kp)
+        self._clear_kp = self._fork_kp = None
 
 
 def _tramp_of(ri: UretprobeInstance) -> int | None:
-    return getattr(ri.probes[0], "_kph_tramp", None)
+    return ri.tramp

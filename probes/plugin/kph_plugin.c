@@ -74,7 +74,10 @@ enum {
     CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
     CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10, CMD_ARRANGE = 11,
 };
-enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4 };
+enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4,
+       /* at uprobe_copy_process(t, flags): a fork child gets copies of the parent
+        * task's user return instances (dup_utask()) */
+       PK_FORK = 5 };
 /* handler round trips on a vCPU's channel: events to the harness, its commands back */
 enum { EV_PRE = 1, EV_POST = 2, EV_FAULT = 3, EV_RET_ENTRY = 4, EV_RET = 5, EV_MISS = 6 };
 enum { C_READ = 1, C_WRITE = 2, C_READREG = 3, C_DONE = 4 };
@@ -208,6 +211,7 @@ static _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
 static atomic_uint_fast64_t g_uret_inherited;   /* fork children's inherited user slots */
+static atomic_uint_fast64_t g_uret_forked;      /* user return instances copied at a fork */
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
  * path (next instruction, next block, interrupt), full flushes */
 static atomic_uint_fast64_t g_n_irq, g_n_exc, g_n_post_insn, g_n_post_tb, g_n_post_irq, g_n_flush;
@@ -803,6 +807,58 @@ static void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     atomic_fetch_add(&p->nhit, 1);
 }
 
+/* uprobe_copy_process(t, flags) (kernel/events/uprobes.c, 6.1 to 7.3), at its entry: a
+ * child with an mm of its own (a fork) gets a copy of each user return instance of the
+ * current task (dup_utask()), so that its returns through a copied slot are serviced,
+ * and recorded, as its own. A thread shares the mm and gets none; a vfork child (the
+ * same mm, CLONE_VFORK) is not mirrored: its copies would share the parent's keys. */
+static void user_fork(vcpu_t *v)
+{
+    uint64_t child = v->regs[KREG_DI], pmm, cmm = 0;
+    inst *from[64], *ri;
+    int n = 0, i;
+    unsigned int b;
+
+    if (!g_mm_off || !(v->tflags & RF_TASK)) {
+        return;
+    }
+    pmm = task_mm(v, g_mm_off);
+    if (!pmm || mem_read(v, child + g_mm_off, &cmm, 8) != 0 || !cmm || cmm == pmm) {
+        return;
+    }
+    pthread_mutex_lock(&rp_lock);
+    for (b = 0; b < LIVE_SIZE; b++) {
+        for (ri = g_live_tab[b]; ri && n < 64; ri = ri->next) {
+            if (ri->mm == pmm && ri->task == v->task && ri->rp->tramp != g_tramp) {
+                from[n++] = ri;
+            }
+        }
+    }
+    /* oldest first, each at its bucket's head: the copies keep the originals' order
+     * (a slot's newest hook first: on_trampoline() stops at the one holding the real
+     * return address) */
+    for (i = n - 1; i >= 0; i--) {
+        probe *p = from[i]->rp;
+        inst *c;
+
+        if (p->nfree == 0) {
+            atomic_fetch_add(&p->nmissed, 1);
+            continue;
+        }
+        c = p->freelist[--p->nfree];
+        memcpy(c->edata, from[i]->edata, sizeof(c->edata));
+        c->slot = from[i]->slot;
+        c->ret_addr = from[i]->ret_addr;
+        c->task = child;
+        c->mm = cmm;
+        b = live_bucket(c->slot);
+        c->next = g_live_tab[b];
+        g_live_tab[b] = c;
+        atomic_fetch_add(&g_uret_forked, 1);
+    }
+    pthread_mutex_unlock(&rp_lock);
+}
+
 /* The kernel trampoline a hook of the guest kernel would have written where done[j]
  * hooked (its counterpart's: return_to_handler or arch_rethook_trampoline); the
  * plugin's own trampoline when the harness was not told them (older config). */
@@ -1305,6 +1361,9 @@ static void on_site(unsigned int vcpu, void *ud)
             emit(v, vcpu, p, REC_HIT, p->addr, 0, NULL);
         } else if (p->kind == PK_SPEC_R || p->kind == PK_KRET) {
             kret_entry(vcpu, v, p);
+        } else if (p->kind == PK_FORK) {
+            atomic_fetch_add(&p->nhit, 1);
+            user_fork(v);
         } else if (p->kind == PK_KPROBE) {
             uint32_t ids[MAX_PER_SITE];
             uint32_t n = 0;
@@ -1899,7 +1958,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     memcpy(&maxactive, pl + 16, 4);
     memcpy(&enabled, pl + 20, 4);
     memcpy(&nprog, pl + 24, 4);
-    if (kind < PK_SPEC_P || kind > PK_KRET || nprog > MAX_PROG ||
+    if (kind < PK_SPEC_P || kind > PK_FORK || nprog > MAX_PROG ||
         len != 32 + nprog * sizeof(kph_insn) + ((enabled & ADD_EXT) ? ADD_EXT_SIZE : 0) ||
         ((kind == PK_SPEC_R || kind == PK_KRET) && (maxactive == 0 || maxactive > 4096)) ||
         addr == g_tramp) {
@@ -2256,7 +2315,7 @@ static int serve(int fd)
             break;
         }
         case CMD_GSTATS: {
-            uint64_t out[12];
+            uint64_t out[13];
 
             out[0] = atomic_load(&inval_count);
             out[1] = atomic_load(&inval_ns_total);
@@ -2270,6 +2329,7 @@ static int serve(int fd)
             out[9] = atomic_load(&g_n_flush);
             out[10] = atomic_load(&g_n_filtered);
             out[11] = atomic_load(&g_uret_inherited);
+            out[12] = atomic_load(&g_uret_forked);
             rc = reply(fd, 0, out, sizeof(out));
             break;
         }

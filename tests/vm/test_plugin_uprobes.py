@@ -170,3 +170,21 @@ def test_per_process_handlers_in_three_worlds(pvm):
     want = [x for i in range(4) for x in (("u/add", i), ("u/addr", 4 * i + 2))]
     assert guest == want
     assert seen["gdbstub"] == want and seen["plugin"] == want
+
+
+def test_a_fork_inside_a_uretprobed_call_in_three_worlds(pvm):
+    """``r:`` on ``_Fork`` (static glibc's fork): the guest records the return in the
+    parent and in the child (``dup_utask()``), and so do both engines: the gdbstub engine
+    copies its instances at ``uprobe_copy_process()``, the plugin in C (``PK_FORK``)."""
+    from harness.diff.worlds import run_three
+
+    tw = run_three(pvm, [parse("r:u/f /usr/bin/kph-forkexec:_Fork ret=$retval:s64"),
+                         parse("p:u/t /usr/bin/kph-forkexec:kph_tick v=%di")],
+                   "/usr/bin/kph-forkexec")
+    assert tw.equivalent, tw.first_divergence().first
+    for run in tw.runs:
+        rets = sorted(int(h.arg("ret")) for h in run.hits if h.probe == "u/f")
+        assert len(rets) == 2 and rets[0] == 0 and rets[1] > 0, (run.side, rets)
+        assert sorted(int(h.arg("v"), 0) for h in run.hits if h.probe == "u/t") == \
+            [1, 2, 100, 200], run.side
+    assert pvm.host.global_stats()["uretprobe_forked"] >= 1

@@ -271,3 +271,29 @@ def test_newer_kernels_per_process_and_the_syscall_trampolines_frame(series, eng
         errors = host.take_handler_errors()
         host.close()
         assert not errors, errors
+
+
+def test_a_fork_inside_a_uretprobed_call_returns_in_both_processes(evm, host):
+    """``fork()`` probed at its return: the child's stack is a copy holding the
+    trampoline, and the kernel gives the child copies of the parent's return instances
+    (``uprobe_copy_process()``, ``dup_utask()``), so the call returns through the
+    trampoline twice, and every-process consumers run in both (a per-process one in the
+    parent only). Before, the host broke the child: it returned into the padding."""
+    rets, mine = [], []
+    every = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="_Fork",
+                                        ret_handler=lambda ri, regs: rets.append(regs.ax)))
+    ticks = []
+    host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="kph_tick",
+                                handler=lambda u, regs: ticks.append(regs.di)))
+    r = evm.run("rm -f /tmp/go6; " + bg("/usr/bin/kph-forkexec /tmp/go6", "/tmp/fe6.out") +
+                f"; {until('[ -s /tmp/fe6.out ]')}; head -n1 /tmp/fe6.out", check=True)
+    pid = int(r.stdout.split()[0])
+    one = host.register_uprobe(Uprobe("/usr/bin/kph-forkexec", symbol="_Fork", pid=pid,
+                                      ret_handler=lambda ri, regs: mine.append(regs.ax)))
+    out = evm.run(f"touch /tmp/go6; {until('grep -q after /tmp/fe6.out')}; cat /tmp/fe6.out",
+                  check=True).stdout
+    assert "after 201" in out
+    assert sorted(ticks) == [1, 2, 100, 200]           # the child ran kph_tick(100)
+    assert len(rets) == 2 and 0 in rets and rets[0] + rets[1] > 0, rets
+    assert len(mine) == 1 and mine[0] > 0, mine        # the parent's: the child's pid
+    assert every.nhit == 1 and one.nhit == 1           # one call, two returns
