@@ -200,14 +200,6 @@ class PluginUprobes:
         up._kph_ids = ()  # type: ignore[attr-defined]
         self._sync_clear_hook()
 
-    def set_enabled(self, up: Uprobe, on: bool) -> None:
-        if on:
-            up.flags &= ~ProbeFlags.DISABLED
-        else:
-            up.flags |= ProbeFlags.DISABLED
-        for pid in getattr(up, "_kph_ids", ()):
-            self.engine._cmd_enable(pid, on)
-
     def _sync_clear_hook(self) -> None:
         """A Python kprobe on ``uprobe_clear_state()`` while a per-process uprobe is
         registered and not GONE (kernel/events/uprobes.c: the kernel drops an mm's
