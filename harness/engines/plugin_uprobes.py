@@ -134,9 +134,6 @@ class PluginUprobes:
     def owns(self, pid: int) -> bool:
         return pid in self._ids
 
-    def probe(self, pid: int) -> Uprobe | None:
-        return self._ids.get(pid)
-
     # -- registration (the caller's thread; the guest runs) -------------------------------
     def register(self, up: Uprobe) -> Uprobe:
         if up.registered:
