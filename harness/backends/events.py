@@ -435,8 +435,7 @@ class EventsBackend:
             addr = int.from_bytes(rec.data[at:at + 8], "little")
             if addr == (1 << 64) - 1:
                 break
-            hit = self.vm.symbols.symbolize(addr)
-            names.append(hit[0].name if hit else f"0x{addr:x}")
+            names.append(self.vm.symbols.frame_name(addr))
         for j in range(len(hits) - 1, -1, -1):
             if hits[j].cpu == rec.cpu:
                 if hits[j].stack is None and self.triggers.get(hits[j].probe):

@@ -574,11 +574,7 @@ class HostBackend:
         if at is not None and self._armed_now and any(
                 isinstance(p, Kretprobe) and p.addr == at for _, p in self._probes):
             addrs = addrs[:1]
-        out = []
-        for addr in addrs:
-            hit = self.engine.symbols.symbolize(addr)
-            out.append(hit[0].name if hit else f"0x{addr:x}")
-        return tuple(out)
+        return tuple(self.engine.symbols.frame_name(addr) for addr in addrs)
 
     def _guest_optimized(self, addr: int) -> bool:
         """Is the guest's own probe at ``addr`` optimized at this hit? Its optimizer

@@ -323,6 +323,15 @@ class SymbolTable:
         i = self._find(addr)
         return None if i is None else (self._sym(i), addr - self._addrs[i])
 
+    def frame_name(self, addr: int) -> str:
+        """A stack frame's return address as a trace's ``=>`` line names it (``%ps``): the
+        function holding it, or ``0x...``. A return address lies in code: a data symbol
+        found for it is this table's guess past the end of a module's memory (kallsyms
+        has no sizes; the kernel's ``module_address_lookup()`` checks the module's
+        bounds and finds nothing), where ftrace puts an ops' trampoline: no name."""
+        hit = self.symbolize(addr)
+        return hit[0].name if hit is not None and hit[0].is_text else f"0x{addr:x}"
+
     def format(self, addr: int) -> str:
         """``addr`` as ``%pS`` prints it: ``do_sys_openat2+0x5/0x140``, ``foo+0x0/0x20
         [mymod]``, or ``0xffffffff81000000`` when no symbol holds it."""

@@ -592,3 +592,14 @@ def test_reserved_text_reads_self_relative_tables():
     assert all("static call" in rt.find(text + 0x40 + i, read) for i in range(5))
     assert rt.find(text + 0x45, read) is None
     assert "BUG()" in rt.find(text + 0x80, read) and rt.find(text + 0x81, read) is None
+
+
+def test_a_frame_in_no_function_has_no_name(table):
+    """A stack frame's return address is named after the function holding it; past a
+    module's last (data) symbol, where ftrace puts an ops' trampoline, the table's
+    next-symbol span would name it after that data: a trace prints the raw address
+    (seen in CI: 6.1's ftrace trampoline named ``pvpanic_pci_driver``)."""
+    assert table.frame_name(0xFFFFFFFFC0002044) == "do_sys_open"
+    assert table.symbolize(0xFFFFFFFFC0003000)[0].name == "foo_data"
+    assert table.frame_name(0xFFFFFFFFC0003000) == "0xffffffffc0003000"
+    assert table.frame_name(0xFFFFFFFFC0F00000) == "0xffffffffc0f00000"
