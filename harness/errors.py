@@ -185,6 +185,20 @@ class PluginRecordError(HarnessError):
         self.counts = dict(counts or {})
 
 
+class GuestLossError(HarnessError):
+    """An in-guest side's records of a run are incomplete: ``count`` records (or pages,
+    as ``what`` says) lost on ``side`` (``events``, ``module``), ``what`` naming the loss
+    and the kernel's source of the count (``per_cpu/cpu0/stats overrun``, the module's
+    ``dropped`` counter, a read that stopped before the buffer was empty). Never a
+    warning alone, never a divergence: the run is not compared (``kph diff`` exit 2)."""
+
+    def __init__(self, side: str, count: int, what: str) -> None:
+        super().__init__(f"{side}: {what}; the run is not compared")
+        self.side = side
+        self.count = count
+        self.what = what
+
+
 class SymbolNotFoundError(HarnessError, KeyError):
     """A kernel symbol is not in the symbol table in use."""
 

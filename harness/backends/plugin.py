@@ -14,6 +14,7 @@ and a trace prints each pid under the comm it had at its last hit (``saved_cmdli
 from __future__ import annotations
 
 import logging
+import struct
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -119,6 +120,17 @@ class _RecordCtx:
             raise ValueError("@+OFFS is for uprobes only")
         return self.up.vaddr - self.up.offset + offset
 
+
+
+def _undecodable(rec: PluginRecord, name: str, exc: BaseException) -> EngineReadError:
+    """An engine error for a plugin record ``PluginBackend._take`` could not decode: what
+    it was (hit or return, of which probe, at which address) and why."""
+    kind = "return" if rec.type == REC_RET else "hit"
+    err = EngineReadError(f"{name}: the plugin's {kind} record (probe {rec.probe_id}) could "
+                          f"not be decoded: {type(exc).__name__}: {exc}",
+                          getattr(exc, "address", 0) or 0)
+    err.__cause__ = exc
+    return err
 
 class PluginBackend:
     """kprobe_events specs as compiled probes in the QEMU plugin of ``vm.host``."""
@@ -334,7 +346,18 @@ class PluginBackend:
             self.bad_records["dropped (ring full)"] = self.dropped
 
     def _take(self) -> None:
-        for rec in self.engine.records():
+        """The plugin's records so far, decoded into hits. A record that does not decode
+        (a fault, a value or a layout the decoder cannot read) is an engine error naming
+        the record, counted with the others (:meth:`_check`): never a crash, never a value.
+
+        :raise EngineReadError: when the plugin's ring itself cannot be read.
+        """
+        try:
+            recs = self.engine.records()
+        except (FaultError, ValueError, struct.error) as exc:
+            raise EngineReadError(f"the plugin engine's ring could not be decoded: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        for rec in recs:
             if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
                 continue
             name = self._specs[rec.probe_id][1]
@@ -346,6 +369,9 @@ class PluginBackend:
                 h = self._hit(rec, len(self._hits))
             except EngineReadError as exc:
                 self.engine_errors.append((name, exc))
+                continue
+            except (FaultError, ValueError, struct.error) as exc:
+                self.engine_errors.append((name, _undecodable(rec, name, exc)))
                 continue
             if h is None:       # a commit no event probe's trigger runs on
                 continue

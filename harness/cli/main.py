@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
-                     clear_progress, output_options, report_error)
+                     clear_progress, output_options, report_crash, report_error)
 
 DESCRIPTION = """\
 kprobe-harness: boot a real x86_64 Linux kernel under QEMU and probe it with kprobe
@@ -155,9 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
         return _dispatch(args)
-    except BaseException:  # noqa: BLE001 - an interruption wins over what it caused
+    except BaseException as exc:  # noqa: BLE001 - an interruption wins over what it caused
         if _interrupted:
             return _interrupted_exit()
+        if isinstance(exc, Exception):      # not SystemExit (--help, usage errors)
+            return report_crash(exc)
         raise
     finally:
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -198,7 +200,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
         if _interrupted or isinstance(exc, KeyboardInterrupt):
             return _interrupted_exit()
-        code = report_error(exc)
-        if code is None:
+        if not isinstance(exc, Exception):     # SystemExit: argparse's own exits
             raise
-        return code
+        code = report_error(exc)
+        return report_crash(exc) if code is None else code

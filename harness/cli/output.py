@@ -8,7 +8,8 @@
 - progress of long work is one live line on a terminal, plain lines otherwise;
 - exit status 0 success, 1 divergence / not met / failed command, 2 usage or setup error,
   3 the VM was lost, 4 nothing measured (``kph diff``: no armed probe fired), 130
-  interrupted; a harness error is one line (:func:`report_error`), never a traceback.
+  interrupted; a harness error is one line (:func:`report_error`), never a traceback, and
+  so is any other exception (:func:`report_crash`: exit 2, the traceback at DEBUG).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import (EngineReadError, HandlerError, HarnessError, NotMirroredError,
-                      PluginRecordError, ProbeSpecError, ScenarioError, SetupError, VMError)
+from ..errors import (EngineReadError, GuestLossError, HandlerError, HarnessError,
+                      NotMirroredError, PluginRecordError, ProbeSpecError, ScenarioError,
+                      SetupError, VMError)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA, EXIT_EMPTY = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -211,7 +213,7 @@ def report_error(exc: BaseException) -> int | None:
     if isinstance(exc, HandlerError):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INFRA
-    if isinstance(exc, (EngineReadError, PluginRecordError)):
+    if isinstance(exc, (EngineReadError, PluginRecordError, GuestLossError)):
         # never a value: the run is not compared; 3 when the VM was lost under it
         print(f"error: {exc}", file=sys.stderr)
         cause: BaseException | None = exc
@@ -225,3 +227,16 @@ def report_error(exc: BaseException) -> int | None:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INFRA
     return None
+
+
+def report_crash(exc: BaseException) -> int:
+    """An exception no rule above knows (a bug in ``kph``): one line and exit 2, never 1
+    (the status of a divergence) and never a traceback; the traceback is logged at DEBUG
+    (``--log-level DEBUG``)."""
+    clear_progress()
+    logging.getLogger("harness.cli").debug("the traceback of the internal error:",
+                                           exc_info=exc)
+    what = str(exc).strip().splitlines()
+    print(f"error: internal error: {type(exc).__name__}" + (f": {what[0]}" if what else "")
+          + " (a bug in kph; --log-level DEBUG shows the traceback)", file=sys.stderr)
+    return EXIT_USAGE
