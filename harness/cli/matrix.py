@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from ..errors import NotMirroredError, ProbeSpecError, SetupError
-from .common import examples, spec_args, spec_file_lines, sub
+from .common import examples, spec_args, spec_file_lines, sub, workload_ran
 from .output import EXIT_DIVERGED, EXIT_OK, Output, check_writable
 
 NAME = "matrix"
@@ -21,7 +21,8 @@ def add_parser(subparsers: Any) -> None:
              "execution of --run and compare them (as kph diff); then compare the "
              "kernels' guests with each other: registration, probe mode, event "
              "counts and the printed fields. Exit 0 when host and guest agree on "
-             "every kernel, 1 otherwise, 2 on usage or setup errors.",
+             "every kernel, 1 otherwise, 2 on usage or setup errors (a workload that "
+             "did not run: exit 126 or 127 from its shell).",
              epilog=examples(EXAMPLES))
     spec_args(mx)
     mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     check_kernels(kernels)
     specs = matrix_specs(kernels, lines)
     res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
-                     qemu=args.qemu, progress=out.progress)
+                     qemu=args.qemu, progress=out.progress,
+                     check_run=lambda r: workload_ran(r, args.run))
     out.progress.clear()
     out.text(report.matrix_text(res))
     out.result(json.loads(report.matrix_json(res)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..backends import make_backend
 from ..backends.triggers import check_counts as check_trigger_counts, resolve as resolve_triggers
@@ -221,12 +221,15 @@ def row_names(images: Sequence[Any]) -> list[str]:
 
 def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
                guest: str = "events", timeout: float = 120.0, qemu: str | None = None,
-               build: bool = True, progress: Any = None) -> Any:
+               build: bool = True, progress: Any = None,
+               check_run: Callable[[SideResult], None] | None = None) -> Any:
     """``run_differential`` on each kernel's image (built first when missing and
     ``build``), then the kernels' guests compared (``harness.diff.matrix``).
 
     A kernel that cannot be run (no image and no build, a boot failure) is reported in its
-    row with the reason; the others still run.
+    row with the reason; the others still run. ``check_run`` sees each kernel's host
+    result first and may raise ``SetupError`` (``kph matrix``: a workload that did not
+    run, exit 126 or 127, ends the matrix at the first kernel, as ``kph diff`` ends).
     """
     say = progress or (lambda s: None)
     out = MatrixResult(workload)
@@ -246,6 +249,8 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
                 host, guest_res = run_differential(
                     vm, specs, workload, guest=guest, timeout=timeout,
                     progress=_prefixed(progress, f"matrix: {name}: "))
+                if check_run is not None:
+                    check_run(host)
                 say(f"matrix: {name}: comparing")
                 kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
                 kr.host, kr.guest = host, guest_res
