@@ -27,12 +27,13 @@ import os
 import shlex
 from typing import Any, Sequence
 
-from ..errors import GuestAgentError
+from ..errors import GuestAgentError, GuestLossError
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
-from ..kernel.ringbuf import EventFormat, PAGE_SIZE, decode_args, format_args, parse_format, read_pages
+from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
+                              parse_format, parse_stats, read_pages, ring_loss)
 from .tracelayer import TraceLayer
 from ..vmctl import Machine
 
@@ -42,8 +43,9 @@ TRACING = "/sys/kernel/tracing"
 KPROBES_LIST = "/sys/kernel/debug/kprobes/list"
 #: glibc's strerror() text -> errno, for the shell's "write error: ..." message.
 STRERROR = {os.strerror(n): n for n in range(1, 134)}
-#: Pages read per CPU at most (16 MiB buffers, see register()).
-_MAX_PAGES = 16384 * 1024 // PAGE_SIZE + 64
+_CMD = "  Command: "          # kernel/trace/trace.c: CMD_PREFIX of an error_log entry
+#: Each CPU's ring buffer, in KiB (``buffer_size_kb``): 16 MiB unless a caller asks less.
+BUFFER_KB = 16384
 
 
 def probe_modes(listing: str) -> dict[int, str]:
@@ -89,13 +91,87 @@ def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
     return "kprobe_events"
 
 
+def logged_words(detail: Sequence[str]) -> tuple[str, str, str, int] | None:
+    """(subsystem, message, command, caret) of an ``error_log`` entry as ``kph_log`` prints
+    it in :meth:`EventsBackend.register` (the entry's first line, its ``  Command: `` line,
+    ``caret N`` with N the caret line's length), or None when there is none."""
+    if not detail or ": error: " not in detail[0]:
+        return None
+    head, _, msg = detail[0].partition(": error: ")
+    sub = head.split("] ", 1)[1] if head.startswith("[") and "] " in head else head
+    cmd = detail[1][len(_CMD):] if len(detail) > 1 and detail[1].startswith(_CMD) else ""
+    caret = -1
+    if len(detail) > 2 and detail[2].startswith("caret "):
+        try:
+            caret = int(detail[2][6:]) - len(_CMD) - 1     # the prefix's spaces, then "^"
+        except ValueError:
+            caret = -1
+    return sub, msg, cmd, caret
+
+
+def written_column(spec: ProbeSpec, command: str, column: int) -> int:
+    """The caret ``column`` of ``command`` (what the kernel logged for the line this
+    backend wrote, :func:`harness.kernel.grammar.guest_line`: an explicit ``GROUP/EVENT``
+    head, a uprobe line's canonical words) as a column of the line as written, its words
+    joined by single spaces, where the host predicts it (``harness.records.Outcome``):
+    the same word, the same offset in it. The logged words after the head are the
+    kernel's (rewritten ones too: 6.12's ``%pd``), except a uprobe line's canonical words,
+    mapped back by their tails (a ``NAME=`` added in front). One past the end of the
+    command stays one past the end."""
+    user = (spec.text or "").split("#", 1)[0].split()
+    if column < 0 or not user:
+        return column
+    logged = command.split(" ")
+    starts, at = [], 0
+    for w in logged:
+        starts.append(at)
+        at += len(w) + 1
+    words = (user + logged[len(user):]) if spec.is_uprobe else [user[0]] + logged[1:]
+    if column >= at:                # past the last word (__trace_probe_log_err())
+        return len(" ".join(words)) + 1
+    k = max(j for j, st in enumerate(starts) if st <= column)
+    off = column - starts[k]
+    if spec.is_uprobe and k < len(user) and off and logged[k] != user[k]:
+        off = max(0, off - (len(logged[k]) - len(user[k])))
+    if k == 0:
+        off = min(off, len(words[0]))
+    return sum(len(w) + 1 for w in words[:k]) + off
+
+
+def refusal_outcome(name: str, spec: ProbeSpec, status: str, detail: Sequence[str], *,
+                    index: int) -> Outcome:
+    """The Outcome of a line the guest refused: the write's errno (the shell's ``write
+    error: TEXT``) and, when the kernel logged the refusal, its ``error_log`` entry
+    (:func:`logged_words`), the caret taken back to the line as written
+    (:func:`written_column`; an event filter's caret is in the filter, a ``dynevent``
+    one at 0). Nothing logged: the write's ``strerror()`` text, no subsystem, column -1;
+    so for an enable that failed (uprobe_register() at ``echo 1 > enable``)."""
+    msg = status[5:].strip().rsplit("write error: ", 1)[-1]
+    errno = STRERROR.get(msg, _errno.EINVAL)
+    got = logged_words(detail)
+    if got is None or got[0] == "enable":
+        reason = "enabling it failed" if got is not None else ""
+        return Outcome.rejected(name, errno, msg, index=index, reason=reason)
+    sub, text, command, caret = got
+    if sub not in ("event filter parse error", "dynevent"):
+        caret = written_column(spec, command, caret)
+    return Outcome.rejected(name, errno, text, index=index, subsystem=sub, column=caret)
+
+
 class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
     side = "events"
 
-    def __init__(self, vm: Machine) -> None:
+    def __init__(self, vm: Machine, *, buffer_kb: int | None = None) -> None:
+        """``buffer_kb``: each CPU's ring buffer (``buffer_size_kb``, default
+        :data:`BUFFER_KB`); a run that loses events to it fails
+        (:class:`harness.errors.GuestLossError`)."""
         self.vm = vm
+        self.buffer_kb = buffer_kb or BUFFER_KB
+        #: pages read per CPU at most: the buffer's pages and some (a writer still
+        #: writing); reaching it before the buffer is empty fails the run
+        self.max_pages = self.buffer_kb * 1024 // PAGE_SIZE + 64
         self.specs: dict[str, ProbeSpec] = {}
         self.outcomes: list[Outcome] = []
         self._formats: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
@@ -118,14 +194,21 @@ class EventsBackend:
         ``error_log`` is emptied before each line, so a refusal's text is that line's (or
         none: some refusals, -ECANCELED for one, log nothing)."""
         TraceLayer(self.vm).sync_modules(specs)     # module addresses of this boot
+        kb = int(self.buffer_kb)
         script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
-                  "grep -q '^16384' buffer_size_kb || echo 16384 > buffer_size_kb"]
+                  f"read -r kb rest < buffer_size_kb; [ \"$kb\" = {kb} ] || "
+                  f"echo {kb} > buffer_size_kb"]
         # Shell builtins only on a refusal's path (read, case: a fork costs ~5 ms under
         # TCG, and multiple_kprobes.tc writes thousands of lines the kernel refuses), in
         # two functions: the script is one argument of at most 128 KiB (MAX_ARG_STRLEN).
+        # kph_log prints the last error_log entry whole (kernel/trace/trace.c:
+        # tracing_err_log_seq_show(): "[ts] SUBSYSTEM: error: MSG", "  Command: CMD", the
+        # caret line), the caret line as its length
         script += ["kph_err() { read -r e < /tmp/kph.err; echo \"@err $e\"; }",
-                   "kph_log() { x=; while IFS= read -r l; do case $l in *error:*) x=$l;; "
-                   "esac; done < error_log; [ -n \"$x\" ] && echo \"$x\"; }"]
+                   "kph_log() { x=; c=; p=; n=0; while IFS= read -r l; do case $n$l in "
+                   "[012]'['*': error: '*) x=$l; n=1;; "
+                   "1*) c=$l; n=2;; 2*) p=${#l}; n=0;; esac; done < error_log; "
+                   "[ -n \"$x\" ] && { echo \"$x\"; echo \"$c\"; echo \"caret $p\"; }; }"]
         err, last_error = "kph_err", "kph_log"
         fprobes = frozenset(n for s in specs if s.is_fprobe or s.is_eprobe
                             for n in (f"{s.group}/{s.event}", s.event))
@@ -141,7 +224,7 @@ class EventsBackend:
             script.append(
                 f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
                 f"if echo 1 > {enable} 2>/tmp/kph.err; then echo 0 > {enable}; echo '@ok'; "
-                f"else {err}; echo 'error: enabling it failed'; "
+                f"else {err}; echo 'enable: error: failed'; "
                 f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
                 f"fi; else {err}; {last_error}; fi")
         script.append(f"echo '@list'; cat {KPROBES_LIST}")
@@ -153,20 +236,17 @@ class EventsBackend:
             while i < len(lines) and not lines[i].startswith("@"):
                 i += 1
             status = lines[i] if i < len(lines) else "@err unknown"
-            detail = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("@") else ""
             i += 1
+            detail = []
+            while i < len(lines) and not lines[i].startswith("@") and len(detail) < 3:
+                detail.append(lines[i])
+                i += 1
             if status == "@ok":
                 if spec.kind != "-":
                     self.specs.setdefault(name, spec)
                 out.append(Outcome(name, True, index=n))
             else:
-                msg = status[5:].strip().rsplit("write error: ", 1)[-1]
-                # "[ts] SUBSYSTEM: error: MSG" (an event filter's: "event filter parse
-                # error: error: MSG")
-                text_err = detail.split(": error:", 1)[1].strip() if ": error:" in detail \
-                    else msg
-                out.append(Outcome.rejected(name, STRERROR.get(msg, _errno.EINVAL), text_err,
-                                            index=n))
+                out.append(refusal_outcome(name, spec, status, detail, index=n))
         modes = probe_modes(listing)
         self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]
         self._formats = self._read_formats()
@@ -331,16 +411,19 @@ class EventsBackend:
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
 
-    def _raw_pages(self, cpu: int) -> list[bytes]:
-        """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read. The agent opens files
-        O_NONBLOCK, so the read after the last page fails with EAGAIN instead of waiting
-        for more events (``tracing_buffers_read()``)."""
+    def _raw_pages(self, cpu: int) -> tuple[list[bytes], bool]:
+        """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read, and whether the drain
+        reached the end (False: :attr:`max_pages` read and the buffer not empty). The
+        agent opens files O_NONBLOCK, so the read after the last page fails with EAGAIN
+        instead of waiting for more events (``tracing_buffers_read()``)."""
         agent = self.vm.agent
         path = f"{TRACING}/per_cpu/cpu{cpu}/trace_pipe_raw"
         handle = agent.execute("guest-file-open", {"path": path, "mode": "r"}, timeout=30)
         pages: list[bytes] = []
         try:
-            while len(pages) < _MAX_PAGES:
+            while True:
+                if len(pages) >= self.max_pages:
+                    return pages, False
                 try:
                     r = agent.execute("guest-file-read", {"handle": handle, "count": PAGE_SIZE},
                                       timeout=30)
@@ -353,7 +436,41 @@ class EventsBackend:
                 pages.append(base64.b64decode(r.get("buf-b64", "")))
         finally:
             agent.execute("guest-file-close", {"handle": handle}, timeout=30)
-        return pages
+        return pages, True
+
+    def _stats(self, cpus: Sequence[int]) -> dict[int, dict[str, int]]:
+        """Each CPU's ``per_cpu/cpuN/stats`` (:func:`harness.kernel.ringbuf.parse_stats`)."""
+        text = self._sh("; ".join(f"echo @{c}; cat {TRACING}/per_cpu/cpu{c}/stats"
+                                  for c in cpus), timeout=60)
+        out: dict[int, dict[str, int]] = {}
+        for chunk in text.split("@")[1:]:
+            head, _, body = chunk.partition("\n")
+            if head.strip().isdigit():
+                out[int(head)] = parse_stats(body)
+        return out
+
+    def check_losses(self, losses: Sequence[RingLoss], unread: dict[int, int]) -> None:
+        """Fail the run on events the guest's ring buffer lost over it, or left unread.
+
+        The buffer is emptied when the window opens (``enable()`` writes ``trace``:
+        ``tracing_reset_online_cpus()`` -> ``rb_reset_cpu()`` sets the counters to 0), so
+        the counters read after the drain are the run's. ``unread``: CPU -> entries the
+        stats still count after a drain that stopped at :attr:`max_pages`.
+
+        :raise GuestLossError: with the count and where the kernel gave it.
+        """
+        lost = [x for x in losses if x.count]
+        if lost:
+            n = sum(x.count for x in lost)
+            raise GuestLossError(self.side, n, f"the guest's ring buffer lost {n} event(s) "
+                                 f"({'; '.join(x.describe() for x in lost)}; buffer_size_kb "
+                                 f"{self.buffer_kb})")
+        if unread:
+            n = sum(unread.values())
+            where = ", ".join(f"cpu{c} {k}" for c, k in unread.items())
+            raise GuestLossError(self.side, n, f"the read of the guest's ring buffer stopped "
+                                 f"at {self.max_pages} page(s) per CPU with {n} event(s) "
+                                 f"unread (per_cpu/cpuN/stats entries: {where})")
 
     def _cmdlines(self) -> dict[int, str]:
         """``saved_cmdlines``: pid -> comm, escaped as every side escapes bytes."""
@@ -369,13 +486,18 @@ class EventsBackend:
         it (``print_kprobe_event()``, ``print_kretprobe_event()``, ``print_uprobe_event()``)."""
         if not self._formats:
             return []
-        per_cpu = []
-        for cpu in getattr(self, "_cpus", None) or [0]:
-            got, missed = read_pages(self._raw_pages(cpu), cpu)
-            if missed:
-                log.warning("cpu%d: the ring buffer lost events before %d page(s)", cpu, missed)
+        per_cpu, pages, truncated = [], {}, []
+        cpus = getattr(self, "_cpus", None) or [0]
+        for cpu in cpus:
+            pages[cpu], complete = self._raw_pages(cpu)
+            if not complete:
+                truncated.append(cpu)
+            got, _ = read_pages(pages[cpu], cpu)
             stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
             per_cpu.append([r for r in got if r.type in self._formats or r.type == stack_id])
+        stats = self._stats(cpus)
+        self.check_losses([ring_loss(c, stats.get(c, {}), pages[c]) for c in cpus],
+                          {c: max(1, stats.get(c, {}).get("entries", 0)) for c in truncated})
         # Merged by time stamp, each CPU's own order kept: a CPU's buffer is in commit
         # order, and an event written from an interrupt that nested inside another
         # event's write can carry an earlier stamp than the one before it.

@@ -29,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..errors import HarnessError, NotMirroredError, ProbeSpecError, SymbolNotFoundError
+from ..errors import (GuestLossError, HarnessError, NotMirroredError, ProbeSpecError,
+                      SymbolNotFoundError)
 from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
@@ -43,6 +44,7 @@ from ..vmctl import Machine
 log = logging.getLogger(__name__)
 
 __all__ = ["ModuleBackend", "ModuleError", "UnsupportedFetchArgError", "compile_arg",
+           "buffer_stats",
            "add_line", "parse_events_line", "decode_arg", "decode_args", "ModuleRecord", "Item",
            "REG_OFFSET", "GUEST_KO", "KPH_DIR"]
 
@@ -358,6 +360,23 @@ def _symbolizer(table: Any) -> Callable[[int], str | None]:
     return symbolize
 
 
+def buffer_stats(text: str) -> dict[str, int]:
+    """The ``buffer size N used N records N dropped N seq N`` line of the module's
+    ``stats`` (``kph_stats_show()``), as ``{size, used, records, dropped, seq}``.
+
+    :raise ModuleError: when ``stats`` has no such line.
+    """
+    for line in text.splitlines():
+        p = line.split()
+        if p[:2] == ["buffer", "size"] and len(p) >= 10:
+            try:
+                return {"size": int(p[2]), "used": int(p[4]), "records": int(p[6]),
+                        "dropped": int(p[8]), "seq": int(p[10]) if len(p) > 10 else 0}
+            except ValueError:
+                break
+    raise ModuleError(f"no 'buffer size ... dropped N' line in {KPH_DIR}/stats: {text[:200]!r}")
+
+
 def _kprobes_list(text: str) -> Counter[tuple[int, str]]:
     """(address, k|r) -> how many probes ``/sys/kernel/debug/kprobes/list`` shows there."""
     out: Counter[tuple[int, str]] = Counter()
@@ -394,10 +413,15 @@ class ModuleBackend:
 
     def __init__(self, vm: Machine, *, post_handler: bool = False,
                  maxlen: int = MAX_STRING_SIZE, timeout: float = 60.0,
-                 buggy: frozenset[str] = frozenset()) -> None:
+                 buggy: frozenset[str] = frozenset(), bufsize: int | None = None) -> None:
         """``buggy``: probe names (GROUP/EVENT) whose module pre_handler dereferences NULL
-        once recording starts (``kph repro`` uses it to reproduce a crashing handler)."""
+        once recording starts (``kph repro`` uses it to reproduce a crashing handler).
+        ``bufsize``: the module's ``bufsize`` parameter (bytes per record buffer; its
+        default 4 MiB) when this backend loads it; a run whose records did not fit fails
+        (:class:`harness.errors.GuestLossError`)."""
         self.vm = vm
+        self.bufsize = bufsize
+        self._dropped0: int | None = None
         self.post_handler = post_handler
         self.buggy = buggy
         self.maxlen = maxlen
@@ -431,7 +455,8 @@ class ModuleBackend:
         if self._loaded or self.is_loaded():
             self._loaded = True
             return
-        r = self.vm.run(f"insmod {GUEST_KO}", timeout=self.timeout)
+        param = f" bufsize={int(self.bufsize)}" if self.bufsize else ""
+        r = self.vm.run(f"insmod {GUEST_KO}{param}", timeout=self.timeout)
         if r.status != 0:
             raise ModuleError(f"insmod {GUEST_KO} failed: {(r.stderr or r.stdout).strip()}; "
                               "rebuild the image with `kph image build`")
@@ -587,7 +612,8 @@ class ModuleBackend:
         """Drop what was recorded so far and start recording. The control write goes
         through the agent's file API: no shell is spawned to do it. ``recording=False``
         leaves the start to the caller's :meth:`switch`, in a halt of the guest."""
-        self._sh(f"cat {KPH_DIR}/events > /dev/null")
+        self._dropped0 = buffer_stats(self._sh(f"cat {KPH_DIR}/events > /dev/null; "
+                                               f"cat {KPH_DIR}/stats"))["dropped"]
         self.hits.clear()
         self.post_records.clear()
         if recording:
@@ -621,9 +647,32 @@ class ModuleBackend:
         return [parse_events_line(ln) for ln in self._sh(f"cat {KPH_DIR}/events").splitlines()
                 if ln.strip()]
 
+    def check_dropped(self) -> None:
+        """Fail the run on records the module dropped since :meth:`enable`: its ``dropped``
+        counter (``kph_record()``, probes/kmod/kph_kprobes.c: a record that does not fit
+        in what is left of the active buffer is not written, and counted), read from
+        ``stats``. The counter lives as long as the module, so the run's drops are the
+        difference from the value read at :meth:`enable`.
+
+        :raise GuestLossError: with the count.
+        """
+        st = buffer_stats(self._sh(f"cat {KPH_DIR}/stats"))
+        lost = st["dropped"] - (self._dropped0 or 0)
+        if lost > 0:
+            raise GuestLossError(self.side, lost, f"{MODULE_NAME} dropped {lost} record(s): "
+                                 f"its buffer ({st['size']} bytes) was full ({KPH_DIR}/stats "
+                                 f"dropped {st['dropped']}, {self._dropped0 or 0} at the "
+                                 "window's start)")
+
     def collect(self) -> list[Hit]:
+        """The hits recorded since :meth:`enable`.
+
+        :raise GuestLossError: when the module dropped records (:meth:`check_dropped`).
+        """
         symbolize = _symbolizer(self.vm.symbols)
-        for rec in self.records():
+        recs = self.records()
+        self.check_dropped()
+        for rec in recs:
             placed = self._placed.get(rec.id)
             if placed is None:
                 log.debug("record of unknown probe %d dropped", rec.id)

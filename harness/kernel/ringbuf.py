@@ -35,11 +35,13 @@ from .grammar.fetch import FAULT, FETCH_TYPES
 log = logging.getLogger(__name__)
 
 __all__ = ["Field", "EventFormat", "RawRecord", "parse_format", "parse_page", "decode_args",
-           "read_pages", "PAGE_SIZE", "GuestArg", "format_args"]
+           "read_pages", "PAGE_SIZE", "GuestArg", "format_args", "page_missed", "parse_stats",
+           "RingLoss", "ring_loss", "STATS_LOSSES"]
 
 PAGE_SIZE = 4096
 _PAGE_HEADER = 16
 _MISSED = (1 << 31) | (1 << 30)
+_MISSED_EVENTS, _MISSED_STORED = 1 << 31, 1 << 30
 _PADDING, _TIME_EXTEND, _TIME_STAMP = 29, 30, 31
 _FIELD = re.compile(r"\s*field:(?P<decl>[^;]*);\s*offset:(?P<off>\d+);\s*size:(?P<size>\d+);"
                     r"\s*signed:(?P<signed>-?\d+);")
@@ -203,6 +205,81 @@ def parse_page(page: bytes, cpu: int) -> tuple[list[RawRecord], bool]:
         if len(data) >= 8:
             out.append(RawRecord(cpu, ts, data))
     return out, missed
+
+
+def page_missed(page: bytes) -> int | None:
+    """Events the ring buffer lost before this page, as the page header says: None when
+    it says none; the count when it stored one; 0 when it flagged a loss without room to
+    store the count. ``ring_buffer_read_page()`` (kernel/trace/ring_buffer.c, 6.1, 6.12,
+    7.3): with ``missed_events`` it adds RB_MISSED_EVENTS (bit 31) to the page's
+    ``commit``, and when the page has room after its data, copies the ``unsigned long``
+    count there (at ``data[commit]``) and adds RB_MISSED_STORED (bit 30)."""
+    if len(page) < _PAGE_HEADER:
+        return None
+    (commit,) = struct.unpack_from("<Q", page, 8)
+    if not commit & _MISSED_EVENTS:
+        return None
+    if not commit & _MISSED_STORED:
+        return 0
+    at = _PAGE_HEADER + (commit & ~_MISSED & 0xFFFFFFFF)
+    if at + 8 > len(page):
+        return 0
+    return struct.unpack_from("<Q", page, at)[0]
+
+
+#: The lines of ``per_cpu/cpuN/stats`` that count events lost (``tracing_stats_read()``,
+#: kernel/trace/trace.c, the same lines in 6.1, 6.12 and 7.3): ``overrun`` (events the
+#: writer overwrote before they were read, overwrite mode: ``rb_handle_head_page()``),
+#: ``commit overrun`` (events dropped when the writer ran into its own commit:
+#: ``rb_move_tail()``), ``dropped events`` (events dropped on a full buffer, overwrite off).
+#: ``rb_reset_cpu()`` sets each to 0 (``echo > trace``).
+STATS_LOSSES = ("overrun", "commit overrun", "dropped events")
+
+
+def parse_stats(text: str) -> dict[str, int]:
+    """``per_cpu/cpuN/stats``: each ``NAME: NUMBER`` line (time stamps left out)."""
+    out = {}
+    for line in text.splitlines():
+        name, sep, value = line.rpartition(":")
+        if sep and value.strip().lstrip("-").isdigit():
+            out[name.strip()] = int(value)
+    return out
+
+
+@dataclass(frozen=True)
+class RingLoss:
+    """What one CPU's buffer lost over a run: the stats counters (:data:`STATS_LOSSES`),
+    the pages whose header flagged lost events, and the counts those pages stored."""
+
+    cpu: int
+    counters: dict[str, int]
+    flagged_pages: int = 0
+    stored: int = 0
+    unstored: int = 0        # flagged pages with no room for the count: one event at least
+
+    @property
+    def count(self) -> int:
+        """Events lost: the stats' sum, or what the pages say if that is more."""
+        return max(sum(self.counters.values()), self.stored + self.unstored)
+
+    def describe(self) -> str:
+        parts = [f"per_cpu/cpu{self.cpu}/stats {k} {n}" for k, n in self.counters.items() if n]
+        if self.flagged_pages:
+            parts.append(f"cpu{self.cpu}: {self.flagged_pages} trace_pipe_raw page(s) flagged "
+                         f"RB_MISSED_EVENTS (stored counts {self.stored})")
+        return ", ".join(parts)
+
+
+def ring_loss(cpu: int, stats: dict[str, int], pages: Sequence[bytes]) -> RingLoss:
+    """One CPU's losses from its stats and its pages (both sources the kernel gives)."""
+    flagged = stored = unstored = 0
+    for page in pages:
+        m = page_missed(page)
+        if m is not None:
+            flagged += 1
+            stored += m
+            unstored += m == 0
+    return RingLoss(cpu, {k: stats.get(k, 0) for k in STATS_LOSSES}, flagged, stored, unstored)
 
 
 def read_pages(pages: Sequence[bytes], cpu: int) -> tuple[list[RawRecord], int]:

@@ -1,0 +1,117 @@
+"""Losses of the in-guest sides fail a run with their count (issue 36): the ring buffer's
+own accounting (per_cpu/cpuN/stats, the page header's missed-events flag and stored count,
+kernel/trace/ring_buffer.c: ring_buffer_read_page(); trace.c: tracing_stats_read()), a
+drain that stopped before the buffer was empty, and the module's dropped counter."""
+import struct
+
+import pytest
+
+from harness.backends.events import EventsBackend
+from harness.backends.module import ModuleBackend, ModuleError, buffer_stats
+from harness.errors import GuestLossError
+from harness.kernel.ringbuf import page_missed, parse_stats, read_pages, ring_loss
+
+# per_cpu/cpu1/stats as 6.1 prints it after a run that overflowed a 4 KiB buffer
+STATS = """entries: 0
+overrun: 1187
+commit overrun: 0
+bytes: 0
+oldest event ts:   163.413357
+now ts:   165.260581
+dropped events: 0
+read events: 203
+"""
+
+
+def page(body=b"", flags=0, stored=None):
+    commit = len(body) | flags
+    data = body + (struct.pack("<Q", stored) if stored is not None else b"")
+    return (struct.pack("<QQ", 1000, commit) + data).ljust(4096, b"\0")
+
+
+def test_stats_lines():
+    st = parse_stats(STATS)
+    assert st["overrun"] == 1187 and st["commit overrun"] == 0 and st["dropped events"] == 0
+    assert st["entries"] == 0 and st["read events"] == 203 and "now ts" not in st
+
+
+def test_the_page_header_says_what_was_missed():
+    assert page_missed(page(b"\0" * 8)) is None
+    assert page_missed(page(b"\0" * 8, flags=1 << 31)) == 0              # no room stored
+    assert page_missed(page(b"\0" * 8, flags=3 << 30, stored=42)) == 42  # data[commit]
+    # the flag bits do not leak into the records' length
+    recs, missed = read_pages([page(b"", flags=3 << 30, stored=7)], cpu=0)
+    assert recs == [] and missed == 1
+
+
+def test_ring_loss_takes_the_larger_of_the_two_sources():
+    st = parse_stats(STATS)
+    loss = ring_loss(1, st, [page(flags=3 << 30, stored=5), page()])
+    assert loss.count == 1187 and loss.flagged_pages == 1 and loss.stored == 5
+    assert "per_cpu/cpu1/stats overrun 1187" in loss.describe()
+    assert "RB_MISSED_EVENTS" in loss.describe()
+    # a page flagged without a stored count is one event at least, stats or not
+    assert ring_loss(0, {}, [page(flags=1 << 31)]).count == 1
+    assert ring_loss(0, parse_stats(STATS.replace("1187", "0")), [page()]).count == 0
+
+
+def _events():
+    be = object.__new__(EventsBackend)
+    be.side, be.buffer_kb, be.max_pages = "events", 4, 3
+    return be
+
+
+def test_events_losses_fail_the_run_with_the_count():
+    be = _events()
+    be.check_losses([ring_loss(0, {"overrun": 0}, [page()])], {})      # nothing lost
+    with pytest.raises(GuestLossError) as ei:
+        be.check_losses([ring_loss(0, {}, [page()]),
+                         ring_loss(1, parse_stats(STATS), [page()])], {})
+    e = ei.value
+    assert (e.side, e.count) == ("events", 1187)
+    assert "lost 1187 event(s)" in str(e) and "cpu1/stats overrun 1187" in str(e)
+    assert "buffer_size_kb 4" in str(e) and "\n" not in str(e)
+
+
+def test_a_drain_cut_short_fails_the_run():
+    be = _events()
+    with pytest.raises(GuestLossError, match=r"stopped at 3 page\(s\) per CPU with 12 event"):
+        be.check_losses([ring_loss(0, {}, [page()])], {0: 12})
+
+
+def test_collect_counts_a_truncated_drain(monkeypatch):
+    """collect(): the drain stops at max_pages; the stats' entries name what is left."""
+    be = _events()
+    be._formats = {1: None}
+    be._cpus = [0]
+    be._stack_fmt = None
+    be._raw_pages = lambda cpu: ([page()] * 3, False)
+    be._stats = lambda cpus: {0: {"entries": 40, "overrun": 0}}
+    with pytest.raises(GuestLossError) as ei:
+        be.collect()
+    assert ei.value.count == 40
+
+
+MSTATS = ("recording 0\nbuffer size 4096 used 3960 records 33 dropped {d} seq 120\n"
+          "error -\nprobe 1 p nhit 300 nmissed 0 nentry 0 npost 0 mode ftrace\n")
+
+
+def test_module_buffer_stats():
+    assert buffer_stats(MSTATS.format(d=7)) == {"size": 4096, "used": 3960, "records": 33,
+                                                "dropped": 7, "seq": 120}
+    with pytest.raises(ModuleError):
+        buffer_stats("recording 0\n")
+
+
+def test_module_drops_since_the_window_opened_fail_the_run():
+    be = object.__new__(ModuleBackend)
+    be.side = "module"
+    dropped = [5]
+    be._sh = lambda cmd: MSTATS.format(d=dropped[0])
+    be._dropped0 = 5
+    be.check_dropped()                      # drops before the window are not the run's
+    dropped[0] = 272
+    with pytest.raises(GuestLossError) as ei:
+        be.check_dropped()
+    assert (ei.value.side, ei.value.count) == ("module", 267)
+    assert "dropped 267 record(s)" in str(ei.value) and "4096 bytes" in str(ei.value)

@@ -1,0 +1,64 @@
+"""Losses of the in-guest sides fail the run with their count, on the booted default
+image (issue 36): the ring buffer overwritten under a hot probe (a 4 KiB buffer_size_kb),
+a drain cut short, and kph_kprobes.ko's buffer full (its bufsize parameter at 4 KiB)."""
+from __future__ import annotations
+
+import pytest
+
+from harness.backends import events as events_mod
+from harness.backends.events import EventsBackend
+from harness.backends.module import ModuleBackend
+from harness.diff.runner import run_differential
+from harness.errors import GuestLossError
+from harness.kernel.grammar import parse
+
+pytestmark = pytest.mark.vm
+
+OPEN = "p:kph/hot do_sys_openat2 path=+0(%si):ustring"
+# opens from the shell itself (a redirection of a builtin): no fork per open
+OPENS = "i=0; while [ $i -lt {n} ]; do : < /proc/version; i=$((i+1)); done"
+
+
+def test_a_ring_buffer_that_overflowed_fails_the_differential_run(vm, monkeypatch):
+    monkeypatch.setattr(events_mod, "BUFFER_KB", 4)
+    with pytest.raises(GuestLossError) as ei:
+        run_differential(vm, [parse(OPEN)], OPENS.format(n=1000), guest="events")
+    e = ei.value
+    assert e.side == "events" and e.count > 0
+    assert "per_cpu/cpu" in str(e) and "overrun" in str(e) and "buffer_size_kb 4" in str(e)
+    print(f"measured: {e}")
+    left = vm.run("cat /sys/kernel/tracing/kprobe_events").stdout
+    assert left == ""
+
+
+def test_a_drain_cut_short_fails_the_run(vm):
+    be = EventsBackend(vm)
+    try:
+        be.register([parse(OPEN)])
+        be.max_pages = 1
+        be.enable()
+        vm.run(OPENS.format(n=300), timeout=120)
+        be.disable()
+        with pytest.raises(GuestLossError, match=r"stopped at 1 page\(s\) per CPU") as ei:
+            be.collect()
+        assert ei.value.count > 0
+        print(f"measured: {ei.value}")
+    finally:
+        be.close()
+
+
+def test_a_full_module_buffer_fails_the_run(vm):
+    vm.run("rmmod kph_kprobes 2>/dev/null; true")
+    be = ModuleBackend(vm, bufsize=4096)
+    try:
+        be.register([parse(OPEN)])
+        be.enable()
+        vm.run(OPENS.format(n=300), timeout=120)
+        be.disable()
+        with pytest.raises(GuestLossError, match=r"dropped \d+ record\(s\): its buffer "
+                                                 r"\(4096 bytes\) was full") as ei:
+            be.collect()
+        assert ei.value.side == "module" and ei.value.count > 0
+        print(f"measured: {ei.value}")
+    finally:
+        be.close()
