@@ -158,6 +158,77 @@ def refusal_outcome(name: str, spec: ProbeSpec, status: str, detail: Sequence[st
     return Outcome.rejected(name, errno, text, index=index, subsystem=sub, column=caret)
 
 
+def _dyn_kind(line: str) -> tuple[str, str] | None:
+    """(``k`` or ``u``, ``GROUP/EVENT``) of a ``dynamic_events`` line of a kprobe or a
+    uprobe event (``trace_kprobe_show()``: ``p:GROUP/EVENT SYM...`` or ``rN:...``;
+    ``trace_uprobe_show()``: ``p:GROUP/EVENT PATH:0xOFFS``), None for any other kind."""
+    parts = line.split()
+    if len(parts) < 2 or ":" not in parts[0]:
+        return None
+    kind, _, name = parts[0].partition(":")
+    if kind[:1] not in ("p", "r") or (kind[1:] and not kind[1:].isdigit()) or "/" not in name:
+        return None
+    return ("u" if parts[1].startswith("/") else "k"), name
+
+
+def profile_counters(dynamic_events: str, kprobe_profile: str, uprobe_profile: str
+                     ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """``GROUP/EVENT -> [nhit, nmissed]`` from the profile files, and the names whose
+    lines could not be attributed (with why).
+
+    ``kprobe_profile`` prints the event name only (``probes_profile_seq_show()``,
+    kernel/trace/trace_kprobe.c: ``trace_probe_name()``, 6.1, 6.12, 7.3), and so does
+    ``uprobe_profile`` after the file (trace_uprobe.c), so ``g1/x`` and ``g2/x`` print
+    alike. Both walk the kernel's ``dyn_event_list`` (``dyn_event_seq_start()``), as
+    ``dynamic_events`` does (printing ``GROUP/EVENT``): the n-th kprobe line of the
+    profile is the n-th kprobe line of ``dynamic_events``. Where the two lists do not
+    line up (an event made or freed between the reads), a name that one group alone
+    holds is attributed by name, and a name two groups share is not attributed at all.
+    An event with several probes (appended lines) has a line per probe: summed."""
+    dyn: dict[str, list[str]] = {"k": [], "u": []}
+    for line in dynamic_events.splitlines():
+        got = _dyn_kind(line)
+        if got is not None:
+            dyn[got[0]].append(got[1])
+    prof: dict[str, list[tuple[str, int, int]]] = {"k": [], "u": []}
+    for line in kprobe_profile.splitlines():
+        p = line.split()
+        if len(p) == 3 and p[1].isdigit() and p[2].isdigit():
+            prof["k"].append((p[0], int(p[1]), int(p[2])))
+    for line in uprobe_profile.splitlines():    # "PATH EVENT NHIT": uprobes count no misses
+        p = line.split()
+        if len(p) >= 3 and p[-1].isdigit():
+            prof["u"].append((p[-2], int(p[-1]), 0))
+    sums: dict[str, list[int]] = {}
+    unclear: dict[str, str] = {}
+    for kind, lines in prof.items():
+        names = dyn[kind]
+        if len(names) == len(lines) and all(n.rsplit("/", 1)[1] == ev
+                                            for n, (ev, _, _) in zip(names, lines, strict=True)):
+            pairs = [(n, h, m) for n, (_, h, m) in zip(names, lines, strict=True)]
+        else:
+            groups: dict[str, set[str]] = {}
+            for n in names:
+                groups.setdefault(n.rsplit("/", 1)[1], set()).add(n)
+            pairs = []
+            for ev, h, m in lines:
+                owners = groups.get(ev, set())
+                if len(owners) == 1:
+                    pairs.append((next(iter(owners)), h, m))
+                for n in owners if len(owners) > 1 else ():
+                    unclear[n] = (f"dynamic_events and the profile list differ, and "
+                                  f"{', '.join(sorted(owners))} share the event name")
+        for name, h, m in pairs:
+            if name in unclear:
+                continue
+            c = sums.setdefault(name, [0, 0])
+            c[0] += h
+            c[1] += m
+    for name in unclear:
+        sums.pop(name, None)
+    return sums, unclear
+
+
 class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
@@ -566,25 +637,21 @@ class EventsBackend:
         log.warning("cpu%d: a stack trace with no event before it", rec.cpu)
 
     def counters(self) -> dict[str, Counters]:
-        out = {}
-        by_event = {spec.event: name for name, spec in self.specs.items()}
-        text = self._sh(f"cat {TRACING}/kprobe_profile; echo @u; cat {TRACING}/uprobe_profile")
-        kprobes, _, uprobes = text.partition("@u\n")
-        sums: dict[str, list[int]] = {}
-        # A line per probe: an event with several probes (appended lines) has several.
-        for line in kprobes.splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[0] in by_event:
-                c = sums.setdefault(by_event[parts[0]], [0, 0])
-                c[0] += int(parts[1])
-                c[1] += int(parts[2])
-        for line in uprobes.splitlines():       # "PATH EVENT NHIT": uprobes count no misses
-            parts = line.split()
-            if len(parts) >= 3 and parts[1] in by_event:
-                sums.setdefault(by_event[parts[1]], [0, 0])[0] += int(parts[2])
-        for name, (nhit, nmissed) in sums.items():
-            out[name] = Counters(name, nhit, nmissed)
-        return out
+        """nhit/nmissed of our events, keyed ``GROUP/EVENT`` as the host's are
+        (:func:`profile_counters`). A probe kind the guest counts nowhere (fprobe, tprobe
+        and eprobe events have no profile line) is left absent, and so is an event whose
+        lines cannot be told apart from another group's (logged)."""
+        text = self._sh(f"cd {TRACING}; cat dynamic_events; echo @k; cat kprobe_profile; "
+                        "echo @u; cat uprobe_profile")
+        dyn, _, rest = text.partition("@k\n")
+        kprobes, _, uprobes = rest.partition("@u\n")
+        sums, unclear = profile_counters(dyn, kprobes, uprobes)
+        for name in sorted(n for n in unclear if n in self.specs):
+            log.warning("%s: no counters: its kprobe_profile/uprobe_profile lines name the "
+                        "event only and could not be matched to its group (%s)", name,
+                        unclear[name])
+        return {name: Counters(name, nhit, nmissed)
+                for name, (nhit, nmissed) in sums.items() if name in self.specs}
 
     def close(self) -> None:
         """Disable and delete our events; tracing is left on, the buffer empty."""

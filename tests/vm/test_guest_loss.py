@@ -62,3 +62,23 @@ def test_a_full_module_buffer_fails_the_run(vm):
         print(f"measured: {ei.value}")
     finally:
         be.close()
+
+
+def test_counters_of_two_groups_sharing_an_event_name_stay_apart(vm):
+    """kprobe_profile prints ``x`` twice; the counters are g1/x's and g2/x's (through
+    dynamic_events' order), not one sum under a bare name."""
+    be = EventsBackend(vm)
+    try:
+        be.register([parse("p:g1/x do_sys_openat2"), parse("p:g2/x do_sys_openat2+5"),
+                     parse("p:g2/y do_sys_openat2")])
+        be.enable()
+        vm.run(OPENS.format(n=5), timeout=60)
+        be.disable()
+        hits = be.collect()
+        c = be.counters()
+    finally:
+        be.close()
+    assert set(c) == {"g1/x", "g2/x", "g2/y"}, c
+    for name in c:
+        mine = [h for h in hits if h.probe == name]
+        assert c[name].nhit >= len(mine) >= 5, (name, c[name], len(mine))
