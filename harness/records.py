@@ -35,6 +35,10 @@ class Hit:
     #: Host side, return probes: the arguments fetched from the return ip
     #: (``ProbeSpec.ret_ip_args``), for ``harness.diff.verdict``'s ``trampoline`` rule.
     ret_ip_args: tuple[str, ...] = ()
+    #: Host side, entry probes: the arguments that read the word at the probed sp
+    #: (``ProbeSpec.slot_args``: at a function's entry, the return-address slot), the
+    #: only ones ``harness.diff.rules``' ``trampoline`` rule looks at in an entry hit.
+    slot_args: tuple[str, ...] = ()
     #: Host side: the arguments whose value holds ``(unknown)``, each with the kernel's
     #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
     #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.

@@ -543,7 +543,7 @@ class HostBackend:
                               comm=comm, ip=ip_text,
                               ret_from=ret_from, args=args,
                               mode="host", irq=irq,
-                              ret_ip_args=spec.ret_ip_args,
+                              ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                               unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                               stack=self._stack(regs, what) if stack else None))
         return 0

@@ -458,7 +458,7 @@ class PluginBackend:
         return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
-                   ret_ip_args=spec.ret_ip_args,
+                   ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
 
     def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,

@@ -76,12 +76,26 @@ def verdict_group(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strict", action="store_true",
                    help="no normalization except those --allow names: any other applied "
                    "is exit 1, named with its count")
-    g.add_argument("--allow", metavar="RULE,...", default="",
+    g.add_argument("--allow", metavar="RULE,...", default="", action=_AllowAction,
                    help="with --strict, the normalizations to accept: "
-                   + ", ".join(NORMALIZATIONS))
+                   + ", ".join(NORMALIZATIONS) + " (--allow help: each rule with its "
+                   "kernel reason and the evidence it needs)")
     g.add_argument("--expect-empty", action="store_true",
                    help="a run in which no armed probe fires on either side is the "
                    "expected result (exit 0, not 4)")
+
+
+class _AllowAction(argparse.Action):
+    """``--allow help`` prints the rule registry (``harness.diff.rules``) and exits 0, as
+    ``--help`` does; any other value is kept for :func:`verdict_opts`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if values == "help":
+            from ..diff.rules import help_text
+            print(help_text())
+            parser.exit(0)
+        setattr(namespace, self.dest, values)
 
 
 def verdict_opts(args: argparse.Namespace) -> dict[str, Any]:

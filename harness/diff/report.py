@@ -27,6 +27,9 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None,
     if res.silent:
         out.append("no hit on either side (armed on both, not part of any agreement): "
                    + ", ".join(res.silent))
+    if res.uncounted:
+        out.append(f"nmissed not compared for {len(res.uncounted)} probe(s), no counter on one "
+                   "side: " + ", ".join(f"{p} (none on {s})" for p, s in res.uncounted.items()))
     applied = [f"{k} ({v})" for k, v in res.applied.items() if v]
     if applied:
         out.append("normalizations applied: " + ", ".join(applied)
@@ -128,7 +131,7 @@ def to_json(res: DiffResult, runs: tuple[SideResult, SideResult] | None = None) 
         "strict": res.strict, "allow": sorted(res.allow),
         "strict_violations": res.strict_violations,
         "matched": res.matched, "counts": {k: list(v) for k, v in res.counts.items()},
-        "modes": res.modes,
+        "modes": res.modes, "uncounted": res.uncounted,
         "normalizations": {k: {"count": n, "rule": NORMALIZATIONS[k]}
                            for k, n in res.applied.items() if n},
         "divergences": [dataclasses.asdict(d) for d in res.divergences],

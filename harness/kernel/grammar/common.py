@@ -195,6 +195,18 @@ class ProbeSpec:
             return ()
         return tuple(a.name for a in self.args if a.code and a.code[0] == ("reg", "ip"))
 
+    @property
+    def slot_args(self) -> tuple[str, ...]:
+        """An entry probe's arguments that read the word at the probed sp: ``$stack0``,
+        ``+0($stack)``, ``+0(%sp)``. At a function's entry that word is the return-address
+        slot, which a return probe on the same call may have hijacked before this probe's
+        handler read it (``harness.diff.rules``' ``trampoline`` rule)."""
+        if self.is_return:
+            return ()
+        return tuple(a.name for a in self.args if len(a.code) >= 2 and (
+            a.code[0] == ("stack", 0)
+            or (a.code[0] in (("stackp",), ("reg", "sp")) and a.code[1][:2] == ("st_mem", 0))))
+
 
 
 # ---------------------------------------------------------------- numbers (lib/kstrtox.c)

@@ -1,0 +1,364 @@
+"""The normalizations of the differential verdict, as one registry (no I/O).
+
+Each :class:`Rule` is one object: its name (what ``--allow`` takes and every report
+prints), its one-line summary, the kernel source of its reason, the evidence it needs
+before it applies, and its apply step. ``harness.diff.verdict.compare()`` runs the
+registry in order, stage by stage; nothing that is not here is normalized, and
+docs/diff.md lists this registry (a unit test holds the two together, and each rule has a
+test where it refuses a real difference).
+
+A rule applies only where its evidence was *measured* on the sides' own records, never
+because one side (a host engine) says so: a host ``(unknown)`` needs the kernel's reason
+and that reason's own check; a trampoline value needs an argument that reads the return
+slot and the trampoline's whole text; a reorder needs one CPU and the run the other side
+recorded. Stages:
+
+- ``line``: a registration (one spec line on both sides);
+- ``hits``: which hits are compared at all;
+- ``order``: the order in which one probe's hits are compared;
+- ``field``: one field of one compared pair of hits;
+- ``counter``: the probes' counters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..records import Hit
+
+__all__ = ["Rule", "REGISTRY", "NORMALIZATIONS", "rule", "by_stage", "help_text",
+           "AGENT_COMMS", "GUEST_SIDES", "UNKNOWN_TEXT", "UNKNOWN_RULES",
+           "unknown_match", "stack_match", "is_trampoline", "moves", "slot_args"]
+
+AGENT_COMMS = ("qemu-ga",)
+#: The sides whose records the guest kernel made (its trace, its module's buffer).
+GUEST_SIDES = ("events", "module")
+UNKNOWN_TEXT = "(unknown)"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One normalization.
+
+    ``evidence`` says what must be measured before the rule applies; ``check`` is that
+    check where it is a predicate of its own (the rules of the ``field`` stage take
+    ``(hit_a, hit_b, field, value_a, value_b, ctx)``), ``None`` where the apply step
+    itself finds the evidence (an order rule finds the run it moves across)."""
+
+    name: str
+    stage: str
+    summary: str
+    reason: str
+    evidence: str
+    check: Callable[..., bool] | None = None
+
+
+def unknown_match(a: str, b: str) -> bool:
+    """``a`` (host) has (unknown) where ``b`` has anything, element by element for arrays."""
+    if UNKNOWN_TEXT not in a:
+        return False
+    if a == UNKNOWN_TEXT:
+        return True
+    if a.startswith("{") and b.startswith("{"):
+        ea, eb = a[1:-1].split(","), b[1:-1].split(",")
+        return len(ea) == len(eb) and all(x == y or x == UNKNOWN_TEXT for x, y in zip(ea, eb))
+    return False
+
+
+def is_trampoline(text: str, trampolines: tuple[str, ...]) -> bool:
+    """``text`` is one of the host trampolines, matched whole: a ``sym+0x0`` text is the
+    whole ip or its ``sym+0x0/0xSIZE`` print (the kernel's ``%pS`` with the symbol's
+    size); a ``0x...`` value is the whole value."""
+    for t in trampolines:
+        if text == t or (not t.startswith("0x") and text.startswith(t + "/")):
+            return True
+    return False
+
+
+def slot_args(h: Hit) -> tuple[str, ...]:
+    """The arguments of an entry hit that read the word at the probed sp (``$stack0``,
+    ``+0($stack)``, ``+0(%sp)``): at a function's entry the return-address slot, which a
+    return probe placed earlier on the same call hijacked
+    (``arch/x86/kernel/rethook.c: arch_rethook_prepare()``,
+    ``kernel/events/uprobes.c: prepare_uretprobe()``)."""
+    return h.slot_args
+
+
+# -- the field rules' evidence --------------------------------------------------------------
+
+
+def _why(h: Hit, k: str) -> str | None:
+    return dict(h.unknown).get(k[4:]) if k.startswith("arg:") else None
+
+
+def _unknown_rule(reason: str) -> Callable[..., bool]:
+    """A host ``(unknown)`` of argument ``k`` matches when its record gives ``reason``
+    and the value is (unknown) where the other side has a value."""
+    def check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+        return ((_why(ha, k) == reason and unknown_match(va, vb)) or
+                (_why(hb, k) == reason and unknown_match(vb, va)))
+    return check
+
+
+def _flags_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """Only on the plugin engine's side (the gdbstub engine reads the real flags)."""
+    return ((ctx.a_side == "plugin" and _why(ha, k) == "flags" and unknown_match(va, vb)) or
+            (ctx.b_side == "plugin" and _why(hb, k) == "flags" and unknown_match(vb, va)))
+
+
+def _trampoline(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """Side b shows a host trampoline (whole) where side a has the real return address:
+    the ip of a return hit on both sides from the same function; an entry argument that
+    reads the return slot (:func:`slot_args`); in a return hit whose side-b ip is a
+    trampoline, an argument fetched from %ip (it read the trampoline's bytes)."""
+    tr = ctx.trampolines
+    same_ret = ha.kind == "r" and hb.kind == "r" and ha.ret_from == hb.ret_from
+    if k == "ip":
+        return same_ret and is_trampoline(vb, tr)
+    if not k.startswith("arg:"):
+        return False
+    if ha.kind == "r":
+        return same_ret and k[4:] in ha.ret_ip_args and is_trampoline(hb.ip, tr)
+    return k[4:] in slot_args(ha) and is_trampoline(vb, tr)
+
+
+def _comm_change(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    return k == "comm" and vb in ha.comm_alts
+
+
+def _stack_machinery(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """Extra frames on the guest's side only (a host breakpoint never runs the kernel's
+    probe machinery), and only between two sides of which b is the guest's."""
+    return k == "stack" and ctx.b_side in GUEST_SIDES and stack_match(va, vb)
+
+
+# -- stacks ---------------------------------------------------------------------------------
+
+#: Where the kernel's own probe and trace machinery runs between a probed function and a
+#: stacktrace trigger's unwinder (kernel/trace/: trace_kprobe.c, trace_fprobe.c,
+#: trace_eprobe.c, trace_events_trigger.c, trace.c; kernel/kprobes.c, kernel/trace/fprobe.c,
+#: rethook.c, ftrace.c, fgraph.c; arch/x86/kernel/kprobes/, ftrace_64.S, rethook.c): the
+#: frames of 6.12's and 7.3's traces above the probed context, by name.
+_MACHINERY_PREFIXES = ("kprobe_", "kretprobe_", "aggr_", "opt_pre_handler", "optimized_callback",
+                       "optprobe_template", "fprobe_", "fentry_", "fexit_", "ftrace_", "arch_ftrace",
+                       "function_graph", "return_to_handler", "__ftrace", "rethook_",
+                       "arch_rethook", "trace_", "__trace", "event_triggers", "eprobe_",
+                       "__eprobe", "stacktrace_", "exc_int3", "asm_exc_int3", "do_int3",
+                       "perf_trace", "__traceiter_", "__probestub_", "tracing_")
+
+#: Where x86_64 keeps executable allocations (MODULES_VADDR..MODULES_END): a frame there
+#: that no symbol holds, above the probed context, is a trampoline ftrace made for one
+#: ftrace_ops (arch/x86/kernel/ftrace.c: create_trampoline(); kallsyms does not list it)
+_EXEC_AREA = (0xFFFFFFFFA0000000, 0xFFFFFFFFFF000000)
+
+
+def _machinery(name: str) -> bool:
+    if name.startswith("0x"):
+        try:
+            return _EXEC_AREA[0] <= int(name, 16) < _EXEC_AREA[1]
+        except ValueError:
+            return False
+    return name.startswith(_MACHINERY_PREFIXES)
+
+
+def stack_match(host: str, guest: str) -> bool:
+    """``guest`` (a stacktrace trigger's frames, innermost first) is ``host``'s with frames
+    of the kernel's probe machinery on top: from the probed context down, frame for frame,
+    the same functions. Where the trigger's unwinder starts, the probe's own handler is
+    running (``kprobe_trace_func`` ... ``ftrace_regs_call``); a host breakpoint never ran it."""
+    h, g = host.split(), guest.split()
+    extra = len(g) - len(h)
+    return extra >= 0 and g[extra:] == h and all(_machinery(f) for f in g[:extra])
+
+
+# -- reorders -------------------------------------------------------------------------------
+
+
+def _sig(h: Hit) -> tuple[object, ...]:
+    return (h.pid, h.irq, h.cpu)
+
+
+def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int, str]]]:
+    """``later`` with each hit that it recorded after a run of hits the other way round
+    moved back in front of that run, where ``first`` recorded it before the same run; and
+    the positions moved to, each with its rule.
+
+    A move is allowed only for the one window its reason names: the host records at its
+    breakpoint, the guest in its handler a few instructions later, and in between
+
+    - ``irq-order``: an interrupt on the same CPU recorded its own hits (the run: hits of
+      the other context, interrupt vs task);
+    - ``preempt-order``: that interrupt ended in a preemption (``preempt_schedule_irq()``)
+      and other tasks ran on the same CPU (the run: hits of other pids).
+
+    The run must be exactly what ``first`` recorded next (pid, context, CPU, in order),
+    every hit of it on the moved hit's CPU. Stops at the first difference that is not
+    such a run; sides that lack a pid or a context of any hit move nothing by that key."""
+    out, done = list(later), []
+    pids = all(h.pid is not None for h in (*first, *later))
+    ctxs = all(h.irq for h in (*first, *later))
+    for i in range(min(len(first), len(out))):
+        want = first[i]
+        if _sig(out[i]) == _sig(want):
+            continue
+        j = next((k for k in range(i + 1, len(out)) if _sig(out[k]) == _sig(want)), None)
+        if j is None:
+            break
+        run = out[i:j]
+        if [_sig(h) for h in run] != [_sig(h) for h in first[i + 1:j + 1]] \
+                or any(h.cpu != want.cpu for h in run):
+            break
+        if pids and all(h.pid != want.pid for h in run):
+            name = "preempt-order"
+        elif ctxs and all(h.irq != want.irq for h in run):
+            name = "irq-order"
+        else:
+            break
+        out.insert(i, out.pop(j))
+        done.append((i, name))
+    return (out, done) if done else (later, [])
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    """What a rule may look at beyond the two hits: the sides' names and the host
+    trampolines' texts (``harness.diff.runner.trampoline_text``)."""
+
+    a_side: str
+    b_side: str
+    trampolines: tuple[str, ...] = ()
+
+
+REGISTRY: tuple[Rule, ...] = (
+    Rule("refused-missing", "line",
+         "a line one side refused that the other side never placed: no registration to "
+         "compare",
+         "a run stops at its first setup failure; the lines after it have no outcome",
+         "one side's outcome is a refusal and the other side has no outcome for that line"),
+    Rule("refusal-text", "line",
+         "a refusal with the same errno on both sides whose words the host cannot know: "
+         "compared by errno",
+         "the kernel's words come from deep in registration (Outcome.words names the case)",
+         "both refused with the same errno, and the side whose words differ names why it "
+         "cannot know them (Outcome.words)"),
+    Rule("agent", "hits",
+         "hits of the harness's guest agent (comm qemu-ga) left out on both sides",
+         "the agent switches tracing on and off, at moments the two sides see differently",
+         "the comm is the agent's, exactly; a child of the agent under its later comm only "
+         "as many of the guest's first hits of that pid as the host left out"),
+    Rule("thread-order", "order",
+         "uprobe hits compared per thread (pid), in order within each",
+         "kernel/events/uprobes.c: uprobe_notify_resume() records on the way back to user "
+         "mode, after exit_to_user_mode_loop() may have scheduled another thread",
+         "the guest's mode of the probe is uprobe and both sides know every pid"),
+    Rule("irq-order", "order",
+         "a hit one side recorded after a run of the other context's hits (an interrupt "
+         "between the two sides' records, on that CPU) moved back in front of that run",
+         "the host records at its breakpoint, the guest in its handler later "
+         "(kernel/trace/trace_kprobe.c: kprobe_dispatcher()); an interrupt taken between "
+         "records its own hits in between",
+         "every hit's context known on both sides; one hit moved across exactly the run "
+         "the other side recorded next, all on its CPU, all of the other context"),
+    Rule("preempt-order", "order",
+         "a hit one side recorded after a run of other tasks' hits (a preemption between "
+         "the two sides' records, on that CPU) moved back in front of that run",
+         "kernel/entry/common.c: irqentry_exit() -> preempt_schedule_irq() between the "
+         "host's breakpoint and the guest's handler",
+         "every pid known on both sides; one hit moved across exactly the run the other "
+         "side recorded next, all on its CPU, all of other pids; an entry probe's only on "
+         "the guest's side (the host records first)"),
+    Rule("trampoline", "field",
+         "a guest ip or return-slot value showing a host trampoline compares equal to the "
+         "host's real return address",
+         "the host hijacks the return address first (kernel/kprobes.c: "
+         "__kretprobe_trampoline_handler(), kernel/events/uprobes.c: handle_trampoline() "
+         "set regs->ip to the saved one, which is the host's trampoline)",
+         "the host trampoline's text matched whole; the ip of a return hit on both sides "
+         "from the same function; an argument only where it holds the return slot "
+         "($stack0, +0($stack), +0(%sp) at an entry; %ip in a return hit whose guest ip "
+         "is the trampoline)"),
+    Rule("stale", "field",
+         "a host (unknown) where the fetch took a real fault (the kernel keeps stale "
+         "ring-buffer bytes) matches any value, that argument only",
+         "kernel/trace/trace_probe_tmpl.h: process_fetch_insn() stores nothing on a fault "
+         "(store_trace_args())",
+         "the host's record gives the reason for that argument, and the engine confirmed "
+         "the fault with a second read (else the run fails: EngineReadError)",
+         _unknown_rule("stale")),
+    Rule("below-sp", "field",
+         "a host (unknown) where the fetch read the stack below the probed sp (the guest "
+         "probe's own frames) matches any value, that argument only",
+         "the guest's handler frames overwrite the stack below the probed context's sp",
+         "the host's record gives the reason for that argument",
+         _unknown_rule("below-sp")),
+    Rule("flags", "field",
+         "a plugin-engine (unknown) %flags (TCG's lazy flags) matches any value, that "
+         "argument only",
+         "QEMU's TCG keeps the arithmetic flags lazily; the plugin API cannot read them",
+         "the side is the plugin engine's and its record gives the reason for that "
+         "argument",
+         _flags_check),
+    Rule("kernel-data", "field",
+         "a host (unknown) where an event probe records the address of the kernel's own "
+         "copy of an immediate string matches any value, that argument only",
+         "kernel/trace/trace_probe.c: parse_probe_arg() keeps the string in the kernel",
+         "the host's record gives the reason for that argument",
+         _unknown_rule("kernel-data")),
+    Rule("comm-change", "field",
+         "a guest comm the same pid took after the hit (an exec renamed it before "
+         "saved_cmdlines recorded it) compares equal",
+         "kernel/trace/trace.c: tracing_record_taskinfo() saves a comm at the CPU's next "
+         "switch or wakeup",
+         "the host saw the rename itself (a hidden probe on __set_task_comm)"),
+    Rule("stack-machinery", "field",
+         "a stacktrace trigger's frames compared from the probed context down; the "
+         "guest's frames above it, of its own probe machinery (kprobe_trace_func ... "
+         "ftrace_regs_call), left out",
+         "the trigger's unwinder starts inside the guest probe's handler, which a host "
+         "breakpoint never runs",
+         "the extra frames are on the guest's side only, every one of them machinery"),
+    Rule("pid", "field",
+         "a side whose records carry no pid at all (no task_struct offsets) has the pid "
+         "left out of every comparison",
+         "the host reads task->pid at its offset from the image's BTF",
+         "no hit of that side carries a pid; a side that knows some pids is compared on "
+         "all of them"),
+    Rule("nhit", "counter",
+         "raw nhit counters not compared; recorded hits are compared one by one",
+         "each side counts from its own registration, at different moments",
+         "always (nmissed is compared where both sides have a counter)"),
+)
+
+for _r in REGISTRY:
+    if _r.stage == "field" and _r.check is None:
+        object.__setattr__(_r, "check", {"trampoline": _trampoline,
+                                         "comm-change": _comm_change,
+                                         "stack-machinery": _stack_machinery}.get(_r.name))
+del _r
+
+#: name -> one-line summary, for reports and ``--allow``.
+NORMALIZATIONS: dict[str, str] = {r.name: r.summary for r in REGISTRY}
+#: The rules that make a host (unknown) match, by the reason its record gives.
+UNKNOWN_RULES = ("stale", "below-sp", "flags", "kernel-data")
+
+
+def rule(name: str) -> Rule:
+    return next(r for r in REGISTRY if r.name == name)
+
+
+def by_stage(stage: str) -> tuple[Rule, ...]:
+    return tuple(r for r in REGISTRY if r.stage == stage)
+
+
+def help_text() -> str:
+    """The registry as ``kph diff --allow help`` prints it."""
+    out = ["The normalizations kph diff may apply (in the order compare() runs them); "
+           "--strict refuses each one --allow does not name:", ""]
+    for r in REGISTRY:
+        out += [f"{r.name}  [{r.stage}]", f"    {r.summary}", f"    why: {r.reason}",
+                f"    only when: {r.evidence}", ""]
+    return "\n".join(out)
+
