@@ -229,20 +229,29 @@ class _Checked:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.result, name)
 
-    def assert_equivalent(self, *, min_events: int = 1) -> Any:
-        """No divergence, no normalization ``strict`` forbids, and at least ``min_events``
-        matched hits *for each probe* both sides armed (0: an empty result is fine)."""
-        check_equivalent(self.result, min_events)
+    def assert_equivalent(self, *, min_events: int = 1, refusals_ok: bool = False) -> Any:
+        """No divergence, no normalization ``strict`` forbids, at least one line both
+        sides armed (``refusals_ok=True``: none may be, every line refused or accepted
+        without arming anything, as a test of refusals expects), and at least
+        ``min_events`` matched hits *for each probe* both sides armed (0: an empty result
+        is fine)."""
+        check_equivalent(self.result, min_events, refusals_ok=refusals_ok)
         return self.result
 
 
-def check_equivalent(res: Any, min_events: int) -> None:
-    """``assert_equivalent``'s rule, for one ``DiffResult``."""
+def check_equivalent(res: Any, min_events: int, *, refusals_ok: bool = False) -> None:
+    """``assert_equivalent``'s rule, for one ``DiffResult``: a result in which no line was
+    armed on both sides (both refused every line, or nothing was registered) measured
+    nothing, and passes only when the caller says so (``refusals_ok``)."""
     from harness.diff import report
 
     text = report.text(res)
     assert res.agrees, text
     assert not res.strict_violations, text
+    if not refusals_ok:
+        assert res.armed, ("no line was armed on both sides (every line refused, or "
+                           "accepted without registering): nothing was compared; pass "
+                           f"refusals_ok=True where that is the expected result\n{text}")
     if min_events > 0:
         assert not res.empty, text
         for probe in dict.fromkeys(res.outcomes[k][0].probe for k in res.armed):
@@ -263,9 +272,9 @@ class _CheckedThree:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.three.pairs[0], name)
 
-    def assert_equivalent(self, *, min_events: int = 1) -> Any:
+    def assert_equivalent(self, *, min_events: int = 1, refusals_ok: bool = False) -> Any:
         for res in self.three.pairs:
-            check_equivalent(res, min_events)
+            check_equivalent(res, min_events, refusals_ok=refusals_ok)
         return self.three
 
 

@@ -112,7 +112,7 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
     which = ((0, 2), (1, 2), (0, 1))
     out.result({"equivalent": first is None,
                 "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
-                          for r, (i, j) in zip(three.pairs, which)]})
+                          for r, (i, j) in zip(three.pairs, which, strict=True)]})
     if args.html:
         k = three.pairs.index(first) if first is not None else 0
         i, j = which[k]

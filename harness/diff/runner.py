@@ -240,7 +240,7 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
         else:
             img = image_for(sel, qemu=qemu, progress=say)
         images.append(img)
-    for img, name in zip(images, row_names(images)):
+    for img, name in zip(images, row_names(images), strict=True):
         rules = img.facts.rules.series
         say(f"matrix: {name} ({img.version}, rules {rules}): booting")
         kr = KernelRun(name, img.version, rules=rules)

@@ -169,7 +169,7 @@ def test_agrees_with_tracefs(vm, backend):
             events.append(parse_trace_line(line, names[head.event]))
     mine = [h for h in hits if h.pid == pid]
     assert len(events) == len(mine) >= 2
-    for h, e in zip(mine, events):
+    for h, e in zip(mine, events, strict=True):
         assert h.probe == f"kphcmp/{e.event}"
         assert dict(h.args) == e.raw_fields, h.line()
         if h.kind == "p":

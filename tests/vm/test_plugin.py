@@ -106,10 +106,13 @@ def test_closed_session_leaves_the_plugin_inert_and_returns_serviced(pvm):
     eng = pvm.host
     addr = pvm.symbols.lookup("do_nanosleep").addr
     prog = fetchprog.compile_spec(parse("r:ns do_nanosleep ret=$retval:s32").args)
-    eng.add_spec_probe(addr, ret=True, program=prog, maxactive=4)
+    p = eng.add_spec_probe(addr, ret=True, program=prog, maxactive=4)
     sleeper = threading.Thread(target=pvm.run, args=("sleep 1",), kwargs={"timeout": 30})
     sleeper.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 20
+    while eng.probe_stats(p)[2] < 1:      # an instance in use: the return hijacked
+        assert time.monotonic() < deadline, "the sleeper never entered do_nanosleep"
+        time.sleep(0.02)
     eng.close()
     sleeper.join(30)
     assert not sleeper.is_alive()

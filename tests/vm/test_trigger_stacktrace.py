@@ -117,7 +117,7 @@ def test_an_optimized_probes_stack_is_the_frame_pointer_guess(series):
         assert len(host) == len(guest) >= 2
         optimized = ["optimized_callback" in g.stack for g in guest]
         assert any(optimized), [g.stack for g in guest]      # the optimizer ran in the run
-        for h, g, opt in zip(host, guest, optimized):
+        for h, g, opt in zip(host, guest, optimized, strict=True):
             assert ("do_sys_openat2" in h.stack) != opt, (h.stack, g.stack)
             assert h.stack and g.stack[-len(h.stack):] == h.stack
 
