@@ -23,8 +23,8 @@ from ..kernel.grammar.fetch import (UNKNOWN, FaultError, Reg, below_sp, evaluate
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
-from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_PID, RF_TASK, RF_TRUNC, REC_HIT, REC_RET,
-                                  PluginRecord)
+from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_PID, RF_TASK, RF_TRUNC,
+                                  RF_UNCONFIRMED, REC_HIT, REC_RET, PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.plugin_uprobes import user_filter, user_trampoline
@@ -275,8 +275,12 @@ class PluginBackend:
                 del self._probes[ev]
         return Outcome(name, True, mode="plugin", index=i)
 
-    def _place(self, spec: ProbeSpec) -> Any:
-        """One admitted line as a plugin probe (registered disabled; ``enable`` arms)."""
+    def _place(self, spec: ProbeSpec, *, kprobe: bool = True) -> Any:
+        """One admitted line as a plugin probe (registered disabled; ``enable`` arms). A
+        ``p``/``r`` line is a kprobe of the guest's: its hits while a guest kprobe handler
+        runs are missed (``kprobe``; the gdbstub backend's ``guest_kprobe_running()``
+        test, ``HostBackend._record_hit``); the hidden comm probe is not a line
+        (``kprobe=False``, as the gdbstub backend's is a plain host kprobe)."""
         if spec.is_uprobe:
             p, up = self._add_uprobe(spec)
             self._uprobes[p.id] = up
@@ -286,7 +290,8 @@ class PluginBackend:
         self.engine.check_address(addr, kretprobe=spec.is_return)
         prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
         return self.engine.add_spec_probe(addr, ret=spec.is_return, program=prog,
-                                          maxactive=spec.maxactive, enabled=False)
+                                          maxactive=spec.maxactive, enabled=False,
+                                          kprobe=kprobe)
 
     def _add_uprobe(self, spec: ProbeSpec) -> tuple[Any, Uprobe]:
         """A ``uprobe_events`` line: the same checks as the gdbstub engine's
@@ -406,7 +411,7 @@ class PluginBackend:
         spec = parse(f"p:kphinternal/comm __set_task_comm pid=+{pid_off}(%di):s32 "
                      "comm=+0(%si):string")
         try:
-            self._comm_probe = self._place(spec)
+            self._comm_probe = self._place(spec, kprobe=False)
         except ProbeRejectedError as exc:
             log.info("comm changes are not followed: %s", exc)
             return
@@ -414,7 +419,18 @@ class PluginBackend:
         self.engine.enable_probe(self._comm_probe, True)
 
     def _hit(self, rec: PluginRecord, seq: int) -> Hit | None:
+        """The record as a hit (None: an event probe's commit no trigger runs on).
+
+        :raise EngineReadError: a read of the hit's program failed where the memory maps
+            (``RF_UNCONFIRMED``: the plugin's failure, not a fault the guest took; the
+            gdbstub engine's unconfirmed faults are the same error: harness.backends.host
+            ``_Ctx.read``), so no fault of this record passes as ``stale``.
+        """
         spec, name = self._specs[rec.probe_id]
+        if rec.flags & RF_UNCONFIRMED:
+            raise EngineReadError(f"the plugin engine's read at a hit of {name} failed "
+                                  "where the guest's memory maps (not a fault the guest "
+                                  "takes); the hit cannot be evaluated")
         syms = self.engine.symbols
         up = self._uprobes.get(rec.probe_id)
         ep = self._eprobes.get(rec.probe_id)

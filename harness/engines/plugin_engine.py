@@ -67,7 +67,8 @@ from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, A
                      CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
                      PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink,
                      PluginRecord,
-                     decode)
+                     decode, ADD_KPROBE_RUNNING, CMD_FAILREAD, FULL_PROBES, FULL_SITE,
+                     MAX_PER_SITE, MAX_PROBES, NGSTATS, PK_FLUSH, PluginError)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
 from ..machine.image.facts import percpu_current_task
@@ -78,7 +79,7 @@ from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
 
-EINVAL, ENOENT = 22, 2
+EINVAL, ENOENT, ENOSPC = 22, 2, 28
 #: The plugin's kretprobe trampoline: one byte past ``_etext``, the gdbstub engine's, so
 #: the two engines never share an address (a gdbstub breakpoint there would win); the
 #: byte before it where that one is not executable (:meth:`PluginEngine._executable_trampoline`).
@@ -116,6 +117,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         #: What ``harness.diff.runner.trampoline_text`` reads: the uretprobe trampolines in use.
         self._uprobes = PluginUprobes(self)
         self._fork_hook: int | None = None
+        self._flush_hook: int | None = None
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
@@ -138,10 +140,14 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         rth = self.symbols.get("return_to_handler")
         # and this_cpu_off's per-cpu offset: what this_cpu_ptr() adds (fetch.c: KOP_CPU_PTR)
         tco = self.symbols.get("this_cpu_off")
-        self.link.request(CMD_CONFIG, struct.pack("<8Q", *self.task_offsets, self.trampoline,
+        # and current_kprobe's: kprobe_running() for probes of the guest's kind (the
+        # gdbstub engine's guest_kprobe_running(), the same per-cpu read)
+        ckp = self.symbols.get("current_kprobe")
+        self.link.request(CMD_CONFIG, struct.pack("<9Q", *self.task_offsets, self.trampoline,
                                                   flags, kernel_rethook_trampoline(self.symbols),
                                                   rth.addr if rth is not None else 0,
-                                                  tco.addr if tco is not None else 0))
+                                                  tco.addr if tco is not None else 0,
+                                                  ckp.addr if ckp is not None else 0))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None
@@ -238,7 +244,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     def add_spec_probe(self, addr: int, *, ret: bool, program: bytes, maxactive: int = 0,
                        enabled: bool = True, invalidate: bool = True,
                        user: tuple[int, tuple[int, ...], int] | None = None,
-                       fgraph: bool = False, fprobe: bool = False) -> PluginProbe:
+                       fgraph: bool = False, fprobe: bool = False,
+                       kprobe: bool = False) -> PluginProbe:
         """Arm a compiled spec probe at ``addr`` (checked by the caller); a return probe
         gets ``maxactive`` instances (0: the kernel's default, max(10, 2 * vCPUs)).
         ``invalidate=False`` leaves code translated earlier without the probe (tests use
@@ -252,6 +259,11 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         ``fgraph``: a return probe whose kernel counterpart returns through the function
         graph (7.3's fprobe exits), for what its hooked slot reads as. ``fprobe``: an
         fprobe's probe, whose exit records the real return address even when stacked.
+        ``kprobe``: a kprobe of the guest's kind (a ``p``/``r`` line), missed while one of
+        the guest's own kprobe handlers runs on that CPU (``ADD_KPROBE_RUNNING``: the
+        plugin reads the per-cpu ``current_kprobe``, as ``kprobe_int3_handler()`` and
+        ``kprobe_ftrace_handler()`` test ``kprobe_running()``; the gdbstub engine's
+        ``guest_kprobe_running()``); fprobes, event probes and uprobes are not kprobes.
         """
         if ret and maxactive <= 0:
             # register_kretprobe() (kernel/kprobes.c); uretprobes have no pool in the
@@ -260,9 +272,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         pid = next(self._ids)
         kind = PK_SPEC_R if ret else PK_SPEC_P
         flags = (ADD_ENABLED if enabled else 0) | (0 if invalidate else ADD_NO_INVALIDATE) | \
-            (ADD_FGRAPH if fgraph and ret else 0) | (ADD_FTRACE_OPS if fprobe else 0)
+            (ADD_FGRAPH if fgraph and ret else 0) | (ADD_FTRACE_OPS if fprobe else 0) | \
+            (ADD_KPROBE_RUNNING if kprobe and user is None and not fprobe else 0)
         if user is None:
             flags |= self.ftrace_flag(addr)
+            if ret:
+                self.ensure_flush_hook()
         ext = b""
         if user is not None:
             tramp, chain, ino = user
@@ -297,12 +312,56 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self._cmd_add(pid, PK_FORK, addr, 0, ADD_ENABLED | self.ftrace_flag(addr))
         self._fork_hook = pid
 
+    def ensure_flush_hook(self) -> None:
+        """Once a kernel return probe exists, for the rest of the session: the plugin's
+        ``PK_FLUSH`` probe at ``rethook_flush_task(tk)`` (kernel/trace/rethook.c, called
+        from ``delayed_put_task_struct()`` in kernel/exit.c: 6.1, 6.12 and 7.3 alike),
+        which gives the kernel return instances of a dead task back to their pools
+        (kph_plugin.c ``flush_task()``), as the kernel recycles the task's rethook nodes.
+        A task that dies inside a probed function (``do_exit()`` never returns) then
+        leaves no instance behind, and later calls do not miss for want of one. The
+        gdbstub engine keeps the same hook (``harness.engines.rethook``,
+        ``_sync_flush_hook``). Without the symbol (no rethook) nothing is hooked."""
+        if self._flush_hook is not None or self.symbols.get("rethook_flush_task") is None:
+            return
+        addr = self.resolve("rethook_flush_task", 0, None)
+        pid = next(self._ids)
+        self._cmd_add(pid, PK_FLUSH, addr, 0, ADD_ENABLED | self.ftrace_flag(addr))
+        self._flush_hook = pid
+
+    def fail_reads(self, addr: int, size: int) -> None:
+        """Tests only: from now on the plugin's reads of ``[addr, addr + size)`` fail
+        although the memory maps (``CMD_FAILREAD``; size 0 ends it), which a hit must
+        report as the engine's failure (``RF_UNCONFIRMED``), never as the guest's fault."""
+        self.link.request(CMD_FAILREAD, struct.pack("<QQ", addr, size))
+
     def _cmd_add(self, pid: int, kind: int, addr: int, maxactive: int, flags: int,
                  program: bytes = b"", ext: bytes = b"") -> int:
-        """``CMD_ADD`` of one probe; the invalidation status (``INVAL_*``)."""
+        """``CMD_ADD`` of one probe; the invalidation status (``INVAL_*``).
+
+        :raise SetupError: a limit of the plugin's (not a rule of the kernel's, which has
+            none of them): one line naming the probe, its address and the limit.
+        """
         payload = struct.pack("<IIQIIII", pid, kind, addr, maxactive, flags,
                               len(program) // 16, 0) + program + ext
-        return struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        try:
+            return struct.unpack("<I", self.link.request(CMD_ADD, payload))[0]
+        except PluginError as exc:
+            if exc.errno != ENOSPC:
+                raise
+            raise SetupError(self._full_text(pid, addr, exc.data),
+                             "remove probes, or use the gdbstub engine (--host gdbstub)") \
+                from None
+
+    def _full_text(self, pid: int, addr: int, why: bytes) -> str:
+        """What a CMD_ADD refused with ENOSPC ran into (its reply's ``FULL_*``)."""
+        hit = self.symbols.symbolize(addr)
+        where = f"{addr:#x} ({hit[0].name}+{hit[1]:#x})" if hit else f"{addr:#x}"
+        reason = struct.unpack("<I", why)[0] if len(why) == 4 else 0
+        limit = {FULL_SITE: f"at most {MAX_PER_SITE} probes at one address",
+                 FULL_PROBES: f"at most {MAX_PROBES} live probes"}.get(
+                     reason, "no room left in its site table")
+        return f"the plugin engine refused probe {pid} at {where}: it holds {limit}"
 
     def arrange_probes(self, addr: int, probes: Sequence[PluginProbe]) -> None:
         """Run the probes at ``addr`` in the order of ``probes`` (the others after them, as
@@ -335,11 +394,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         return struct.unpack("<3Q", self.link.request(CMD_STATS, struct.pack("<I", pid)))
 
     def global_stats(self) -> dict[str, int]:
-        vals = struct.unpack("<13Q", self.link.request(CMD_GSTATS))
+        vals = struct.unpack(f"<{NGSTATS}Q", self.link.request(CMD_GSTATS))
         keys = ("invalidations", "invalidation_ns", "trampoline_unmatched", "records",
                 "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
                 "posts_interrupt", "flushes", "uprobe_filtered", "uretprobe_inherited",
-                "uretprobe_forked")
+                "uretprobe_forked", "kretprobe_flushed", "trampoline_overflow",
+                "unconfirmed_reads")
         return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:
@@ -481,6 +541,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             self.check_address(addr, kretprobe=True)
         if rp.maxactive <= 0:
             rp.maxactive = max(10, 2 * self.vm.smp)
+        self.ensure_flush_hook()
         rp._kph_insts = [KretprobeInstance(rp) for _ in range(rp.maxactive)]  # type: ignore[attr-defined]
         rp.addr = addr
         self._add_handler_probe(rp, addr, PK_KRET, 0 if rp.disabled else ADD_ENABLED,

@@ -42,29 +42,46 @@ from .qemu import qemu_identity
 log = logging.getLogger(__name__)
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "probes" / "plugin"
-SOURCES = ("kph_plugin.c", "fetch.c", "fetch.h", "qemu-plugin.h")
+SOURCES = ("kph_plugin.c", "fetch.c", "fetch.h", "kph_proto.h", "qemu-plugin.h")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall",
           "-Wno-unused-parameter")
 SO_NAME = "kph_plugin.so"
-PROTO = 1
 
+# The wire protocol: probes/plugin/kph_proto.h is the one definition; these spell the
+# same names and values (tests/unit/test_plugin_build.py compiles a program against the
+# header and compares every constant, offset and size with them).
+PROTO = 2
+#: limits the plugin bounds every request by (CMD_ADD past one: ENOSPC with a FULL_* reason)
+MAX_VCPUS, MAX_PROBES, MAX_PER_SITE, MAX_PROG, MAX_MAXACTIVE = 64, 8192, 64, 1024, 4096
+REC_MAX = 64 * 1024
 CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
+CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11
+#: tests only: the plugin's reads of a range fail although it maps (an unconfirmed fault)
+CMD_FAILREAD = 12
+#: why CMD_ADD answered ENOSPC (its reply's u32)
+FULL_SITE, FULL_PROBES, FULL_TABLE = 1, 2, 3
 #: CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
 #: (6.11+; ``harness.kernel.rules.KernelRules.uretprobe_syscall``)
 CFG_URET_SYSCALL = 1
-CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11
+#: CMD_GSTATS: how many u64 counters
+NGSTATS = 16
 PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
 #: kph_plugin.c: at uprobe_copy_process(), a fork child gets copies of the user return instances
 PK_FORK = 5
+#: kph_plugin.c: at rethook_flush_task(), a dead task's kernel return instances are recycled
+PK_FLUSH = 6
 EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
 C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
 ACT_CONTINUE, ACT_SETPC, ACT_POST, ACT_DISCARD, ACT_HANDLED = 0, 1, 2, 3, 4
 #: ``regs.read_sys()`` names, in the plugin's order (kph_plugin.c sys_names).
 SYS_REGS = ("cr0", "cr2", "cr3", "cr4", "cr8", "efer", "fs_base", "gs_base", "k_gs_base")
+#: kph_ev_hdr less its ids[4] (the 16 bytes at 240)
 EV_HDR = struct.Struct("<IIIIQ21QQiI16sQQ")
 EV_SIZE = 256
 REC_HIT, REC_RET, REC_PAD, REC_ERROR = 1, 2, 3, 4
-RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG = 1, 2, 4, 8, 16
+#: RF_UNCONFIRMED: a read of the hit's program failed where every page translates (the
+#: plugin's failure, not a fault of the guest's: the hit is an engine error)
+RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG, RF_UNCONFIRMED = 1, 2, 4, 8, 16, 32
 INVAL_DONE, INVAL_IDLE, INVAL_PENDING, INVAL_SKIPPED = 0, 1, 2, 3
 INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "pending",
               INVAL_SKIPPED: "skipped"}
@@ -78,12 +95,17 @@ ADD_FGRAPH = 128
 ADD_FTRACE_OPS = 256
 #: a Python return probe with no entry round trip (a uretprobe: no entry_handler)
 ADD_NO_ENTRY_RT = 512
+#: a kprobe of the guest's kind: missed while a guest kprobe handler runs on that CPU
+#: (per-cpu ``current_kprobe``, ``kprobe_running()``)
+ADD_KPROBE_RUNNING = 1024
+ADD_EXT_SIZE = 64
 
 RING_MAGIC = 0x4B504852
 RING_CTL_OFF = 4096
 RING_CTL_SIZE = 128
 #: Bytes of ring per vCPU (a power of two): ~15,000 typical records.
 RING_SIZE = 4 << 20
+#: kph_rec_hdr
 REC_HDR = struct.Struct("<IHHIIQ21QQQQiI16s")
 assert REC_HDR.size == 240
 #: How often the drain thread empties the rings while the guest runs (seconds).
@@ -168,11 +190,13 @@ def qemu_args(plugin: Path, ctl_fd: int) -> list[str]:
 
 
 class PluginError(HarnessError):
-    """The plugin refused a command (``errno``) or its socket went away."""
+    """The plugin refused a command (``errno``, and what its reply said: ``data``) or its
+    socket went away."""
 
-    def __init__(self, msg: str, errno: int = 0) -> None:
+    def __init__(self, msg: str, errno: int = 0, data: bytes = b"") -> None:
         super().__init__(msg)
         self.errno = errno
+        self.data = data
 
 
 @dataclass(frozen=True)
@@ -301,7 +325,7 @@ class PluginLink:
                 raise VMLostError(f"the QEMU plugin did not answer command {cmd}: {exc}") from exc
         if status:
             raise PluginError(f"the QEMU plugin refused command {cmd}: {os.strerror(status)}",
-                              status)
+                              status, data)
         return data
 
     def _recv(self, n: int) -> bytes:

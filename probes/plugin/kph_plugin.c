@@ -42,6 +42,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,52 +58,20 @@
 
 KPH_EXPORT int qemu_plugin_version = KPH_QEMU_PLUGIN_API;
 
-#define KPH_PROTO 1
-#define MAX_VCPUS 64
+#include "kph_proto.h"
+
+#define MAX_VCPUS KPH_MAX_VCPUS
 #define TABLE_SIZE 16384            /* power of two; sites are never removed */
-#define MAX_PROBES 8192
-#define MAX_PER_SITE 64
-#define MAX_PROG 1024               /* kph_insn per probe */
-#define REC_MAX (64 * 1024)
-#define REC_HDR 240
+#define MAX_PROBES KPH_MAX_PROBES
+#define MAX_PER_SITE KPH_MAX_PER_SITE
+#define MAX_PROG KPH_MAX_PROG
+#define REC_MAX KPH_REC_MAX
 #define MAX_PENDING 1024            /* more pending invalidations: one full flush */
 #define RING_MAX_SIZE (1ull << 30)  /* bytes of ring per vCPU, at most */
 #define LIVE_SIZE 4096              /* buckets of live kretprobe instances */
-
-/* ---- wire protocol (harness/machine/pluginlink.py mirrors these) ---- */
-enum {
-    CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
-    CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10, CMD_ARRANGE = 11,
-};
-enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4,
-       /* at uprobe_copy_process(t, flags): a fork child gets copies of the parent
-        * task's user return instances (dup_utask()) */
-       PK_FORK = 5 };
-/* handler round trips on a vCPU's channel: events to the harness, its commands back */
-enum { EV_PRE = 1, EV_POST = 2, EV_FAULT = 3, EV_RET_ENTRY = 4, EV_RET = 5, EV_MISS = 6 };
-enum { C_READ = 1, C_WRITE = 2, C_READREG = 3, C_DONE = 4 };
-enum { ACT_CONTINUE = 0, ACT_SETPC = 1, ACT_POST = 2, ACT_DISCARD = 3, ACT_HANDLED = 4 };
-#define EV_HDR 256
-enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
-enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16 };
-enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
-enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_EXT = 16,
-       ADD_FLUSH = 32,
-       /* an ftrace site (the harness decides, as check_ftrace_location() does): the
-        * regs a kprobe there sees are ftrace_regs_caller's, with orig_ax 0 */
-       ADD_FTRACE = 64,
-       /* a return probe whose kernel counterpart hooks the return through the function
-        * graph (7.3's fprobe exits: return_to_handler), not rethook */
-       ADD_FGRAPH = 128,
-       /* an fprobe (an ftrace_ops callback, not a kprobe): with rethook (6.12) its exit
-        * handler is given the real return address, stacked or not
-        * (rethook_trampoline_handler()); through the function graph (ADD_FGRAPH, 7.3)
-        * what the slot held when it hooked (fprobe_return()) */
-       ADD_FTRACE_OPS = 256,
-       /* a Python return probe with no entry round trip: a uretprobe, whose consumers
-        * have no entry_handler (the harness builds the instance at the return) */
-       ADD_NO_ENTRY_RT = 512 };
-#define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
+/* the instances one return slot may hold at once: each return probe of a site, a
+ * kretprobe and an fprobe of the same call (two sites), and stale ones under them */
+#define MAX_PER_SLOT (2 * MAX_PER_SITE)
 
 typedef struct probe {
     uint32_t id, kind;
@@ -166,6 +135,7 @@ typedef struct {
     atomic_int chan;
     pthread_mutex_t chan_lock;
     int in_rt;
+    int unconfirmed;                /* reads that failed where the page translates */
     int post_armed;
     int discon_pending;             /* 1 interrupt, 2 exception, while a post is pending */
     uint64_t post_addr;
@@ -173,10 +143,7 @@ typedef struct {
     uint8_t ev[EV_HDR + 4 * MAX_PER_SITE];
 } vcpu_t;
 
-/* ring layout: header, per-vCPU control blocks, per-vCPU data areas */
-#define RING_MAGIC 0x4b504852u      /* "RHPK" */
-#define RING_CTL_OFF 4096
-#define RING_CTL_SIZE 128
+/* ring layout (kph_proto.h): header, per-vCPU control blocks, per-vCPU data areas */
 typedef struct {
     _Atomic uint64_t head;          /* producer */
     _Atomic uint64_t dropped;
@@ -200,16 +167,19 @@ static site *g_tramp_site;
 static uint64_t g_cur_task_off, g_pid_off, g_comm_off;
 static uint64_t g_this_cpu_off;     /* per-cpu offset of this_cpu_off (CMD_CONFIG) */
 static uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists */
-/* CMD_CONFIG flags: CFG_URET_SYSCALL, the kernel's 64-bit uretprobe trampoline pushes
- * rax, rcx and r11 and calls sys_uretprobe() (6.11+, arch/x86/kernel/uprobes.c) */
-#define CFG_URET_SYSCALL 1u
+/* CMD_CONFIG flags (kph_proto.h): CFG_URET_SYSCALL, the kernel's 64-bit uretprobe trampoline
+ * pushes rax, rcx and r11 and calls sys_uretprobe() (6.11+, arch/x86/kernel/uprobes.c) */
 static _Atomic uint64_t g_cfg_flags;
+/* CMD_CONFIG's eighth word: the per-cpu address of current_kprobe (kprobe_running()) */
+static _Atomic uint64_t g_current_kprobe;
 /* CMD_CONFIG's optional tail: what the guest kernel writes in a return-address slot it
  * hooks (arch_rethook_trampoline; return_to_handler for ADD_FGRAPH probes), which a
  * program reading a slot the plugin hooked sees instead of the plugin's trampoline */
 static _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
+static atomic_uint_fast64_t g_tramp_overflow;   /* instances past MAX_PER_SLOT at one return */
+static atomic_uint_fast64_t g_kret_flushed;     /* instances of dead tasks (rethook_flush_task) */
 static atomic_uint_fast64_t g_uret_inherited;   /* fork children's inherited user slots */
 static atomic_uint_fast64_t g_uret_forked;      /* user return instances copied at a fork */
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
@@ -495,16 +465,56 @@ static uint64_t reg_read(vcpu_t *v, struct qemu_plugin_register *h)
     return val;
 }
 
-static int mem_read(void *ctx, uint64_t addr, void *buf, size_t len)
-{
-    vcpu_t *v = ctx;
+/* CMD_FAILREAD (tests): reads overlapping [g_fail_lo, g_fail_hi) fail although they map */
+static _Atomic uint64_t g_fail_lo, g_fail_hi;
+static atomic_uint_fast64_t g_n_unconfirmed;
 
+static int read_once(vcpu_t *v, uint64_t addr, void *buf, size_t len)
+{
+    uint64_t hi = atomic_load_explicit(&g_fail_hi, memory_order_relaxed);
+
+    if (hi && addr < hi && addr + len > atomic_load(&g_fail_lo)) {
+        return -1;
+    }
     g_byte_array_set_size(v->gb, 0);
     if (!qemu_plugin_read_memory_vaddr(addr, v->gb, len) || v->gb->len < len) {
         return -1;
     }
     memcpy(buf, v->gb->data, len);
     return 0;
+}
+
+/* Guest virtual memory through this vCPU. A failed read is a fault only when it is
+ * confirmed: some page of the range does not translate (the guest's own access would
+ * fault: copy_from_kernel_nofault() returns -EFAULT). A read that fails where every page
+ * translates is read again; failing twice it is the plugin's failure, not the guest's
+ * (counted in v->unconfirmed: the record says RF_UNCONFIRMED and the harness fails the
+ * hit, as the gdbstub engine raises EngineReadError when its raw re-read works). */
+static int mem_read(void *ctx, uint64_t addr, void *buf, size_t len)
+{
+    vcpu_t *v = ctx;
+    uint64_t page, last, hw;
+
+    if (len == 0 || read_once(v, addr, buf, len) == 0) {
+        return 0;
+    }
+    if (addr + len - 1 < addr) {
+        return -1;                  /* wraps past the top: no guest access reaches it */
+    }
+    last = (addr + len - 1) >> 12;
+    for (page = addr >> 12; page <= last; page++) {
+        uint64_t a = page == addr >> 12 ? addr : page << 12;
+
+        if (!qemu_plugin_translate_vaddr(a, &hw)) {
+            return -1;              /* confirmed: it does not map */
+        }
+    }
+    if (read_once(v, addr, buf, len) == 0) {
+        return 0;
+    }
+    v->unconfirmed++;
+    atomic_fetch_add_explicit(&g_n_unconfirmed, 1, memory_order_relaxed);
+    return -1;
 }
 
 /* mem_read() for a probe's program: a kernel return-address slot the plugin hooked
@@ -650,7 +660,9 @@ static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t
         .buf = v->rec + REC_HDR, .cap = REC_MAX - REC_HDR, .read = prog_read, .read_ctx = v,
         .task = v->task,
     };
+    uint32_t size;
 
+    v->unconfirmed = 0;             /* counted by mem_read() from here to the header */
     if (ri) {
         cap.edata = ri->edata;
         cap.edata_idx = p->save;
@@ -661,9 +673,8 @@ static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t
 
         cap.has_percpu = mem_read(v, base + g_this_cpu_off, &cap.percpu, 8) == 0;
     }
-    uint8_t *h = v->rec;
-    uint32_t size, flags = v->tflags;
-    uint16_t vc16 = (uint16_t)vcpu;
+    kph_rec_hdr h;
+    uint32_t flags = v->tflags;
     uint64_t seq = atomic_fetch_add(&g_seq, 1);
 
     if (p->nprog && kph_capture_args(&cap, p->prog, p->nprog, v->regs) < 0) {
@@ -672,20 +683,25 @@ static void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t
     if (cap.truncated) {
         flags |= RF_TRUNC;
     }
-    size = (uint32_t)(REC_HDR + cap.len);
-    memcpy(h + 0, &size, 4);
-    memcpy(h + 4, &type, 2);
-    memcpy(h + 6, &vc16, 2);
-    memcpy(h + 8, &p->id, 4);
-    memcpy(h + 12, &cap.nblocks, 4);
-    memcpy(h + 16, &seq, 8);
-    memcpy(h + 24, v->regs, 8 * KREG_NUM);              /* 24 .. 192 */
-    memcpy(h + 192, &v->task, 8);
-    memcpy(h + 200, &func, 8);
-    memcpy(h + 208, &ret_addr, 8);
-    memcpy(h + 216, &v->pid, 4);
-    memcpy(h + 220, &flags, 4);
-    memcpy(h + 224, v->comm, 16);                       /* .. 240 */
+    if (v->unconfirmed) {
+        flags |= RF_UNCONFIRMED;
+    }
+    memset(&h, 0, sizeof(h));
+    h.size = (uint32_t)(REC_HDR + cap.len);
+    h.type = type;
+    h.vcpu = (uint16_t)vcpu;
+    h.probe_id = p->id;
+    h.nblocks = cap.nblocks;
+    h.seq = seq;
+    memcpy(h.regs, v->regs, sizeof(h.regs));
+    h.task = v->task;
+    h.func = func;
+    h.ret_addr = ret_addr;
+    h.pid = v->pid;
+    h.flags = flags;
+    memcpy(h.comm, v->comm, sizeof(h.comm));
+    memcpy(v->rec, &h, sizeof(h));
+    size = h.size;
     ring_put(vcpu, v->rec, size);
 }
 
@@ -859,6 +875,53 @@ static void user_fork(vcpu_t *v)
     pthread_mutex_unlock(&rp_lock);
 }
 
+/* rethook_flush_task(tk) (kernel/trace/rethook.c; called from delayed_put_task_struct(),
+ * kernel/exit.c, in 6.1, 6.12 and 7.3): a task that died inside a hooked function (do_exit()
+ * never returns) gives its return instances back to their pools (rethook_recycle()), with
+ * no handler. Here: every kernel return instance the plugin took for that task (its
+ * kretprobes' and 6.12's rethook fprobe exits'; 7.3's fprobe exits on the function graph
+ * die with the task's shadow stack likewise). User return instances are not the kernel's
+ * rethook's (uprobes keep theirs in the utask) and are left alone. */
+static void flush_task(uint64_t task)
+{
+    unsigned int b;
+    inst **pp, *ri;
+
+    if (!task) {
+        return;
+    }
+    pthread_mutex_lock(&rp_lock);
+    for (b = 0; b < LIVE_SIZE; b++) {
+        for (pp = &g_live_tab[b]; (ri = *pp) != NULL;) {
+            if (ri->task == task && ri->mm == 0 && ri->rp->tramp == g_tramp) {
+                *pp = ri->next;
+                ri->rp->freelist[ri->rp->nfree++] = ri;
+                atomic_fetch_add(&g_kret_flushed, 1);
+            } else {
+                pp = &ri->next;
+            }
+        }
+    }
+    pthread_mutex_unlock(&rp_lock);
+}
+
+/* kprobe_running() on this vCPU: the guest's per-cpu current_kprobe is set while one of
+ * its own kprobe handlers runs (kernel/kprobes.c; the x86 int3 and ftrace handlers then
+ * count the hit missed and call no handler). Read once per hit (*cache: -1 unread). */
+static int guest_kprobe_running(vcpu_t *v, int *cache)
+{
+    uint64_t off = atomic_load_explicit(&g_current_kprobe, memory_order_relaxed), cur = 0;
+
+    if (*cache < 0) {
+        *cache = 0;
+        if (off && (v->regs[KREG_CS] & 3) != 3 &&
+            read_once(v, reg_read(v, g_gs_base) + off, &cur, 8) == 0) {
+            *cache = cur != 0;
+        }
+    }
+    return *cache;
+}
+
 /* The kernel trampoline a hook of the guest kernel would have written where done[j]
  * hooked (its counterpart's: return_to_handler or arch_rethook_trampoline); the
  * plugin's own trampoline when the harness was not told them (older config). */
@@ -903,7 +966,7 @@ static uint64_t shown_ret(inst **done, int n, int i, uint64_t tramp, uint64_t re
  * the task's return instances). */
 static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
 {
-    inst *done[MAX_PER_SITE];
+    inst *done[MAX_PER_SLOT];
     int n = 0, i, k, uret_frame;
     uint64_t slot, real = 0, mm = 0;
     unsigned int b;
@@ -931,8 +994,13 @@ static void on_trampoline(unsigned int vcpu, vcpu_t *v, uint64_t tramp)
         if (!ri) {
             break;
         }
-        if (n < MAX_PER_SITE) {
+        if (n < MAX_PER_SLOT) {
             done[n++] = ri;
+        } else {
+            /* more than any slot can hold (not expected): back to its pool without a
+             * handler rather than lost to it (counted) */
+            ri->rp->freelist[ri->rp->nfree++] = ri;
+            atomic_fetch_add(&g_tramp_overflow, 1);
         }
         if (ri->ret_addr != tramp) {
             real = ri->ret_addr;
@@ -1137,21 +1205,26 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
     if (n > MAX_PER_SITE) {
         n = MAX_PER_SITE;
     }
-    memset(e, 0, EV_HDR);
-    memcpy(e + 0, &type, 4);
-    memcpy(e + 4, &vcpu32, 4);
-    memcpy(e + 8, &n, 4);
-    memcpy(e + 12, &extra, 4);
-    memcpy(e + 16, &addr, 8);
-    memcpy(e + 24, v->regs, 8 * KREG_NUM);              /* .. 192 */
-    memcpy(e + 192, &v->task, 8);
-    memcpy(e + 200, &v->pid, 4);
-    memcpy(e + 204, &v->tflags, 4);
-    memcpy(e + 208, v->comm, 16);
-    memcpy(e + 224, &a, 8);
-    memcpy(e + 232, &b, 8);
+    {
+        kph_ev_hdr h;
+
+        memset(&h, 0, sizeof(h));
+        h.type = type;
+        h.vcpu = vcpu32;
+        h.n = n;
+        h.extra = extra;
+        h.addr = addr;
+        memcpy(h.regs, v->regs, sizeof(h.regs));
+        h.task = v->task;
+        h.pid = v->pid;
+        h.tflags = v->tflags;
+        memcpy(h.comm, v->comm, sizeof(h.comm));
+        h.a = a;
+        h.b = b;
+        memcpy(e, &h, sizeof(h));
+    }
     /* up to 4 ids ride in the header's last 16 bytes; more follow it */
-    memcpy(e + 240, ids, 4 * (n < 4 ? n : 4));
+    memcpy(e + offsetof(kph_ev_hdr, ids), ids, 4 * (n < 4 ? n : 4));
     if (n > 4) {
         memcpy(e + EV_HDR, ids + 4, 4 * (n - 4));
     }
@@ -1295,7 +1368,7 @@ static void on_site(unsigned int vcpu, void *ud)
     site *s = ud;
     vcpu_t *v = vc(vcpu);
     plist *l;
-    int i, have = 0;
+    int i, have = 0, running = -1;
 
     if (!v) {
         return;
@@ -1356,6 +1429,10 @@ static void on_site(unsigned int vcpu, void *ud)
             atomic_fetch_add_explicit(&g_n_filtered, 1, memory_order_relaxed);
             continue;               /* another program at this user address */
         }
+        if ((p->flags & ADD_KPROBE_RUNNING) && guest_kprobe_running(v, &running)) {
+            atomic_fetch_add(&p->nmissed, 1);
+            continue;
+        }
         if (p->kind == PK_SPEC_P) {
             atomic_fetch_add(&p->nhit, 1);
             emit(v, vcpu, p, REC_HIT, p->addr, 0, NULL);
@@ -1364,6 +1441,9 @@ static void on_site(unsigned int vcpu, void *ud)
         } else if (p->kind == PK_FORK) {
             atomic_fetch_add(&p->nhit, 1);
             user_fork(v);
+        } else if (p->kind == PK_FLUSH) {
+            atomic_fetch_add(&p->nhit, 1);
+            flush_task(v->regs[KREG_DI]);
         } else if (p->kind == PK_KPROBE) {
             uint32_t ids[MAX_PER_SITE];
             uint32_t n = 0;
@@ -1942,7 +2022,7 @@ static int probe_slot(void)
  * kph_insn prog[nprog]. Reply: u32 invalidation state. */
 static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
 {
-    uint32_t id, kind, maxactive, enabled, nprog, st, i;
+    uint32_t id, kind, maxactive, enabled, nprog, st, i, full = 0;
     uint64_t addr;
     probe *p, *list[MAX_PER_SITE];
     site *s;
@@ -1958,9 +2038,10 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     memcpy(&maxactive, pl + 16, 4);
     memcpy(&enabled, pl + 20, 4);
     memcpy(&nprog, pl + 24, 4);
-    if (kind < PK_SPEC_P || kind > PK_FORK || nprog > MAX_PROG ||
+    if (kind < PK_SPEC_P || kind > PK_FLUSH || nprog > MAX_PROG ||
         len != 32 + nprog * sizeof(kph_insn) + ((enabled & ADD_EXT) ? ADD_EXT_SIZE : 0) ||
-        ((kind == PK_SPEC_R || kind == PK_KRET) && (maxactive == 0 || maxactive > 4096)) ||
+        ((kind == PK_SPEC_R || kind == PK_KRET) &&
+         (maxactive == 0 || maxactive > KPH_MAX_MAXACTIVE)) ||
         addr == g_tramp) {
         return reply(fd, EINVAL, NULL, 0);
     }
@@ -2054,6 +2135,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     slot = probe_slot();
     if (slot < 0 || !(s = site_get(addr))) {
         st = ENOSPC;
+        full = slot < 0 ? KPH_FULL_PROBES : KPH_FULL_TABLE;
         goto refused;
     }
     if ((kind == PK_SPEC_R || kind == PK_KRET) && p->tramp != g_tramp) {
@@ -2061,16 +2143,25 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
 
         if (!t) {
             st = ENOSPC;            /* its returns could not be serviced */
+            full = KPH_FULL_TABLE;
             goto refused;
         }
         t->tramp = 1;
     }
     list[n++] = p;                  /* newest first */
     l = atomic_load(&s->list);
-    for (i = 0; l && i < (uint32_t)l->n && n < MAX_PER_SITE; i++) {
-        if (!atomic_load(&l->p[i]->dead)) {
-            list[n++] = l->p[i];
+    for (i = 0; l && i < (uint32_t)l->n; i++) {
+        if (atomic_load(&l->p[i]->dead)) {
+            continue;
         }
+        if (n == MAX_PER_SITE) {
+            /* a full site refuses the newcomer (evicting a live probe would lose it
+             * without a word) */
+            st = ENOSPC;
+            full = KPH_FULL_SITE;
+            goto refused;
+        }
+        list[n++] = l->p[i];
     }
     if (site_set(s, list, n) != 0) {
         st = ENOMEM;
@@ -2101,7 +2192,7 @@ refused:
     }
     post_mode_check();
     probe_free(p);
-    return reply(fd, st, NULL, 0);
+    return reply(fd, st, full ? &full : NULL, full ? 4 : 0);
 }
 
 static int serve(int fd)
@@ -2119,6 +2210,7 @@ static int serve(int fd)
             uint32_t out[4] = {KPH_PROTO, (uint32_t)g_nvcpus, KPH_QEMU_PLUGIN_API,
                                (uint32_t)atomic_load(&g_regs_ready)};
             reset_session();
+            atomic_store(&g_fail_hi, 0);
             atomic_store(&g_live, 1);
             rc = reply(fd, 0, out, sizeof(out));
             break;
@@ -2132,8 +2224,8 @@ static int serve(int fd)
         case CMD_CONFIG:
             /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
              * u64 flags (CFG_*)[, u64 kernel rethook trampoline, u64 return_to_handler
-             * [, u64 this_cpu_off's per-cpu offset]] */
-            if (len != 40 && len != 56 && len != 64) {
+             * [, u64 this_cpu_off's per-cpu offset[, u64 current_kprobe's]]] */
+            if (len != 40 && len != 56 && len != 64 && len != 72) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -2150,6 +2242,10 @@ static int serve(int fd)
                 }
                 if (len >= 64) {
                     memcpy(&g_this_cpu_off, pl + 56, 8);
+                }
+                if (len >= 72) {
+                    memcpy(&f, pl + 64, 8);
+                    atomic_store(&g_current_kprobe, f);
                 }
             }
             memcpy(&g_cur_task_off, pl, 8);
@@ -2200,7 +2296,7 @@ static int serve(int fd)
             }
             memcpy(&addr, pl, 8);
             memcpy(&n, pl + 8, 4);
-            if (len != 16 + 4 * (size_t)n) {
+            if (n > MAX_PER_SITE || len != 16 + 4 * (size_t)n) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -2210,13 +2306,22 @@ static int serve(int fd)
             if (!l) {
                 st = ENOENT;
             } else {
+                /* each of the site's probes once (an id named twice counts once), at
+                 * most MAX_PER_SITE: list[] and every per-site array hold no more */
                 for (i = 0; i < n; i++) {
                     memcpy(&id, pl + 16 + 4 * i, 4);
-                    for (j = 0; j < (uint32_t)l->n; j++) {
-                        if (l->p[j]->id == id && !atomic_load(&l->p[j]->dead)) {
-                            list[k++] = l->p[j];
-                            break;
+                    for (j = 0; j < (uint32_t)l->n && k < MAX_PER_SITE; j++) {
+                        uint32_t m;
+
+                        if (l->p[j]->id != id || atomic_load(&l->p[j]->dead)) {
+                            continue;
                         }
+                        for (m = 0; m < k && list[m] != l->p[j]; m++) {
+                        }
+                        if (m == k) {
+                            list[k++] = l->p[j];
+                        }
+                        break;
                     }
                 }
                 for (j = 0; j < (uint32_t)l->n; j++) {
@@ -2315,7 +2420,7 @@ static int serve(int fd)
             break;
         }
         case CMD_GSTATS: {
-            uint64_t out[13];
+            uint64_t out[KPH_NGSTATS];
 
             out[0] = atomic_load(&inval_count);
             out[1] = atomic_load(&inval_ns_total);
@@ -2330,7 +2435,29 @@ static int serve(int fd)
             out[10] = atomic_load(&g_n_filtered);
             out[11] = atomic_load(&g_uret_inherited);
             out[12] = atomic_load(&g_uret_forked);
+            out[13] = atomic_load(&g_kret_flushed);
+            out[14] = atomic_load(&g_tramp_overflow);
+            out[15] = atomic_load(&g_n_unconfirmed);
             rc = reply(fd, 0, out, sizeof(out));
+            break;
+        }
+        case CMD_FAILREAD: {
+            uint64_t lo, n;
+
+            if (len != 16) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            memcpy(&lo, pl, 8);
+            memcpy(&n, pl + 8, 8);
+            if (n && lo + n < lo) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            atomic_store(&g_fail_hi, 0);
+            atomic_store(&g_fail_lo, lo);
+            atomic_store(&g_fail_hi, n ? lo + n : 0);
+            rc = reply(fd, 0, NULL, 0);
             break;
         }
         case CMD_INVALIDATE: {

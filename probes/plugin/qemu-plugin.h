@@ -123,6 +123,7 @@ bool qemu_plugin_read_register(struct qemu_plugin_register *handle, GByteArray *
 bool qemu_plugin_write_register(struct qemu_plugin_register *handle, GByteArray *buf);
 void qemu_plugin_set_pc(uint64_t vaddr) __attribute__((noreturn));
 bool qemu_plugin_read_memory_vaddr(uint64_t addr, GByteArray *data, size_t len);
+bool qemu_plugin_translate_vaddr(uint64_t vaddr, uint64_t *hwaddr);
 bool qemu_plugin_write_memory_vaddr(uint64_t addr, GByteArray *data);
 
 void qemu_plugin_outs(const char *string);

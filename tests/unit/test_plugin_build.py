@@ -1,8 +1,10 @@
 """harness.machine.pluginlink: building the QEMU plugin on demand, cached per sources and QEMU."""
 from __future__ import annotations
 
+import re
 import shutil
 import struct
+import subprocess
 
 import pytest
 
@@ -74,3 +76,83 @@ def test_old_qemu_is_a_setup_error_before_building(env):
     old = QemuBinary(argv=("/bin/true",), version=(7, 2, 22), source="system")
     with pytest.raises(SetupError, match="needs QEMU >= 11.1.*7.2.22"):
         plugin.build_plugin(old)
+
+
+# -- the wire protocol: probes/plugin/kph_proto.h against pluginlink's constants ----------
+
+#: C names whose Python spelling differs (the sizes of the two headers are the structs')
+_PY_NAME = {"REC_HDR": "REC_HDR_SIZE", "EV_HDR": "EV_SIZE"}
+#: (struct, Python layout, its fields in order with their counts)
+_LAYOUTS = (
+    ("kph_rec_hdr", plugin.REC_HDR,
+     (("size", 1), ("type", 1), ("vcpu", 1), ("probe_id", 1), ("nblocks", 1), ("seq", 1),
+      ("regs", 21), ("task", 1), ("func", 1), ("ret_addr", 1), ("pid", 1), ("flags", 1),
+      ("comm", 1))),
+    ("kph_ev_hdr", plugin.EV_HDR,
+     (("type", 1), ("vcpu", 1), ("n", 1), ("extra", 1), ("addr", 1), ("regs", 21),
+      ("task", 1), ("pid", 1), ("tflags", 1), ("comm", 1), ("a", 1), ("b", 1))),
+)
+
+
+def _proto_names() -> list[str]:
+    """Every constant kph_proto.h defines (enumerators and object-like macros)."""
+    text = (plugin.PLUGIN_DIR / "kph_proto.h").read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    names = re.findall(r"^#define\s+([A-Z_][A-Z0-9_]*)\s+\S", text, flags=re.M)
+    for body in re.findall(r"enum\s*\{(.*?)\}", text, flags=re.S):
+        names += re.findall(r"([A-Z_][A-Z0-9_]*)\s*=", body)
+    return [n for n in names if n != "KPH_PROTO_H"]
+
+
+def _py_offsets(layout: struct.Struct, fields) -> dict[str, int]:
+    fmt = layout.format.lstrip("<")
+    items = re.findall(r"(\d*)([a-zA-Z])", fmt)
+    codes = [(int(n) if n else 1, c) for n, c in items]
+    out, off, i = {}, 0, 0
+    for name, count in fields:
+        out[name] = off
+        n, c = codes[i]
+        if c == "s":
+            off += struct.calcsize(f"<{n}s")
+            i += 1
+            continue
+        assert n >= count, (name, n, count)
+        off += struct.calcsize(f"<{count}{c}")
+        codes[i] = (n - count, c)
+        if codes[i][0] == 0:
+            i += 1
+    return out
+
+
+def test_wire_protocol_is_the_headers(tmp_path):
+    """Each constant of kph_proto.h, and each field offset and size of the record and event
+    headers, as the C compiler sees them, is pluginlink's (a hand copy that drifts fails)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        pytest.fail("no C compiler: apt-get install gcc (./setup.sh installs it)")
+    names = _proto_names()
+    assert {"CMD_ARRANGE", "PK_FLUSH", "RF_UNCONFIRMED", "KPH_MAX_PER_SITE"} <= set(names)
+    lines = [f'    printf("{n} %llu\\n", (unsigned long long)({n}));' for n in names]
+    for struct_name, _layout, fields in _LAYOUTS:
+        lines += [f'    printf("{struct_name}.{f} %zu\\n", offsetof({struct_name}, {f}));'
+                  for f, _ in fields]
+        lines.append(f'    printf("{struct_name} %zu\\n", sizeof({struct_name}));')
+    src = tmp_path / "proto.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "kph_proto.h"\n'
+                   "int main(void)\n{\n" + "\n".join(lines) + "\n    return 0;\n}\n")
+    exe = tmp_path / "proto"
+    subprocess.run([cc, "-Wall", "-Werror", "-I", str(plugin.PLUGIN_DIR), "-o", str(exe),
+                    str(src)], check=True)
+    got = dict(ln.rsplit(" ", 1) for ln in subprocess.run(
+        [str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())
+    want = {}
+    for n in names:
+        py = _PY_NAME.get(n, n.removeprefix("KPH_"))
+        value = plugin.REC_HDR.size if py == "REC_HDR_SIZE" else getattr(plugin, py, None)
+        assert value is not None, f"pluginlink has no {py} (kph_proto.h: {n})"
+        want[n] = value
+    for struct_name, layout, fields in _LAYOUTS:
+        for f, off in _py_offsets(layout, fields).items():
+            want[f"{struct_name}.{f}"] = off
+        want[struct_name] = layout.size + (16 if struct_name == "kph_ev_hdr" else 0)
+    assert {k: int(v) for k, v in got.items()} == want

@@ -21,8 +21,8 @@ class Btf:
         return OFFSETS[(struct_name, member)]
 
 
-def test_ext_is_the_size_kph_plugin_c_reads():
-    text = (Path(__file__).resolve().parents[2] / "probes/plugin/kph_plugin.c").read_text()
+def test_ext_is_the_size_the_plugin_reads():
+    text = (Path(__file__).resolve().parents[2] / "probes/plugin/kph_proto.h").read_text()
     size = int(re.search(r"#define ADD_EXT_SIZE (\d+)", text)[1])
     ext = user_ext(0x401fff, (1, 2, 3), 77)
     assert len(ext) == size
