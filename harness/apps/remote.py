@@ -108,11 +108,44 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return out.stdout
 
 
+def check_target(target: str) -> str:
+    """``target`` if ssh can only read it as a host: not empty, no leading ``-`` (ssh
+    would take ``-oProxyCommand=...`` as an option and run its command here), no
+    whitespace or control character (the ``--tx`` spec and the remote command line are
+    text). ``Ssh`` also puts ``--`` before it.
+
+    :raise SetupError: one line naming the target and the fix, before anything runs.
+    """
+    if not target or target.startswith("-") or any(c.isspace() or not c.isprintable()
+                                                   for c in target):
+        why = ("starts with '-': ssh would read it as an option" if target.startswith("-")
+               else "is empty" if not target else "has whitespace or a control character")
+        raise SetupError(f"ssh target {target!r} {why}",
+                         "name a host: [USER@]HOST, or a Host of --ssh-config")
+    return target
+
+
+def check_directory(directory: str) -> str:
+    """``directory`` (the worker's checkout) if the remote commands can only read it as a
+    path: not empty, no leading ``-`` (``mkdir -p -x``, ``git clone ... -x``), no
+    ``//`` or ``=`` (the ``--tx`` spec splits on them), no control character.
+
+    :raise SetupError: one line naming it and the fix.
+    """
+    if (not directory or directory.startswith("-") or "//" in directory or "=" in directory
+            or any(not c.isprintable() for c in directory)):
+        raise SetupError(f"--dir {directory!r} is not a plain path (empty, a leading '-', "
+                         "'//', '=' or a control character)",
+                         "pass a path such as /srv/kph or kph (relative to the remote home)")
+    return directory
+
+
 class Ssh:
-    """``ssh`` to one target (``[user@]host``, or a Host of ``ssh_config``), batch mode."""
+    """``ssh`` to one target (``[user@]host``, or a Host of ``ssh_config``), batch mode.
+    The target is checked (``check_target``) and follows ``--`` on ssh's command line."""
 
     def __init__(self, target: str, ssh_config: str | None = None) -> None:
-        self.target = target
+        self.target = check_target(target)
         self.base = ["ssh", "-o", "BatchMode=yes"]
         if ssh_config:
             self.base += ["-F", ssh_config]
@@ -123,7 +156,7 @@ class Ssh:
 
         :raise SetupError: ssh failed or the script exited non-zero (its last lines).
         """
-        cmd = [*self.base, self.target, "sh -c " + shlex.quote(script)]
+        cmd = [*self.base, "--", self.target, "sh -c " + shlex.quote(script)]
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else
                                     subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -147,8 +180,11 @@ class Ssh:
         try:
             if stdin is not None:
                 assert proc.stdin is not None
-                proc.stdin.write(stdin)
-                proc.stdin.close()
+                try:
+                    proc.stdin.write(stdin)
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass    # ssh ended before reading it: its status and stderr say why
             assert proc.stdout is not None
             out_box: list[bytes] = []
             outr = threading.Thread(target=lambda: out_box.append(proc.stdout.read()), daemon=True)
@@ -181,6 +217,7 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
         differs from this checkout's (the message names every difference).
     """
     ssh = Ssh(target, ssh_config)
+    check_directory(directory)
     # ^{commit}: a tag names its commit (git checkout --detach lands there, not on the tag)
     rev = _git("rev-parse", "--verify", "--end-of-options", f"{commit}^{{commit}}").strip()
     d = shlex.quote(directory)
@@ -189,9 +226,9 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
         bundle = Path(tmp) / "kph.bundle"
         _git("bundle", "create", str(bundle), rev, "--branches", "--tags")
         progress(f"{target}: sending commit {rev[:12]} ({bundle.stat().st_size // 1024} KiB bundle)")
-        ssh.run(f"mkdir -p {d} && cat > {d}.bundle", stdin=bundle.read_bytes(), what="upload")
+        ssh.run(f"mkdir -p -- {d} && cat > {d}.bundle", stdin=bundle.read_bytes(), what="upload")
     head = ssh.run(f"set -e; if [ -d {d}/.git ]; then cd {d} && git fetch -q {d}.bundle; "
-                   f"else git clone -q {d}.bundle {d} && cd {d}; fi; git checkout -q --detach {rev}; "
+                   f"else git clone -q -- {d}.bundle {d} && cd {d}; fi; git checkout -q --detach {rev}; "
                    f"rm -f {d}.bundle; git rev-parse HEAD", what="checkout")
     check_checkout(target, rev, head.strip())
     progress(f"{target}: running setup.sh")
@@ -204,7 +241,7 @@ def prepare(target: str, *, directory: str, commit: str = "HEAD", kernels: list[
     wrapper = ("#!/bin/sh\n# The pytest-xdist interpreter of this worker (kph worker prepare).\n"
                + (f"export KPH_CACHE={shlex.quote(cache)}\n" if cache else "")
                + f"exec {shlex.quote(directory)}/.venv/bin/python \"$@\"\n")
-    ssh.run(f"mkdir -p {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "
+    ssh.run(f"mkdir -p -- {d}/{WORKER_DIR} && cat > {d}/{WORKER_DIR}/python && "
             f"chmod 755 {d}/{WORKER_DIR}/python", stdin=wrapper.encode(), what="worker wrapper")
     remote = json.loads(ssh.run(f"cd {d} && {env}.venv/bin/kph worker identity --json --kernels "
                                 + shlex.quote(",".join(["default", *(kernels or [])])),

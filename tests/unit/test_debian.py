@@ -3,6 +3,9 @@ is used, wherever it came from ($KPH_DOWNLOADS keeps them across caches)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -15,12 +18,13 @@ from harness.errors import SetupError
 NAME, VERSION = "kph-test", "1:1.0-1"
 
 
-def build_deb(where: Path) -> Path:
-    """A real, tiny .deb named as apt names its archives (the epoch's colon as %3a)."""
-    tree = where / "pkg"
+def build_deb(where: Path, content: str = "hello") -> Path:
+    """A real, tiny .deb named as apt names its archives (the epoch's colon as %3a), its
+    ``usr/share/kph/hello`` holding ``content``."""
+    tree = where / f"pkg-{content}"
     (tree / "DEBIAN").mkdir(parents=True)
     (tree / "usr/share/kph").mkdir(parents=True)
-    (tree / "usr/share/kph/hello").write_text("hello\n")
+    (tree / "usr/share/kph/hello").write_text(f"{content}\n")
     (tree / "DEBIAN/control").write_text(
         f"Package: {NAME}\nVersion: {VERSION}\nArchitecture: all\n"
         "Maintainer: kph <kph@localhost>\nDescription: a test package\n")
@@ -86,3 +90,50 @@ def test_a_corrupt_deb_in_kph_downloads_is_refused_before_it_is_unpacked(tmp_pat
     with pytest.raises(SetupError, match=f"{deb} is not the package apt knows"):
         apt.fetch_only([NAME])
     assert ran == []                                        # nothing downloaded, nothing unpacked
+
+
+def _shared_deb(tmp_path: Path, monkeypatch) -> tuple[debian.PrivateApt, Path, Path]:
+    """The good .deb in a shared ``$KPH_DOWNLOADS``, fetched (hash-checked) offline, and an
+    evil one of the same package and version, ready to be swapped in."""
+    monkeypatch.setenv(DOWNLOADS_ENV, str(tmp_path / "dl"))
+    apt = debian.PrivateApt(root=tmp_path / "apt")
+    shared = build_deb(apt.archives, "good")
+    (tmp_path / "evil").mkdir()
+    evil = build_deb(tmp_path / "evil", "evil")
+    index = stanza(shared)
+    monkeypatch.setattr(apt, "cache", lambda *args: index)
+    return apt, shared, evil
+
+
+def test_a_deb_swapped_after_its_check_is_refused_at_unpacking(tmp_path, monkeypatch):
+    """Issue 36: another user of ``$KPH_DOWNLOADS`` replaces the file after fetch_only
+    checked it; unpack hashes its own copy and refuses, nothing is unpacked."""
+    apt, shared, evil = _shared_deb(tmp_path, monkeypatch)
+    debs = apt.fetch_only([NAME])
+    assert debs == [shared]
+    shutil.copy(evil, shared)
+    with pytest.raises(SetupError, match=f"{shared} is not the package apt knows"):
+        debian.unpack(debs, tmp_path / "tree")
+    assert not (tmp_path / "tree/usr").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".kph-deb-")] == []
+
+
+def test_what_is_hashed_is_what_is_unpacked(tmp_path, monkeypatch):
+    """The swap comes after unpack checked its copy, just before dpkg-deb: dpkg-deb reads
+    the private copy (in a 0700 directory, removed after), so the good package is
+    unpacked and the evil bytes never are."""
+    apt, shared, evil = _shared_deb(tmp_path, monkeypatch)
+    debs = apt.fetch_only([NAME])
+    real_run, seen = debian.run, []
+
+    def swap_then_run(cmd, what, **kw):
+        if cmd[:2] == ["dpkg-deb", "-x"]:
+            shutil.copy(evil, shared)
+            private = Path(cmd[2]).parent
+            seen.append((private, stat.S_IMODE(os.lstat(private).st_mode)))
+        return real_run(cmd, what, **kw)
+    monkeypatch.setattr(debian, "run", swap_then_run)
+    debian.unpack(debs, tmp_path / "tree")
+    assert (tmp_path / "tree/usr/share/kph/hello").read_text() == "good\n"
+    (private, mode), = seen
+    assert private != shared.parent and mode == 0o700 and not private.exists()

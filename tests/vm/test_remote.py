@@ -32,7 +32,7 @@ SLICE = "test_differential and 6.1-events and (entry or return or mid-function)"
 def worker(tmp_path_factory):
     """(sshd, the --tx spec of a prepared worker, its KPH_CACHE)."""
     base = tmp_path_factory.mktemp("remote")
-    sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-{os.getpid()}"))   # short: socket paths
+    sshd = LoopbackSshd()          # its own mkdtemp directory in /tmp: short socket paths
     sshd.start()
     try:
         cache = base / "cache"
@@ -118,7 +118,7 @@ def _processes_with(*texts: str) -> list[str]:
 def test_the_loopback_sshd_host_key_is_pinned(tmp_path):
     """The client's ssh_config trusts the sshd's generated host key and no other: with
     another key in its known_hosts the connection is refused, never accepted."""
-    sshd = LoopbackSshd(Path(f"/tmp/kph-sshd-pin-{os.getpid()}"))
+    sshd = LoopbackSshd()
     ssh = ["ssh", "-F", str(sshd.ssh_config), HOST_ALIAS, "echo ok"]
     try:
         sshd.start()

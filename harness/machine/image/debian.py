@@ -8,7 +8,10 @@ for the toolchain that builds their modules (``harness.machine.image.kernels``, 
 The mirror is the one the host's own ``/etc/apt`` uses (no address is written here).
 ``$KPH_DOWNLOADS``, when set, keeps the downloaded .deb files for other caches. apt does
 not look again at a .deb it finds there (``fetch_only`` does not even ask it), so every
-.deb is checked against the SHA256 of apt's package index before it is used.
+.deb is checked against the SHA256 of apt's package index before it is used: once when
+it is fetched (an early, clear error), and again by ``unpack`` on a private copy, the very
+bytes ``dpkg-deb -x`` then reads. A shared directory can have its file swapped after the
+first check; the private copy cannot be.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -194,30 +198,68 @@ def index_sha256(text: str) -> dict[tuple[str, str, str], set[str]]:
     return out
 
 
+#: .deb path -> the SHA256 sums apt's index lists for it, for every .deb ``check_debs``
+#: passed: ``unpack`` checks its private copy against them again.
+_EXPECTED: dict[Path, frozenset[str]] = {}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _refuse(deb: Path, digest: str, want: set[str] | frozenset[str]) -> SetupError:
+    name, version, arch = deb_identity(deb)
+    why = (f"its SHA256 {digest[:16]}... is not the {sorted(want)[0][:16]}... "
+           "apt's package index lists" if want else
+           f"apt's package index lists no {name} {version} ({arch})")
+    return SetupError(f"{deb} is not the package apt knows: {why}",
+                      f"delete {deb} and run again (apt downloads it anew)")
+
+
 def check_debs(debs: list[Path], index: dict[tuple[str, str, str], set[str]]) -> None:
     """Each .deb has a SHA256 apt's package index lists for its package, version and
-    architecture.
+    architecture; those sums are remembered for ``unpack``.
 
     :raise SetupError: one that does not (a corrupt or foreign file, in ``$KPH_DOWNLOADS``
         for instance), naming it and the fix.
     """
     for deb in debs:
-        name, version, arch = deb_identity(deb)
-        want = index.get((name, version, arch), set())
-        h = hashlib.sha256()
-        with open(deb, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() not in want:
-            why = (f"its SHA256 {h.hexdigest()[:16]}... is not the {sorted(want)[0][:16]}... "
-                   "apt's package index lists" if want else
-                   f"apt's package index lists no {name} {version} ({arch})")
-            raise SetupError(f"{deb} is not the package apt knows: {why}",
-                             f"delete {deb} and run again (apt downloads it anew)")
+        want = index.get(deb_identity(deb), set())
+        digest = _sha256(deb)
+        if digest not in want:
+            raise _refuse(deb, digest, want)
+        _EXPECTED[Path(os.path.abspath(deb))] = frozenset(want)
 
 
 def unpack(debs: list[Path], tree: Path) -> None:
-    """``dpkg-deb -x`` every .deb into ``tree`` (no maintainer scripts run)."""
+    """``dpkg-deb -x`` every .deb into ``tree`` (no maintainer scripts run).
+
+    A .deb that ``check_debs`` passed (every one ``PrivateApt`` fetched) is copied first
+    into a private directory (``mkdtemp``, 0700, next to ``tree``), the copy hashed and
+    checked again and the copy unpacked: what was hashed is what is unpacked, even when
+    the original, in a shared ``$KPH_DOWNLOADS``, is replaced in between. Others (a .deb
+    the caller downloaded into its own directory) are unpacked as they are.
+
+    :raise SetupError: a copy does not match apt's index (the original named), or
+        dpkg-deb failed.
+    """
     tree.mkdir(parents=True, exist_ok=True)
     for deb in debs:
-        run(["dpkg-deb", "-x", str(deb), str(tree)], f"dpkg-deb -x {deb.name}")
+        want = _EXPECTED.get(Path(os.path.abspath(deb)))
+        if want is None:
+            run(["dpkg-deb", "-x", str(deb), str(tree)], f"dpkg-deb -x {deb.name}")
+            continue
+        private = Path(tempfile.mkdtemp(prefix=".kph-deb-", dir=tree.parent))
+        try:
+            copy = private / deb.name
+            with open(deb, "rb") as src:
+                fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            digest = _sha256(copy)
+            if digest not in want:
+                raise _refuse(deb, digest, want)
+            run(["dpkg-deb", "-x", str(copy), str(tree)], f"dpkg-deb -x {deb.name}")
+        finally:
+            shutil.rmtree(private, ignore_errors=True)

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -289,16 +290,14 @@ def use_built(out: Path) -> KernelBuild:
 
 # ---------------------------------------------------------------- patches
 
-def patch_digest(patches: list[Path]) -> str:
-    """One hash of the patches' contents, in order."""
-    h = hashlib.sha256()
-    for p in patches:
-        h.update(hashlib.sha256(p.read_bytes()).digest())
-    return h.hexdigest()[:12]
-
-
 def check_patches(patches: list[str | os.PathLike[str]]) -> list[Path]:
-    """Each ``--patch`` resolved, if it is a readable file that looks like a diff."""
+    """Each ``--patch`` resolved, if it is a readable file that looks like a diff and
+    changes only files inside the tree (``patch_targets``), before anything is fetched,
+    copied or built.
+
+    :raise SetupError: the first bad patch, in one line (a missing file, no hunk, a path
+        outside the tree).
+    """
     out = []
     for p in patches:
         path = Path(p).expanduser().resolve()
@@ -308,19 +307,144 @@ def check_patches(patches: list[str | os.PathLike[str]]) -> list[Path]:
         if not re.search(r"^@@ -\d+", text, re.M):
             raise SetupError(f"--patch {p}: not a unified diff (no @@ hunk)",
                              "make it with `git format-patch` or `diff -u`")
+        patch_targets(path, text)
         out.append(path)
     return out
 
 
-def _patched_files(text: str) -> list[str]:
-    """The files a ``-p1`` patch changes (its ``+++ b/PATH`` lines)."""
-    return [m[1].split("/", 1)[1] for m in re.finditer(r"^\+\+\+ (\S+)", text, re.M)
-            if "/" in m[1] and m[1] != "/dev/null"]
+#: The lines a patch names files on (GNU patch reads names from all of them; git's own
+#: headers carry the rename/copy names without the a/ b/ prefix).
+_NAME_LINE = re.compile(r"^(?:(?P<pfx>--- |\+\+\+ |\*\*\* |Index: )|(?P<git>diff --git )|"
+                        r"(?P<bare>(?:rename|copy) (?:from|to) ))(?P<rest>.*)$")
+_C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
 
 
-def first_rejected_hunk(patch: Path, output: str) -> str:
+def _unquote(name: str) -> str:
+    """A name as git writes one with unusual bytes: ``"b/\\303\\251t\\303\\251.c"``
+    (C escapes, octal bytes). An escaped ``/`` or ``.`` is a ``/`` or ``.`` to patch,
+    so the confinement check looks at the decoded name."""
+    if not (len(name) >= 2 and name.startswith('"') and name.endswith('"')):
+        return name
+    out, i, body = bytearray(), 0, name[1:-1]
+    while i < len(body):
+        c = body[i]
+        if c == "\\" and i + 1 < len(body):
+            nxt = body[i + 1]
+            m = re.match(r"[0-7]{1,3}", body[i + 1:])
+            if m:
+                out.append(int(m[0], 8) & 0xFF)
+                i += 1 + len(m[0])
+                continue
+            out.append(_C_ESCAPES.get(nxt, ord(nxt) & 0xFF))
+            i += 2
+            continue
+        out += c.encode("utf-8", "surrogateescape")
+        i += 1
+    return out.decode("utf-8", "surrogateescape")
+
+
+def _names(line: str) -> tuple[list[str], bool] | None:
+    """``(names, prefixed)`` a header line names (``prefixed``: -p1 strips a leading
+    component), or None for any other line. Every whitespace-separated word of the name
+    is a candidate too: which one GNU patch takes from ``+++ b/x y`` is its heuristic, not
+    ours, so all of them must pass."""
+    m = _NAME_LINE.match(line)
+    if not m:
+        return None
+    rest = m["rest"]
+    if m["git"]:
+        words = rest.split()
+        return [_unquote(w) for w in words], True
+    name = rest.split("\t", 1)[0].strip()
+    if not name:
+        return [], False
+    names = [_unquote(name)] + [_unquote(w) for w in name.split()]
+    return list(dict.fromkeys(names)), not m["bare"]
+
+
+def _outside(name: str, prefixed: bool) -> str | None:
+    """Why ``name`` reaches outside the tree (None: it does not)."""
+    if name in ("/dev/null", ""):
+        return None
+    if name.startswith("/"):
+        return "an absolute path"
+    if ".." in name.split("/"):
+        return "a .. component"
+    if prefixed and "/" in name and name.split("/", 1)[1].startswith("/"):
+        return "an absolute path once -p1 strips its a/ or b/"
+    return None
+
+
+def patch_targets(patch: Path, text: str) -> list[str]:
+    """The tree-relative paths ``patch`` (applied with ``-p1``) names, each checked to stay
+    inside the tree: kph itself writes to them (the hard-linked copy's file is replaced by
+    a copy of its own) and GNU patch opens them, so ``+++ b//etc/shadow`` or
+    ``+++ b/../../x`` would reach a file outside the copy; such a patch is refused
+    whole. Every line that could be a header is looked at, hunk bodies included (a
+    removed line ``-- /x`` reads as ``--- /x``): a false alarm costs a rebased patch, a
+    missed header a file outside the tree.
+
+    :raise SetupError: a name is absolute or has a ``..`` component (the patch, its line
+        and the name in one line).
+    """
+    out: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        got = _names(line)
+        if got is None:
+            continue
+        names, prefixed = got
+        for name in names:
+            why = _outside(name, prefixed)
+            if why:
+                raise SetupError(f"--patch {patch}: line {n} names {name!r}, outside the tree "
+                                 f"({why})", "a patch may change only files inside the tree: "
+                                 "make it with `git format-patch` or `diff -u` from the tree's "
+                                 "top (a/ and b/ prefixes, no ..)")
+        for name in names:
+            if name in ("/dev/null", "") or (prefixed and "/" not in name):
+                continue
+            out.append(name.split("/", 1)[1] if prefixed else name)
+    return list(dict.fromkeys(rel for rel in out if rel))
+
+
+def _no_symlink_on_the_way(patch: Path, tree: Path, rel: str) -> None:
+    """Each existing component of ``tree/rel`` is a real directory or file, not a symbolic
+    link: a link (``drivers -> /etc``) would take the write out of the tree however
+    confined the name is.
+
+    :raise SetupError: the first link, named with the patch."""
+    cur = tree
+    for part in Path(rel).parts:
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return                          # a new file (or directory): patch creates it
+        if stat.S_ISLNK(st.st_mode):
+            raise SetupError(f"--patch {patch}: {rel} goes through the symbolic link "
+                             f"{cur.relative_to(tree)} in the tree",
+                             "kph does not patch through links: patch the file the link "
+                             "points to, inside the tree")
+
+
+def _own_copy(f: Path) -> None:
+    """Replace the hard link ``f`` (shared with the original tree) by a copy of its own,
+    with its mode (a script stays executable); the new file is created with
+    ``O_EXCL|O_NOFOLLOW``, so nothing planted in its place is followed."""
+    st = os.lstat(f)
+    if not stat.S_ISREG(st.st_mode):
+        return
+    with open(f, "rb") as fh:
+        data = fh.read()
+    f.unlink()
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, stat.S_IMODE(st.st_mode))
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def first_rejected_hunk(patch: Path, output: str, text: str | None = None) -> str:
     """``FILE hunk #N (@@ -L,n +L,n @@ CONTEXT)`` of the first hunk ``patch`` rejected,
-    from GNU patch's ``output`` and the patch file itself."""
+    from GNU patch's ``output`` and the patch's ``text`` (default: the file's)."""
     current, failed = None, None
     for ln in output.splitlines():
         m = re.match(r"(?:checking|patching) file '?([^']+?)'?$", ln.strip())
@@ -338,7 +462,7 @@ def first_rejected_hunk(patch: Path, output: str) -> str:
     name, n, line = failed
     hunks: list[str] = []
     in_file = False
-    for ln in patch.read_text(errors="replace").splitlines():
+    for ln in (text if text is not None else patch.read_text(errors="replace")).splitlines():
         if ln.startswith("+++ "):
             in_file = ln[4:].split("\t")[0].endswith(name)
         elif in_file and ln.startswith("@@"):
@@ -352,13 +476,27 @@ def apply_patches(src: Path, patches: list[Path], progress: Progress | None = No
     ``$KPH_CACHE/src/<tree>+<digest>/`` (hard links to ``src``'s files, except the patched
     ones, which are copies of their own), made once; its path. ``src`` is never changed.
 
-    :raise SetupError: a patch does not apply (its first rejected hunk); nothing is left
-        behind.
+    Each patch is read once: those bytes are checked (``patch_targets``, no symbolic link
+    on a target's way), hashed and given to GNU patch on its stdin, so a patch file
+    changed meanwhile cannot slip another target past the check.
+
+    :raise SetupError: a patch names a path outside the tree or through a link, or does
+        not apply (its first rejected hunk); nothing is left behind.
     """
     say = progress or (lambda s: None)
     if shutil.which("patch") is None:
         raise SetupError("--patch needs GNU patch", "apt-get install patch (./setup.sh does)")
-    dest = sources_dir() / f"{src.name}+{patch_digest(patches)}"
+    datas = [p.read_bytes() for p in patches]
+    targets = []
+    for p, data in zip(patches, datas):
+        rels = patch_targets(p, data.decode(errors="replace"))
+        for rel in rels:
+            _no_symlink_on_the_way(p, src, rel)
+        targets.append(rels)
+    h = hashlib.sha256()
+    for data in datas:
+        h.update(hashlib.sha256(data).digest())
+    dest = sources_dir() / f"{src.name}+{h.hexdigest()[:12]}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd = lock_file(dest.parent / f".{dest.name}.lock", LOCK_TIMEOUT,
                    "another kph is patching the same tree: wait for it")
@@ -372,25 +510,23 @@ def apply_patches(src: Path, patches: list[Path], progress: Progress | None = No
         try:
             say(f"kernel: copying {src.name} (hard links) to apply {len(patches)} patch(es)")
             run(["cp", "-al", str(src), str(tmp)], "copying the tree", timeout=900)
-            for p in patches:
-                text = p.read_text(errors="replace")
-                for rel in _patched_files(text):     # the copy's own file, not src's
-                    f = tmp / rel
-                    if f.is_file() and not f.is_symlink():
-                        data = f.read_bytes()
-                        f.unlink()
-                        f.write_bytes(data)
+            for p, data, rels in zip(patches, datas, targets):
+                for rel in rels:                    # the copy's own file, not src's
+                    _no_symlink_on_the_way(p, tmp, rel)     # the copy, as it is now
+                    if (tmp / rel).is_file():
+                        _own_copy(tmp / rel)
                 proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-r", "-",
-                                       "--no-backup-if-mismatch", "-d", str(tmp), "-i", str(p)],
-                                      capture_output=True, text=True, timeout=300, check=False,
-                                      env={**os.environ, "LC_ALL": "C"})
+                                       "--no-backup-if-mismatch", "-d", str(tmp)],
+                                      input=data, capture_output=True, timeout=300,
+                                      check=False, env={**os.environ, "LC_ALL": "C"})
                 if proc.returncode != 0:
+                    output = (proc.stdout + proc.stderr).decode(errors="replace")
                     raise SetupError(f"{p.name} does not apply to {src.name}: "
-                                     f"{first_rejected_hunk(p, proc.stdout + proc.stderr)}",
+                                     f"{first_rejected_hunk(p, output, data.decode(errors='replace'))}",
                                      "rebase the patch on this tree")
                 say(f"kernel: applied {p.name}")
             (tmp / ".kph-patches").write_text("".join(
-                f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p}\n" for p in patches))
+                f"{hashlib.sha256(data).hexdigest()}  {p}\n" for p, data in zip(patches, datas)))
             tmp.rename(dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

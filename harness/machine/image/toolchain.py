@@ -129,18 +129,17 @@ def _chroot_toolchain(rel: KernelRelease, progress: Progress | None) -> Toolchai
         return Toolchain("chroot", Path("/") / headers, tree)
 
 
+#: The root shell's script: the tree and the command are its arguments ($1, "$@"), never
+#: its text, so a cache path with spaces or ``;`` is a path, not a command run as root.
+CHROOT_SCRIPT = ('mount --rbind /dev "$1/dev" && mount -t proc proc "$1/proc" && '
+                 'exec chroot "$@"')
+
+
 def _chroot_cmd(tree: Path, argv: list[str]) -> list[str]:
     """``argv`` run inside ``tree`` with /dev and /proc, in a private mount namespace."""
-    inner = (f"mount --rbind /dev {tree}/dev && mount -t proc proc {tree}/proc && "
-             f"exec chroot {tree} " + " ".join(_q(a) for a in argv))
     ns = ["unshare", "--mount", "--fork"] if os.geteuid() == 0 else \
         ["unshare", "--user", "--map-root-user", "--mount", "--fork"]
-    return [*ns, "sh", "-c", inner]
-
-
-def _q(s: str) -> str:
-    import shlex
-    return shlex.quote(s)
+    return [*ns, "sh", "-c", CHROOT_SCRIPT, "sh", os.path.abspath(tree), *argv]
 
 
 def _gcc_version(tree: Path) -> str | None:
