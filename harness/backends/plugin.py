@@ -18,7 +18,8 @@ import struct
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..errors import EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError
+from ..errors import (EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError,
+                      SetupError)
 from ..kernel.grammar.fetch import (UNKNOWN, FaultError, Reg, below_sp, evaluate, format_ip,
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
@@ -185,10 +186,14 @@ class PluginBackend:
         """The plugin's ``register_kprobe()`` for one admitted line.
 
         :raise ProbeRejectedError: the kernel's rules refuse it.
+        :raise SetupError: a limit of the plugin's (not the kernel's), naming the line.
         """
-        if spec.is_eprobe:
-            return self._place_eprobe(spec, name, i)
-        placed = self._place_fprobe(spec) if spec.is_fprobe else [self._place(spec)]
+        try:
+            if spec.is_eprobe:
+                return self._place_eprobe(spec, name, i)
+            placed = self._place_fprobe(spec) if spec.is_fprobe else [self._place(spec)]
+        except SetupError as exc:
+            raise SetupError(f"{name}: {exc}") from None
         self.layer.registered(spec, None)
         for p in placed:
             self._specs[p.id] = (spec, name)

@@ -68,7 +68,7 @@ from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, A
                      PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink,
                      PluginRecord,
                      decode, ADD_KPROBE_RUNNING, CMD_FAILREAD, FULL_PROBES, FULL_SITE,
-                     MAX_PER_SITE, MAX_PROBES, NGSTATS, PK_FLUSH, PluginError)
+                     MAX_PER_SITE, MAX_PROBES, NGSTATS, PK_FLUSH, PK_UFREE, PluginError)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
 from ..machine.image.facts import percpu_current_task
@@ -303,7 +303,13 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         ``user_fork()``). A call that forks (``fork()`` itself, probed with ``r:``) then
         returns through the trampoline in both processes and is recorded twice, as the
         kernel records it; a copy's program sees the child. Kept after the last uretprobe
-        goes: calls in flight may still fork."""
+        goes: calls in flight may still fork.
+
+        With it, a ``PK_UFREE`` probe at ``uprobe_free_utask(t)`` (kernel/events/uprobes.c,
+        called from ``mm_release()`` in kernel/fork.c at exit and exec, 6.1 to 7.3): the
+        task's user return instances are freed there, with no handler (kph_plugin.c
+        ``flush_task()``), so a process that exits inside a uretprobed call (``exit()``
+        never returns) leaves no instance behind, and the pool does not run dry."""
         if self._fork_hook is not None:
             return
         addr = self.resolve("uprobe_copy_process", 0, None)
@@ -311,6 +317,10 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         pid = next(self._ids)
         self._cmd_add(pid, PK_FORK, addr, 0, ADD_ENABLED | self.ftrace_flag(addr))
         self._fork_hook = pid
+        if self.symbols.get("uprobe_free_utask") is not None:
+            addr = self.resolve("uprobe_free_utask", 0, None)
+            self._cmd_add(next(self._ids), PK_UFREE, addr, 0,
+                          ADD_ENABLED | self.ftrace_flag(addr))
 
     def ensure_flush_hook(self) -> None:
         """Once a kernel return probe exists, for the rest of the session: the plugin's
@@ -399,7 +409,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
                 "interrupts", "exceptions", "posts_next_insn", "posts_next_block",
                 "posts_interrupt", "flushes", "uprobe_filtered", "uretprobe_inherited",
                 "uretprobe_forked", "kretprobe_flushed", "trampoline_overflow",
-                "unconfirmed_reads")
+                "unconfirmed_reads", "uretprobe_freed")
         return {**dict(zip(keys, vals)), "dropped": self.link.dropped}
 
     def invalidate(self, addr: int, *, flush_all: bool = False) -> str:

@@ -64,12 +64,14 @@ FULL_SITE, FULL_PROBES, FULL_TABLE = 1, 2, 3
 #: (6.11+; ``harness.kernel.rules.KernelRules.uretprobe_syscall``)
 CFG_URET_SYSCALL = 1
 #: CMD_GSTATS: how many u64 counters
-NGSTATS = 16
+NGSTATS = 17
 PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
 #: kph_plugin.c: at uprobe_copy_process(), a fork child gets copies of the user return instances
 PK_FORK = 5
 #: kph_plugin.c: at rethook_flush_task(), a dead task's kernel return instances are recycled
 PK_FLUSH = 6
+#: kph_plugin.c: at uprobe_free_utask(), a task's user return instances are freed (exit, exec)
+PK_UFREE = 7
 EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
 C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
 ACT_CONTINUE, ACT_SETPC, ACT_POST, ACT_DISCARD, ACT_HANDLED = 0, 1, 2, 3, 4

@@ -180,6 +180,7 @@ static atomic_uint_fast64_t g_seq;
 static atomic_uint_fast64_t g_tramp_missing;
 static atomic_uint_fast64_t g_tramp_overflow;   /* instances past MAX_PER_SLOT at one return */
 static atomic_uint_fast64_t g_kret_flushed;     /* instances of dead tasks (rethook_flush_task) */
+static atomic_uint_fast64_t g_uret_freed;       /* user ones at exit or exec (uprobe_free_utask) */
 static atomic_uint_fast64_t g_uret_inherited;   /* fork children's inherited user slots */
 static atomic_uint_fast64_t g_uret_forked;      /* user return instances copied at a fork */
 /* counts for GSTATS: discontinuities seen (interrupts, exceptions), posts delivered by
@@ -875,14 +876,16 @@ static void user_fork(vcpu_t *v)
     pthread_mutex_unlock(&rp_lock);
 }
 
-/* rethook_flush_task(tk) (kernel/trace/rethook.c; called from delayed_put_task_struct(),
- * kernel/exit.c, in 6.1, 6.12 and 7.3): a task that died inside a hooked function (do_exit()
- * never returns) gives its return instances back to their pools (rethook_recycle()), with
- * no handler. Here: every kernel return instance the plugin took for that task (its
- * kretprobes' and 6.12's rethook fprobe exits'; 7.3's fprobe exits on the function graph
- * die with the task's shadow stack likewise). User return instances are not the kernel's
- * rethook's (uprobes keep theirs in the utask) and are left alone. */
-static void flush_task(uint64_t task)
+/* user == 0: rethook_flush_task(tk) (kernel/trace/rethook.c; called from
+ * delayed_put_task_struct(), kernel/exit.c, in 6.1, 6.12 and 7.3): a task that died inside
+ * a hooked function (do_exit() never returns) gives its return instances back to their
+ * pools (rethook_recycle()), with no handler. Here: every kernel return instance the plugin
+ * took for that task (its kretprobes' and 6.12's rethook fprobe exits'; 7.3's fprobe exits
+ * on the function graph die with the task's shadow stack likewise).
+ * user == 1: uprobe_free_utask(t) (kernel/events/uprobes.c; called from mm_release(),
+ * kernel/fork.c, at exit and exec, 6.1 to 7.3): the task's user return instances
+ * (utask->return_instances) are freed, with no handler. */
+static void flush_task(uint64_t task, int user)
 {
     unsigned int b;
     inst **pp, *ri;
@@ -893,10 +896,11 @@ static void flush_task(uint64_t task)
     pthread_mutex_lock(&rp_lock);
     for (b = 0; b < LIVE_SIZE; b++) {
         for (pp = &g_live_tab[b]; (ri = *pp) != NULL;) {
-            if (ri->task == task && ri->mm == 0 && ri->rp->tramp == g_tramp) {
+            if (ri->task == task && (user ? ri->rp->tramp != g_tramp
+                                          : ri->mm == 0 && ri->rp->tramp == g_tramp)) {
                 *pp = ri->next;
                 ri->rp->freelist[ri->rp->nfree++] = ri;
-                atomic_fetch_add(&g_kret_flushed, 1);
+                atomic_fetch_add(user ? &g_uret_freed : &g_kret_flushed, 1);
             } else {
                 pp = &ri->next;
             }
@@ -1443,7 +1447,10 @@ static void on_site(unsigned int vcpu, void *ud)
             user_fork(v);
         } else if (p->kind == PK_FLUSH) {
             atomic_fetch_add(&p->nhit, 1);
-            flush_task(v->regs[KREG_DI]);
+            flush_task(v->regs[KREG_DI], 0);
+        } else if (p->kind == PK_UFREE) {
+            atomic_fetch_add(&p->nhit, 1);
+            flush_task(v->regs[KREG_DI], 1);
         } else if (p->kind == PK_KPROBE) {
             uint32_t ids[MAX_PER_SITE];
             uint32_t n = 0;
@@ -2038,7 +2045,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     memcpy(&maxactive, pl + 16, 4);
     memcpy(&enabled, pl + 20, 4);
     memcpy(&nprog, pl + 24, 4);
-    if (kind < PK_SPEC_P || kind > PK_FLUSH || nprog > MAX_PROG ||
+    if (kind < PK_SPEC_P || kind > PK_UFREE || nprog > MAX_PROG ||
         len != 32 + nprog * sizeof(kph_insn) + ((enabled & ADD_EXT) ? ADD_EXT_SIZE : 0) ||
         ((kind == PK_SPEC_R || kind == PK_KRET) &&
          (maxactive == 0 || maxactive > KPH_MAX_MAXACTIVE)) ||
@@ -2438,6 +2445,7 @@ static int serve(int fd)
             out[13] = atomic_load(&g_kret_flushed);
             out[14] = atomic_load(&g_tramp_overflow);
             out[15] = atomic_load(&g_n_unconfirmed);
+            out[16] = atomic_load(&g_uret_freed);
             rc = reply(fd, 0, out, sizeof(out));
             break;
         }

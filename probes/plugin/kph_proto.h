@@ -38,7 +38,7 @@ enum { KPH_FULL_SITE = 1, KPH_FULL_PROBES = 2, KPH_FULL_TABLE = 3 };
  * (6.11+, arch/x86/kernel/uprobes.c: uretprobe_trampoline_entry) */
 #define CFG_URET_SYSCALL 1u
 /* CMD_GSTATS: u64 counters, in this order (plugin_engine.py names them) */
-#define KPH_NGSTATS 16
+#define KPH_NGSTATS 17
 
 enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4,
        /* at uprobe_copy_process(t, flags): a fork child gets copies of the parent
@@ -46,7 +46,10 @@ enum { PK_SPEC_P = 1, PK_SPEC_R = 2, PK_KPROBE = 3, PK_KRET = 4,
        PK_FORK = 5,
        /* at rethook_flush_task(tk): the kernel return instances of a dead task go back
         * to their pools (delayed_put_task_struct(), kernel/exit.c, 6.1 to 7.3) */
-       PK_FLUSH = 6 };
+       PK_FLUSH = 6,
+       /* at uprobe_free_utask(t): the user return instances of a task that exits or
+        * execs are freed (mm_release(), kernel/fork.c, 6.1 to 7.3) */
+       PK_UFREE = 7 };
 
 /* CMD_ADD's u32 flags */
 enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_EXT = 16,
