@@ -66,11 +66,32 @@ class Outcome:
     """What registering one spec line gave on one side.
 
     ``index`` is the line's position in the run (several lines may define one event, so
-    ``probe`` alone does not name a line). ``message`` is the kernel's ``error_log`` text
-    for a refusal; ``reason`` says why in a few words where the side knows more (host-side:
-    the rule, ``blacklisted: do_int3``). ``pending`` is set when the line was accepted but
-    nothing was registered (6.1 keeps a ``MOD:SYM`` event of a module not loaded, and a raw
-    address it cannot resolve): it never fires.
+    ``probe`` alone does not name a line). ``reason`` says why in a few words where the
+    side knows more (host-side: the rule, ``blacklisted: do_int3``). ``pending`` is set when
+    the line was accepted but nothing was registered (6.1 keeps a ``MOD:SYM`` event of a
+    module not loaded, and a raw address it cannot resolve): it never fires.
+
+    A refusal carries the kernel's own words, as ``tracing/error_log`` prints its entry
+    (kernel/trace/trace.c: ``tracing_log_err()``, ``tracing_err_log_seq_show()``)::
+
+        [ts] SUBSYSTEM: error: MESSAGE
+          Command: COMMAND
+                   ^ (at COLUMN)
+
+    - ``subsystem``: who logged it: ``trace_kprobe`` (``p``/``r`` lines), ``trace_uprobe``
+      (uprobe lines), ``trace_fprobe`` (``f`` and ``t`` lines), ``event_probe`` (``e``
+      lines), ``event filter parse error`` (an ``e`` line's ``if`` filter: its command is
+      the filter), ``dynevent`` (7.3: a ``dynamic_events`` line no kind takes); "" when the
+      kernel logs nothing for this refusal.
+    - ``message``: the text after ``error: ``; when nothing is logged, the write's
+      ``strerror()`` text (what the shell prints: ``Invalid argument``).
+    - ``column``: the caret's position in the command, counted in the line as written
+      (its words joined by single spaces, as ``__trace_probe_log_err()`` joins ``argv``;
+      the words the kernel logs where it rewrote them, ``%pd``); in the filter for an
+      event filter error; -1 when nothing is logged.
+    - ``words``: "" when this side has the kernel's words (read from the guest's
+      ``error_log``, or predicted host-side); else the name of the documented case in which
+      it cannot know them (:data:`harness.kernel.dynevent.UNKNOWN_WORDS`).
     """
 
     probe: str
@@ -81,11 +102,20 @@ class Outcome:
     index: int = -1
     reason: str = ""
     pending: str = ""
+    subsystem: str = ""
+    column: int = -1
+    words: str = ""
 
     @classmethod
     def rejected(cls, probe: str, errno: int, message: str = "", *, index: int = -1,
-                 reason: str = "") -> "Outcome":
-        return cls(probe, False, errno, message, index=index, reason=reason)
+                 reason: str = "", subsystem: str = "", column: int = -1,
+                 words: str = "") -> "Outcome":
+        return cls(probe, False, errno, message, index=index, reason=reason,
+                   subsystem=subsystem, column=column, words=words)
+
+    def error_log(self) -> tuple[str, str, int]:
+        """(subsystem, message, column): the kernel's words of a refusal."""
+        return self.subsystem, self.message, self.column
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..records import Counters, Hit, Outcome
 from ..engines.uprobes import Uprobe, UprobeNeverFires
 from .eprobes import COMMIT, CommitSite, trigger_args, triggered
 from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
-                         register_lines, saved_cmdlines, spec_group)
+                         refused, register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -379,8 +379,8 @@ class HostBackend:
         unregistered; none matching is -ENOENT."""
         gone, ref = layer.release(spec)
         if ref is not None:
-            return Outcome.rejected(name, ref.errno, ref.message, index=i,
-                                    reason="no event matches it (dyn_event_release())")
+            return refused(name, spec, ref, index=i,
+                           reason="no event matches it (dyn_event_release())")
         for s in gone:
             placed = self._placed.pop(id(s), None)
             if placed is None:

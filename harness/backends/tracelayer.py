@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno as _errno
 import fnmatch
 import logging
-import os
 import shlex
 import weakref
 import dataclasses
@@ -43,7 +42,8 @@ from typing import Any, Callable, Sequence
 from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
                         registration_refusal, resolve_fetch_symbols, target_refusal)
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
-from ..kernel.grammar import ProbeSpec, format as format_spec, parse, split_symbol_offset
+from ..kernel.grammar import (ProbeSpec, error_subsystem, format as format_spec, parse,
+                              split_symbol_offset)
 from ..kernel.grammar.fprobe import probestub
 from ..engines.uprobes import file_type
 from ..records import Hit, Outcome
@@ -448,9 +448,11 @@ class TraceLayer:
         except NotMirroredError:
             raise
         except ProbeSpecError as exc:
-            # A refusal the kernel does not log shows as the write's strerror() text.
-            return Refusal(exc.errno, str(exc) if exc.logged else os.strerror(exc.errno),
-                           exc.column)
+            # the kernel's words: its logger (the parser of the line's kind, an event
+            # filter, 7.3's dynevent), message and caret; a refusal it does not log shows
+            # as the write's strerror() text (Refusal.words())
+            return Refusal(exc.errno, str(exc), exc.column if exc.logged else -1,
+                           error_subsystem(exc), exc.logged)
         if spec.is_uprobe:      # the harness's own PATH:SYMBOL resolution is kept
             import dataclasses
             got = dataclasses.replace(got, path=spec.path, offset=spec.offset, symbol=spec.symbol,
@@ -498,7 +500,7 @@ class TraceLayer:
         if ref is None and spec.is_tprobe and self.rules.tprobe_stub_once and any(
                 o.is_tprobe and o.symbol == spec.symbol
                 for olds in self.table.defined.values() for o in olds):
-            ref = Refusal(_errno.EEXIST, os.strerror(_errno.EEXIST), 0)
+            ref = Refusal.silent(_errno.EEXIST)
         if ref is not None:
             if spec.is_fprobe and self.rules.fprobe_register_errno is not None:
                 ref = dataclasses.replace(ref, errno=self.rules.fprobe_register_errno)
@@ -510,7 +512,19 @@ class TraceLayer:
                              reason="no ftrace location (notrace): within_notrace_func()")
         resolved = resolve_fetch_symbols(spec, self.lookup)
         if isinstance(resolved, Refusal) and spec.is_eprobe:
-            return Admission(spec, resolved)    # traceprobe_update_arg() fails the line
+            # traceprobe_update_arg() fails the line, and trace_eprobe_create_internal()
+            # returns its errno without logging anything (6.12, 7.3)
+            return Admission(spec, Refusal.silent(resolved.errno),
+                             reason=f"@SYM: {resolved.message} (traceprobe_update_arg())")
+        if isinstance(resolved, Refusal) and spec.is_fprobe:
+            # __register_trace_fprobe()'s traceprobe_update_arg(): 6.12 at the write, the
+            # create function logging it at the target as for a kprobe; 7.3 at the
+            # event's enable, which fails with its errno and logs nothing
+            why = f"@SYM: {resolved.message} (traceprobe_update_arg())"
+            if self.rules.fprobe_register_at_enable:
+                return Admission(spec, Refusal.silent(resolved.errno),
+                                 reason=f"{why}, at enable")
+            return Admission(spec, resolved, reason=why)
         if isinstance(resolved, Refusal):
             after = registration_refusal(spec, resolved.errno, self.module_loaded)
             if after is None:
@@ -536,7 +550,7 @@ class TraceLayer:
         matches none (``dyn_event_release()`` logs nothing then)."""
         gone = self.table.release(spec)
         if not gone:
-            return [], Refusal(_errno.ENOENT, os.strerror(_errno.ENOENT), 0)
+            return [], Refusal.silent(_errno.ENOENT)
         return gone, None
 
     def accept_pending(self, spec: ProbeSpec) -> None:
@@ -556,6 +570,19 @@ class TraceLayer:
 Place = Callable[[ProbeSpec, str, int], Outcome]
 #: release(layer, spec, name, index) -> the Outcome of a ``-:`` line.
 Release = Callable[["TraceLayer", ProbeSpec, str, int], Outcome]
+
+
+def refused(name: str, spec: ProbeSpec, refusal: Refusal, *, index: int,
+            reason: str = "", words: str = "") -> Outcome:
+    """The Outcome of a line the kernel refuses: its errno and its ``error_log`` words
+    (:meth:`harness.kernel.dynevent.Refusal.words`: the subsystem of the line's kind, the
+    message, the caret), ``reason`` the side's own account (default: the message);
+    ``words`` names the case when this side cannot know them
+    (:data:`harness.kernel.dynevent.UNKNOWN_WORDS`)."""
+    sub, msg, col = refusal.words(spec)
+    return Outcome.rejected(name, refusal.errno, msg, index=index,
+                            reason=reason or refusal.message, subsystem=sub, column=col,
+                            words=words)
 
 
 def register_lines(layer: TraceLayer, specs: Sequence[ProbeSpec], place: Place,
@@ -579,17 +606,17 @@ def register_lines(layer: TraceLayer, specs: Sequence[ProbeSpec], place: Place,
                 out.append(place(spec, name, i))
                 continue
             except ProbeRejectedError as exc:
-                if spec.is_uprobe:      # uprobe_register() fails at enable in the guest
-                    out.append(Outcome.rejected(name, exc.errno, str(exc), index=i,
-                                                reason=exc.reason))
+                if spec.is_uprobe:
+                    # uprobe_register() fails at enable in the guest, where nothing is
+                    # logged (trace_uprobe.c: probe_event_enable())
+                    out.append(refused(name, spec, Refusal.silent(exc.errno), index=i,
+                                       reason=exc.reason))
                     continue
                 adm, reason = layer.registered(spec, exc.errno), exc.reason
         elif adm.pending:
             layer.accept_pending(spec)
         if adm.refusal is not None:
-            r = adm.refusal
-            out.append(Outcome.rejected(name, r.errno, r.message, index=i,
-                                        reason=reason or r.message))
+            out.append(refused(name, spec, adm.refusal, index=i, reason=reason))
         else:
             out.append(Outcome(name, True, mode=mode, index=i, pending=adm.pending))
     return out

@@ -200,10 +200,9 @@ def report_error(exc: BaseException) -> int | None:
         return EXIT_USAGE
     if isinstance(exc, ProbeSpecError):
         from ..kernel.grammar import format_error    # only for this error: kph --help stays light
-        toks = exc.text.split()
-        uprobe = len(toks) > 1 and "/" in toks[1]      # the file the kernel would log to
-        print(format_error(exc, "trace_uprobe" if uprobe else "trace_kprobe").rstrip("\n"),
-              file=sys.stderr)
+        # under the name the kernel logs it (trace_kprobe, trace_uprobe, trace_fprobe,
+        # event_probe, event filter parse error, dynevent: grammar.error_subsystem())
+        print(format_error(exc).rstrip("\n"), file=sys.stderr)
         return EXIT_USAGE
     if isinstance(exc, VMError):
         first = str(exc.args[0]) if exc.args else str(exc)

@@ -29,7 +29,10 @@ that depends on what exists already (pure: tables in, a :class:`Refusal` or None
 
 Columns are those of the kernel's ``error_log`` caret (``__trace_probe_log_err()``: the
 start of argument ``index`` of the line, or one past its end when there is no such
-argument), taken in the line as written.
+argument), taken in the line as written, its words joined by single spaces (the kernel
+logs ``argv`` joined so). Each refusal is logged under the name of the parser of its
+line's kind (:func:`subsystem_of`), or not at all (``Refusal.logged``); the few refusals
+whose words a side cannot know are named in :data:`UNKNOWN_WORDS`.
 
 All of this was checked in the booted 6.1.192 guest (``tests/vm/test_fidelity.py``).
 """
@@ -37,15 +40,18 @@ from __future__ import annotations
 
 import dataclasses
 import errno as _errno
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .grammar import (ProbeArg, ProbeSpec, format as format_spec, render_body,
                       split_symbol_offset)
+from .grammar.common import DYNEVENT_SUBSYSTEM, FILTER_SUBSYSTEM, SUBSYSTEM  # noqa: F401
 
 __all__ = ["Refusal", "EventTable", "target_refusal", "resolve_fetch_symbols",
-           "registration_refusal", "module_pending", "arg_column"]
+           "registration_refusal", "module_pending", "arg_column", "subsystem_of",
+           "UNKNOWN_WORDS", "WORDS_MODULE"]
 
 #: The error_log texts (``ERRORS`` in kernel/trace/trace_probe.h) this module uses.
 BAD_PROBE_ADDR = "Invalid probed address or symbol"
@@ -62,17 +68,58 @@ REF_CTR_MISMATCH = "Reference counter offset mismatch."
 _SPACE = re.compile(r"[^ \t\n\v\f\r]+")
 
 
+#: The refusals whose ``error_log`` words one side cannot know, by the name an
+#: ``Outcome.words`` gives (``harness.records.Outcome``), each with the kernel source that
+#: makes them unknowable there. Every other refusal carries the kernel's words on both
+#: sides (read from the guest's ``error_log``, or predicted host-side), and they are
+#: compared exactly.
+WORDS_MODULE = "module-errno"
+UNKNOWN_WORDS = {
+    WORDS_MODULE: (
+        "the module backend (kph_kprobes.ko) calls register_kprobe()/register_kretprobe() "
+        "itself (kernel/kprobes.c): they return an errno and log nothing to error_log; "
+        "what kprobe_events would log around them is the trace layer's prediction, not the "
+        "kernel's word (harness.backends.module)"),
+}
+
+
 @dataclass(frozen=True)
 class Refusal:
-    """The kernel refusing a line: the write's errno, the ``error_log`` text, the caret."""
+    """The kernel refusing a line: the write's errno, the ``error_log`` text, the caret.
+
+    ``subsystem`` names the logger when it is not the parser of the line's kind
+    (:func:`subsystem_of`): an event filter, 7.3's ``dynevent``. ``logged`` is False when
+    the kernel writes no ``error_log`` entry (``message`` is then the write's
+    ``strerror()`` text; the reason, where the side knows one, goes elsewhere)."""
 
     errno: int
     message: str
     column: int = 0
+    subsystem: str = ""
+    logged: bool = True
 
     @property
     def errno_name(self) -> str:
         return _errno.errorcode.get(self.errno, str(self.errno))
+
+    @classmethod
+    def silent(cls, errno: int) -> "Refusal":
+        """A refusal the kernel logs nothing for: the write fails with ``errno``."""
+        return cls(errno, os.strerror(errno), -1, "", False)
+
+    def words(self, spec: ProbeSpec) -> tuple[str, str, int]:
+        """(subsystem, message, column) as ``error_log`` shows this refusal of ``spec``
+        (``("", strerror, -1)`` when it logs nothing)."""
+        if not self.logged:
+            return "", os.strerror(self.errno), -1
+        return self.subsystem or subsystem_of(spec), self.message, self.column
+
+
+def subsystem_of(spec: ProbeSpec) -> str:
+    """The name ``trace_probe_log_init()`` gives the parser of ``spec``'s kind: a uprobe
+    line ``trace_uprobe``, an ``f`` or ``t`` line ``trace_fprobe``, an ``e`` line
+    ``event_probe``, a ``p``/``r`` line ``trace_kprobe`` (``-:`` lines log nothing)."""
+    return SUBSYSTEM[_family(spec)]
 
 
 def _text(spec: ProbeSpec) -> str:
@@ -81,12 +128,12 @@ def _text(spec: ProbeSpec) -> str:
 
 def arg_column(spec: ProbeSpec, index: int) -> int:
     """Where ``__trace_probe_log_err()`` puts the caret for argument ``index`` of the line
-    (0 the ``p:...`` head, 1 the target, 2 the first fetch arg): its first character, or one
-    past the end of the command when the line has fewer arguments."""
-    toks = list(_SPACE.finditer(_text(spec)))
-    if index < len(toks):
-        return toks[index].start()
-    return len(" ".join(t.group() for t in toks)) + 1
+    (0 the ``p:...`` head, 1 the target, 2 the first fetch arg): its first character in the
+    line's words joined by single spaces (as the kernel joins ``argv``), or one past the
+    end of that command when the line has fewer arguments."""
+    toks = _SPACE.findall(_text(spec))
+    return sum(len(t) + 1 for t in toks[:index]) if index < len(toks) else \
+        len(" ".join(toks)) + 1
 
 
 def target_refusal(spec: ProbeSpec, count: Callable[[str], int]) -> Refusal | None:
@@ -161,7 +208,8 @@ class EventTable:
                     if (old.is_uprobe and self._ident(old) == self._ident(spec)
                             and old.offset == spec.offset
                             and (old.ref_ctr_offset or 0) != (spec.ref_ctr_offset or 0)):
-                        return Refusal(_errno.EINVAL, REF_CTR_MISMATCH, 0)
+                        # pr_warn() only: the write fails, error_log has nothing
+                        return Refusal(_errno.EINVAL, REF_CTR_MISMATCH, -1, logged=False)
         olds = self.defined.get((spec.group, spec.event), [])
         # find_trace_kprobe(), find_trace_uprobe(), find_trace_fprobe(): a line joins an
         # event of its own kind; another kind's event of that name is EVENT_EXIST

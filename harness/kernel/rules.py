@@ -210,6 +210,12 @@ class KernelRules:
     #: registration's (7.3 returns -EINVAL whatever register_trace_fprobe_event() said;
     #: 6.12 keeps its -EEXIST); None: the registration's
     fprobe_register_errno: int | None = None
+    #: the fprobe itself is registered when its event is first enabled, not when the line
+    #: is written (7.3: ``enable_trace_fprobe()`` calls ``__register_trace_fprobe()``, which
+    #: resolves ``@SYM`` arguments with ``traceprobe_update_arg()``): an unknown ``@SYM``
+    #: fails the enable with -ENOENT and logs nothing; 6.12 resolves it at the write
+    #: (``register_trace_fprobe()``), logging BAD_PROBE_ADDR at the target
+    fprobe_register_at_enable: bool = False
     #: a tracepoint probe on a tracepoint another ``t`` event already probes fails with
     #: -EEXIST and no error_log entry (6.12: ``__regsiter_tracepoint_fprobe()`` puts the
     #: same stub on the tracepoint again, ``tracepoint_probe_register_prio_may_exist()``
@@ -263,6 +269,7 @@ _7_3 = KernelRules(
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
     fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare",
+    fprobe_register_at_enable=True,
     dynevent_no_match_logged=True)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
@@ -332,6 +339,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                   "handle_typecast() (tparg_is_event_probe())",
         "fprobe_register_errno": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
                                  "(return -EINVAL after register_trace_fprobe_event())",
+        "fprobe_register_at_enable": "kernel/trace/trace_fprobe.c: enable_trace_fprobe() -> "
+                                     "__register_trace_fprobe() -> traceprobe_update_arg()",
         "arg_parser": "kernel/trace/trace_probe.c: parse_probe_arg() (a loop: "
                       "parse_probe_arg_nested(), parse_probe_arg_leaf(), unwind_parse_states())",
         "maxact_on_kprobe": "kernel/trace/trace_kprobe.c: trace_kprobe_create_internal()",

@@ -132,6 +132,7 @@ def test_the_enoent_the_kernel_forgives():
 
 def test_arg_column_counts_tokens_of_the_line_as_written():
     spec = parse("p:kprobes/testevent   do_exit  $stack")
-    # past the last argument: one past the end of the command the kernel logs (argv
-    # joined by single spaces), as __trace_probe_log_err() does
-    assert [arg_column(spec, i) for i in range(4)] == [0, 22, 31, 35]
+    # __trace_probe_log_err() places the caret in argv joined by single spaces, the
+    # command error_log shows: each word's start there, and one past the end of it
+    # past the last argument
+    assert [arg_column(spec, i) for i in range(4)] == [0, 20, 28, 35]

@@ -39,9 +39,10 @@ from typing import Callable
 
 from ...errors import NotMirroredError, ProbeSpecError
 from ..rules import rules_for
-from .common import (MAX_TRACE_ARGS, REGISTERS, KernelView, ParseFail, ProbeArg, ProbeSpec,
-                     default_event_name, default_uprobe_event_name, format_error, is_good_name, kstrtol,
-                     kstrtoul, parse_arg, render_body, split_symbol_offset)
+from .common import (DYNEVENT_SUBSYSTEM, MAX_TRACE_ARGS, REGISTERS, KernelView, ParseFail,
+                     ProbeArg, ProbeSpec, default_event_name, default_uprobe_event_name,
+                     error_subsystem, format_error, is_good_name, kstrtol, kstrtoul,
+                     line_subsystem, parse_arg, render_body, split_symbol_offset)
 from .fetch import (Bitfield, Comm, Deref, FetchArg, FuncArg, Imm, ImmString, MemAddr, MemSymbol,
                     Reg, RetVal, StackEntry, StackPointer)
 from .eprobe import format_eprobe, kernel_format_eprobe, parse_eprobe
@@ -51,6 +52,7 @@ from .uprobe import format_uprobe, kernel_format_uprobe, parse_uprobe
 
 __all__ = [
     "ProbeSpec", "ProbeArg", "parse", "parse_arg", "format", "kernel_format", "format_error",
+    "error_subsystem", "line_subsystem",
     "guest_line", "default_event_name", "default_uprobe_event_name", "kstrtoul", "kstrtol",
     "split_symbol_offset", "render_body", "REGISTERS", "MAX_TRACE_ARGS", "KernelView",
     # the fetch-arg tree, defined in harness.kernel.grammar.fetch and re-exported here
@@ -112,11 +114,17 @@ def parse(text: str, *,
         # the words joined by single spaces (trace_probe_log_err(): the "Command:" of
         # error_log), so a caret after doubled spaces or tabs moves left (kph fuzz found it).
         if exc.words is not None:
-            raise ProbeSpecError(str(exc), " ".join(exc.words), exc.pos, errno=exc.errno,
-                                 logged=exc.logged) from None
-        command = " ".join(t for _, t in toks)
-        raise ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos), errno=exc.errno,
-                             logged=exc.logged) from None
+            err = ProbeSpecError(str(exc), " ".join(exc.words), exc.pos, errno=exc.errno,
+                                 logged=exc.logged)
+        else:
+            command = " ".join(t for _, t in toks)
+            err = ProbeSpecError(str(exc), command, _argv_column(toks, exc.pos),
+                                 errno=exc.errno, logged=exc.logged)
+        # who the kernel logs it under (error_subsystem(), format_error()): the parser of
+        # the line's kind, an event filter, 7.3's dynevent; "" when it logs nothing
+        err.subsystem = (exc.subsystem or line_subsystem([t for _, t in toks])) \
+            if exc.logged else ""
+        raise err from None
 
 
 def _argv_column(toks: list[tuple[int, str]], pos: int) -> int:
@@ -165,7 +173,8 @@ def _parse_probe(toks: list[tuple[int, str]], text: str,
             # create_dyn_event(): every kind said -ECANCELED; 7.3 logs it against the
             # whole command (the "dynevent" subsystem) at 0
             if rules.dynevent_no_match_logged:
-                raise ParseFail("No matching dynamic event type", 0)
+                raise ParseFail("No matching dynamic event type", 0,
+                                subsystem=DYNEVENT_SUBSYSTEM)
             raise ParseFail("Unknown probe type; use p, r or -", h0, logged=False)
         if kind in rules.dynevent_kinds or kind in ("e", "s") and rules.dynevent_kinds:
             raise NotMirroredError(f"not mirrored host-side: {_KIND_NAMES[kind]} on "

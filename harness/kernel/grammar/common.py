@@ -237,6 +237,33 @@ def is_good_name(name: str, hash_ok: bool = False) -> bool:
 
 
 
+# ---------------------------------------------------------------- the error log
+
+#: The ``trace_probe_log_init()`` name of each parser (kernel/trace/trace_kprobe.c,
+#: trace_uprobe.c, trace_fprobe.c, trace_eprobe.c; 6.1, 6.12 and 7.3), by line family
+#: (``k`` p/r, ``u`` uprobe, ``f`` f/t, ``e``): what its ``error_log`` entries start with.
+SUBSYSTEM = {"k": "trace_kprobe", "u": "trace_uprobe", "f": "trace_fprobe",
+             "e": "event_probe"}
+#: kernel/trace/trace_events_filter.c: ``append_filter_err()`` (an ``e`` line's filter;
+#: its command is the filter alone)
+FILTER_SUBSYSTEM = "event filter parse error"
+#: kernel/trace/trace_dynevent.c: ``create_dyn_event()`` (7.3: no kind took the line)
+DYNEVENT_SUBSYSTEM = "dynevent"
+
+
+def line_subsystem(words: list[str]) -> str:
+    """The parser a line's words go to (``create_dyn_event()`` tries each kind;
+    ``kprobe_events`` and ``uprobe_events`` take their own), by the name it logs under."""
+    kind = words[0][:1] if words else ""
+    if kind in ("f", "t"):
+        return SUBSYSTEM["f"]
+    if kind == "e":
+        return SUBSYSTEM["e"]
+    if kind in ("p", "r") and len(words) > 1 and "/" in words[1]:
+        return SUBSYSTEM["u"]
+    return SUBSYSTEM["k"]
+
+
 # ---------------------------------------------------------------- parsing
 
 class ParseFail(Exception):
@@ -244,11 +271,14 @@ class ParseFail(Exception):
     list in trace_probe.h words it (or, where the kernel logs nothing, as ours)."""
 
     def __init__(self, msg: str, pos: int, errno: int = 22, logged: bool = True,
-                 words: list[str] | None = None) -> None:
+                 words: list[str] | None = None, subsystem: str = "") -> None:
         super().__init__(msg)
         self.pos = pos
         self.errno = errno
         self.logged = logged
+        #: who logs it when not the parser of the line's kind (:func:`line_subsystem`):
+        #: an event filter, 7.3's ``dynevent``
+        self.subsystem = subsystem
         #: the words the kernel's log holds when they are not the line's own (then ``pos``
         #: is a column of those words joined by single spaces)
         self.words = words
@@ -714,9 +744,24 @@ def arg_text(arg: ProbeArg, is_return: bool, uprobe: bool = False) -> str:
     return render_body(arg)
 
 
-def format_error(err: ProbeSpecError, subsystem: str = "trace_kprobe") -> str:
+def error_subsystem(err: ProbeSpecError) -> str:
+    """Who the kernel logs ``err`` under: set by :func:`harness.kernel.grammar.parse`
+    (``err.subsystem``: ``trace_kprobe``, ``trace_uprobe``, ``trace_fprobe``,
+    ``event_probe``, ``event filter parse error``, ``dynevent``; "" when the kernel logs
+    nothing), else the parser the words of ``err.text`` go to."""
+    sub = getattr(err, "subsystem", None)
+    if sub is not None:
+        return sub
+    return line_subsystem(err.text.split()) if err.logged else ""
+
+
+def format_error(err: ProbeSpecError, subsystem: str | None = None) -> str:
     """Render ``err`` as ``tracing/error_log`` does (``tracing_err_log_seq_show()``), caret
-    under ``err.column``, without the timestamp."""
+    under ``err.column``, without the timestamp; under ``subsystem`` (default: the one
+    the kernel logs it under, :func:`error_subsystem`; a refusal the kernel does not log
+    is shown under the parser of its kind)."""
+    if subsystem is None:
+        subsystem = error_subsystem(err) or line_subsystem(err.text.split())
     cmd = err.text.rstrip("\n")
     return (f"{subsystem}: error: {err}\n  Command: {cmd}\n"
             f"{' ' * (len('  Command: ') + err.column)}^")

@@ -34,7 +34,7 @@ import errno as E
 from ..evfilter import FilterError, parse_filter
 from ..rules import rules_for
 from .args import FL_KERNEL, FL_TEVENT
-from .common import (MAX_TRACE_ARGS, KernelView, ParseFail, ProbeSpec, arg_text, context_args,
+from .common import (FILTER_SUBSYSTEM, MAX_TRACE_ARGS, KernelView, ParseFail, ProbeSpec, arg_text, context_args,
                      parse_event_name)
 
 __all__ = ["EPROBE_EVENT_SYSTEM", "parse_eprobe", "format_eprobe", "kernel_format_eprobe"]
@@ -103,7 +103,8 @@ def parse_eprobe(toks: list[tuple[int, str]], text: str,
             # create_event_filter() logs under "event filter parse error" with the filter
             # as its command; the write fails with EINVAL
             # the error_log's command is the filter itself, the caret in it
-            raise ParseFail(str(exc), exc.pos, E.EINVAL, words=[ftext]) from None
+            raise ParseFail(str(exc), exc.pos, E.EINVAL, words=[ftext],
+                            subsystem=FILTER_SUBSYSTEM) from None
     fields = None
     if fmt is not None:
         fields = {n: f for n, f in fmt.fields.items() if not n.startswith("common_")}
