@@ -19,6 +19,7 @@ errno), u32 len, payload``; one request at a time. The kprobe semantics live in
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import constants as C
-from ..errors import HarnessError, SetupError, VMLostError
+from ..errors import EngineReadError, HarnessError, SetupError, VMLostError
 from .qemu import qemu_identity
 
 log = logging.getLogger(__name__)
@@ -446,14 +447,23 @@ class Channel:
                      comm.split(b"\0", 1)[0], a, b, ids)
 
     def read(self, addr: int, n: int) -> bytes | None:
-        """``n`` bytes of guest virtual memory in this vCPU's address space, or None (also
-        when the plugin closed the channel: the session is ending)."""
+        """``n`` bytes of guest virtual memory in this vCPU's address space, or None: a
+        fault the plugin confirmed (a page does not translate), or the plugin closed the
+        channel (the session is ending).
+
+        :raise EngineReadError: the read failed where the memory maps (``EIO``: the
+            plugin's failure, never the guest's fault).
+        """
         try:
             self.sock.sendall(struct.pack("<IIQI", C_READ, 12, addr & (1 << 64) - 1, n))
             status, length = struct.unpack("<II", self._recv(8))
             data = self._recv(length) if length else b""
         except (EOFError, OSError):
             return None
+        if status == errno.EIO:
+            raise EngineReadError(f"the plugin's read of {n} byte(s) at {addr:#x} failed "
+                                  "where the guest's memory maps (not a fault the guest "
+                                  "takes)", addr, n)
         return None if status else data
 
     def write(self, addr: int, data: bytes) -> bool:

@@ -1257,7 +1257,14 @@ static int round_trip(vcpu_t *v, unsigned int vcpu, uint32_t type, uint64_t addr
             if (len > REC_MAX - 8) {
                 len = REC_MAX - 8;
             }
-            st = len && mem_read(v, addr64, buf + 8, len) == 0 ? 0 : EFAULT;
+            {
+                /* EFAULT: a confirmed fault (the guest's); EIO: the read failed where the
+                 * memory maps (the plugin's: the harness raises EngineReadError) */
+                int before = v->unconfirmed;
+
+                st = len && mem_read(v, addr64, buf + 8, len) == 0 ? 0
+                     : v->unconfirmed != before ? EIO : EFAULT;
+            }
             memcpy(buf, &st, 4);
             if (st) {
                 len = 0;

@@ -14,6 +14,7 @@ from harness.diff.verdict import compare
 from harness.errors import EngineReadError, SetupError
 from harness.kernel.grammar import parse
 from harness.kernel.grammar import program as fetchprog
+from harness.kernel.kprobes import Kprobe
 from harness.machine.pluginlink import CMD_ARRANGE, MAX_PER_SITE, PluginError
 
 pytestmark = pytest.mark.vm
@@ -102,6 +103,21 @@ def test_an_unconfirmed_fault_is_an_engine_error_not_stale(pvm):
         with pytest.raises(EngineReadError, match="failed where the guest's memory maps"):
             be.collect()
         assert eng.global_stats()["unconfirmed_reads"] >= 1
+        # a Python handler's read alike: an EngineReadError, not None (a fault)
+        seen: list[object] = []
+
+        def pre(p, regs):
+            try:
+                seen.append(eng.read(jiffies, 8))
+            except EngineReadError as exc:
+                seen.append(exc)
+            return 0
+        kp = eng.register_kprobe(Kprobe(symbol_name="do_sys_openat2", pre_handler=pre))
+        try:
+            pvm.run(OPEN)
+        finally:
+            eng.unregister_kprobe(kp)
+        assert seen and all(isinstance(x, EngineReadError) for x in seen)
     finally:
         eng.fail_reads(0, 0)
         be.close()
