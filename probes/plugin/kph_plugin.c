@@ -28,7 +28,12 @@
  * rethook_trampoline_handler() walks a task's rethook nodes, then the vCPU jumps to the
  * real return address (qemu_plugin_set_pc).
  *
- * Why one file of ~1,900 lines: every part shares the lock-free site table, the
+ * The wire protocol (commands, probe kinds, flags, limits, record and event headers) is
+ * kph_proto.h, shared with nothing but the harness's spelling of it (pluginlink.py, held
+ * to it by tests/unit/test_plugin_build.py). Every count and index a request carries is
+ * bounded here before use.
+ *
+ * Why one file of ~2,600 lines: every part shares the lock-free site table, the
  * per-vCPU state and the callback contexts QEMU allows (set_pc only where registered
  * with RW_REGS_PC, memory writes only from a vCPU); splitting it would mean a header
  * exposing all of them. It is in sections, in this order: site table, invalidation,
@@ -303,11 +308,17 @@ static site *site_get(uint64_t addr)
     return NULL;
 }
 
-/* Replace a site's probe list (old lists are leaked: a callback may still read one). */
+/* Replace a site's probe list (old lists are leaked: a callback may still read one). A
+ * list holds at most MAX_PER_SITE probes: the per-hit arrays (ids[], the event's ids) are
+ * that size. */
 static int site_set(site *s, probe **ps, int n)
 {
-    plist *l = malloc(sizeof(*l) + sizeof(probe *) * (n ? n : 1));
+    plist *l;
 
+    if (n < 0 || n > MAX_PER_SITE) {
+        return -1;
+    }
+    l = malloc(sizeof(*l) + sizeof(probe *) * (n ? n : 1));
     if (!l) {
         return -1;
     }
