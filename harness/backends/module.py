@@ -23,6 +23,7 @@ pass over the event; ``symstr`` and ``symbol`` values are symbolized host-side w
 """
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import logging
 from collections import Counter
@@ -38,7 +39,7 @@ from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.grammar import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
-from .tracelayer import TraceLayer
+from .tracelayer import TraceLayer, refused
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -554,9 +555,9 @@ class ModuleBackend:
                 except SymbolNotFoundError:
                     adm = layer.registered(spec, _errno.ENOENT)
             if adm.refusal is not None:
-                r = adm.refusal
-                results.append(Outcome.rejected(name, r.errno, r.message, index=index,
-                                                reason=adm.reason))
+                # the kernel's error_log words, as the host side predicts them
+                results.append(refused(name, spec, adm.refusal, index=index,
+                                       reason=adm.reason))
                 continue
             if adm.pending:
                 layer.accept_pending(spec)
@@ -596,8 +597,10 @@ class ModuleBackend:
             if adm.refusal is None:
                 out.append(Outcome(placed.name, True, index=index, pending=adm.pending))
             else:
-                out.append(Outcome.rejected(placed.name, -err, adm.refusal.message, index=index,
-                                            reason=f"{fn}() returned -{code}"))
+                # register_kprobe()'s errno, with the words kprobe_events logs for it
+                out.append(dataclasses.replace(
+                    refused(placed.name, spec, adm.refusal, index=index,
+                            reason=f"{fn}() returned -{code}"), errno=-err))
         return out
 
     def list(self) -> dict[int, tuple[str, int, str]]:
