@@ -543,6 +543,10 @@ class TraceLayer:
         if ref is None:
             self.table.add(spec)
             return Admission(spec, pending=self._pending_reason(spec))
+        if spec.is_fprobe and self.rules.fprobe_register_errno is not None:
+            # 7.3's trace_fprobe_create_internal() fails the write with -EINVAL after
+            # logging what register_trace_fprobe_event() said
+            ref = dataclasses.replace(ref, errno=self.rules.fprobe_register_errno)
         return Admission(spec, ref)
 
     def release(self, spec: ProbeSpec) -> tuple[list[ProbeSpec], Refusal | None]:

@@ -352,6 +352,10 @@ def registration_refusal(spec: ProbeSpec, errno: int, module_loaded: Callable[[s
     """
     if errno == _errno.ENOENT and module_pending(spec, module_loaded):
         return None
+    if errno in (_errno.ENOMEM, _errno.EEXIST):
+        # "else if (ret != -ENOMEM && ret != -EEXIST)": the event checks log their own
+        # EEXIST; here neither is logged (trace_kprobe.c, trace_fprobe.c; 6.1 to 7.3)
+        return Refusal.silent(errno)
     col = arg_column(spec, 1)
     if errno == _errno.EILSEQ:
         return Refusal(errno, BAD_INSN_BNDRY, col)

@@ -4,6 +4,7 @@ side (predicted) and on the events side (read back), in ``harness.records.Outcom
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -191,3 +192,14 @@ def test_a_guest_refusal_outcome():
         o = refusal_outcome("kprobes/x", spec, "@err sh: write error: Invalid argument",
                             detail, index=0)
         assert o.error_log() == ("", "Invalid argument", -1) and o.errno == errno.EINVAL
+
+
+def test_a_registration_that_fails_for_memory_or_an_existing_probe_logs_nothing_there():
+    from harness.kernel.dynevent import registration_refusal
+
+    spec = parse("p:kprobes/x vfs_read")
+    for e in (errno.ENOMEM, errno.EEXIST):
+        r = registration_refusal(spec, e, lambda m: True)
+        assert r.errno == e and r.words(spec) == ("", os.strerror(e), -1)
+    r = registration_refusal(spec, errno.EBUSY, lambda m: True)
+    assert r.words(spec) == ("trace_kprobe", FAIL_REG_PROBE, 12)
