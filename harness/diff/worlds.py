@@ -81,15 +81,21 @@ def run_three(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *, guest: 
         p.disable()
         g.disable()
         text = r.stdout + r.stderr
-        runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text)
-                     for be, o in zip((h, p, g), outs))
+        runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text,
+                                r.stderr)
+                     for be, o in zip((h, p, g), outs, strict=True))
     finally:
         for be in (h, p, g):
             if be is not None:
                 be.close()
         stub.close()
     hs = vm.symbols.symbolize(stub.trampoline)
-    tramps = tuple(trampoline_text(vm)) + ((f"{hs[0].name}+{hs[1]:#x}",) if hs else ())
+    # the gdbstub engine's trampoline as an ip and as a value: the plugin's probes run
+    # after the gdbstub world's hijack, so a plugin $stack0 at an entry the gdbstub
+    # engine's return probe hooked reads it (measured on 6.1: each engine alone, and the
+    # guest alone, reads the caller there: all follow add_new_kprobe()'s newest first)
+    tramps = tuple(trampoline_text(vm)) + ((f"{hs[0].name}+{hs[1]:#x}",) if hs else ()) \
+        + (f"0x{stub.trampoline:x}",)
     if stub._uprobes is not None:       # the gdbstub engine's uretprobe trampolines
         tramps += tuple(f"0x{t:x}" for t in stub._uprobes.used_trampolines)
     pairs = (compare(runs[0], runs[2], trampoline=tramps, **verdict),

@@ -179,6 +179,30 @@ def test_flags_in_three_worlds(pvm):
     assert all(int(h.arg("flags"), 16) & 0x2 for h in gdb)      # bit 1 is always set
 
 
+def test_a_return_slot_read_under_stacked_return_probes_in_three_worlds(pvm):
+    """Issue 36, defect 7 (``r:testprobe2 kernel_clone $retval`` with ``p:kc kernel_clone
+    $stack0``). Each world alone reads the caller there: add_new_kprobe() runs the newer
+    ``kc`` before the return probe's hijack (kernel/kprobes.c, 6.1 to 7.3), and both
+    engines alone do the same (tests/vm/test_plugin_engine.py). In three worlds each later
+    world's ``kc`` reads the earlier world's trampoline: the plugin the gdbstub engine's,
+    the guest the plugin's. Every pair is equivalent through the ``trampoline`` rule on
+    that argument only; the gdbstub engine, which runs first, keeps the caller."""
+    from harness.diff.worlds import run_three
+
+    tw = run_three(pvm, [parse("r:testprobe2 kernel_clone $retval"),
+                         parse("p:kc kernel_clone $stack0:x64")], "(echo forked); ls / >/dev/null")
+    assert tw.equivalent, tw.first_divergence().first
+    gdb, plugin, guest = ([h for h in run.hits if h.probe == "kprobes/kc" and h.comm != "qemu-ga"]
+                          for run in tw.runs)
+    assert len(gdb) == len(plugin) == len(guest) >= 2
+    tramp = f"0x{pvm.host.trampoline:x}"
+    assert all(h.arg("arg1") != tramp for h in gdb)            # the caller
+    assert all(h.arg("arg1") != h2.arg("arg1") for h, h2 in zip(gdb, plugin, strict=True))
+    for pair in tw.pairs:
+        slot = [n for n in pair.normalized if n.field == "arg:arg1"]
+        assert slot and {n.rule for n in slot} == {"trampoline"}
+
+
 def test_kph_probe_host_plugin(capsys):
     from harness.cli import main
 
