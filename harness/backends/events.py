@@ -27,7 +27,7 @@ import os
 import shlex
 from typing import Any, Sequence
 
-from ..errors import GuestAgentError, GuestLossError
+from ..errors import GuestAgentError, GuestLossError, HarnessError
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.grammar import ProbeSpec, guest_line
@@ -254,6 +254,9 @@ class EventsBackend:
         #: entries they write keep their frames: (its ID, size offset, caller offset)
         self.triggers: dict[str, int] = {}
         self._stack_fmt: tuple[int, int, int] | None = None
+        #: ``task:task_rename``'s (ID, pid field, newcomm field): the guest's own record
+        #: of each rename, the evidence the diff's ``comm-change`` rule needs
+        self._rename_fmt: tuple[int, Any, Any] | None = None
         self._trigger_files: dict[str, int] = {}
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
@@ -471,6 +474,7 @@ class EventsBackend:
         disables it again, as kprobe_events leaves a new event.)"""
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
+        self._enable_renames(True)
         self.vm.write_file(f"{TRACING}/trace", b"\n")
         self._find_trigger_files()
         self._set_triggers()
@@ -481,6 +485,29 @@ class EventsBackend:
         self.vm.write_file(f"{TRACING}/tracing_on", b"0\n")
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
+        self._enable_renames(False)
+
+    _RENAME = f"{TRACING}/events/task/task_rename"
+
+    def _enable_renames(self, on: bool) -> None:
+        """Record the guest's renames (``task:task_rename``, fired by ``__set_task_comm()``
+        before it copies the new comm: fs/exec.c of 6.1, 6.12 and 7.3) beside our events,
+        so that each hit carries the comms its pid took after it *as the guest saw them*
+        (``Hit.comm_alts``): the diff's ``comm-change`` rule asks both sides for it. Our
+        probes' hits only, when a spec is ours; a kernel without the event records none
+        (and ``comm-change`` then never applies)."""
+        if not self.specs:
+            return
+        if on and self._rename_fmt is None:
+            try:
+                fmt = parse_format(self.vm.pull(f"{self._RENAME}/format")
+                                   .decode("utf-8", "replace"))
+                self._rename_fmt = (fmt.id, fmt.fields["pid"], fmt.fields["newcomm"])
+            except (HarnessError, ValueError, KeyError) as exc:
+                log.warning("no task_rename event: comm-change has no guest evidence (%s)", exc)
+                return
+        if self._rename_fmt is not None:
+            self.vm.write_file(f"{self._RENAME}/enable", b"1\n" if on else b"0\n")
 
     def _raw_pages(self, cpu: int) -> tuple[list[bytes], bool]:
         """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read, and whether the drain
@@ -565,7 +592,9 @@ class EventsBackend:
                 truncated.append(cpu)
             got, _ = read_pages(pages[cpu], cpu)
             stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
-            per_cpu.append([r for r in got if r.type in self._formats or r.type == stack_id])
+            rename_id = self._rename_fmt[0] if self._rename_fmt is not None else -1
+            per_cpu.append([r for r in got if r.type in self._formats
+                            or r.type in (stack_id, rename_id)])
         stats = self._stats(cpus)
         self.check_losses([ring_loss(c, stats.get(c, {}), pages[c]) for c in cpus],
                           {c: max(1, stats.get(c, {}).get("entries", 0)) for c in truncated})
@@ -582,7 +611,14 @@ class EventsBackend:
 
         modes = {o.probe: o.mode for o in self.outcomes}
         hits: list[Hit] = []
+        renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
         for rec in recs:
+            if self._rename_fmt is not None and rec.type == self._rename_fmt[0]:
+                _, fpid, fcomm = self._rename_fmt
+                pid = int.from_bytes(rec.data[fpid.offset:fpid.offset + 4], "little", signed=True)
+                raw = rec.data[fcomm.offset:fcomm.offset + fcomm.size].split(b"\0", 1)[0]
+                renames.setdefault(pid, []).append((len(hits), escape_bytes(raw)))
+                continue
             if rec.type not in self._formats:       # a stack trace: the last hit's here
                 self._attach_stack(hits, rec)
                 continue
@@ -611,7 +647,8 @@ class EventsBackend:
                             seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
                             ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
                             irq="" if spec.is_uprobe else _context(rec.data[2])))
-        return hits
+        return [dataclasses.replace(h, comm_alts=tuple(c for n, c in renames[h.pid] if n > i))
+                if h.pid in renames else h for i, h in enumerate(hits)]
 
     def _attach_stack(self, hits: list[Hit], rec: Any) -> None:
         """A ``kernel_stack`` entry: the frames of the stacktrace trigger of the event

@@ -26,7 +26,7 @@ from typing import Callable
 
 from ..records import Hit
 
-__all__ = ["Rule", "REGISTRY", "NORMALIZATIONS", "rule", "by_stage", "help_text",
+__all__ = ["Rule", "REGISTRY", "NORMALIZATIONS", "rule", "by_stage", "help_text", "markdown_table",
            "AGENT_COMMS", "GUEST_SIDES", "UNKNOWN_TEXT", "UNKNOWN_RULES",
            "unknown_match", "stack_match", "is_trampoline", "moves", "slot_args"]
 
@@ -123,7 +123,10 @@ def _trampoline(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
 
 
 def _comm_change(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
-    return k == "comm" and vb in ha.comm_alts
+    """Both sides saw the pid take that comm after the hit: the host through its hidden
+    probe on ``__set_task_comm()``, the guest in its own ``task:task_rename`` records
+    (``harness.backends.events``); one side's word alone is no evidence."""
+    return k == "comm" and vb in ha.comm_alts and vb in hb.comm_alts
 
 
 def _stack_machinery(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
@@ -312,7 +315,8 @@ REGISTRY: tuple[Rule, ...] = (
          "saved_cmdlines recorded it) compares equal",
          "kernel/trace/trace.c: tracing_record_taskinfo() saves a comm at the CPU's next "
          "switch or wakeup",
-         "the host saw the rename itself (a hidden probe on __set_task_comm)"),
+         "both sides saw the pid take that comm after the hit: the host through a hidden "
+         "probe on __set_task_comm(), the guest in its own task:task_rename records"),
     Rule("stack-machinery", "field",
          "a stacktrace trigger's frames compared from the probed context down; the "
          "guest's frames above it, of its own probe machinery (kprobe_trace_func ... "
@@ -351,6 +355,15 @@ def rule(name: str) -> Rule:
 
 def by_stage(stage: str) -> tuple[Rule, ...]:
     return tuple(r for r in REGISTRY if r.stage == stage)
+
+
+def markdown_table() -> str:
+    """The registry as docs/diff.md lists it (a unit test holds the page to this)."""
+    rows = ["| rule | stage | what | why (kernel source) | only when |",
+            "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{r.name}` | {r.stage} | {r.summary} | {r.reason} | {r.evidence} |"
+             .replace("$", "\\$") for r in REGISTRY]
+    return "\n".join(rows)
 
 
 def help_text() -> str:

@@ -172,7 +172,7 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
     ``a`` (the host) saw comm ``qemu-ga`` there, and the trace prints the comm the pid had
     when ``saved_cmdlines`` caught it, after the exec (``comm-change``). Per pid, as many
     of ``b``'s first hits of that pid as ``a`` left out, when their comm is one the pid
-    took after ``a``'s hit."""
+    took after ``a``'s hit, as both sides saw it (``a``'s and the hit's own ``comm_alts``)."""
     owed: dict[int, list[Hit]] = {}
     for h in a:
         if h.comm in AGENT_COMMS and h.pid is not None and h.comm_alts:
@@ -180,7 +180,8 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
     out = []
     for h in b:
         left = owed.get(h.pid) if h.pid is not None else None
-        if left and h.probe == left[0].probe and h.comm in left[0].comm_alts:
+        if left and h.probe == left[0].probe and h.comm in left[0].comm_alts \
+                and h.comm in h.comm_alts:
             left.pop(0)
             out.append(h)
     return out

@@ -207,13 +207,18 @@ def test_an_agent_child_s_hit_under_its_later_comm_is_left_out_on_both_sides():
         return Hit(side=side, probe="kprobes/open", kind="p", seq=seq, cpu=0, pid=9, comm=comm,
                    ip="do_sys_openat2+0x0/0x170", args=(("dfd", "-100"),), comm_alts=alts)
     host = [h("host", 0, "qemu-ga", ("sh", "cat")), h("host", 1, "sh", ("cat",)), h("host", 2, "cat")]
-    guest = [h("events", 0, "sh"), h("events", 1, "sh"), h("events", 2, "cat")]
+    # the guest's own task_rename records give its hits the same later comms
+    guest = [h("events", 0, "sh", ("sh", "cat")), h("events", 1, "sh", ("cat",)),
+             h("events", 2, "cat")]
     res = compare(run("host", host), run("events", guest))
     assert res.equivalent and res.matched == {"kprobes/open": 2}
     assert res.applied["agent"] == 2
     # without the host's agent hit nothing is left out of the guest's side
     res = compare(run("host", host[1:]), run("events", guest))
     assert not res.equivalent
+    # nor when the guest did not see the pid take that comm after its hit
+    bare = [dataclasses.replace(g, comm_alts=()) for g in guest]
+    assert not compare(run("host", host), run("events", bare)).equivalent
 
 
 def _task_hit(side, seq, comm, pid, obj):
@@ -282,9 +287,13 @@ def test_irq_order_compares_per_context_and_only_when_every_context_is_known():
 
 def test_comm_change_takes_only_a_comm_the_pid_took_later():
     h = dataclasses.replace(hit("host", 0, comm="sh", dfd=1), comm_alts=("cat",))
-    res = compare(run("host", [h]), run("events", [hit("events", 0, comm="cat", dfd=1)]))
+    g = dataclasses.replace(hit("events", 0, comm="cat", dfd=1), comm_alts=("cat",))
+    res = compare(run("host", [h]), run("events", [g]))
     assert res.equivalent and res.applied["comm-change"] == 1
-    res = compare(run("host", [h]), run("events", [hit("events", 0, comm="ls", dfd=1)]))
+    res = compare(run("host", [h]), run("events", [dataclasses.replace(g, comm="ls")]))
+    assert not res.equivalent and res.first.field == "comm"
+    # the host's word alone (the guest recorded no such rename) is no evidence (issue 36)
+    res = compare(run("host", [h]), run("events", [hit("events", 0, comm="cat", dfd=1)]))
     assert not res.equivalent and res.first.field == "comm"
 
 
@@ -602,3 +611,5 @@ def test_every_rule_of_the_registry_has_a_reason_evidence_doc_and_a_refusing_tes
         assert f"`{r.name}`" in text, f"docs/diff.md does not name {r.name}"
         assert r.name in help_text()
         assert r.stage in ("line", "hits", "order", "field", "counter")
+    from harness.diff.rules import markdown_table
+    assert markdown_table() in text, "docs/diff.md's registry table is not the registry's"

@@ -100,3 +100,22 @@ def test_an_smp_guest_s_events_are_read_from_every_cpu(default_image):
     guest = [h for h in runs[1].hits if h.comm == "cat"]
     assert {h.cpu for h in guest} == {0, 1}, [h.line() for h in guest]
     assert res.equivalent, res
+
+
+def test_a_comm_an_exec_gave_after_the_hit_needs_both_sides_to_have_seen_it(vm):
+    """Issue 36, comm-change: sh opens /proc/version, then execs ``true`` with no more
+    opens; the trace prints the hit under ``true`` (saved_cmdlines saved after the
+    rename), the host under ``sh``. The rule applies because both sides saw the rename
+    after the hit: the host's hidden probe on __set_task_comm(), the guest's own
+    task_rename record; with the guest's evidence taken away the comm diverges."""
+    import dataclasses
+
+    host, guest = run_differential(vm, [parse("p:open do_sys_openat2 path=+0(%si):ustring")],
+                                   "sh -c 'exec 3</proc/version; exec true'")
+    res = compare(host, guest, trampoline=trampoline_text(vm))
+    assert res.equivalent and res.applied.get("comm-change", 0) >= 1, res.first
+    renamed = [h for h in guest.hits if h.comm == "true"]
+    assert renamed and all("true" in h.comm_alts for h in renamed)
+    bare = dataclasses.replace(guest, hits=[dataclasses.replace(h, comm_alts=()) for h in guest.hits])
+    res = compare(host, bare, trampoline=trampoline_text(vm))
+    assert not res.equivalent and res.first.field == "comm"
