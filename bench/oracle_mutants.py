@@ -46,7 +46,62 @@ READS = ("p:rd vfs_read f=+16(%di):x64 cnt=%dx:u64", "r:rr vfs_read ret=$retval:
 OPENS = ("p:op do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32",
          "r:opr do_sys_openat2 ret=$retval:s64")
 REFUSED = ("p:bl do_int3", "p:rd vfs_read")
-PROBE_SETS = {"reads": READS, "opens": OPENS, "refused": REFUSED}
+#: several threads of one process (kph-threads, probes/progs/threads.c): a uprobe and its
+#: return in each thread (thread-order), kernel probes hit by every task (clone, exit)
+THREADS = ("p:u/work /usr/bin/kph-threads:kph_work t=%di:s64 i=%si:s64",
+           "r:u/workr /usr/bin/kph-threads:kph_work v=$retval:s64",
+           "p:cl kernel_clone fl=+0(%di):x64", "r:clr kernel_clone ret=$retval:s64",
+           "p:ex do_exit code=%di:s64")
+#: interrupts: kfree from tasks and from the RCU softirq, rcu_core from the softirq only
+#: (irq-order; the context of each hit is compared)
+IRQ = ("p:kf kfree ptr=%di:x64", "p:rc rcu_core")
+#: a stacktrace trigger on a probe (the gdbstub engine only: kph diff --trigger)
+STACK = ("p:op do_sys_openat2 dfd=%di:s32 flags=%dx:x32",)
+#: an armed line no workload calls (kexec_load) beside lines that fire
+SILENT = READS + ("p:sl __x64_sys_kexec_load",)
+#: tasks that die inside a kretprobed function: their instances come back only at
+#: rethook_flush_task() (the plugin's flush_task(); a pool of 10 instances)
+EXITS = ("r:dx do_exit", "p:de do_exit")
+
+
+@dataclass(frozen=True)
+class ProbeSet:
+    """The lines of one ``kph diff``, its workload, its extra options and the host engines
+    it runs on."""
+
+    specs: tuple[str, ...]
+    run: str = WORKLOAD
+    extra: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ("gdbstub", "plugin")
+
+
+#: several runnable tasks at once on the one vCPU: three shells that loop and write
+PREEMPT_RUN = ("for j in 1 2 3; do (i=0; while [ $i -lt 15 ]; do i=$((i+1)); k=0; "
+               "while [ $k -lt 100 ]; do k=$((k+1)); done; echo $i >/dev/null; done) & done; wait")
+PREEMPT = ("p:wr ksys_write fd=%di:s32 n=%dx:u64", "r:wrr ksys_write ret=$retval:s64")
+
+PROBE_SETS: dict[str, ProbeSet] = {
+    "reads": ProbeSet(READS), "opens": ProbeSet(OPENS), "refused": ProbeSet(REFUSED),
+    "threads": ProbeSet(THREADS, "/usr/bin/kph-threads 4 8"),
+    # gdbstub only: the plugin engine misses rcu_core's hits in the idle task's softirq
+    # (pid 0) that the guest and the gdbstub engine record (reported, issue 36)
+    "irq": ProbeSet(IRQ, "ls /proc >/dev/null; sleep 0.05", engines=("gdbstub",)),
+    "tasks": ProbeSet(PREEMPT, PREEMPT_RUN),
+    "stack": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace"), ("gdbstub",)),
+    "silent": ProbeSet(SILENT),
+    "exits": ProbeSet(EXITS, "for i in $(seq 20); do /bin/true; done"),
+    # %ip at an entry (regs->ip past the breakpoint) and two return probes on one call
+    # (the second hijacks the first's trampoline)
+    "stacked": ProbeSet(("p:ipa vfs_read ip=%ip:x64", "r:ra vfs_read ret=$retval:s64",
+                         "r:rb vfs_read ret=$retval:s64")),
+    # two tasks asleep in one function with a pool of one: the second call is missed
+    # (nmissed 1 on each side)
+    "missed": ProbeSet(("r1:ns hrtimer_nanosleep ret=$retval:s64",),
+                       "sleep 0.2 & sleep 0.2 & wait"),
+    # a return probe with a pool of one instance: every call takes the last one
+    "pool": ProbeSet(("r1:rr vfs_read ret=$retval:s64", "p:rd vfs_read f=%di:x64"),
+                     engines=("plugin",)),
+}
 
 
 @dataclass(frozen=True)
@@ -82,10 +137,25 @@ def _wrap(stack: contextlib.ExitStack, owner: Any, name: str,
     stack.enter_context(mock.patch.object(owner, name, make(orig)))
 
 
+#: Set by a hit-stream mutant whose transform changed the stream in the current run.
+_CHANGED: list[int] = []
+
+
 def _hits(transform: Callable[[list[Any]], list[Any]]) -> Callable[[contextlib.ExitStack, Parts], None]:
-    """A mutant on the hit stream the backend hands to the diff."""
+    """A mutant on the hit stream the backend hands to the diff. A run in which the
+    transform found nothing to change is no kill and no survivor: ``run_mutant`` reports
+    it as not applied."""
     def apply(stack: contextlib.ExitStack, p: Parts) -> None:
-        _wrap(stack, p.backend, "collect", lambda orig: lambda self: transform(list(orig(self))))
+        def collect(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def c(self: Any) -> list[Any]:
+                hits = list(orig(self))
+                out = transform(list(hits))
+                if out != hits:
+                    _CHANGED.append(1)
+                return out
+            return c
+        _wrap(stack, p.backend, "collect", collect)
+    apply.edits_hits = True         # type: ignore[attr-defined]
     return apply
 
 
@@ -308,11 +378,160 @@ def _offset_probe(stack: contextlib.ExitStack, p: Parts) -> None:
             and spec.symbol_name and not spec.is_uprobe else spec, *a, **k))
 
 
+def _pair_across_pids(hits: list[Any], kind: str | None = None
+                      ) -> tuple[int, int] | None:
+    """Two hits of one probe from different tasks whose arguments differ, as far apart as
+    such a pair goes (so that no single preemption window explains their exchange)."""
+    idx = _relevant(hits, kind)
+    best: tuple[int, int] | None = None
+    for n, a in enumerate(idx):
+        for b in idx[n + 1:]:
+            if hits[b].probe == hits[a].probe and hits[b].pid != hits[a].pid \
+                    and hits[b].args != hits[a].args \
+                    and (best is None or b - a > best[1] - best[0]):
+                best = (a, b)
+        if best is not None:
+            return best
+    return best
+
+
+def _pids_swapped(hits: list[Any]) -> list[Any]:
+    """The pid and comm of two hits of one probe from different tasks exchanged (the
+    engine read another vCPU's or task's ``current``)."""
+    ab = _pair_across_pids(hits)
+    if ab is not None:
+        a, b = ab
+        x, y = hits[a], hits[b]
+        hits[a] = dataclasses.replace(x, pid=y.pid, comm=y.comm)
+        hits[b] = dataclasses.replace(y, pid=x.pid, comm=x.comm)
+    return hits
+
+
+def _hits_swapped_across_pids(hits: list[Any]) -> list[Any]:
+    """Two hits of one probe from different tasks exchanged in the stream (each keeps the
+    other's place and sequence number)."""
+    ab = _pair_across_pids(hits)
+    if ab is not None:
+        a, b = ab
+        x, y = hits[a], hits[b]
+        hits[a], hits[b] = dataclasses.replace(y, seq=x.seq), dataclasses.replace(x, seq=y.seq)
+    return hits
+
+
+def _probes_reordered(hits: list[Any]) -> list[Any]:
+    """Two hits of one task, of two different probes, recorded in the other order (each
+    probe's own hits stay as they were: only the order across probes changes)."""
+    idx = sorted(_relevant(hits), key=lambda i: hits[i].seq)
+    for a, b in zip(idx, idx[1:]):
+        x, y = hits[a], hits[b]
+        if x.probe != y.probe and (x.pid, x.cpu, x.irq) == (y.pid, y.cpu, y.irq):
+            hits[a], hits[b] = dataclasses.replace(x, seq=y.seq), dataclasses.replace(y, seq=x.seq)
+            hits.sort(key=lambda h: h.seq)
+            return hits
+    return hits
+
+
+def _stale_arg(h: Any) -> Any:
+    """The hit's first argument read as a fault (``(unknown)``, reason ``stale``)."""
+    if not h.args:
+        return h
+    (k, _), rest = h.args[0], h.args[1:]
+    return dataclasses.replace(h, args=((k, "(unknown)"),) + rest,
+                               unknown=tuple(h.unknown) + ((k, "stale"),))
+
+
+def _irq_flipped(h: Any) -> Any:
+    return dataclasses.replace(h, irq={"irq": "task", "task": "irq"}.get(h.irq, h.irq))
+
+
+def _first_irq(hits: list[Any]) -> int | None:
+    return next((i for i in _relevant(hits) if hits[i].irq == "irq"), None)
+
+
+def _irq_hit_late(hits: list[Any]) -> list[Any]:
+    """A hit the interrupt context made recorded after every other hit of its probe."""
+    i = next((i for i in _relevant(hits) if hits[i].irq == "irq" and any(
+        hits[j].probe == hits[i].probe and hits[j].irq != "irq" for j in _relevant(hits)
+        if j > i)), None)
+    if i is None:
+        return hits
+    h = hits.pop(i)
+    last = max(j for j, x in enumerate(hits) if x.probe == h.probe)
+    hits.insert(last + 1, h)
+    return hits
+
+
+def _stack_edit(change: Callable[[tuple[str, ...]], tuple[str, ...]]
+                ) -> Callable[[list[Any]], list[Any]]:
+    """The stack trace of the first hit that has one, changed."""
+    def t(hits: list[Any]) -> list[Any]:
+        i = next((i for i in _relevant(hits) if hits[i].stack), None)
+        if i is not None:
+            hits[i] = dataclasses.replace(hits[i], stack=change(tuple(hits[i].stack)))
+        return hits
+    return t
+
+
+def _line_pending(index: int, drop_hits: bool) -> Callable[[contextlib.ExitStack, Parts], None]:
+    """The host's outcome of line ``index``: accepted but pending (never installed); its
+    hits gone with it when ``drop_hits``."""
+    def apply(stack: contextlib.ExitStack, p: Parts) -> None:
+        probe: list[str] = []
+
+        def register(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def reg(self: Any, specs: Any) -> list[Any]:
+                outs = list(orig(self, specs))
+                for n, o in enumerate(outs):
+                    if o.index == index or (o.index < 0 and n == index):
+                        outs[n] = dataclasses.replace(o, pending="mutant: never installed")
+                        probe.append(o.probe)
+                return outs
+            return reg
+        _wrap(stack, p.backend, "register", register)
+        if drop_hits:
+            _wrap(stack, p.backend, "collect", lambda orig: lambda self: [
+                h for h in orig(self) if h.probe not in probe])
+    return apply
+
+
+def _counter_missing(stack: contextlib.ExitStack, p: Parts) -> None:
+    """The host has no counter for the first probe it counted."""
+    _wrap(stack, p.backend, "counters", lambda orig: lambda self: dict(
+        list(orig(self).items())[1:]))
+
+
+def _stub_fault_once(stack: contextlib.ExitStack, p: Parts) -> None:
+    """The stub's first read of an argument's memory fails as a fault (its raw read,
+    which would confirm it, works): a fault the guest never took."""
+    active: list[int] = []
+    done: list[int] = []
+
+    def ctx_read(orig: Callable[..., bytes]) -> Callable[..., bytes]:
+        def read(self: Any, addr: int, size: int) -> bytes:
+            active.append(1)
+            try:
+                return orig(self, addr, size)
+            finally:
+                active.pop()
+        return read
+
+    def make(orig: Callable[..., bytes]) -> Callable[..., bytes]:
+        def read(self: Any, addr: int, size: int) -> bytes:
+            if active and not done:
+                done.append(1)
+                raise errors.MemoryFaultError("Unable to read memory.", addr)
+            return orig(self, addr, size)
+        return read
+    _wrap(stack, p.ctx, "read", ctx_read)
+    _wrap(stack, gdbstub.GdbStub, "read_memory", make)
+
+
 # -- the catalogue ---------------------------------------------------------------------------
 
 def _m(name: str, what: str, probes: str, apply: Callable[[contextlib.ExitStack, Parts], None],
        engines: tuple[str, ...] = ("gdbstub", "plugin")) -> Mutant:
-    return Mutant(name, what, probes, apply, engines)
+    return Mutant(name, what, probes, apply,
+                  tuple(e for e in engines if e in PROBE_SETS[probes].engines))
 
 
 def _bump_tail(text: str) -> str:
@@ -400,6 +619,45 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("record-truncated", "a record marked truncated", "reads",
        _records(lambda rs: _nth_hit_record(rs, lambda r: dataclasses.replace(
            r, flags=r.flags | RF_TRUNC))), ("plugin",)),
+    # several tasks, interrupts, counters, registrations and stacks (issue 36)
+    _m("pids-swapped", "two tasks' hits of one probe: their pids and comms exchanged",
+       "threads", _hits(_pids_swapped)),
+    _m("hits-swapped-across-pids", "two tasks' hits of one probe exchanged in the stream",
+       "threads", _hits(_hits_swapped_across_pids)),
+    _m("thread-hits-swapped", "two hits of one thread swapped, threads running (uprobe)",
+       "threads", _hits(_swap_in_thread(None, lambda x, y: (y, x)))),
+    _m("probes-reordered", "one task's hits of two probes recorded in the other order",
+       "reads", _hits(_probes_reordered)),
+    _m("threads-probes-reordered", "one thread's hits of two probes in the other order",
+       "threads", _hits(_probes_reordered)),
+    _m("pid-none", "one hit's pid not read (None)", "reads",
+       _hits(_edit(_first(), lambda h: dataclasses.replace(h, pid=None)))),
+    _m("counter-missing", "no host counter for one probe", "reads", _counter_missing),
+    _m("stale-spurious", "an argument (unknown) with the reason stale, no fault taken",
+       "reads", _hits(_edit(_first("p"), _stale_arg))),
+    _m("stale-unconfirmed", "a read that faults once where the memory maps", "reads",
+       _stub_fault_once, ("gdbstub",)),
+    _m("pending-silent", "an armed line that no workload calls, said pending host-side",
+       "silent", _line_pending(2, False)),
+    _m("pending-armed", "an armed line said pending host-side, never installed", "reads",
+       _line_pending(0, True)),
+    _m("irq-flipped", "a hit of the interrupt context recorded as the task's", "irq",
+       _hits(_edit(_first_irq, _irq_flipped))),
+    _m("irq-hit-late", "a hit of the interrupt context recorded after its probe's others",
+       "irq", _hits(_irq_hit_late)),
+    _m("tasks-hits-swapped", "two tasks' writes exchanged while they take turns", "tasks",
+       _hits(_hits_swapped_across_pids)),
+    _m("tasks-pids-swapped", "two tasks' writes: their pids exchanged", "tasks",
+       _hits(_pids_swapped)),
+    _m("stack-extra-frames", "two host frames of probe machinery on top of the stack",
+       "stack", _hits(_stack_edit(lambda f: ("kprobe_ftrace_handler", "0xffffffffc0401000") + f)),
+       ("gdbstub",)),
+    _m("stack-frame-dropped", "the stack's outermost frame lost", "stack",
+       _hits(_stack_edit(lambda f: f[:-1])), ("gdbstub",)),
+    _m("stack-frame-wrong", "a frame of the stack named as the one below it", "stack",
+       _hits(_stack_edit(lambda f: f[:1] + f[2:3] + f[2:] if len(f) > 2 else f)), ("gdbstub",)),
+    _m("stack-starts-higher", "the unwinder starts one frame above the probed function",
+       "stack", _hits(_stack_edit(lambda f: f[1:])), ("gdbstub",)),
 )
 
 
@@ -412,10 +670,18 @@ class Outcome:
     exit: int
     line: str           # the kph diff line that judged it
     seconds: float
+    kind: str = "record"
+    #: the mutant could not be made (a hit-stream edit found nothing to change, a C
+    #: pattern that no longer matches, a build that failed): neither killed nor survived
+    error: str = ""
 
     @property
     def killed(self) -> bool:
-        return self.exit != 0
+        return not self.error and self.exit != 0
+
+    @property
+    def status(self) -> str:
+        return "ERROR   " if self.error else "killed  " if self.killed else "SURVIVED"
 
 
 def kph_diff(engine: str, probes: str, extra: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -423,8 +689,9 @@ def kph_diff(engine: str, probes: str, extra: tuple[str, ...] = ()) -> tuple[int
     status and its verdict, or its error line."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "diff.json"
-        argv = ["-q", "diff", *PROBE_SETS[probes], "--run", WORKLOAD, "--host", engine,
-                "-o", str(out), *extra]
+        ps = PROBE_SETS[probes]
+        argv = ["-q", "diff", *ps.specs, "--run", ps.run, "--host", engine,
+                "-o", str(out), *ps.extra, *extra]
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(argv)
@@ -436,53 +703,105 @@ def kph_diff(engine: str, probes: str, extra: tuple[str, ...] = ()) -> tuple[int
 
 def run_mutant(m: Mutant, engine: str) -> Outcome:
     t0 = time.monotonic()
+    _CHANGED.clear()
     with contextlib.ExitStack() as stack:
         m.apply(stack, PARTS[engine])
         code, line = kph_diff(engine, m.probes)
-    return Outcome(m.name, engine, code, line, time.monotonic() - t0)
+    err = ""
+    if getattr(m.apply, "edits_hits", False) and not _CHANGED and code == 0:
+        err = "not applied: the run had no hits this mutant changes"
+    return Outcome(m.name, engine, code, line, time.monotonic() - t0, error=err)
+
+
+def baselines(engines: tuple[str, ...], sets: set[str]) -> bool:
+    """Each probe set unmutated on each engine it runs on: all must be equivalent, or no
+    score means anything. Prints one line per run (with the order rules it applied)."""
+    ok = True
+    for engine in engines:
+        for probes in sorted(sets):
+            if engine not in PROBE_SETS[probes].engines:
+                continue
+            code, line = kph_diff(engine, probes)
+            print(f"baseline {engine:8s} {probes:8s} exit {code}  {line[:100]}", flush=True)
+            if code != 0:
+                print(f"error: the unmutated {probes} run is not equivalent on {engine}; "
+                      "no score", file=sys.stderr)
+                ok = False
+    return ok
+
+
+def report(outs: list[Outcome], seconds: float) -> int:
+    """The score per engine and kind, the survivors and errors by name; 1 if any."""
+    bad = 0
+    keys = sorted({(o.engine, o.kind) for o in outs})
+    for engine, kind in keys:
+        these = [o for o in outs if (o.engine, o.kind) == (engine, kind)]
+        judged = [o for o in these if not o.error]
+        k = sum(o.killed for o in judged)
+        surv = [o.mutant for o in judged if not o.killed]
+        errs = [o.mutant for o in these if o.error]
+        bad += len(surv) + len(errs)
+        print(f"score {engine:8s} {kind:8s}: {k}/{len(judged)} killed "
+              f"({100 * k / max(1, len(judged)):.0f}%)"
+              + (f"; survived: {', '.join(surv)}" if surv else "")
+              + (f"; errors: {', '.join(errs)}" if errs else ""))
+    print(f"{len(outs)} mutant runs in {seconds:.0f} s on {time.strftime('%Y-%m-%d')}")
+    return 1 if bad else 0
+
+
+KINDS = ("record", "c", "source")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=("gdbstub", "plugin", "both"), default="both")
+    ap.add_argument("--kind", default="record,c", metavar="KIND,...",
+                    help="record (hit-stream and engine-patch mutants), c (the plugin's C, "
+                    "compiled and loaded), source (bench/source_mutants.py: cosmic-ray's "
+                    "mutants of harness/engines and harness/backends; slow)")
     ap.add_argument("--only", default="", metavar="NAME,...", help="run only these mutants")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     args = ap.parse_args(argv)
     engines = ("gdbstub", "plugin") if args.engine == "both" else (args.engine,)
+    kinds = [k for k in args.kind.split(",") if k]
+    if set(kinds) - set(KINDS):
+        ap.error(f"--kind: one of {', '.join(KINDS)}")
     only = {n for n in args.only.split(",") if n}
-    chosen = [m for m in MUTANTS if not only or m.name in only]
+    chosen = [m for m in MUTANTS if not only or m.name in only] if "record" in kinds else []
+    cmuts: list[Any] = []
+    if "c" in kinds and "plugin" in engines:
+        import plugin_mutants
+        cmuts = [m for m in plugin_mutants.MUTANTS if not only or m.name in only]
     if args.list:
         for m in chosen:
-            print(f"{m.name:24s} {'/'.join(m.engines):15s} {m.what}")
-        print(f"{len(MUTANTS)} mutants")
+            print(f"record {m.name:26s} {'/'.join(m.engines):15s} {m.what}")
+        for c in cmuts:
+            print(f"c      {c.name:26s} {'plugin':15s} {c.what}")
+        print(f"{len(chosen)} record mutants, {len(cmuts)} C mutants")
         return 0
     t0 = time.monotonic()
-    for engine in engines:
-        for probes in sorted({m.probes for m in chosen if engine in m.engines}):
-            code, line = kph_diff(engine, probes)
-            print(f"baseline {engine:8s} {probes:8s} exit {code}  {line}", flush=True)
-            if code != 0:
-                print(f"error: the unmutated {probes} run is not equivalent on {engine}; "
-                      "no score", file=sys.stderr)
-                return 2
-    score: dict[str, list[Outcome]] = {e: [] for e in engines}
+    sets = {m.probes for m in chosen} | {c.probes for c in cmuts}
+    if not baselines(engines, sets):
+        return 2
+    outs: list[Outcome] = []
     for engine in engines:
         for m in chosen:
             if engine not in m.engines:
                 continue
             o = run_mutant(m, engine)
-            score[engine].append(o)
-            print(f"{'killed ' if o.killed else 'SURVIVED'} {engine:8s} {m.name:24s} exit {o.exit} "
-                  f"({o.seconds:.1f} s)  {o.line[:110]}", flush=True)
-    bad = 0
-    for engine, outs in score.items():
-        k = sum(o.killed for o in outs)
-        bad += len(outs) - k
-        print(f"score {engine}: {k}/{len(outs)} killed ({100 * k / max(1, len(outs)):.0f}%)")
-    print(f"{sum(len(v) for v in score.values())} mutant runs in {time.monotonic() - t0:.0f} s "
-          f"on {time.strftime('%Y-%m-%d')}")
-    return 1 if bad else 0
+            outs.append(o)
+            print(f"{o.status} {engine:8s} {m.name:26s} exit {o.exit} ({o.seconds:.1f} s)  "
+                  f"{(o.error or o.line)[:100]}", flush=True)
+    for c in cmuts:
+        o = plugin_mutants.run(c)
+        outs.append(o)
+        print(f"{o.status} plugin   {c.name:26s} exit {o.exit} ({o.seconds:.1f} s)  "
+              f"{(o.error or o.line)[:100]}", flush=True)
+    if "source" in kinds:
+        import source_mutants
+        outs += source_mutants.run_all(engines, only)
+    return report(outs, time.monotonic() - t0)
 
 
 if __name__ == "__main__":
