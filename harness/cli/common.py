@@ -85,6 +85,18 @@ def verdict_group(p: argparse.ArgumentParser) -> None:
                    "expected result (exit 0, not 4)")
 
 
+def ci_group(p: argparse.ArgumentParser) -> None:
+    """--ktap, --ktap-file, --kcidb: the result for kernel CI (harness.cli.ci, docs/ci.md)."""
+    g = p.add_argument_group("CI results", "the result as KTAP v1 and KCIDB (docs/ci.md)")
+    g.add_argument("--ktap", action="store_true",
+                   help="write the result as KTAP v1 to stdout, and nothing else (not with --json)")
+    g.add_argument("--ktap-file", metavar="FILE", help="write the result as KTAP v1 to FILE")
+    g.add_argument("--kcidb", metavar="FILE",
+                   help="write the result as KCIDB I/O JSON (schema v5.3) to FILE")
+    g.add_argument("--kcidb-origin", metavar="NAME", default="kph",
+                   help="the KCIDB origin of the ids (default kph; a CI submits as its own)")
+
+
 class _AllowAction(argparse.Action):
     """``--allow help`` prints the rule registry (``harness.diff.rules``) and exits 0, as
     ``--help`` does; any other value is kept for :func:`verdict_opts`."""

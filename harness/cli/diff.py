@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 from ..errors import SetupError
-from .common import (booted, examples, exit_for, kernel_group, load_specs, machine, qemu_group,
-                     spec_args, sub, verdict_group, verdict_opts, workload_ran)
+from . import ci
+from .common import (booted, ci_group, examples, exit_for, kernel_group, load_specs, machine,
+                     qemu_group, spec_args, sub, verdict_group, verdict_opts, workload_ran)
 from .output import EXIT_OK, Output, check_output
 
 NAME = "diff"
@@ -46,10 +47,12 @@ def add_parser(subparsers: Any) -> None:
     verdict_group(df)
     kernel_group(df)
     qemu_group(df)
+    ci_group(df)
 
 
+@ci.reported(NAME)
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..diff import report
+    from ..diff import ktap, report
     from ..diff.verdict import compare
     from ..diff.runner import run_differential, trampoline_text
 
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
                                 progress=out.progress, triggers=triggers)
         tramp = trampoline_text(vm)
+        kernel = ci.kernel_of(vm)
     workload_ran(runs[0], args.run)
     out.progress("comparing the two sides")
     res = compare(*runs, trampoline=tramp, **verdict)
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
                          stderr=runs[0].workload_stderr))
     out.result(json.loads(report.to_json(res, runs)))
+    ci.emit(args, ktap.diff_cases(res, kernel=kernel), verb=NAME, kernel=kernel)
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.to_html(res, runs, workload=args.run))
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
 def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
               verdict: dict[str, Any]) -> int:
     """``kph diff --host both``: gdbstub, plugin and guest on one execution (harness.diff.worlds)."""
-    from ..diff import report
+    from ..diff import ktap, report
     from ..diff.worlds import run_three as three_worlds
 
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
@@ -102,6 +107,7 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
         out.progress("three worlds: registering, running the workload, collecting")
         three = three_worlds(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
                              **verdict)
+        kernel = ci.kernel_of(vm)
     workload_ran(three.runs[0], args.run)       # as plain kph diff: 126/127 is exit 2
     out.progress.clear()
     for res in three.pairs:
@@ -113,6 +119,7 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
     out.result({"equivalent": first is None,
                 "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
                           for r, (i, j) in zip(three.pairs, which, strict=True)]})
+    ci.emit(args, ktap.three_cases(three.pairs, kernel=kernel), verb=NAME, kernel=kernel)
     if args.html:
         k = three.pairs.index(first) if first is not None else 0
         i, j = which[k]

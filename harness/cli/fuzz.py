@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SetupError
-from .common import examples, sub
+from . import ci
+from .common import ci_group, examples, sub
 from .output import EXIT_DIVERGED, EXIT_OK, Output
 
 NAME = "fuzz"
@@ -46,8 +47,10 @@ def add_parser(subparsers: Any) -> None:
                     "reads, a fork and a sleep)")
     fz.add_argument("--list", action="store_true", help="show the examples the seed draws; run nothing")
     fz.add_argument("--out", metavar="DIR", help="where findings go (default kph-runs/fuzz-TIME)")
+    ci_group(fz)
 
 
+@ci.reported(NAME)
 def run(args: argparse.Namespace, out: Output) -> int:
     from ..apps import fuzz
 
@@ -61,6 +64,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
     img = default_image(args.image)                        # an unknown image: one line, exit 2
     workload = args.workload or fuzz.DEFAULT_WORKLOAD
     say = out.progress
+    if args.list and ci.wanted(args):
+        raise SetupError("--list runs nothing: no result for --ktap or --kcidb",
+                         "drop --list to run the examples")
     if args.list:
         from ..vmctl import Machine
         say(f"fuzz: booting {img.version} to list the functions the workload calls")
@@ -167,6 +173,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
     for ln in report_lines:
         out.text(ln)
     out.result({**doc, "dir": str(runs)})
+    from ..diff import ktap
+    ci.emit(args, ktap.fuzz_cases(doc, shards, kernel=img.version), verb=NAME,
+            kernel=img.version)
     return EXIT_OK if not findings else EXIT_DIVERGED
 
 

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from ..errors import NotMirroredError, ProbeSpecError, SetupError
-from .common import examples, spec_args, spec_file_lines, sub, workload_ran
+from . import ci
+from .common import ci_group, examples, spec_args, spec_file_lines, sub, workload_ran
 from .output import EXIT_DIVERGED, EXIT_OK, Output, check_writable
 
 NAME = "matrix"
@@ -33,10 +34,12 @@ def add_parser(subparsers: Any) -> None:
                     help="the in-guest side (default: tracefs kprobe_events)")
     mx.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     mx.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+    ci_group(mx)
 
 
+@ci.reported(NAME)
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..diff import report
+    from ..diff import ktap, report
     from ..diff.runner import run_matrix
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.progress.clear()
     out.text(report.matrix_text(res))
     out.result(json.loads(report.matrix_json(res)))
+    cases, between = ktap.matrix_cases(res)
+    ci.emit(args, cases, verb=NAME, diagnostics=between)
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.matrix_html(res))

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SetupError
-from .common import examples, sub
+from . import ci
+from .common import ci_group, examples, sub
 from .output import EXIT_DIVERGED, EXIT_OK, Output, check_output
 
 NAME = "repro"
@@ -44,8 +45,10 @@ def add_parser(subparsers: Any) -> None:
                     "Exit 0 when each is as expected: MET, and NOT MET for patched (the fix "
                     "works)")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
+    ci_group(rp)
 
 
+@ci.reported(NAME)
 def run(args: argparse.Namespace, out: Output) -> int:
     from ..apps import repro, scenario
 
@@ -85,6 +88,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.text(f"  replay:   kph repro --replay {res.bundle}")
         doc["replay"] = f"kph repro --replay {res.bundle}"
     out.result(doc)
+    from ..diff import ktap
+    kernel = str(scn.machine.get("kernel") or "default")
+    ci.emit(args, ktap.repro_cases(scn, res, kernel=kernel), verb=NAME, kernel=kernel)
     return EXIT_OK if res.met else EXIT_DIVERGED
 
 
@@ -124,6 +130,8 @@ def run_kernels(scn: Any, args: argparse.Namespace, out: Output) -> int:
                              "met": r.result.met, "expected_met": r.expect_met,
                              "cause": r.result.cause, "reasons": list(r.result.reasons),
                              "bundle": str(r.result.bundle)} for r in runs]})
+    from ..diff import ktap
+    ci.emit(args, ktap.repro_kernels_cases(scn, runs), verb=NAME)
     return EXIT_OK if ok else EXIT_DIVERGED
 
 
@@ -137,6 +145,7 @@ def replay(scn: Any, args: argparse.Namespace, out: Output) -> int:
         raise SetupError(f"{bundle} recorded another scenario than {scn.path}",
                          f"run `kph repro --replay {bundle}` without the scenario")
     rep = replay_scenario(bundle, qemu=args.qemu, keep=args.gdb, progress=out.progress)
+    from ..diff import ktap
     res = rep.result
     same = rep.same_console and rep.same_registers is not False
     regs = {True: "identical", False: "DIFFERENT", None: "not compared (the run did not end in a panic)"}
@@ -170,4 +179,5 @@ def replay(scn: Any, args: argparse.Namespace, out: Output) -> int:
                 signal.signal(signal.SIGTERM, old)
     else:
         out.result(doc)
+    ci.emit(args, ktap.replay_cases(str(bundle), same, rep.met, list(rep.reasons)), verb=NAME)
     return EXIT_OK if same and rep.met else EXIT_DIVERGED
