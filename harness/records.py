@@ -138,3 +138,12 @@ class SideResult:
     workload_status: int = 0
     workload_output: str = ""
     workload_stderr: str = ""
+    #: The dynamic events left after this side's lines (each remaining line's
+    #: ``GROUP/EVENT``, sorted): the guest's ``dynamic_events`` listing read after the run,
+    #: or the host side's model of it (``harness.kernel.dynevent.EventTable``); None where
+    #: the side has no such list (the module backend). Compared by ``harness.diff.verdict``
+    #: (field ``event-list``).
+    events_left: tuple[str, ...] | None = None
+    #: What the kernel printed over the run (``harness.kernel.splat.Splat``: console and
+    #: dmesg, those before the run's window marked so), the same on every side of one run.
+    splats: tuple[object, ...] = ()

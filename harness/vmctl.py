@@ -236,6 +236,8 @@ class Machine:
         self._quitting = False
         self._console_fd: int | None = None
         self._console = bytearray()
+        #: bytes of the console dropped from the front of ``_console`` (marks stay valid)
+        self._console_base = 0
         self._lock = threading.RLock()
         self._host: Any = None
         self._stub: Any = None
@@ -674,8 +676,24 @@ class Machine:
         if new:
             self._console += new
             if len(self._console) > _CONSOLE_KEEP:
+                self._console_base += len(self._console) - _CONSOLE_KEEP
                 del self._console[:-_CONSOLE_KEEP]
         return new
+
+    def console_mark(self) -> int:
+        """A mark in the serial console: the count of bytes the guest has written to it
+        so far (``console_since`` gives what came after)."""
+        self._read_console()
+        return self._console_base + len(self._console)
+
+    def console_since(self, mark: int, end: int | None = None) -> str:
+        """The console's text from ``mark`` (``console_mark()``) to ``end`` (a later mark;
+        None: now), CRLF made plain newlines; what was dropped (past the last MiB kept)
+        is not there."""
+        self._read_console()
+        lo = max(0, mark - self._console_base)
+        hi = len(self._console) if end is None else max(0, end - self._console_base)
+        return bytes(self._console[lo:hi]).decode("utf-8", "replace").replace("\r\n", "\n")
 
     def console_text(self) -> str:
         """The serial console so far, with the UART's CRLF line ends made plain newlines."""

@@ -14,7 +14,7 @@ import sys
 from typing import Any, TYPE_CHECKING
 
 from ..errors import SetupError
-from .output import EXIT_DIVERGED, EXIT_EMPTY, EXIT_OK, Output, output_options
+from .output import EXIT_DIVERGED, EXIT_EMPTY, EXIT_KERNEL, EXIT_OK, Output, output_options
 
 if TYPE_CHECKING:   # the CLI and the pytest plugin load the machine only when used
     from ..vmctl import Machine
@@ -126,10 +126,28 @@ def verdict_opts(args: argparse.Namespace) -> dict[str, Any]:
     return {"strict": args.strict, "allow": allow, "expect_empty": args.expect_empty}
 
 
-def exit_for(res: Any) -> int:
-    """0 equivalent, 1 diverged or not strict, 4 empty (nothing measured)."""
+def exit_for(res: Any, splats: Any = ()) -> int:
+    """0 equivalent, 1 diverged or not strict, 4 empty (nothing measured); 5 whatever the
+    comparison said when the kernel reported a splat during the run (``splats``)."""
+    if kernel_verdict(splats) is not None:
+        return EXIT_KERNEL
     word = res.verdict_word
     return {"equivalent": EXIT_OK, "empty": EXIT_EMPTY}.get(word, EXIT_DIVERGED)
+
+
+def kernel_verdict(splats: Any) -> str | None:
+    """The run's kernel verdict (``KERNEL-WARNING``...), None without a splat in its window."""
+    if not splats:
+        return None
+    from ..kernel.splat import headline
+    return headline(splats)
+
+
+def kernel_report(splats: Any, out: Output) -> None:
+    """The kernel's splats of a run, for people (nothing when there were none)."""
+    if splats:
+        from ..diff.report import findings_text
+        out.text(findings_text(splats))
 
 
 def spec_file_lines(path: str) -> list[str]:

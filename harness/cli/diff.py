@@ -10,7 +10,8 @@ from ..errors import SetupError
 from . import ci
 from .common import (booted, ci_group, examples, exit_for, kernel_group, load_specs, machine,
                      qemu_group, spec_args, sub, verdict_group, verdict_opts, workload_ran)
-from .output import EXIT_OK, Output, check_output
+from .common import kernel_report
+from .output import Output, check_output
 
 NAME = "diff"
 EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
@@ -27,8 +28,10 @@ def add_parser(subparsers: Any) -> None:
              "top, observing one execution of --run; compare every hit field by "
              "field. Exit 0 equivalent, 1 divergent (or, with --strict, a normalization "
              "not allowed), 2 usage or setup error or a host engine that could not read "
-             "(never a value), 3 the VM was lost, 4 empty: no probe both sides armed "
-             "fired on either side, nothing was compared (--expect-empty: 0).",
+             "(never a value), 3 the VM was lost (QEMU died), 4 empty: no probe both sides "
+             "armed fired on either side, nothing was compared (--expect-empty: 0), 5 the "
+             "kernel reported a splat during the run (WARNING, BUG, Oops, panic, KASAN, "
+             "lockdep, RCU stall: whatever the comparison said), 6 the guest hung.",
              epilog=examples(EXAMPLES))
     spec_args(df)
     df.add_argument("--guest", choices=("events", "module"), default="events",
@@ -86,13 +89,15 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.progress.clear()
     out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
                          stderr=runs[0].workload_stderr))
-    out.result(json.loads(report.to_json(res, runs)))
+    kernel_report(runs[0].splats, out)
+    out.result(dict(json.loads(report.to_json(res, runs)),
+                    kernel=report.findings_json(runs[0].splats)))
     ci.emit(args, ktap.diff_cases(res, kernel=kernel), verb=NAME, kernel=kernel)
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.to_html(res, runs, workload=args.run))
         out.text(f"wrote {args.html}")
-    return exit_for(res)
+    return exit_for(res, runs[0].splats)
 
 
 def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
@@ -116,7 +121,8 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
     out.text(f"three worlds: {'EQUIVALENT' if first is None else first.verdict_word.upper()}"
              + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
     which = ((0, 2), (1, 2), (0, 1))
-    out.result({"equivalent": first is None,
+    kernel_report(three.runs[0].splats, out)
+    out.result({"equivalent": first is None, "kernel": report.findings_json(three.runs[0].splats),
                 "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
                           for r, (i, j) in zip(three.pairs, which, strict=True)]})
     ci.emit(args, ktap.three_cases(three.pairs, kernel=kernel), verb=NAME, kernel=kernel)
@@ -125,4 +131,4 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
         i, j = which[k]
         with open(args.html, "w") as f:
             f.write(report.to_html(three.pairs[k], (three.runs[i], three.runs[j]), workload=args.run))
-    return EXIT_OK if first is None else exit_for(first)
+    return exit_for(first or three.pairs[0], three.runs[0].splats)

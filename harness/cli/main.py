@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
-                     clear_progress, output_options, report_crash, report_error)
+                     clear_progress, current, output_options, report_crash, report_error)
 
 DESCRIPTION = """\
 kprobe-harness: boot a real x86_64 Linux kernel under QEMU and probe it with kprobe
@@ -202,5 +202,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             return _interrupted_exit()
         if not isinstance(exc, Exception):     # SystemExit: argparse's own exits
             raise
+        _finding_result(exc)
         code = report_error(exc)
         return report_crash(exc) if code is None else code
+
+
+def _finding_result(exc: BaseException) -> None:
+    """A run ended by a kernel finding (a panic, a hang) still has a result for programs:
+    ``result`` ``kernel-finding``, ``verdict``, and the splats (``--json``, ``-o``)."""
+    from ..kernel.splat import KernelFinding
+
+    if isinstance(exc, KernelFinding) and current:
+        from ..diff.report import findings_json
+        doc = findings_json(exc.splats)
+        current[-1].result({"result": "kernel-finding", "equivalent": False,
+                            "verdict": exc.verdict, "kernel": doc})

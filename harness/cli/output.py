@@ -7,7 +7,8 @@
   guest's own output of ``kph boot --run CMD``;
 - progress of long work is one live line on a terminal, plain lines otherwise;
 - exit status 0 success, 1 divergence / not met / failed command, 2 usage or setup error,
-  3 the VM was lost, 4 nothing measured (``kph diff``: no armed probe fired), 130
+  3 the VM was lost (QEMU died, QMP silent), 4 nothing measured (``kph diff``: no armed
+  probe fired), 5 a kernel splat during the run (a panic too), 6 the guest hung, 130
   interrupted; a harness error is one line (:func:`report_error`), never a traceback, and
   so is any other exception (:func:`report_crash`: exit 2, the traceback at DEBUG).
 """
@@ -29,6 +30,9 @@ from ..errors import (EngineReadError, GuestLossError, HandlerError, HarnessErro
                       SetupError, VMError)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA, EXIT_EMPTY = 0, 1, 2, 3, 4
+#: A kernel finding: a splat during the run (WARNING, BUG, Oops, panic, KASAN, lockdep, an
+#: RCU stall, a hung task: ``harness.kernel.splat``), and a guest that hung (``HANG``)
+EXIT_KERNEL, EXIT_HANG = 5, 6
 EXIT_INTERRUPTED = 130
 
 
@@ -204,6 +208,13 @@ def report_error(exc: BaseException) -> int | None:
         # event_probe, event filter parse error, dynevent: grammar.error_subsystem())
         print(format_error(exc).rstrip("\n"), file=sys.stderr)
         return EXIT_USAGE
+    from ..kernel.splat import KernelFinding     # only here: kph --help stays light
+    if isinstance(exc, KernelFinding):      # a panic or a hang in the run: the kernel's doing
+        from ..diff.report import findings_text
+        print(findings_text(exc.splats).rstrip("\n"), file=sys.stderr)
+        where = f" (console kept in {exc.console_log})" if getattr(exc, "console_log", None) else ""
+        print(f"result: {exc.verdict}{where}", file=sys.stderr)
+        return EXIT_HANG if exc.verdict == "HANG" else EXIT_KERNEL
     if isinstance(exc, VMError):
         first = str(exc.args[0]) if exc.args else str(exc)
         where = f"; console kept in {exc.console_log}" if exc.console_log else ""

@@ -8,7 +8,8 @@ from typing import Any
 
 from .common import (booted, examples, kernel_group, load_specs, machine, qemu_group,
                      refusals, spec_args, sub, workload_ran)
-from .output import EXIT_OK, EXIT_USAGE, Output, check_output
+from .common import kernel_report, kernel_verdict
+from .output import EXIT_KERNEL, EXIT_OK, EXIT_USAGE, Output, check_output
 
 NAME = "probe"
 EXAMPLES = ["kph probe 'p:open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring' "
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
            "outcomes": [dataclasses.asdict(o) for o in res.outcomes],
            "hits": json.loads(report.hits_json(res.hits)),
            "counters": {p: dataclasses.asdict(c) for p, c in res.counters.items()}}
+    doc["kernel"] = report.findings_json(res.splats)
     out.result(doc)
     if refused:
         return EXIT_USAGE
@@ -62,4 +64,5 @@ def run(args: argparse.Namespace, out: Output) -> int:
     # an fprobe's or event probe's event has no kprobe_profile line (no counters)
     out.text(f"{backend}: {len(res.hits)} events; {counts + '; ' if counts else ''}workload "
              f"{report.workload_status(res.workload_status, res.workload_stderr)}")
-    return EXIT_OK
+    kernel_report(res.splats, out)
+    return EXIT_KERNEL if kernel_verdict(res.splats) else EXIT_OK

@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from .verdict import NORMALIZATIONS, DiffResult
+from ..kernel.splat import headline
 from ..records import Hit, SideResult
 
 
@@ -44,6 +45,26 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None,
         if len(res.divergences) > 1:
             out.append(f"  ({len(res.divergences) - 1} more probe(s) diverge)")
     return "\n".join(out) + "\n"
+
+
+def findings_text(splats: Sequence[Any]) -> str:
+    """The kernel's splats of a run (``harness.kernel.splat``) for people: the run's
+    verdict when its window had one, then each splat's headline and text; "" for none."""
+    if not splats:
+        return ""
+    head = headline(splats)
+    n = len([s for s in splats if not s.before])
+    out = [f"kernel: {head}: {n} kernel report(s) during the run" if head else
+           "kernel: nothing during the run; printed before it (boot or an earlier run):"]
+    for s in splats:
+        out.append("  " + s.headline())
+        out += ["    | " + ln for ln in s.text.splitlines()]
+    return "\n".join(out) + "\n"
+
+
+def findings_json(splats: Sequence[Any]) -> dict[str, Any]:
+    """The same as JSON: ``verdict`` (None: no splat during the run) and ``splats``."""
+    return {"verdict": headline(splats), "splats": [s.to_json() for s in splats]}
 
 
 def result_line(res: DiffResult) -> str:

@@ -25,6 +25,7 @@ from ..kernel.grammar.uprobe import resolve_symbol
 from ..backends.tracelayer import uprobe_file_refusal
 from ..backends.plugin import PluginBackend
 from ..machine.image.store import default_image
+from ..machine.kwatch import KernelWatch
 from .matrix import KernelRun, MatrixResult, compare_kernels
 from .verdict import compare
 from ..vmctl import Machine
@@ -72,6 +73,14 @@ def run_single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
         while the workload runs when it can show live lines.
     """
+    watch = KernelWatch(vm)
+    with watch.watching():
+        res = _single(vm, backend, specs, workload, timeout=timeout, progress=progress)
+        return dataclasses.replace(res, splats=watch.finish())
+
+
+def _single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str, *,
+            timeout: float, progress: ProgressFn | None) -> SideResult:
     specs = resolve_uprobes(vm, specs)
     be = make_backend(backend, vm)
     try:
@@ -103,7 +112,49 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     :param triggers: ``{EVENT: count}`` of ``stacktrace`` triggers
         (``harness.backends.triggers.parse_triggers``; -1: no count): the guest's events
         get them, the host takes ``regs.stack_trace()`` at the same hits.
+
+    The kernel is watched over the run (``harness.machine.kwatch``): both results carry
+    its splats (``SideResult.splats``), a panic or a hang is raised as the finding it is
+    (``KernelPanicFinding``, ``GuestHangError``), and each side says which dynamic events
+    its lines left (``SideResult.events_left``: ``--guest events`` and the host model).
     """
+    watch = KernelWatch(vm)
+    with watch.watching():
+        host, guest_res = _differential(vm, specs, workload, guest=guest, hook=hook,
+                                        timeout=timeout, progress=progress, triggers=triggers)
+        splats = watch.finish()
+    return (dataclasses.replace(host, splats=splats),
+            dataclasses.replace(guest_res, splats=splats))
+
+
+def events_listed(vm: Machine, specs: Sequence[ProbeSpec]) -> tuple[str, ...]:
+    """The guest's ``dynamic_events`` now, as ``GROUP/EVENT`` per line (sorted), of the
+    groups ``specs`` name (other groups' events are not this run's)."""
+    groups = {s.group for s in specs if s.group}
+    text = vm.run("cat /sys/kernel/tracing/dynamic_events", timeout=60).stdout
+    names = []
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if ":" in head:
+            name = head.split(":", 1)[1]
+            if name.split("/", 1)[0] in groups:
+                names.append(name)
+    return tuple(sorted(names))
+
+
+def events_modelled(backend: Any) -> tuple[str, ...] | None:
+    """The dynamic events a host-side backend's model says its lines left
+    (``TraceLayer.table``), as ``GROUP/EVENT`` per line (sorted); None without a model."""
+    layer = getattr(backend, "layer", None)
+    if layer is None:
+        return None
+    return tuple(sorted(f"{s.group}/{s.event}" for s in layer.table.specs()))
+
+
+def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
+                  guest: str, hook: FetchHook | None, timeout: float,
+                  progress: ProgressFn | None, triggers: Mapping[str, int] | None
+                  ) -> tuple[SideResult, SideResult]:
     specs = resolve_uprobes(vm, specs)
     trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
                                              if s.kind != "-"])
@@ -164,11 +215,12 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         g.disable()
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
         g_hits, g_counters = g.collect(), g.counters()
+        g_left = events_listed(vm, specs) if guest == "events" else None
         h.disarm()
         host = SideResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
-                         r.stderr)
+                         r.stderr, events_left=events_modelled(h) if g_left is not None else None)
         guest_res = SideResult(g.side, g_out, g_hits, g_counters, r.status,
-                              r.stdout + r.stderr, r.stderr)
+                              r.stdout + r.stderr, r.stderr, events_left=g_left)
         return host, guest_res
     finally:
         if h is not None:

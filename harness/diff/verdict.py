@@ -204,7 +204,8 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
             context: int = 3, strict: bool = False, allow: "tuple[str, ...] | frozenset[str]" = (),
             expect_empty: bool = False) -> DiffResult:
     """Compare side ``a`` (usually host) with side ``b`` (events or module), running the
-    rules of ``harness.diff.rules.REGISTRY`` stage by stage.
+    rules of ``harness.diff.rules.REGISTRY`` stage by stage; last, the dynamic events
+    each side says its lines left (``SideResult.events_left``, field ``event-list``).
 
     :param trampoline: how the host trampolines print in the guest (``_etext+0x0`` as an
         ip, ``0x...`` as a value: ``harness.diff.runner.trampoline_text``), for the
@@ -254,7 +255,30 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
     if order is not None:
         res.divergences.append(order)
     _counters(res, a, b)
+    _event_lists(res, a, b)
     return res
+
+
+def _event_lists(res: DiffResult, a: SideResult, b: SideResult) -> None:
+    """Stage ``event-list``: the dynamic events each side says are left after its lines
+    (``SideResult.events_left``: the guest's ``dynamic_events`` after the run, the host's
+    model of it), compared where both sides have one. A line one side still lists and the
+    other does not (a refused line left behind, a removed one not gone) is a divergence
+    of the probe ``dynamic_events``, field ``event-list``, each side's extra lines as its
+    value."""
+    la, lb = a.events_left, b.events_left
+    if la is None or lb is None or sorted(la) == sorted(lb):
+        return
+    rest_b = list(lb)
+    only_a = []
+    for n in sorted(la):
+        if n in rest_b:
+            rest_b.remove(n)
+        else:
+            only_a.append(n)
+    res.divergences.append(Divergence("dynamic_events", "event-list", -1,
+                                      "only here: " + (", ".join(only_a) or "(nothing)"),
+                                      "only here: " + (", ".join(sorted(rest_b)) or "(nothing)")))
 
 
 def _count(res: DiffResult, rule: str, n: int = 1) -> None:

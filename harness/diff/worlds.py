@@ -18,6 +18,7 @@ the plugin, then the guest; enabling in the reverse order.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -29,7 +30,8 @@ from .verdict import DiffResult, compare
 from ..errors import SetupError
 from ..kernel.grammar import ProbeSpec
 from ..records import SideResult
-from .runner import resolve_uprobes, trampoline_text
+from .runner import events_listed, events_modelled, resolve_uprobes, trampoline_text
+from ..machine.kwatch import KernelWatch
 from ..engines.gdbstub_engine import HostEngine
 from ..vmctl import Machine
 
@@ -62,6 +64,13 @@ def run_three(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *, guest: 
     if getattr(vm, "host_kind", "") != "plugin":
         raise SetupError("three worlds need the plugin loaded", "boot with host='plugin'")
 
+    watch = KernelWatch(vm)     # the kernel's splats, a panic or a hang: kernel findings
+    with watch.watching():
+        return _three(vm, watch, specs, workload, guest=guest, timeout=timeout, **verdict)
+
+
+def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload: str, *,
+           guest: str, timeout: float, **verdict: Any) -> ThreeWay:
     specs = resolve_uprobes(vm, specs)
     comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
     stub = HostEngine(vm, emulate=False)
@@ -81,14 +90,19 @@ def run_three(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *, guest: 
         p.disable()
         g.disable()
         text = r.stdout + r.stderr
+        g_left = events_listed(vm, specs) if guest == "events" else None
+        lefts = (events_modelled(h), events_modelled(p), g_left) if g_left is not None \
+            else (None, None, None)
         runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text,
-                                r.stderr)
-                     for be, o in zip((h, p, g), outs, strict=True))
+                                r.stderr, events_left=left)
+                     for be, o, left in zip((h, p, g), outs, lefts, strict=True))
     finally:
         for be in (h, p, g):
             if be is not None:
                 be.close()
         stub.close()
+    splats = watch.finish()
+    runs = tuple(dataclasses.replace(r, splats=splats) for r in runs)
     hs = vm.symbols.symbolize(stub.trampoline)
     # the gdbstub engine's trampoline as an ip and as a value: the plugin's probes run
     # after the gdbstub world's hijack, so a plugin $stack0 at an entry the gdbstub
