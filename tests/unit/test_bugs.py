@@ -1,0 +1,106 @@
+"""The corpus of undone fixes (issue 37, probes/bugs/): each entry is the reverse of an
+upstream probe fix as a patch for Debian's 6.12 and/or 7.3 source, with its metadata.
+
+The patches are checked the way ``kph image build --tree SERIES --patch FILE`` applies
+them (``kbuild.check_patches``, then GNU patch ``-p1 --forward --batch``), as a dry run
+against the tree ``kph kernel fetch SERIES`` unpacks, with no fuzz. A series' tree that
+is not unpacked is fetched (``kbuild.fetch_source``, what ``kph kernel fetch`` runs); if
+that fails the test fails and names the command: it never passes without the tree.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from harness.errors import SetupError
+from harness.machine.image import kbuild
+
+BUGS = Path(__file__).resolve().parents[2] / "probes" / "bugs"
+SERIES = {"6.12", "7.3"}
+KINDS = {"kprobe", "uprobe", "fprobe", "eprobe", "tprobe", "kprobes-core", "kretprobe",
+         "rethook", "fetch", "dynevent"}
+EFFECTS = {"wrong value", "wrong acceptance", "wrong errno", "wrong count", "kernel warning",
+           "oops", "hang", "stale state"}
+HEX = re.compile(r"[0-9a-f]{12,40}")
+
+
+def _entries() -> list[tuple[str, dict]]:
+    return [(p.stem, tomllib.loads(p.read_text())) for p in sorted(BUGS.glob("*.toml"))]
+
+
+ENTRIES = _entries()
+
+
+@cache
+def tree(series: str) -> Path:
+    """Debian's unpacked ``linux-source-<series>`` (the newest one in the cache), fetched
+    if there is none."""
+    have = sorted((d for d in kbuild.sources_dir().glob(f"linux-source-{series}.*")
+                   if "+" not in d.name and (d / "Makefile").is_file()),
+                  key=lambda d: d.name)
+    if have:
+        return have[-1]
+    try:
+        return kbuild.fetch_source(series)
+    except SetupError as e:
+        pytest.fail(f"no Debian {series} tree in {kbuild.sources_dir()} and fetching it failed "
+                    f"({e}): run `kph kernel fetch {series}`")
+
+
+def test_the_corpus_has_enough_entries_across_enough_kinds():
+    assert len(ENTRIES) >= 12, [n for n, _ in ENTRIES]
+    assert len({m["kind"] for _, m in ENTRIES}) >= 4
+    # every toml has its patch and every patch its toml
+    assert {p.stem for p in BUGS.glob("*.patch")} == {n for n, _ in ENTRIES}
+
+
+@pytest.mark.parametrize("name,meta", ENTRIES, ids=[n for n, _ in ENTRIES])
+def test_an_entry_has_its_metadata(name, meta):
+    assert meta["name"] == name
+    assert meta["patch"] == f"{name}.patch" and (BUGS / meta["patch"]).is_file()
+    assert meta["series"] and set(meta["series"]) <= SERIES, meta["series"]
+    assert len(set(meta["series"])) == len(meta["series"])
+    assert meta["kind"] in KINDS and meta["kind"] in meta["kinds"]
+    assert set(meta["kinds"]) <= KINDS, meta["kinds"]
+    assert meta["effect"] in EFFECTS, meta["effect"]
+    assert len(meta["effect_detail"]) > 40
+    assert isinstance(meta["needs"], str)
+    fix = meta["fix"]
+    assert HEX.fullmatch(fix["commit"]), fix["commit"]
+    assert fix["title"] and fix["date"][:4].isdigit()
+    assert "author" in fix
+    fixes = meta["fixes"]
+    assert fixes["commit"] == "" or HEX.fullmatch(fixes["commit"]), fixes["commit"]
+    assert fixes["title"]
+    rev = meta["reverse"]
+    assert rev["touches"] and all(re.fullmatch(r"[\w./-]+\.[ch]:\w+", t) for t in rev["touches"])
+    assert isinstance(rev["by_hand"], bool) and rev["how"] and rev["fix_present"]
+
+
+@pytest.mark.parametrize("name,meta", ENTRIES, ids=[n for n, _ in ENTRIES])
+def test_a_patch_touches_only_the_files_its_metadata_names(name, meta):
+    patch = BUGS / meta["patch"]
+    assert kbuild.check_patches([patch]) == [patch.resolve()]
+    files = set(kbuild.patch_targets(patch, patch.read_text()))
+    assert files == {t.split(":")[0] for t in meta["reverse"]["touches"]}
+
+
+CASES = [(n, s) for n, m in ENTRIES for s in m["series"]]
+
+
+@pytest.mark.parametrize("name,series", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_a_patch_applies_to_each_series_it_names(name, series):
+    """No fuzz, as ``kph image build`` applies it (``--forward --batch``), dry run: the
+    unpacked tree is never changed."""
+    src = tree(series)
+    proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "--dry-run", "--fuzz=0",
+                           "-d", str(src), "-i", str(BUGS / f"{name}.patch")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LC_ALL": "C"})
+    assert proc.returncode == 0, f"{name}.patch on {src.name}:\n{proc.stdout}{proc.stderr}"
