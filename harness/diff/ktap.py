@@ -120,13 +120,16 @@ def error(verb: str, message: str) -> list[Case]:
 
 # -- kph diff ---------------------------------------------------------------------------
 
-def diff_cases(res: DiffResult, *, kernel: str = "", empty_fails: bool = False) -> list[Case]:
+def diff_cases(res: DiffResult, *, kernel: str = "", empty_fails: bool = False,
+               findings: list[str] | tuple[str, ...] = ()) -> list[Case]:
     """One test per probe line of a host-vs-guest result, its status what the verdict made
     of it: a divergence on it fails it, hits matched or a refusal both sides made (same
     errno) pass it, no hit on either side or a line both accepted without arming anything
     skips it. Then whatever else the verdict decided: ``strict`` fails when a normalization
     ran that --allow does not name; ``empty_fails`` (kph matrix, which counts an empty
-    kernel as not agreeing) adds a failing ``measured`` test to an empty result."""
+    kernel as not agreeing) adds a failing ``measured`` test to an empty result; the
+    kernel's own findings of the run (``findings``: one line each, a splat's headline) are
+    a failing test ``kernel``, whatever the comparison said."""
     a, b = res.a_side, res.b_side
     cases: list[Case] = []
     silent = set(res.silent)
@@ -165,6 +168,8 @@ def diff_cases(res: DiffResult, *, kernel: str = "", empty_fails: bool = False) 
     if word == "empty" and empty_fails:
         cases.append(Case("measured", "fail", kernel=kernel, diagnostics=[
             "EMPTY: no probe both sides armed had a hit on either side"]))
+    if findings:
+        cases.append(Case("kernel", "fail", kernel=kernel, diagnostics=list(findings)))
     return cases
 
 

@@ -74,6 +74,10 @@ def test_diff_one_test_per_probe_line_counted_by_the_kernel_s_parser():
     assert main.status.name == "SKIPPED"
     # kph matrix counts an empty kernel as not agreeing: a failing "measured" test
     assert ktap.diff_cases(empty(), empty_fails=True)[-1].status == "fail"
+    # a splat the kernel reported during the run fails the run, whatever the comparison
+    k = ktap.diff_cases(equivalent(), findings=["KERNEL-WARNING: at kernel/x.c:1 f+0x1/0x2"])
+    assert (k[-1].name, k[-1].status) == ("kernel", "fail")
+    assert kunit_tool.check_counts(ktap.render(k), k).status.name == "FAILURE"
 
 
 def test_not_strict_is_a_failing_test_of_its_own():
@@ -241,3 +245,49 @@ def test_cli_options_and_an_error_written_as_ktap(tmp_path, capsys):
                  ["fuzz"]):
         a = p.parse_args([*argv, "--ktap-file", "f", "--kcidb", "g", "--kcidb-origin", "ci"])
         assert (a.ktap, a.ktap_file, a.kcidb, a.kcidb_origin) == (False, "f", "g", "ci")
+
+
+PYTEST_CASES = '''
+import pytest
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+def test_skips():
+    pytest.skip("no such kernel here")
+
+@pytest.mark.xfail(reason="a known bug")
+def test_known_bug():
+    assert False
+
+@pytest.fixture
+def machine():
+    raise RuntimeError("the machine did not boot")
+
+def test_needs_a_machine(machine):
+    pass
+'''
+
+
+def test_pytest_results_as_ktap(tmp_path):
+    import subprocess
+
+    (tmp_path / "test_cases.py").write_text(PYTEST_CASES)
+    out = tmp_path / "run.ktap"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "harness.apps.pytest_ktap", "--kph-ktap", str(out),
+                        "test_cases.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    text = out.read_text()
+    sub = [ktap.Case(n, s) for n, s in (("test_passes", "pass"), ("test_fails", "fail"),
+                                         ("test_skips", "skip"), ("test_known_bug", "xfail"),
+                                         ("test_needs_a_machine", "error"))]
+    main = kunit_tool.check_counts(text, [ktap.Case.parent("test_cases.py", sub)])
+    assert (main.counts.passed, main.counts.failed, main.counts.skipped) == (2, 2, 1)
+    assert "ok 3 test_skips # SKIP no such kernel here\n" in text
+    assert "ok 4 test_known_bug # XFAIL a known bug\n" in text
+    assert "not ok 5 test_needs_a_machine # ERROR setup: RuntimeError: the machine did not boot" in text
