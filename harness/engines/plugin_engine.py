@@ -3,7 +3,7 @@
 The second host engine (docs/plugin.md; the project's design notes: "Two host engines,
 one API"); what both engines share is ``harness.engines.base``. Where
 ``harness.engines.gdbstub_engine`` stops the whole VM at a gdbstub breakpoint and decides in Python,
-here ``probes/plugin/kph_plugin.c`` runs inside QEMU: an instruction callback on the
+here the plugin (``probes/plugin/``) runs inside QEMU: an instruction callback on the
 probed address runs on the vCPU that reached it, before the instruction, while the
 other vCPUs go on. The semantics are the same modules' (``kprobes``, ``fetchargs``,
 ``probespec``, ``symbols``); what differs is where the work happens:
@@ -299,7 +299,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     def ensure_fork_hook(self) -> None:
         """Once a user return probe exists, for the rest of the session: the plugin's
         ``PK_FORK`` probe at ``uprobe_copy_process()``, which gives a fork child copies of
-        its parent task's user return instances there, as ``dup_utask()`` does (kph_plugin.c
+        its parent task's user return instances there, as ``dup_utask()`` does (returns.c
         ``user_fork()``). A call that forks (``fork()`` itself, probed with ``r:``) then
         returns through the trampoline in both processes and is recorded twice, as the
         kernel records it; a copy's program sees the child. Kept after the last uretprobe
@@ -307,7 +307,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
 
         With it, a ``PK_UFREE`` probe at ``uprobe_free_utask(t)`` (kernel/events/uprobes.c,
         called from ``mm_release()`` in kernel/fork.c at exit and exec, 6.1 to 7.3): the
-        task's user return instances are freed there, with no handler (kph_plugin.c
+        task's user return instances are freed there, with no handler (returns.c
         ``flush_task()``), so a process that exits inside a uretprobed call (``exit()``
         never returns) leaves no instance behind, and the pool does not run dry."""
         if self._fork_hook is not None:
@@ -327,7 +327,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         ``PK_FLUSH`` probe at ``rethook_flush_task(tk)`` (kernel/trace/rethook.c, called
         from ``delayed_put_task_struct()`` in kernel/exit.c: 6.1, 6.12 and 7.3 alike),
         which gives the kernel return instances of a dead task back to their pools
-        (kph_plugin.c ``flush_task()``), as the kernel recycles the task's rethook nodes.
+        (returns.c ``flush_task()``), as the kernel recycles the task's rethook nodes.
         A task that dies inside a probed function (``do_exit()`` never returns) then
         leaves no instance behind, and later calls do not miss for want of one. The
         gdbstub engine keeps the same hook (``harness.engines.rethook``,

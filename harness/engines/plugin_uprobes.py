@@ -8,7 +8,7 @@ plugin's own is where a hit is decided:
 
 - **Which process.** A gdbstub breakpoint stops every process at that address and the
   engine looks at ``current`` in Python. Here the plugin's filter does it in C, before
-  any round trip (``filter_ok()`` in kph_plugin.c: a chain of member offsets from
+  any round trip (``filter_ok()`` in returns.c: a chain of member offsets from
   ``current`` must end in an expected value):
   - ``Uprobe(pid=None)``, what ``uprobe_events`` does (the kernel places a uprobe on an
     inode, kernel/events/uprobes.c): ``current->mm->exe_file->f_inode->i_ino`` is the
@@ -28,7 +28,7 @@ plugin's own is where a hit is decided:
   engine's, the end of its executable segment), instances keyed by (mm, stack slot) in C. At the trampoline the ret_handlers run with ``regs.ip`` the
   real return address, the newest registered consumer first (``handle_uretprobe_chain()``),
   and on 6.11+ the ``sys_uretprobe()`` frame below sp is written as the kernel's
-  trampoline leaves it (kph_plugin.c: ``on_trampoline()``). A fork child gets copies of
+  trampoline leaves it (returns.c: ``on_trampoline()``). A fork child gets copies of
   the task's instances at ``uprobe_copy_process()`` (``PK_FORK``, ``dup_utask()``): its
   return runs an every-process consumer's ret_handler, not a per-process one's. A call in flight when its uprobe is unregistered returns with no handler.
 
@@ -56,7 +56,7 @@ URET_INSTANCES = 4096
 
 
 def user_ext(tramp: int, chain: tuple[int, ...], expect: int) -> bytes:
-    """``CMD_ADD``'s extension of a user probe (kph_plugin.c ``ADD_EXT_SIZE``): its
+    """``CMD_ADD``'s extension of a user probe (kph_proto.h ``ADD_EXT_SIZE``): its
     trampoline, and the filter: member offsets from ``current``, the value they end in."""
     return struct.pack("<QII4QQQ", tramp, len(chain), 0, *(list(chain) + [0] * 4)[:4],
                        expect, 0)

@@ -8,7 +8,7 @@
   ``-plugin PATH,ctl=FD``, FD being a listening UNIX socket the harness made in the
   machine's private 0700 run directory (never TCP), inherited by QEMU.
 - :class:`PluginLink` is one session on that socket: request/reply commands (the
-  ``CMD_*`` of kph_plugin.c), and the record ring, a memfd shared with the plugin (sent
+  ``CMD_*`` of kph_proto.h), and the record ring, a memfd shared with the plugin (sent
   over the socket with SCM_RIGHTS), one single-producer ring per vCPU, drained by a
   thread while the guest runs. When the link closes the plugin goes inert.
 
@@ -43,7 +43,9 @@ from .qemu import qemu_identity
 log = logging.getLogger(__name__)
 
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "probes" / "plugin"
-SOURCES = ("kph_plugin.c", "fetch.c", "fetch.h", "kph_proto.h", "qemu-plugin.h")
+#: what is compiled into the plugin; SOURCES is what its cache key hashes
+C_SOURCES = ("kph_plugin.c", "returns.c", "roundtrip.c", "control.c", "fetch.c")
+SOURCES = C_SOURCES + ("kph_plugin.h", "fetch.h", "kph_proto.h", "qemu-plugin.h")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-pthread", "-Wall",
           "-Wno-unused-parameter")
 SO_NAME = "kph_plugin.so"
@@ -67,11 +69,11 @@ CFG_URET_SYSCALL = 1
 #: CMD_GSTATS: how many u64 counters
 NGSTATS = 17
 PK_SPEC_P, PK_SPEC_R, PK_KPROBE, PK_KRET = 1, 2, 3, 4
-#: kph_plugin.c: at uprobe_copy_process(), a fork child gets copies of the user return instances
+#: returns.c: at uprobe_copy_process(), a fork child gets copies of the user return instances
 PK_FORK = 5
-#: kph_plugin.c: at rethook_flush_task(), a dead task's kernel return instances are recycled
+#: returns.c: at rethook_flush_task(), a dead task's kernel return instances are recycled
 PK_FLUSH = 6
-#: kph_plugin.c: at uprobe_free_utask(), a task's user return instances are freed (exit, exec)
+#: returns.c: at uprobe_free_utask(), a task's user return instances are freed (exit, exec)
 PK_UFREE = 7
 EV_PRE, EV_POST, EV_FAULT, EV_RET_ENTRY, EV_RET, EV_MISS = 1, 2, 3, 4, 5, 6
 C_READ, C_WRITE, C_READREG, C_DONE = 1, 2, 3, 4
@@ -168,7 +170,7 @@ def build_plugin(qemu: Any) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=dest.parent)
     os.close(fd)
     cmd = [_compiler(), *CFLAGS, "-I", str(PLUGIN_DIR), "-o", tmp,
-           str(PLUGIN_DIR / "kph_plugin.c"), str(PLUGIN_DIR / "fetch.c")]
+           *(str(PLUGIN_DIR / name) for name in C_SOURCES)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if out.returncode != 0:
