@@ -45,6 +45,8 @@ from ..kernel.rules import SERIES
 from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
+from ..diff.report import findings_text
+from ..kernel.splat import KernelFinding, during, headline
 from ..backends.tracelayer import TraceLayer
 from ..vmctl import Machine
 
@@ -73,7 +75,7 @@ class Finding:
     """One class of divergence, at its shrunk example."""
 
     lines: tuple[str, ...]
-    kind: str                    # parse, registration, events, crash, timeout
+    kind: str                    # parse, registration, events, crash, timeout, kernel, hang
     detail: str
     signature: str
     repro: str = ""
@@ -513,7 +515,11 @@ class Oracle:
 
     def _vm_error(self, lines: tuple[str, ...], exc: Exception) -> Finding:
         """A guest that died or hung: the finding, with the kernel's last console lines
-        when it panicked (the oops names the code and the call trace)."""
+        when it panicked (the oops names the code and the call trace). A panic or a hang
+        the run's kernel watch saw (``harness.machine.kwatch``) is a ``kernel`` or ``hang``
+        finding with its splats."""
+        if isinstance(exc, KernelFinding):
+            return kernel_finding(lines, exc.verdict, exc.splats)
         detail = str(exc).splitlines()[0]
         if "panicked" in detail:
             try:
@@ -547,6 +553,9 @@ class Oracle:
                       timeout=30).stdout
         if left.strip():
             vm.run("cd /sys/kernel/tracing; echo > kprobe_events; echo > uprobe_events", timeout=30)
+        if headline(host.splats) is not None:       # the kernel complained during the run
+            return kernel_finding(lines, str(headline(host.splats)), host.splats)
+        if left.strip():
             return Finding(lines, "crash", f"probes left in the guest: {left.strip()}",
                            "crash:left-behind")
         if res.agrees:      # an empty run (nothing fired) agrees: it is no finding
@@ -569,6 +578,15 @@ class Oracle:
                 self.stats.known[why] = self.stats.known.get(why, 0) + 1
                 return None
         return Finding(lines, kind, d.describe(res.a_side, res.b_side), sig)
+
+
+def kernel_finding(lines: tuple[str, ...], verdict: str, splats: Any) -> Finding:
+    """A run the kernel complained about (``harness.kernel.splat``): kind ``hang`` for
+    ``HANG``, else ``kernel``; its class is the verdict and the first splat's title."""
+    now = during(splats)
+    title = now[0].title if now else verdict
+    return Finding(lines, "hang" if verdict == "HANG" else "kernel", findings_text(splats),
+                   f"kernel:{verdict}:{_shape(title)}")
 
 
 def _shape(text: str) -> str:
@@ -675,7 +693,7 @@ def run(vm: Machine, *, examples: int, seed: int, guest: str = "events",
             stats.findings.append(f)
             say(f"fuzz: finding {len(stats.findings)} ({f.kind}): {f.lines[0][:100]}: "
                 f"{f.detail.splitlines()[0][:160]}")
-            if f.kind in ("crash", "timeout") and reboot is not None:
+            if f.kind in ("crash", "timeout", "kernel", "hang") and reboot is not None:
                 # The machine may be wedged after a crash or a hang: go on with a new one.
                 try:
                     oracle.vm.close()

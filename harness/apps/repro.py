@@ -39,6 +39,8 @@ from .scenario import COUNTER_RE, Scenario
 from ..backends.module import ModuleBackend
 from ..diff.runner import trampoline_text
 from ..diff.verdict import compare
+from ..diff.report import findings_text
+from ..machine.kwatch import KernelWatch
 from ..vmctl import Machine
 from ..machine.image.build import image_for
 from ..machine.image.facts import kernel_view
@@ -67,6 +69,8 @@ class Observed:
     error: str = ""
     console: str = ""
     trampoline: str | None = None        # how the host trampoline prints in the guest
+    #: what the kernel printed from the probes' placing on (``harness.kernel.splat``)
+    splats: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -418,11 +422,14 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
                 if not res.ok:
                     log.warning("setup %r exited %d", cmd, res.status)
             progress("repro: placing probes")
+            watch = KernelWatch(vm)     # the kernel's splats from here on (kernel.txt)
+            watch.start()
             r.place()
             progress(f"repro: trigger: {scn.trigger}")
             r.trigger()
             progress(f"repro: observed {r.obs.outcome}; collecting evidence")
             r.collect()
+            r.obs.splats = watch.finish(dmesg=r.obs.outcome in ("ok", "oops", "refused"))
             r.obs.console = vm.console_text()
             host_list = vm._host.list() if vm._host is not None and not vm._host.closed else ""
             r.close()
@@ -433,6 +440,8 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
             r.obs.console = vm.console_text()
     met, reasons, cause = evaluate(scn, r.obs, r.obs.stack)
     _write_bundle(bundle, scn, r, met, reasons, cause, host_list, manifest)
+    if r.obs.splats:
+        (bundle / "kernel.txt").write_text(findings_text(r.obs.splats))
     return ReproResult(scn, r.obs, met, reasons, cause, bundle)
 
 

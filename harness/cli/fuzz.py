@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import SetupError
 from . import ci
 from .common import ci_group, examples, sub
-from .output import EXIT_DIVERGED, EXIT_OK, Output
+from .output import EXIT_DIVERGED, EXIT_HANG, EXIT_KERNEL, EXIT_OK, Output
 
 NAME = "fuzz"
 EXAMPLES = ["kph fuzz --list --examples 5 --seed 7",
@@ -176,7 +176,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
     from ..diff import ktap
     ci.emit(args, ktap.fuzz_cases(doc, shards, kernel=img.version), verb=NAME,
             kernel=img.version)
-    return EXIT_OK if not findings else EXIT_DIVERGED
+    kinds = {f.kind for f in findings}
+    return EXIT_KERNEL if "kernel" in kinds else EXIT_HANG if "hang" in kinds else \
+        EXIT_OK if not findings else EXIT_DIVERGED
 
 
 def shard_progress(runs: Any, total: int, elapsed: float, say: Any) -> None:

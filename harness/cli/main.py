@@ -36,7 +36,8 @@ first steps:
   kph diff  'p:open do_sys_openat2 path=+0(%si):ustring' --run 'cat /proc/version'
 every command has examples in its --help (kph COMMAND --help).
 exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
-3 the VM was lost (panic, QEMU died, timeout), 4 empty (kph diff: nothing measured),
+3 the VM was lost (QEMU died, QMP silent), 4 empty (kph diff: nothing measured),
+5 a kernel splat during the run (WARNING, BUG, Oops, panic, ...), 6 the guest hung,
 130 interrupted."""
 
 #: Every verb, in the order ``kph --help`` lists them. A verb is one module with ``NAME``,

@@ -8,7 +8,8 @@ from typing import Any
 from ..errors import NotMirroredError, ProbeSpecError, SetupError
 from . import ci
 from .common import ci_group, examples, spec_args, spec_file_lines, sub, workload_ran
-from .output import EXIT_DIVERGED, EXIT_OK, Output, check_writable
+from .common import kernel_report, kernel_verdict
+from .output import EXIT_DIVERGED, EXIT_HANG, EXIT_KERNEL, EXIT_OK, Output, check_writable
 
 NAME = "matrix"
 EXAMPLES = ["kph matrix -f probes/examples/matrix.spec --run 'sh -c \"true & wait\"' "
@@ -23,7 +24,8 @@ def add_parser(subparsers: Any) -> None:
              "kernels' guests with each other: registration, probe mode, event "
              "counts and the printed fields. Exit 0 when host and guest agree on "
              "every kernel, 1 otherwise, 2 on usage or setup errors (a workload that "
-             "did not run: exit 126 or 127 from its shell).",
+             "did not run: exit 126 or 127 from its shell), 5 a kernel splat during a "
+             "kernel's run (a panic too), 6 a kernel's guest hung.",
              epilog=examples(EXAMPLES))
     spec_args(mx)
     mx.add_argument("--kernels", default="6.1,6.12,7.3", metavar="K,K,...",
@@ -54,18 +56,27 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise SetupError("no probe spec given", "pass SPEC arguments or -f FILE")
     check_kernels(kernels)
     specs = matrix_specs(kernels, lines)
+    findings: dict[str, tuple[Any, ...]] = {}
     res = run_matrix(kernels, specs, args.run, guest=args.guest, timeout=args.timeout,
                      qemu=args.qemu, progress=out.progress,
-                     check_run=lambda r: workload_ran(r, args.run))
+                     check_run=lambda r: workload_ran(r, args.run), findings=findings)
     out.progress.clear()
     out.text(report.matrix_text(res))
-    out.result(json.loads(report.matrix_json(res)))
+    for name, splats in findings.items():
+        if splats:
+            out.text(f"{name}:")
+            kernel_report(splats, out)
+    out.result(dict(json.loads(report.matrix_json(res)),
+                    kernel={n: report.findings_json(s) for n, s in findings.items()}))
     cases, between = ktap.matrix_cases(res)
     ci.emit(args, cases, verb=NAME, diagnostics=between)
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.matrix_html(res))
         out.text(f"wrote {args.html}")
+    worst = kernel_verdict([s for ss in findings.values() for s in ss])
+    if worst is not None:
+        return EXIT_HANG if worst == "HANG" else EXIT_KERNEL
     return EXIT_OK if res.all_equivalent else EXIT_DIVERGED
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import SetupError
 from . import ci
 from .common import ci_group, examples, sub
+from .common import kernel_report
 from .output import EXIT_DIVERGED, EXIT_OK, Output, check_output
 
 NAME = "repro"
@@ -81,9 +82,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
     for r in res.reasons:
         out.text(f"  - {r}")
     out.text(f"  evidence: {res.bundle}/summary.md")
+    from ..diff.report import findings_json
+    kernel_report(res.observed.splats, out)      # reported; the scenario decides the exit
     doc = {"met": res.met, "scenario": scn.name, "file": str(scn.path), "cause": res.cause,
            "reasons": list(res.reasons), "bundle": str(res.bundle),
-           "summary": f"{res.bundle}/summary.md"}
+           "summary": f"{res.bundle}/summary.md",
+           "kernel": findings_json(res.observed.splats)}
     if args.record:
         out.text(f"  replay:   kph repro --replay {res.bundle}")
         doc["replay"] = f"kph repro --replay {res.bundle}"

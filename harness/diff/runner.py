@@ -26,6 +26,7 @@ from ..backends.tracelayer import uprobe_file_refusal
 from ..backends.plugin import PluginBackend
 from ..machine.image.store import default_image
 from ..machine.kwatch import KernelWatch
+from ..kernel.splat import KernelFinding
 from .matrix import KernelRun, MatrixResult, compare_kernels
 from .verdict import compare
 from ..vmctl import Machine
@@ -274,7 +275,8 @@ def row_names(images: Sequence[Any]) -> list[str]:
 def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str, *,
                guest: str = "events", timeout: float = 120.0, qemu: str | None = None,
                build: bool = True, progress: Any = None,
-               check_run: Callable[[SideResult], None] | None = None) -> Any:
+               check_run: Callable[[SideResult], None] | None = None,
+               findings: dict[str, tuple[Any, ...]] | None = None) -> Any:
     """``run_differential`` on each kernel's image (built first when missing and
     ``build``), then the kernels' guests compared (``harness.diff.matrix``).
 
@@ -282,6 +284,8 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
     row with the reason; the others still run. ``check_run`` sees each kernel's host
     result first and may raise ``SetupError`` (``kph matrix``: a workload that did not
     run, exit 126 or 127, ends the matrix at the first kernel, as ``kph diff`` ends).
+    ``findings``, when given, gets each row's kernel splats (``harness.kernel.splat``), a
+    row lost to a panic or a hang included (its error then names the verdict).
     """
     say = progress or (lambda s: None)
     out = MatrixResult(workload)
@@ -306,10 +310,16 @@ def run_matrix(kernels: Sequence[str], specs: Sequence[ProbeSpec], workload: str
                 say(f"matrix: {name}: comparing")
                 kr.diff = compare(host, guest_res, trampoline=trampoline_text(vm))
                 kr.host, kr.guest = host, guest_res
+                if findings is not None:
+                    findings[name] = host.splats
         except (VMError, HarnessError) as exc:
             if isinstance(exc, SetupError):
                 raise
             kr.error = str(exc).splitlines()[0]
+            if isinstance(exc, KernelFinding):
+                kr.error = f"{exc.verdict}: {kr.error}"
+                if findings is not None:
+                    findings[name] = exc.splats
             say(f"matrix: {name}: {kr.error}")
         out.kernels.append(kr)
     out.differences = compare_kernels(out.kernels)

@@ -90,12 +90,12 @@ class KernelWatch:
     def _during_console(self) -> list[Splat]:
         return find_splats(self.vm.console_since(self.mark or 0), source="console")
 
-    def finish(self) -> tuple[Splat, ...]:
+    def finish(self, *, dmesg: bool = True) -> tuple[Splat, ...]:
         """Every splat: those printed before the window, then those during it (console and
-        ``dmesg``, each once)."""
+        ``dmesg``, each once; ``dmesg=False``: the console only, for a guest known gone)."""
         if self.mark is None:
             self.start()
-        now = self._read_dmesg()
+        now = self._read_dmesg() if dmesg else None
         fresh = [] if now is None else find_splats(dmesg_after(self._dmesg_before, now),
                                                    source="dmesg")
         return tuple(self._before + merge(self._during_console(), fresh))
