@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         doc["replay"] = f"kph repro --replay {res.bundle}"
     out.result(doc)
     from ..diff import ktap
-    kernel = str(scn.machine.get("kernel") or "default")
+    kernel = str(scn.machine.get("image") or scn.machine.get("kernel") or "default")
     ci.emit(args, ktap.repro_cases(scn, res, kernel=kernel), verb=NAME, kernel=kernel)
     return EXIT_OK if res.met else EXIT_DIVERGED
 
