@@ -92,7 +92,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     kernel_report(runs[0].splats, out)
     out.result(dict(json.loads(report.to_json(res, runs)),
                     kernel=report.findings_json(runs[0].splats)))
-    ci.emit(args, ktap.diff_cases(res, kernel=kernel), verb=NAME, kernel=kernel)
+    ci.emit(args, ktap.diff_cases(res, kernel=kernel, findings=[
+        s.headline() for s in runs[0].splats if not s.before]), verb=NAME, kernel=kernel)
     if args.html:
         with open(args.html, "w") as f:
             f.write(report.to_html(res, runs, workload=args.run))

@@ -31,7 +31,9 @@ def add_parser(subparsers: Any) -> None:
              "error_log with the host's parse error), and shrink each divergence to "
              "a minimal definition. Findings are written as kph diff one-liners "
              "and as regression cases (tests/data/fuzz/) the suite replays. Exit 0 "
-             "with no finding, 1 with findings, 2 on bad input.",
+             "with no finding, 1 with findings, 2 on bad input, 5 when a run made the "
+             "kernel report a splat (a finding of kind kernel), 6 when the guest hung "
+             "(kind hang) and no run made a splat.",
              epilog=examples(EXAMPLES))
     fz.add_argument("--image", metavar="SERIES|ABI|DIR", help="the kernel (default: the default image)")
     fz.add_argument("--host", choices=("gdbstub", "plugin"), default="gdbstub",

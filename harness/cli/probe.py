@@ -23,7 +23,8 @@ def add_parser(subparsers: Any) -> None:
              "show the events", description="Place kprobe_events specs host-side "
              "(through the gdbstub) or in the guest (tracefs or the kph module), "
              "run --run, show the events as the trace file would. Exit 0, or 2 when a "
-             "spec is refused.", epilog=examples(EXAMPLES))
+             "spec is refused, 5 when the kernel reported a splat during the run (a "
+             "WARNING:, BUG:, an oops, a panic), 6 when the guest hung.", epilog=examples(EXAMPLES))
     spec_args(pr)
     pr.add_argument("--backend", choices=("host", "events", "module"), default="host",
                     help="where the probes go (default host)")
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     doc["kernel"] = report.findings_json(res.splats)
     out.result(doc)
     if refused:
+        kernel_report(res.splats, out)
         return EXIT_USAGE
     for h in res.hits:
         out.text(h.line())
