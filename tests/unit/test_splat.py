@@ -185,3 +185,87 @@ def test_event_lists_compared_after_the_run():
     assert d.b_value == "only here: kprobes/stale" and d.a_value == "only here: (nothing)"
     assert compare(a, SideResult("events", events_left=("kprobes/a",))).divergences == []
     assert compare(a, SideResult("module")).divergences == []      # no list: not compared
+
+
+class _FakeVM:
+    """What KernelWatch reads of a Machine: the console, run(), qmp(), the process."""
+
+    def __init__(self, *, status="running", answers=True, alive=True, dmesg="[    1.0] boot\n"):
+        import types
+        self.console = "boot line\n"
+        self.status, self.answers, self.dmesg = status, answers, dmesg
+        self.aborting = False
+        self.name = "fake"
+        self.state = types.SimpleNamespace(value="running")
+        self.proc = types.SimpleNamespace(poll=lambda: None if alive else 1)
+
+    def console_mark(self):
+        return len(self.console)
+
+    def console_since(self, mark, end=None):
+        return self.console[mark:end]
+
+    def console_tail(self, lines=40):
+        return self.console[-200:]
+
+    def run(self, cmd, timeout=0):
+        import types
+        from harness.errors import VMLostError
+        if not self.answers:
+            raise VMLostError("guest agent did not answer in time")
+        return types.SimpleNamespace(status=0, stdout=self.dmesg if cmd == "dmesg" else "")
+
+    def qmp(self, cmd, timeout=0):
+        return {"status": self.status}
+
+
+def test_the_watch_turns_a_panic_and_a_hang_into_findings_and_leaves_harness_failures():
+    import pytest
+    from harness.errors import GuestPanicError, VMError, VMLostError
+    from harness.machine.kwatch import KernelWatch
+
+    vm = _FakeVM()
+    w = KernelWatch(vm)
+    with pytest.raises(KernelPanicFinding) as ei:
+        with w.watching():
+            vm.console += SYSRQ
+            raise GuestPanicError("fake: guest kernel panicked: sysrq triggered crash")
+    assert ei.value.verdict == "KERNEL-PANIC" and ei.value.splats[0].title.endswith("crash")
+
+    vm = _FakeVM()
+    w = KernelWatch(vm)
+    with pytest.raises(GuestHangError) as ei:      # the workload timed out, the agent answers
+        with w.watching():
+            vm.dmesg += "[    9.0] INFO: task sh:5 blocked for more than 2 seconds.\n"
+            raise VMLostError("guest command ['/bin/sh'] did not finish within 3 s")
+    assert ei.value.verdict == "HANG" and "still answers" in ei.value.why
+    assert [s.verdict for s in ei.value.splats] == ["KERNEL-HUNG-TASK", "HANG"]
+
+    vm = _FakeVM()
+    w = KernelWatch(vm)
+    with pytest.raises(GuestHangError) as ei:      # nothing answers, QEMU runs the guest
+        with w.watching():
+            vm.answers = False
+            raise VMLostError("guest agent did not answer in time")
+    assert "stopped answering" in ei.value.why
+
+    for kw in ({"alive": False}, {"status": "paused"}):    # QEMU died; a guest held stopped
+        vm = _FakeVM(**kw)
+        w = KernelWatch(vm)
+        with pytest.raises(VMLostError) as ei:
+            with w.watching():
+                raise VMLostError("lost")
+        assert not isinstance(ei.value, GuestHangError)
+    vm = _FakeVM()
+    with pytest.raises(VMError) as ei:
+        with KernelWatch(vm).watching():
+            raise VMError("QEMU exited with status 1")
+    assert type(ei.value) is VMError
+
+    vm = _FakeVM(dmesg="[    1.0] boot\n" + WARN)      # printed at boot: listed, no verdict
+    w = KernelWatch(vm)
+    w.start()
+    vm.dmesg += "[   20.0] " + ATOMIC.splitlines()[0].split("] ", 1)[1] + "\n"
+    found = w.finish()
+    assert [(s.verdict, s.before) for s in found] == [("KERNEL-WARNING", True), ("KERNEL-BUG", False)]
+    assert headline(found) == "KERNEL-BUG"
