@@ -684,6 +684,10 @@ class Outcome:
         return "ERROR   " if self.error else "killed  " if self.killed else "SURVIVED"
 
 
+#: The normalizations the last kph_diff() applied, with their counts (its JSON's).
+LAST_RULES: dict[str, int] = {}
+
+
 def kph_diff(engine: str, probes: str, extra: tuple[str, ...] = ()) -> tuple[int, str]:
     """One real ``kph diff`` (in this process, ``-q``, its JSON to a file): its exit
     status and its verdict, or its error line."""
@@ -696,7 +700,10 @@ def kph_diff(engine: str, probes: str, extra: tuple[str, ...] = ()) -> tuple[int
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(argv)
         if out.exists():
-            return code, "result: " + json.loads(out.read_text())["verdict"]
+            res = json.loads(out.read_text())
+            LAST_RULES.clear()
+            LAST_RULES.update({k: v["count"] for k, v in res.get("normalizations", {}).items()})
+            return code, "result: " + res["verdict"]
     said = [ln for ln in err.getvalue().splitlines() if ln.strip()] or [""]
     return code, next((ln for ln in said if ln.startswith("error:")), said[-1])
 
@@ -722,7 +729,10 @@ def baselines(engines: tuple[str, ...], sets: set[str]) -> bool:
             if engine not in PROBE_SETS[probes].engines:
                 continue
             code, line = kph_diff(engine, probes)
-            print(f"baseline {engine:8s} {probes:8s} exit {code}  {line[:100]}", flush=True)
+            order = {k: n for k, n in LAST_RULES.items() if k.endswith("-order") and n}
+            print(f"baseline {engine:8s} {probes:8s} exit {code}  {line[:90]}"
+                  + (f"  [{', '.join(f'{k} {n}' for k, n in order.items())}]" if order else ""),
+                  flush=True)
             if code != 0:
                 print(f"error: the unmutated {probes} run is not equivalent on {engine}; "
                       "no score", file=sys.stderr)

@@ -3,7 +3,7 @@
 interrupt, several-task, stack-trigger and silent-line workloads), each mutant injected
 into each host engine it applies to and judged by a real ``kph diff`` on the booted
 default kernel; one mutant of the plugin's C (bench/plugin_mutants.py), compiled and
-loaded.
+loaded; one mutant of an engine's Python made by cosmic-ray (bench/source_mutants.py).
 A mutant that ends "equivalent" (exit 0) is a bug in the oracle. The unmutated probe sets
 must be equivalent first, or a kill means nothing."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ sys.modules["oracle_mutants"] = om          # dataclasses look their module up t
 _spec.loader.exec_module(om)
 
 import plugin_mutants  # noqa: E402  (bench/, after oracle_mutants is registered)
+import source_mutants  # noqa: E402
 
 #: Record mutants the verdict does not catch yet (reported on issue 36, item 5): each
 #: stays here, strict, until the verdict kills it.
@@ -79,3 +80,12 @@ def test_a_c_mutant_compiled_and_loaded_is_killed(default_image):
     o = plugin_mutants.run(m)
     assert not o.error, o.error
     assert o.killed, o.line
+
+
+def test_a_source_mutant_made_by_cosmic_ray_is_killed(default_image):
+    """cosmic-ray's Eq -> NotEq on the plugin backend's ``rec.type == REC_RET`` (a return
+    record read as an entry's), in a copy of the tree, judged by kph diff runs."""
+    pytest.importorskip("cosmic_ray")
+    o = source_mutants.one("plugin")
+    assert not o.error, o.error
+    assert o.killed, f"{o.mutant} survived: {o.line}"
