@@ -488,6 +488,7 @@ class EventsBackend:
         self._enable_renames(False)
 
     _RENAME = f"{TRACING}/events/task/task_rename"
+    _rename_fmt: tuple[int, Any, Any] | None = None     # set by __init__; None: not read
 
     def _enable_renames(self, on: bool) -> None:
         """Record the guest's renames (``task:task_rename``, fired by ``__set_task_comm()``

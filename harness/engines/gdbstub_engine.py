@@ -195,6 +195,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)) or getattr(self.vm, "aborting", False) \
                 or self._closing or self.stub.proc.poll() is not None:
             return
+        first = (str(exc).splitlines() or [repr(exc)])[0]    # a bare exception has no text
         try:
             self.stub.running = True        # whatever our flag says: halt for real
             self.stub.interrupt()
@@ -202,11 +203,11 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
             self.stub.resume(None)
             self._held = None
             log.warning("the host-side probe dispatcher stopped (%s); its probes were "
-                        "removed and the guest resumed", str(exc).splitlines()[0])
+                        "removed and the guest resumed", first)
         except BaseException as again:  # noqa: BLE001 - the first cause is what callers get
             log.debug("could not leave the guest running: %r", again)
             self._held = (time.monotonic(), f"the host-side probe dispatcher (it stopped on: "
-                                            f"{str(exc).splitlines()[0]})")
+                                            f"{first})")
 
     def _serve_requests(self) -> bool:
         """Run the queued calls; True when one met GDB with the target running (it is
