@@ -248,6 +248,10 @@ def check_equivalent(res: Any, min_events: int, *, refusals_ok: bool = False) ->
     text = report.text(res)
     assert res.agrees, text
     assert not res.strict_violations, text
+    # a kernel report during the run is a finding, whatever the comparison said (issue 37)
+    runs = getattr(res, "runs", ())        # both sides carry the run's one list
+    splats = [sp for sp in (getattr(runs[0], "splats", ()) if runs else ()) if not sp.before]
+    assert not splats, report.findings_text(splats) + text
     if not refusals_ok:
         assert res.armed, ("no line was armed on both sides (every line refused, or "
                            "accepted without registering): nothing was compared; pass "
