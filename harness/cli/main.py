@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
+from . import upstream
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
                      clear_progress, current, output_options, report_crash, report_error)
 
@@ -44,7 +45,7 @@ exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
 #: ``EXAMPLES``, ``add_parser(subparsers)`` and ``run(args, out) -> exit status``: adding
 #: one is that module and a line here.
 VERBS: tuple[ModuleType, ...] = (image, kernel, qemu, boot, probe, diff, matrix, fuzz, worker, repro,
-                                 demo, doctor)
+                                 demo, doctor) + (upstream,)
 
 #: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a
 #: directory holding the checkout's probes/ (paths are relative to the checkout).

@@ -1,0 +1,65 @@
+"""``kph upstream``: the kernel findings of docs/upstream.md as patch series to send
+(``harness.apps.upstream``)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .common import examples, sub
+from .output import EXIT_DIVERGED, EXIT_OK, Output
+
+NAME = "upstream"
+EXAMPLES = ["kph upstream export btf-char-ptr --tree 6.12 --out series-1",
+            "kph upstream export 2 --tree 7.3 --signoff --out series-2"]
+
+
+def add_parser(subparsers: Any) -> None:
+    u = sub(subparsers, NAME, help="Export a kernel finding (docs/upstream.md) as a git "
+            "format-patch series: the fix and a kselftest case", epilog=examples(EXAMPLES))
+    usub = u.add_subparsers(dest="upstream_cmd", metavar="ACTION")
+    e = sub(usub, "export", help="Write the series against Debian's source of a series, "
+            "then run the tree's checkpatch.pl --strict on each patch and git am the series "
+            "on a clean checkout. Exit 0 when both pass, 1 when a check fails, 2 on a setup "
+            "error (no git identity, no tree)", epilog=examples(EXAMPLES))
+    e.add_argument("finding", metavar="FINDING", help="btf-char-ptr (1), "
+                   "non-unique-symbol-errno (2) or second-kretprobe-ret-ip (3)")
+    e.add_argument("--tree", default="6.12", choices=("6.12", "7.3"),
+                   help="Debian's linux-source of this series (default 6.12), fetched when "
+                   "missing; its git copy is made once in $KPH_CACHE/upstream (about 1.5 min)")
+    e.add_argument("--out", metavar="DIR", help="where the patches go (default "
+                   "$KPH_CACHE/upstream/series/FINDING-SERIES); its *.patch are replaced")
+    e.add_argument("--signoff", "-s", action="store_true", help="add Signed-off-by: of "
+                   "git config user.name/user.email, as git format-patch -s does (you "
+                   "certify the DCO)")
+    e.add_argument("--no-check", action="store_true", help="skip checkpatch.pl and git am")
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    from ..apps.upstream import export
+    from ..errors import SetupError
+
+    if getattr(args, "upstream_cmd", None) != "export":
+        raise SetupError("kph upstream needs an action", "try `kph upstream export 1`")
+    e = export(args.finding, args.tree, args.out, signoff=args.signoff,
+               check=not args.no_check, progress=out.progress)
+    out.progress.clear()
+    rows = []
+    for i, p in enumerate(e.patches):
+        c = e.checkpatch[i] if e.checkpatch else None
+        verdict = ("not run" if c is None else
+                   f"{c.errors} errors, {c.warnings} warnings, {c.checks} checks"
+                   + (f" ({', '.join(c.types)})" if c.types else ""))
+        out.text(f"{p}\n  {e.subjects[i]}\n  checkpatch --strict: {verdict}")
+        rows.append({"patch": str(p), "subject": e.subjects[i],
+                     "checkpatch": None if c is None else {
+                         "errors": c.errors, "warnings": c.warnings, "checks": c.checks,
+                         "types": c.types, "accepted": c.clean(e.accepted)}})
+    if e.applied:
+        out.text(f"git am on a clean checkout of linux-source-{e.tree.version}: applied\n"
+                 + "".join(f"  {ln}\n" for ln in e.applied.splitlines()).rstrip())
+    if not args.signoff:
+        out.text("no Signed-off-by: (pass --signoff to add yours)")
+    out.result({"finding": e.finding.name, "tree": e.tree.version, "base": e.tree.base,
+                "branch": e.branch, "patches": rows, "git_am": bool(e.applied),
+                "ok": e.ok if e.checkpatch else None})
+    return EXIT_OK if (e.ok or args.no_check) else EXIT_DIVERGED
