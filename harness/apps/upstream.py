@@ -688,7 +688,7 @@ def export(name: str, series: str = "6.12", out: str | os.PathLike[str] | None =
         subjects.append(p.subject)
     branch = f"kph/{f.name}/{series}"
     git(t.repo, "update-ref", f"refs/heads/{branch}", commit)
-    dest = Path(out) if out else default_out(f.name, series)
+    dest = (Path(out) if out else default_out(f.name, series)).resolve()   # checkpatch runs in the tree
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.patch"):
         old.unlink()

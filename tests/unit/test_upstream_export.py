@@ -111,8 +111,9 @@ def test_the_series_passes_checkpatch_and_git_am(name, series, ident, tmp_path):
     assert body[2].startswith("# description: ") and body[3].startswith("# requires: ")
 
 
-def test_without_signoff_there_is_none_and_checkpatch_says_so(ident, tmp_path):
-    e = _export("2", "7.3", tmp_path / "out")
+def test_without_signoff_there_is_none_and_checkpatch_says_so(ident, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)         # a relative --out (checkpatch runs in the tree)
+    e = _export("2", "7.3", "out")
     for p, c in zip(e.patches, e.checkpatch):
         assert "Signed-off-by:" not in p.read_text()
         assert c.errors == 1 and "MISSING_SIGN_OFF" in c.types, c.output
