@@ -1,0 +1,488 @@
+"""``kph hunt``: run what the harness has against one kernel, told nothing about where a
+bug might be, and report each finding once.
+
+Three phases share one time budget (:class:`Budget`), each ending at its share of it
+(time a phase leaves unused goes to the next):
+
+1. **selftests**: the booted kernel's own ftrace selftest cases
+   (:mod:`harness.apps.selftests` for 6.1, :mod:`harness.apps.selftests_newer` for 6.12 and
+   7.3: accepted lines with their workloads, alternating with the lines that kernel refuses
+   while parsing), each judged host against guest by the fuzzer's oracle
+   (:class:`harness.apps.fuzz.Oracle`: the same parse, registration, events, left-behind
+   and kernel-report checks);
+2. **scenarios**: the generic ``probes/scenarios/*.toml`` (not ``upstream/``, whose
+   expectations are known bugs; none with a ``[kernels]`` table), each through ``kph
+   repro``'s runner on this image: a scenario NOT MET is a finding;
+3. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
+   series has, until the budget ends.
+
+The kernel-side oracles are in every run (a splat is a ``kernel`` finding, a hang a
+``hang`` one). A finding is kept at its fewest lines (the fuzzer's findings are shrunk by
+Hypothesis; a selftest case's lines are dropped one at a time while the same finding
+stays), with the command that shows it again. Findings are one per :attr:`Finding.key`
+(kind, probe kind, field or verdict). One that looks like a finding docs/upstream.md
+reports for Debian's kernels (:data:`KNOWN`, matched by what it looks like) is listed as
+known and does not count.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from ..diff.ktap import Case
+from ..errors import HarnessError, SetupError
+from ..machine.image.kbuild import missing_options
+from ..vmctl import Machine
+from . import fuzz, repro, selftests, selftests_newer
+from .scenario import load
+from .selftests import fill
+
+#: Each phase's share of the budget, in order; a phase ends at the sum of the shares so
+#: far (the last at the budget's end).
+SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.4), ("scenarios", 0.25), ("fuzz", 0.35))
+PHASES = tuple(p for p, _ in SHARES)
+SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
+#: the options a kernel needs for a hunt (its config, as the image keeps it)
+NEEDS = {"CONFIG_KPROBES": "the guest's kprobes", "CONFIG_KPROBE_EVENTS": "kprobe_events",
+         "CONFIG_FTRACE": "tracefs"}
+FUZZ_ROUND = 25
+
+#: exit statuses (harness.cli.output's)
+EXIT_OK, EXIT_DIVERGED, EXIT_KERNEL, EXIT_HANG = 0, 1, 5, 6
+
+
+@dataclass(frozen=True)
+class Known:
+    """A kernel finding the harness already reported (docs/upstream.md), as it looks when a
+    hunt meets it: the finding's kinds and a pattern its detail or lines match."""
+
+    title: str
+    where: str
+    kinds: tuple[str, ...]
+    detail: str = ""
+    lines: str = ""
+
+    def matches(self, f: "Finding") -> bool:
+        if f.kind not in self.kinds:
+            return False
+        if self.detail and not re.search(self.detail, f.detail):
+            return False
+        return not self.lines or any(re.search(self.lines, ln) for ln in f.lines)
+
+
+#: docs/upstream.md's findings, by their signature (the host side mirrors Debian's
+#: kernels, so on them these agree; a kernel that changes one diverges there)
+KNOWN: tuple[Known, ...] = (
+    Known("btf_type_is_char_ptr() takes a non-pointer's size for a type id",
+          "docs/upstream.md#1", ("parse", "registration", "events"),
+          detail=r"does not fit for string|\(fault\)", lines=r":u?string\b"),
+    Known("a symbol that matches several is refused with EINVAL, not EADDRNOTAVAIL",
+          "docs/upstream.md#2", ("parse", "registration"), detail=r"symbol is not unique"),
+    Known("a second return probe on one call prints [unknown/kretprobe'd]",
+          "docs/upstream.md#3", ("events",), detail=r"unknown/kretprobe'd"),
+)
+
+
+@dataclass
+class Finding:
+    """One finding of the hunt, at its fewest lines."""
+
+    phase: str
+    kind: str            # parse, registration, events, crash, timeout, kernel, hang, scenario
+    probe_kind: str      # kprobe, kretprobe, uprobe, uretprobe, fprobe, tprobe, eprobe, dynevent
+    what: str            # the field that diverged, or the kernel's verdict
+    lines: tuple[str, ...]
+    detail: str
+    reproduce: str
+    source: str = ""     # the selftest file, the scenario, "fuzz"
+    known: str = ""      # the KNOWN entry it matches ("" for a new one)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.kind, self.probe_kind, self.what)
+
+    @property
+    def status(self) -> int:
+        return EXIT_KERNEL if self.kind == "kernel" else EXIT_HANG if self.kind == "hang" \
+            else EXIT_DIVERGED
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lines": list(self.lines), "new": not self.known}
+
+
+def check_image(img: Any) -> None:
+    """The image's kernel has what a hunt needs (:data:`NEEDS`, from the config the image
+    keeps); else a SetupError naming each option."""
+    cfg = Path(img.dir) / "config"
+    if not cfg.is_file():
+        return              # an image made without its config: the boot will tell
+    gone = missing_options(cfg.read_text(errors="replace"), {k: "y" for k in NEEDS})
+    if gone:
+        raise SetupError(f"{img.version} cannot be hunted: " + "; ".join(
+            f"{k} is not set (y) ({NEEDS[k]})" for k in gone),
+            "build a kernel with them (images/kernel.config has them)")
+
+
+def probe_kind(lines: Iterable[str]) -> str:
+    """The kind of probe a finding's lines define (the first that is no ``-:`` line)."""
+    for ln in lines:
+        toks = ln.split()
+        if not toks or ln.startswith("-"):
+            continue
+        head, place = toks[0], toks[1] if len(toks) > 1 else ""
+        ret = head[0] == "r" or place.endswith("%return")
+        if "/" in place and ":" in place and head[0] in "pr":
+            return "uretprobe" if ret else "uprobe"
+        return {"p": "kretprobe" if ret else "kprobe", "r": "kretprobe", "f": "fprobe",
+                "t": "tprobe", "e": "eprobe"}.get(head[0], "other")
+    return "dynevent"
+
+
+def what_of(f: fuzz.Finding) -> str:
+    """The field or verdict of a fuzzer finding's signature (``events:arg:...:x``, ``kernel:
+    KERNEL-WARNING:...``, ``parse:MSG|MSG|False``): what makes two findings one class."""
+    kind, _, rest = f.signature.partition(":")
+    if f.kind == "parse":
+        return "host-refuses" if rest.startswith("host-refuses") else "error_log"
+    if f.kind in ("events", "registration"):
+        field_ = rest.rsplit(":", 1)[0] if "|" in rest.rsplit(":", 1)[-1] else rest
+        # an argument by its type (its name and fetch are the example's, not the class)
+        return "arg:" + field_.rsplit(":", 1)[-1] if field_.startswith("arg:") else field_
+    return rest.split(":", 1)[0] or f.kind
+
+
+def known_of(f: Finding, table: Iterable[Known] = KNOWN) -> str:
+    for k in table:
+        if k.matches(f):
+            return f"{k.title} ({k.where})"
+    return ""
+
+
+@dataclass
+class Budget:
+    """``seconds`` from ``start``, split across :data:`SHARES`."""
+
+    seconds: float
+    start: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        if not self.seconds > 0:
+            raise SetupError(f"a budget of {self.seconds / 60:g} minute(s) runs nothing",
+                             "give --minutes more than 0, e.g. --minutes 10")
+
+    def phase_end(self, phase: str) -> float:
+        """When ``phase`` must stop: its cumulative share of the budget."""
+        acc = 0.0
+        for p, share in SHARES:
+            acc += share
+            if p == phase:
+                return self.start + self.seconds * (1.0 if p == SHARES[-1][0] else acc)
+        raise KeyError(phase)
+
+    def left(self, phase: str) -> float:
+        return max(0.0, self.phase_end(phase) - self.clock())
+
+    def over(self, phase: str) -> bool:
+        return self.left(phase) <= 0
+
+
+@dataclass
+class Findings:
+    """The hunt's findings, one per key; the first seen of a key is kept."""
+
+    items: list[Finding] = field(default_factory=list)
+    repeats: int = 0
+
+    def add(self, f: Finding) -> bool:
+        """Keep ``f`` unless its key is there; True when kept."""
+        if any(g.key == f.key for g in self.items):
+            self.repeats += 1
+            return False
+        f.known = f.known or known_of(f)
+        self.items.append(f)
+        return True
+
+    def seen(self, key: tuple[str, str, str]) -> bool:
+        return any(g.key == key for g in self.items)
+
+    @property
+    def new(self) -> list[Finding]:
+        return [f for f in self.items if not f.known]
+
+    @property
+    def status(self) -> int:
+        """The exit status: 5 when a new finding is a kernel report, else 6 for a hang,
+        else 1 for any other new finding, 0 when nothing new was found."""
+        got = {f.status for f in self.new}
+        for s in (EXIT_KERNEL, EXIT_HANG, EXIT_DIVERGED):
+            if s in got:
+                return s
+        return EXIT_OK
+
+
+@dataclass
+class HuntResult:
+    image: str
+    kernel: str
+    seconds: float
+    findings: Findings
+    counts: dict[str, dict[str, int]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"image": self.image, "kernel": self.kernel, "seconds": round(self.seconds, 1),
+                "status": self.findings.status, "counts": self.counts,
+                "findings": [f.as_dict() for f in self.findings.items],
+                "new": len(self.findings.new),
+                "known": len(self.findings.items) - len(self.findings.new)}
+
+
+# -- the selftest cases -----------------------------------------------------------------
+
+def selftest_items(series: str) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """(source, lines, workload, guest) of the series' own selftest cases: accepted lines
+    (or refused at registration) alternating with the lines it refuses while parsing."""
+    if series in selftests_newer.CASES:
+        s = series
+        cases = (selftests_newer.CASES[s] + selftests_newer.FPROBE_CASES[s]
+                 + selftests_newer.EPROBE_CASES[s])
+        parse = (selftests_newer.PARSE[s] + selftests_newer.FPARSE[s]
+                 + selftests_newer.EPARSE[s])
+    else:
+        cases, parse = selftests.CASES, selftests.PARSE
+    a = [(c.source, c.specs, c.workload, c.guest) for c in cases]
+    b = [(src, (ln.replace("^", "", 1),), "true", "events") for src, ln in parse]
+    out = []
+    for i in range(max(len(a), len(b))):
+        out += a[i:i + 1] + b[i:i + 1]
+    return out
+
+
+def shrink_lines(lines: tuple[str, ...], same: Callable[[tuple[str, ...]], bool],
+                 deadline: float, clock: Callable[[], float] = time.monotonic) -> tuple[str, ...]:
+    """``lines`` with every line dropped whose absence keeps the finding (``same``), one at
+    a time from the last, while ``deadline`` allows."""
+    cur = tuple(lines)
+    i = len(cur) - 1
+    while i >= 0 and len(cur) > 1 and clock() < deadline:
+        cand = cur[:i] + cur[i + 1:]
+        if same(cand):
+            cur = cand
+        i -= 1
+    return cur
+
+
+# -- the run ----------------------------------------------------------------------------
+
+class Hunt:
+    """One hunt on one image (see the module docstring)."""
+
+    def __init__(self, img: Any, *, minutes: float, seed: int = 0, image_arg: str | None = None,
+                 max_cases: int | None = None, progress: Callable[[str], None] = lambda s: None,
+                 out_dir: Path | None = None, scenarios: Path = SCENARIOS) -> None:
+        self.img, self.seed, self.image_arg = img, seed, image_arg
+        self.budget = Budget(minutes * 60.0)
+        self.max_cases = max_cases
+        self.say = progress
+        self.out_dir = out_dir or Path(f"kph-runs/hunt-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.scenarios = scenarios
+        self.findings = Findings()
+        self.counts: dict[str, dict[str, int]] = {p: {"run": 0, "agreed": 0, "findings": 0,
+                                                      "not_run": 0} for p in PHASES}
+        self.vm: Any = None
+
+    # machines
+    def _boot(self) -> Any:
+        return Machine.boot(self.img)
+
+    def _fresh(self) -> None:
+        try:
+            if self.vm is not None:
+                self.vm.close()
+        except HarnessError:
+            pass
+        self.vm = self._boot()
+
+    def _room(self, phase: str, n: int) -> bool:
+        """Another case of ``phase``: within its time and ``max_cases``. Every phase runs
+        one case at least, when earlier phases overran too."""
+        return (n == 0 or not self.budget.over(phase)) and \
+            (self.max_cases is None or n < self.max_cases)
+
+    def _add(self, f: Finding) -> None:
+        self.counts[f.phase]["findings"] += 1
+        if self.findings.add(f):
+            tag = f"known: {f.known}" if f.known else "NEW"
+            self.say(f"hunt: {f.phase}: finding ({f.kind}, {f.probe_kind}, {f.what}) [{tag}]: "
+                     f"{f.lines[0][:100] if f.lines else f.source}")
+
+    def _repro(self, lines: tuple[str, ...], workload: str, guest: str) -> str:
+        return fuzz.repro_line(fuzz.Finding(lines, "", "", ""), image=self.image_arg,
+                               guest=guest, workload=workload)
+
+    def run(self) -> HuntResult:
+        t0 = time.monotonic()
+        self.say(f"hunt: {self.img.version}: {self.budget.seconds / 60:g} min; phases "
+                 + ", ".join(f"{p} until {self.budget.phase_end(p) - self.budget.start:.0f} s"
+                             for p in PHASES))
+        try:
+            self.vm = self._boot()
+            self.selftests()
+            self.scenario_phase()
+            self.fuzz_phase()
+        finally:
+            if self.vm is not None:
+                try:
+                    self.vm.close()
+                except HarnessError:
+                    pass
+        return HuntResult(str(self.img.dir), self.img.version, time.monotonic() - t0,
+                          self.findings, self.counts)
+
+    # phase 1
+    def selftests(self) -> None:
+        items = selftest_items(self.img.facts.series)
+        c = self.counts["selftests"]
+        oracles: dict[str, fuzz.Oracle] = {}
+        self.say(f"hunt: selftests: {len(items)} case(s) of {self.img.facts.series}'s own "
+                 "selftests")
+        for source, raw, workload, guest in items:
+            if not self._room("selftests", c["run"]):
+                break
+            try:
+                lines = tuple(fill(s, self.vm) for s in raw)
+                work = fill(workload, self.vm)
+            except (HarnessError, StopIteration, LookupError, IndexError) as exc:
+                c["not_run"] += 1               # a placeholder this kernel cannot fill
+                self.say(f"hunt: selftests: {source}: not run ({exc})")
+                continue
+            o = oracles.get(guest)
+            if o is None or o.vm is not self.vm:
+                o = oracles[guest] = fuzz.Oracle(self.vm, guest=guest, workload=work)
+            o.workload = work
+            c["run"] += 1
+            if c["run"] % 10 == 0:
+                self.say(f"hunt: selftests: {c['run']} of {len(items)}, "
+                         f"{len(self.findings.items)} finding(s), "
+                         f"{self.budget.left('selftests'):.0f} s left")
+            got = o.judge(lines)
+            if got is None:
+                c["agreed"] += 1
+                continue
+            self._judged(got, lines, work, guest, source, o, "selftests")
+
+    def _judged(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
+                source: str, o: fuzz.Oracle, phase: str) -> None:
+        f = self._finding(got, lines, work, guest, source, phase)
+        if got.kind in ("kernel", "hang", "crash", "timeout"):
+            self._fresh()
+            o.vm = self.vm
+        elif not self.findings.seen(f.key) and len(lines) > 1:
+            def same(cand: tuple[str, ...]) -> bool:
+                g = o.judge(cand)
+                return g is not None and \
+                    self._finding(g, cand, work, guest, source, phase).key == f.key
+            short = shrink_lines(lines, same, self.budget.phase_end(phase))
+            f.lines, f.reproduce = short, self._repro(short, work, guest)
+        self._add(f)
+
+    def _finding(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
+                 source: str, phase: str) -> Finding:
+        return Finding(phase, got.kind, probe_kind(lines), what_of(got), tuple(lines),
+                       got.detail, self._repro(tuple(lines), work, guest), source)
+
+    # phase 2
+    def scenario_files(self) -> list[Path]:
+        """The generic scenarios: not upstream/'s, none that names kernels and fixes."""
+        out = []
+        for p in sorted(self.scenarios.glob("*.toml")):
+            try:
+                if not load(p).kernels:
+                    out.append(p)
+            except HarnessError:
+                continue
+        return out
+
+    def scenario_phase(self) -> None:
+        c = self.counts["scenarios"]
+        files = self.scenario_files()
+        self.say(f"hunt: scenarios: {len(files)} scenario(s)")
+        longest = 0.0
+        for p in files:
+            # one more only when the longest so far would fit in what is left
+            if not self._room("scenarios", c["run"]) or \
+                    (c["run"] and self.budget.left("scenarios") < longest):
+                c["not_run"] += len(files) - c["run"]
+                break
+            scn = load(p)
+            self.say(f"hunt: scenarios: {p.name}")
+            c["run"] += 1
+            t0 = time.monotonic()
+            res = repro.run(scn, out_dir=self.out_dir / f"repro-{p.stem}", image=self.img)
+            longest = max(longest, time.monotonic() - t0)
+            if res.met:
+                c["agreed"] += 1
+                continue
+            cmd = f"kph repro {shlex.quote(str(p))}" + (
+                f" --kernels {shlex.quote(self.image_arg)}" if self.image_arg else "")
+            lines = tuple(d.spec for d in scn.probes if d.spec)
+            self._add(Finding("scenarios", "scenario", probe_kind(lines) if lines else "kprobe",
+                              f"scenario:{p.stem}", lines,
+                              "NOT MET: " + "; ".join(res.reasons)[:400], cmd, str(p)))
+
+    # phase 3
+    def fuzz_phase(self) -> None:
+        c = self.counts["fuzz"]
+        rnd = 0
+        while self._room("fuzz", c["run"]):
+            left = max(self.budget.left("fuzz"), 1.0)       # one example at least
+            n = FUZZ_ROUND if self.max_cases is None else min(FUZZ_ROUND, self.max_cases - c["run"])
+            if rnd == 0:
+                self.say(f"hunt: fuzz: rounds of {n} example(s), {left:.0f} s left")
+            st = fuzz.run(self.vm, examples=n, seed=self.seed * 1000 + rnd, time_budget=left,
+                          database=False, reboot=self._boot, workload=fuzz.DEFAULT_WORKLOAD)
+            self.vm = st.vm
+            rnd += 1
+            c["run"] += st.examples
+            c["agreed"] += st.agreed_runs + st.agreed_refusals
+            c["not_run"] += st.not_mirrored
+            for g in st.findings:
+                f = self._finding(g, g.lines, fuzz.DEFAULT_WORKLOAD, "events", "fuzz", "fuzz")
+                self._add(f)
+            self.say(f"hunt: fuzz: {c['run']} example(s), {len(self.findings.items)} "
+                     f"finding(s), {self.budget.left('fuzz'):.0f} s left")
+            if st.examples == 0:
+                break
+
+
+def report_lines(res: HuntResult) -> Iterator[str]:
+    """The text report: a summary line, then each finding once (new ones first)."""
+    fs = res.findings
+    runs = "; ".join(f"{p} {c['run']} run, {c['agreed']} agreed" for p, c in res.counts.items())
+    yield (f"kph hunt: {res.kernel}: {res.seconds:.0f} s; {runs}; "
+           f"{len(fs.new)} new finding(s), {len(fs.items) - len(fs.new)} known")
+    for f in sorted(fs.items, key=lambda f: bool(f.known)):
+        tag = f"known: {f.known}" if f.known else "NEW"
+        yield f"- [{tag}] {f.kind} / {f.probe_kind} / {f.what} ({f.phase}: {f.source})"
+        yield f"  {f.detail.splitlines()[0][:300] if f.detail else ''}"
+        for ln in f.lines:
+            yield f"  line: {ln}"
+        yield f"  {f.reproduce}"
+
+
+def ktap_cases(res: HuntResult) -> list[Any]:
+    """One test per phase (its runs), then one per finding: failing when new, ``xfail``
+    when known (KCIDB: an issue)."""
+    k = res.kernel
+    cases = [Case(f"phase-{p}", "pass", f"{c['run']} run, {c['agreed']} agreed", kernel=k)
+             for p, c in res.counts.items()]
+    for i, f in enumerate(res.findings.items, 1):
+        cases.append(Case(f"finding-{i}-{f.kind}-{f.probe_kind}", "xfail" if f.known else "fail",
+                          f.known, kernel=k, issue=f.known,
+                          diagnostics=[(f.detail.splitlines() or ["finding"])[0][:200],
+                                       *(f"line: {ln}" for ln in f.lines), f.reproduce]))
+    return cases

@@ -1,0 +1,170 @@
+"""``kph hunt``'s logic without a guest: the phases' budget, one finding per key, the known
+findings, the exit status, the selftest items, the scenarios it runs, and bad input (one
+line, exit 2, before anything boots)."""
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from harness.apps import fuzz, hunt
+from harness.errors import SetupError
+
+
+def _kph(*args):
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _f(kind="events", pk="kprobe", what="arg:x", lines=("p do_sys_openat2 x=%di",),
+       detail="hit #1, field arg:x: host '1' vs events '2'"):
+    return hunt.Finding("fuzz", kind, pk, what, tuple(lines), detail, "kph diff ...", "fuzz")
+
+
+def test_the_budget_is_split_across_the_phases_in_order():
+    now = [100.0]
+    b = hunt.Budget(600.0, start=100.0, clock=lambda: now[0])
+    ends = [b.phase_end(p) - 100.0 for p in hunt.PHASES]
+    assert hunt.PHASES == ("selftests", "scenarios", "fuzz")
+    assert ends == sorted(ends) and ends[-1] == 600.0
+    assert ends[0] == pytest.approx(600 * hunt.SHARES[0][1])
+    # a phase that ends early leaves its time to the next: the deadlines are cumulative
+    now[0] = 100.0 + ends[0] + 1
+    assert b.over("selftests") and not b.over("scenarios")
+    assert b.left("fuzz") == pytest.approx(600 - ends[0] - 1)
+    now[0] = 701.0
+    assert all(b.over(p) for p in hunt.PHASES) and b.left("fuzz") == 0
+
+
+@pytest.mark.parametrize("seconds", [0, -60])
+def test_a_budget_of_nothing_is_refused(seconds):
+    with pytest.raises(SetupError, match="runs nothing"):
+        hunt.Budget(seconds)
+
+
+def test_findings_are_kept_once_per_kind_probe_kind_and_field():
+    fs = hunt.Findings()
+    assert fs.add(_f())
+    assert not fs.add(_f(lines=("p vfs_read x=%si",)))          # the same class again
+    assert fs.add(_f(pk="kretprobe"))                           # another probe kind
+    assert fs.add(_f(what="arg:y"))                             # another field
+    assert fs.add(_f(kind="registration", what="registration"))
+    assert len(fs.items) == 4 and fs.repeats == 1
+    assert fs.items[0].lines == ("p do_sys_openat2 x=%di",)    # the first one seen is kept
+
+
+def test_the_exit_status_is_the_worst_new_finding():
+    assert hunt.Findings().status == 0
+    fs = hunt.Findings()
+    fs.add(_f())
+    assert fs.status == 1
+    fs.add(_f(kind="hang", what="HANG"))
+    assert fs.status == 6
+    fs.add(_f(kind="kernel", what="KERNEL-WARNING"))
+    assert fs.status == 5
+    # a known finding does not count
+    known = hunt.Findings()
+    known.add(_f(kind="registration", what="registration", lines=("p:x c_start",),
+                 detail="registration: host EINVAL 'The symbol is not unique', events "
+                        "EADDRNOTAVAIL 'The symbol is not unique'"))
+    assert known.items[0].known and known.new == [] and known.status == 0
+
+
+def test_the_known_findings_are_matched_by_what_they_look_like():
+    kretprobe = _f(lines=("r:a do_sys_openat2", "r:b do_sys_openat2"), what="ret_ip",
+                   detail="hit #1, field ret_ip: host '[unknown/kretprobe'd]' vs events "
+                          "'__x64_sys_openat+0x55/0xa0'")
+    btf = _f(kind="registration", what="registration", lines=("r vfs_read $retval:ustring",),
+             detail="registration: host EINVAL 'This type does not fit for string.', "
+                    "events accepted")
+    for f, n in ((kretprobe, "#3"), (btf, "#1")):
+        assert hunt.known_of(f).endswith(f"(docs/upstream.md{n})"), f
+    # the same kinds of text elsewhere are new
+    assert hunt.known_of(_f(detail="hit #1, field arg:x: host '(fault)' vs events '0x0'")) == ""
+    assert hunt.known_of(_f(kind="parse", what="error_log", detail="guest 'Invalid type' at 9, "
+                            "host 'Invalid type' at 10")) == ""
+    # the table names no entry of probes/bugs/: it is the three of docs/upstream.md
+    assert [k.where for k in hunt.KNOWN] == [f"docs/upstream.md#{i}" for i in (1, 2, 3)]
+
+
+def test_probe_kinds_and_fields_of_findings():
+    assert hunt.probe_kind(["p:a do_sys_openat2"]) == "kprobe"
+    assert hunt.probe_kind(["p vfs_read%return"]) == "kretprobe"
+    assert hunt.probe_kind(["r4 vfs_read $retval"]) == "kretprobe"
+    assert hunt.probe_kind(["p /usr/bin/kph-loop:0x1710 %ax"]) == "uprobe"
+    assert hunt.probe_kind(["r /usr/bin/kph-loop:0x1710"]) == "uretprobe"
+    assert hunt.probe_kind(["-:kph/e", "f:kph/e vfs_read"]) == "fprobe"
+    assert hunt.probe_kind(["t sched_process_fork"]) == "tprobe"
+    assert hunt.probe_kind(["e:x sched.sched_process_exec"]) == "eprobe"
+    assert hunt.probe_kind(["-:kph/e"]) == "dynevent"
+    f = fuzz.Finding(("p a",), "events", "", "events:arg:+N(%di):u32:0xN|0xN")
+    assert hunt.what_of(f) == "arg:u32"
+    assert hunt.what_of(fuzz.Finding(("p a",), "kernel", "", "kernel:KERNEL-WARNING:x")) == \
+        "KERNEL-WARNING"
+    assert hunt.what_of(fuzz.Finding(("p a",), "parse", "", "parse:Bad|Bad|False")) == "error_log"
+    assert hunt.what_of(fuzz.Finding(("p a",), "registration", "",
+                                     "registration:registration:N|N")) == "registration"
+
+
+def test_shrinking_drops_every_line_the_finding_does_not_need():
+    lines = ("p:a vfs_read", "p:b kernel_clone x=%di", "p:c do_exit", "r:d vfs_read")
+    same = lambda cand: "p:b kernel_clone x=%di" in cand         # noqa: E731
+    assert hunt.shrink_lines(lines, same, deadline=float("inf")) == ("p:b kernel_clone x=%di",)
+    # out of time: what it has
+    assert hunt.shrink_lines(lines, same, deadline=0.0) == lines
+
+
+def test_selftest_items_are_the_series_own_cases_and_refusals():
+    from harness.apps import selftests, selftests_newer
+
+    old = hunt.selftest_items("6.1")
+    assert len(old) == len(selftests.CASES) + len(selftests.PARSE)
+    assert old[1][2] == "true" and "^" not in old[1][1][0]      # a parse refusal, caret out
+    for s in ("6.12", "7.3"):
+        items = hunt.selftest_items(s)
+        srcs = {src for src, *_ in items}
+        assert any("fprobe" in x for x in srcs) and any("eprobe" in x for x in srcs), s
+        assert len(items) == sum(len(getattr(selftests_newer, n)[s]) for n in (
+            "CASES", "FPROBE_CASES", "EPROBE_CASES", "PARSE", "FPARSE", "EPARSE"))
+
+
+def test_scenarios_are_the_generic_ones():
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.scenarios = hunt.SCENARIOS
+    names = [p.name for p in h.scenario_files()]
+    assert names and all("upstream" not in str(p) for p in h.scenario_files())
+    assert "blacklisted.toml" in names
+
+
+def test_an_image_without_kprobe_events_is_refused(tmp_path):
+    (tmp_path / "config").write_text("CONFIG_KPROBES=y\n# CONFIG_KPROBE_EVENTS is not set\n"
+                                     "CONFIG_FTRACE=y\n")
+    with pytest.raises(SetupError, match="CONFIG_KPROBE_EVENTS is not set"):
+        hunt.check_image(SimpleNamespace(dir=tmp_path, version="x"))
+    (tmp_path / "config").write_text("CONFIG_KPROBES=y\nCONFIG_KPROBE_EVENTS=y\nCONFIG_FTRACE=y\n")
+    hunt.check_image(SimpleNamespace(dir=tmp_path, version="x"))
+
+
+@pytest.mark.parametrize("args,word", [
+    (("--minutes", "0"), "--minutes 0"),
+    (("--minutes", "-2"), "--minutes -2"),
+    (("--minutes", "1", "--image", "9.9"), "'9.9'"),
+    (("--minutes", "1", "--max-cases", "0"), "--max-cases 0"),
+])
+def test_bad_input_is_one_line_exit_2(args, word):
+    r = _kph("hunt", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and word in lines[0], r.stderr
+
+
+def test_every_phase_runs_one_case_at_least_and_no_more_than_max_cases():
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    now = [0.0]
+    h.budget = hunt.Budget(60.0, start=0.0, clock=lambda: now[0])
+    h.max_cases = None
+    now[0] = 59.0                                    # the earlier phases overran
+    assert h._room("scenarios", 0) and not h._room("scenarios", 1)
+    assert h._room("fuzz", 5)
+    h.max_cases = 2
+    assert h._room("fuzz", 1) and not h._room("fuzz", 2)
