@@ -168,3 +168,37 @@ def test_every_phase_runs_one_case_at_least_and_no_more_than_max_cases():
     assert h._room("fuzz", 5)
     h.max_cases = 2
     assert h._room("fuzz", 1) and not h._room("fuzz", 2)
+
+
+def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
+    """The selftest phase's path with a scripted oracle: a case of three lines whose
+    second alone diverges is kept at that line, with the kph diff line for it; the same
+    class again is not reported twice."""
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.budget = hunt.Budget(60.0)
+    h.image_arg, h.findings, h.say = "6.12", hunt.Findings(), lambda s: None
+    h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
+    bad = "p:b kernel_clone x=+0(%di):u32"
+
+    class Oracle:
+        judged = []
+
+        def judge(self, lines):
+            self.judged.append(lines)
+            if bad in lines:
+                return fuzz.Finding(lines, "events", "hit #1, field arg:x: host '1' vs "
+                                    "events '2'", "events:arg:+N(%di):u32:N|N")
+            return None
+
+    lines = ("p:a vfs_read", bad, "r:c do_exit")
+    got = Oracle().judge(lines)
+    h._judged(got, lines, "ls /", "events", "kprobe/x.tc", Oracle(), "selftests")
+    (f,) = h.findings.items
+    assert f.lines == (bad,) and f.key == ("events", "kprobe", "arg:u32") and not f.known
+    assert f.reproduce.startswith("kph diff --image 6.12 --run 'ls /' -- ") and bad in f.reproduce
+    assert h.findings.status == 1
+    h._judged(got, lines, "ls /", "events", "kprobe/y.tc", Oracle(), "selftests")
+    assert len(h.findings.items) == 1 and h.findings.repeats == 1
+    text = "\n".join(hunt.report_lines(hunt.HuntResult("d", "6.12.x", 1.0, h.findings,
+                                                      h.counts)))
+    assert "1 new finding(s), 0 known" in text and "[NEW] events / kprobe / arg:u32" in text
