@@ -12,7 +12,7 @@ from .common import ci_group, examples, sub
 from .output import Output
 
 NAME = "hunt"
-EXAMPLES = ["kph hunt --minutes 0.5 --max-cases 4"]
+EXAMPLES = ["kph hunt --minutes 0.2 --max-cases 1"]
 
 
 def add_parser(subparsers: Any) -> None:
