@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..diff.ktap import Case
 from ..errors import HarnessError, SetupError
+from ..kernel.splat import KernelFinding
 from ..machine.image.kbuild import missing_options
 from ..vmctl import Machine
 from . import fuzz, repro, selftests, selftests_newer
@@ -412,26 +413,40 @@ class Hunt:
         files = self.scenario_files()
         self.say(f"hunt: scenarios: {len(files)} scenario(s)")
         longest = 0.0
-        for p in files:
+        for i, p in enumerate(files):
             # one more only when the longest so far would fit in what is left
             if not self._room("scenarios", c["run"]) or \
                     (c["run"] and self.budget.left("scenarios") < longest):
-                c["not_run"] += len(files) - c["run"]
+                c["not_run"] += len(files) - i
                 break
             scn = load(p)
             self.say(f"hunt: scenarios: {p.name}")
-            c["run"] += 1
             t0 = time.monotonic()
-            res = repro.run(scn, out_dir=self.out_dir / f"repro-{p.stem}", image=self.img)
-            longest = max(longest, time.monotonic() - t0)
-            if res.met:
-                c["agreed"] += 1
-                continue
             cmd = f"kph repro {shlex.quote(str(p))}" + (
                 f" --kernels {shlex.quote(self.image_arg)}" if self.image_arg else "")
             lines = tuple(d.spec for d in scn.probes if d.spec)
-            self._add(Finding("scenarios", "scenario", probe_kind(lines) if lines else "kprobe",
-                              f"scenario:{p.stem}", lines,
+            pk = probe_kind(lines) if lines else "kprobe"
+            try:
+                res = repro.run(scn, out_dir=self.out_dir / f"repro-{p.stem}", image=self.img)
+            except HarnessError as exc:
+                if isinstance(exc, KernelFinding):      # the kernel ended the run: a finding
+                    c["run"] += 1
+                    self._add(Finding("scenarios", "hang" if exc.verdict == "HANG" else
+                                      "kernel", pk, exc.verdict, lines, str(exc), cmd, str(p)))
+                    continue
+                # a scenario this kernel cannot run as written (6.12's BTF refuses
+                # $retval on a void function): no verdict, said so
+                c["not_run"] += 1
+                self.say(f"hunt: scenarios: {p.name}: not run on this kernel: "
+                         f"{str(exc).splitlines()[0][:200]}")
+                continue
+            finally:
+                longest = max(longest, time.monotonic() - t0)
+            c["run"] += 1
+            if res.met:
+                c["agreed"] += 1
+                continue
+            self._add(Finding("scenarios", "scenario", pk, f"scenario:{p.stem}", lines,
                               "NOT MET: " + "; ".join(res.reasons)[:400], cmd, str(p)))
 
     # phase 3

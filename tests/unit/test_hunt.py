@@ -202,3 +202,31 @@ def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
     text = "\n".join(hunt.report_lines(hunt.HuntResult("d", "6.12.x", 1.0, h.findings,
                                                       h.counts)))
     assert "1 new finding(s), 0 known" in text and "[NEW] events / kprobe / arg:u32" in text
+
+
+def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(monkeypatch, tmp_path):
+    from harness.errors import ProbeSpecError
+    from harness.kernel.splat import GuestHangError
+
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.budget, h.max_cases, h.image_arg = hunt.Budget(600.0), None, None
+    h.findings, h.say, h.img, h.out_dir = hunt.Findings(), lambda s: None, None, tmp_path
+    h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
+    h.scenarios = hunt.SCENARIOS
+    files = h.scenario_files()
+    raised = iter([ProbeSpecError("This function returns 'void' type"),
+                   GuestHangError("hung", "", (), "the workload did not finish")])
+
+    def run(scn, **kw):
+        exc = next(raised, None)
+        if exc is not None:
+            raise exc
+        return SimpleNamespace(met=True, reasons=[])
+
+    monkeypatch.setattr(hunt.repro, "run", run)
+    h.scenario_phase()
+    c = h.counts["scenarios"]
+    assert c["not_run"] == 1 and c["run"] == len(files) - 1 and c["agreed"] == len(files) - 2
+    (f,) = h.findings.items
+    assert (f.kind, f.what) == ("hang", "HANG") and f.reproduce.startswith("kph repro ")
+    assert h.findings.status == 6
