@@ -12,10 +12,16 @@ diverged (1), a named error (2, 3) or nothing measured (4). A mutant that surviv
 0, "equivalent") is a bug in the oracle. Before the mutants, each probe set runs
 unmutated and must be equivalent, or the score means nothing.
 
-    python bench/oracle_mutants.py [--engine gdbstub|plugin|both] [--only NAME,...] [--list]
+    python bench/oracle_mutants.py [--engine gdbstub|plugin|both] [--kind record,c,source]
+                                   [--only NAME,...] [--list]
 
-Prints one line per mutant and the score per engine. The suite runs the same catalogue
-(tests/vm/test_oracle_mutants.py).
+Three kinds (issue 36): ``record``, the catalogue here (engine patches and edits of the
+hit stream, on one-pid, threaded, interrupt, several-task, stack-trigger and silent-line
+workloads); ``c``, mutants of the plugin's C compiled and loaded (bench/plugin_mutants.py);
+``source``, cosmic-ray's mutants of the backends' Python (bench/source_mutants.py, slow).
+Prints one line per mutant, the score per engine and kind with the survivors and errors
+by name, and the run time. The suite runs the record catalogue, one C and one source
+mutant (tests/vm/test_oracle_mutants.py).
 """
 from __future__ import annotations
 
@@ -98,6 +104,10 @@ PROBE_SETS: dict[str, ProbeSet] = {
     # (nmissed 1 on each side)
     "missed": ProbeSet(("r1:ns hrtimer_nanosleep ret=$retval:s64",),
                        "sleep 0.2 & sleep 0.2 & wait"),
+    # %flags (the plugin engine cannot know TCG's lazy flags: the flags rule)
+    "flags": ProbeSet(("p:fl vfs_read fl=%flags:x64 f=%di:x64",)),
+    # a stacktrace trigger with a count: the first two hits only
+    "stackn": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace:2"), ("gdbstub",)),
     # a return probe with a pool of one instance: every call takes the last one
     "pool": ProbeSet(("r1:rr vfs_read ret=$retval:s64", "p:rd vfs_read f=%di:x64"),
                      engines=("plugin",)),

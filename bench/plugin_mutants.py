@@ -75,7 +75,7 @@ MUTANTS: tuple[CMutant, ...] = (
             r"h\.nblocks = cap\.nblocks;",
             "h.nblocks = cap.nblocks ? cap.nblocks - 1 : 0;", "reads"),
     CMutant("c-read-not-captured", "boundary",
-            "cap_read() refuses a read of 8 bytes (len > 8 -> len >= 8 as the limit)",
+            "cap_read() refuses reads of 8 bytes and more (len > sizeof(tmp) made len >= 8)",
             "fetch.c",
             r"if \(len == 0 \|\| len > sizeof\(tmp\)\) \{",
             "if (len == 0 || len >= 8) {", "reads"),
