@@ -246,20 +246,20 @@ class HuntResult:
 
 def selftest_items(series: str) -> list[tuple[str, tuple[str, ...], str, str]]:
     """(source, lines, workload, guest) of the series' own selftest cases: accepted lines
-    (or refused at registration) alternating with the lines it refuses while parsing."""
+    (or refused at registration) and the lines it refuses while parsing, one of each
+    kind in turn (kprobe and uprobe, fprobe and tprobe, eprobe cases, then their
+    refusals), so that a short budget reaches every probe kind the series has."""
     if series in selftests_newer.CASES:
-        s = series
-        cases = (selftests_newer.CASES[s] + selftests_newer.FPROBE_CASES[s]
-                 + selftests_newer.EPROBE_CASES[s])
-        parse = (selftests_newer.PARSE[s] + selftests_newer.FPARSE[s]
-                 + selftests_newer.EPARSE[s])
+        s, n = series, selftests_newer
+        cases = [n.CASES[s], n.FPROBE_CASES[s], n.EPROBE_CASES[s]]
+        parse = [n.PARSE[s], n.FPARSE[s], n.EPARSE[s]]
     else:
-        cases, parse = selftests.CASES, selftests.PARSE
-    a = [(c.source, c.specs, c.workload, c.guest) for c in cases]
-    b = [(src, (ln.replace("^", "", 1),), "true", "events") for src, ln in parse]
+        cases, parse = [selftests.CASES], [selftests.PARSE]
+    groups = [[(c.source, c.specs, c.workload, c.guest) for c in g] for g in cases] + \
+        [[(src, (ln.replace("^", "", 1),), "true", "events") for src, ln in g] for g in parse]
     out = []
-    for i in range(max(len(a), len(b))):
-        out += a[i:i + 1] + b[i:i + 1]
+    for i in range(max(len(g) for g in groups)):
+        out += [g[i] for g in groups if i < len(g)]
     return out
 
 
