@@ -333,7 +333,9 @@ REGISTRY: tuple[Rule, ...] = (
     Rule("nhit", "counter",
          "raw nhit counters not compared; recorded hits are compared one by one",
          "each side counts from its own registration, at different moments",
-         "always (nmissed is compared where both sides have a counter)"),
+         "a host side's nhit equals its own recorded hits, checked (a guest's counts hits "
+         "outside the window too); nmissed is compared where both sides count the probe, "
+         "and a host side always does"),
 )
 
 for _r in REGISTRY:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from ..records import Hit, Outcome, SideResult
 from . import rules as _rules
-from .rules import (AGENT_COMMS, NORMALIZATIONS, UNKNOWN_RULES, UNKNOWN_TEXT, Ctx,
-                    is_trampoline, stack_match)
+from .rules import (AGENT_COMMS, GUEST_SIDES, NORMALIZATIONS, UNKNOWN_RULES, UNKNOWN_TEXT,
+                    Ctx, stack_match)
 
 __all__ = ["compare", "DiffResult", "Divergence", "Normalized", "NORMALIZATIONS",
            "AGENT_COMMS", "UNKNOWN_TEXT", "UNKNOWN_RULES", "stack_match"]
@@ -281,6 +281,25 @@ def _event_lists(res: DiffResult, a: SideResult, b: SideResult) -> None:
                                       "only here: " + (", ".join(sorted(rest_b)) or "(nothing)")))
 
 
+def _nhit_unlike_records(side: SideResult) -> tuple[str, int, int] | None:
+    """The ``nhit`` rule's evidence: a host engine counts each hit it records (a return
+    probe's nhit is its returns recorded; ``HostBackend.counters()``,
+    ``PluginBackend.counters()``), so its raw counter, not compared with the guest's, is
+    compared with its own records. The first probe of one of the side's lines whose nhit
+    is not its number of hits (the agent's included), or None. Guest sides count from
+    their own registration, hits outside the window included: not checked."""
+    if side.side in GUEST_SIDES:
+        return None
+    lines = {o.probe for o in side.outcomes if o.accepted and not o.pending}
+    recorded: dict[str, int] = {}
+    for h in side.hits:
+        recorded[h.probe] = recorded.get(h.probe, 0) + 1
+    for probe, c in side.counters.items():
+        if probe in lines and c.nhit != recorded.get(probe, 0):
+            return probe, c.nhit, recorded.get(probe, 0)
+    return None
+
+
 def _count(res: DiffResult, rule: str, n: int = 1) -> None:
     res.applied[rule] = res.applied.get(rule, 0) + n
 
@@ -308,6 +327,22 @@ def _registrations(res: DiffResult, a: SideResult, b: SideResult) -> None:
                 label, "registration", -1, _outcome_text(x), _outcome_text(y)))
         elif not acc_x and x is not None and y is not None:
             _refusal_words(res, label, x, y)
+        elif x is not None and y is not None and bool(x.pending) != bool(y.pending):
+            # pending on one side only: a side that lists the probe as armed in its own
+            # kprobes list (its mode) says the other's "pending" is wrong
+            armed = y if x.pending else x
+            if armed.mode in _LISTED_MODES:
+                res.divergences.append(Divergence(
+                    label, "registration", -1, _pending_text(x), _pending_text(y)))
+
+
+#: The modes a guest reads from its own /sys/kernel/debug/kprobes/list: the probe is armed.
+_LISTED_MODES = ("ftrace", "int3", "optimized")
+
+
+def _pending_text(o: Outcome) -> str:
+    return f"accepted, pending ({o.pending})" if o.pending else \
+        "accepted, armed" + (f" [{o.mode}]" if o.mode else "")
 
 
 def _words(o: Outcome) -> tuple[str, str, int]:
@@ -456,7 +491,20 @@ def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
                                               str(cb.nmissed)))
     for probe in dict.fromkeys([*a.counters, *b.counters, *res.counts]):
         if (probe in a.counters) != (probe in b.counters):
-            res.uncounted[probe] = b.side if probe in a.counters else a.side
+            lacking, other = (b, a) if probe in a.counters else (a, b)
+            if lacking.side in GUEST_SIDES:     # the guest keeps none for this kind: named
+                res.uncounted[probe] = lacking.side
+            else:                               # a host engine counts every probe it placed
+                res.divergences.append(Divergence(
+                    probe, "counter", -1, "counted" if lacking is b else "no counter",
+                    "counted" if lacking is a else "no counter"))
+    for side in (a, b):
+        bad = _nhit_unlike_records(side)
+        if bad is not None:
+            probe, counted, recorded = bad
+            txt = f"nhit {counted}, {recorded} hits recorded"
+            res.divergences.append(Divergence(probe, "nhit", -1, txt if side is a else "",
+                                              txt if side is b else ""))
     res.applied["nhit"] = len(set(a.counters) & set(b.counters))
     for probe in a.counters:
         if probe in b.counters:

@@ -385,7 +385,15 @@ def test_agent_rule_leaves_out_only_the_agent_s_comm():
 
 
 def test_nhit_counters_are_not_compared_but_nmissed_is():
-    a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 5, 0)})
+    """The guest's raw nhit is not compared (it counts from its own registration); the
+    host's is compared with its own records (issue 36: a host engine that counts a hit
+    twice, or not, diverges), and nmissed with the guest's."""
+    bad = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 5, 0)})
+    ok = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
+    res = compare(bad, ok)
+    assert not res.equivalent and res.first.field == "nhit"
+    assert res.first.a_value == "nhit 5, 1 hits recorded"
+    a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 1, 0)})
     b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
     res = compare(a, b)
     assert res.equivalent and res.applied["nhit"] == 1
@@ -419,6 +427,13 @@ def test_a_probe_without_a_counter_on_one_side_is_named_not_skipped():
     res = compare(a, b)
     assert res.uncounted == {"kprobes/open": "events"}
     assert "nmissed not compared" in report.text(res) and "kprobes/open" in report.text(res)
+    # a host engine counts every probe it placed: its missing counter diverges
+    g = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 4, 3)})
+    res = compare(run("host", [hit("host", 0, dfd=1)]), g)
+    assert not res.equivalent and res.first.field == "counter" and res.uncounted == {}
+    res = compare(run("host", [hit("host", 0, dfd=1)]), run("plugin", [hit("plugin", 0, dfd=1)],
+                                                           counters=a.counters))
+    assert not res.equivalent and res.first.field == "counter"
     # counters keyed per group and event: g1/x and g2/x are two probes
     a = run("host", [], counters={"g1/x": Counters("g1/x", 1, 0), "g2/x": Counters("g2/x", 1, 2)})
     b = run("events", [], counters={"g1/x": Counters("g1/x", 1, 0), "g2/x": Counters("g2/x", 1, 0)})
@@ -511,6 +526,12 @@ def test_a_line_the_host_calls_pending_is_armed_unless_the_guest_says_so_too():
     # and with guest hits it is a count divergence
     res = compare(run("host", [], [x]), run("events", [hit("events", 0, dfd=1)], [y]))
     assert not res.equivalent and res.first.field == "count"
+    # the guest lists the probe as armed in its kprobes list: the host's pending diverges
+    yl = Outcome("kprobes/open", True, index=0, mode="ftrace")
+    res = compare(run("host", [], [x]), run("events", [hit("events", 0, dfd=1)], [yl]))
+    assert not res.equivalent and res.first.field == "registration"
+    res = compare(run("host", [], [x]), run("events", [], [yl]))
+    assert not res.equivalent and res.first.field == "registration"
     yp = Outcome("kprobes/open", True, index=0, pending="not in the kprobes list")
     res = compare(run("host", [], [x]), run("events", [], [yp]))
     assert res.equivalent and res.pending == ["kprobes/open"]
