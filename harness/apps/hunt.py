@@ -26,8 +26,11 @@ known and does not count.
 """
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,10 +38,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..diff.ktap import Case
 from ..errors import HarnessError, SetupError
-from ..kernel.splat import KernelFinding
 from ..machine.image.kbuild import missing_options
 from ..vmctl import Machine
-from . import fuzz, repro, selftests, selftests_newer
+from . import fuzz, selftests, selftests_newer
 from .scenario import load
 from .selftests import fill
 
@@ -51,6 +53,8 @@ SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 NEEDS = {"CONFIG_KPROBES": "the guest's kprobes", "CONFIG_KPROBE_EVENTS": "kprobe_events",
          "CONFIG_FTRACE": "tracefs"}
 FUZZ_ROUND = 25
+#: a scenario's run may go this far past its phase's end before it is ended
+SCENARIO_GRACE = 60.0
 
 #: exit statuses (harness.cli.output's)
 EXIT_OK, EXIT_DIVERGED, EXIT_KERNEL, EXIT_HANG = 0, 1, 5, 6
@@ -426,28 +430,54 @@ class Hunt:
                 f" --kernels {shlex.quote(self.image_arg)}" if self.image_arg else "")
             lines = tuple(d.spec for d in scn.probes if d.spec)
             pk = probe_kind(lines) if lines else "kprobe"
-            try:
-                res = repro.run(scn, out_dir=self.out_dir / f"repro-{p.stem}", image=self.img)
-            except HarnessError as exc:
-                if isinstance(exc, KernelFinding):      # the kernel ended the run: a finding
-                    c["run"] += 1
-                    self._add(Finding("scenarios", "hang" if exc.verdict == "HANG" else
-                                      "kernel", pk, exc.verdict, lines, str(exc), cmd, str(p)))
-                    continue
+            res = self._repro_run(p, max(self.budget.left("scenarios"), 30.0) + SCENARIO_GRACE)
+            longest = max(longest, time.monotonic() - t0)
+            if res.get("error"):
                 # a scenario this kernel cannot run as written (6.12's BTF refuses
-                # $retval on a void function): no verdict, said so
+                # $retval on a void function), or a run that did not finish: no verdict
                 c["not_run"] += 1
-                self.say(f"hunt: scenarios: {p.name}: not run on this kernel: "
-                         f"{str(exc).splitlines()[0][:200]}")
+                self.say(f"hunt: scenarios: {p.name}: not run: {res['error']}")
                 continue
-            finally:
-                longest = max(longest, time.monotonic() - t0)
             c["run"] += 1
-            if res.met:
+            if res.get("met"):
                 c["agreed"] += 1
                 continue
+            if res.get("result") == "kernel-finding":        # the kernel ended the run
+                v = str(res.get("verdict"))
+                self._add(Finding("scenarios", "hang" if v == "HANG" else "kernel", pk, v,
+                                  lines, v, cmd, str(p)))
+                continue
             self._add(Finding("scenarios", "scenario", pk, f"scenario:{p.stem}", lines,
-                              "NOT MET: " + "; ".join(res.reasons)[:400], cmd, str(p)))
+                              "NOT MET: " + "; ".join(res.get("reasons", []))[:400], cmd,
+                              str(p)))
+
+    def _repro_run(self, path: Path, timeout: float) -> dict[str, Any]:
+        """``kph repro PATH --kernels IMAGE --json`` in a process of its own, ended (SIGTERM:
+        it ends its machines first) when it runs past ``timeout``: ``met`` and ``reasons``;
+        ``result``/``verdict`` when the kernel ended it; ``error`` when it could not run."""
+        cmd = [sys.executable, "-m", "harness.cli", "repro", str(path), "--kernels",
+               str(self.img.dir), "--json", "--out", str(self.out_dir / f"repro-{path.stem}")]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            return {"error": f"kph repro did not finish in {timeout:.0f} s (ended)"}
+        try:
+            doc = json.loads(out)
+        except ValueError:
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            return {"error": (lines[-1] if lines else f"kph repro exited {proc.returncode}")[:200]}
+        if "kernels" in doc:
+            k = doc["kernels"][0]
+            return {"met": k.get("met"), "reasons": k.get("reasons", [])}
+        return doc
+
 
     # phase 3
     def fuzz_phase(self) -> None:

@@ -204,29 +204,21 @@ def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
     assert "1 new finding(s), 0 known" in text and "[NEW] events / kprobe / arg:u32" in text
 
 
-def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(monkeypatch, tmp_path):
-    from harness.errors import ProbeSpecError
-    from harness.kernel.splat import GuestHangError
-
+def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(tmp_path):
     h = hunt.Hunt.__new__(hunt.Hunt)
     h.budget, h.max_cases, h.image_arg = hunt.Budget(600.0), None, None
     h.findings, h.say, h.img, h.out_dir = hunt.Findings(), lambda s: None, None, tmp_path
     h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
     h.scenarios = hunt.SCENARIOS
     files = h.scenario_files()
-    raised = iter([ProbeSpecError("This function returns 'void' type"),
-                   GuestHangError("hung", "", (), "the workload did not finish")])
-
-    def run(scn, **kw):
-        exc = next(raised, None)
-        if exc is not None:
-            raise exc
-        return SimpleNamespace(met=True, reasons=[])
-
-    monkeypatch.setattr(hunt.repro, "run", run)
+    answers = iter([{"error": "trace_kprobe: error: This function returns 'void' type"},
+                    {"result": "kernel-finding", "verdict": "HANG"},
+                    {"met": False, "reasons": ["outcome: expected ok, saw refused"]}])
+    h._repro_run = lambda path, timeout: next(answers, {"met": True, "reasons": []})
     h.scenario_phase()
     c = h.counts["scenarios"]
-    assert c["not_run"] == 1 and c["run"] == len(files) - 1 and c["agreed"] == len(files) - 2
-    (f,) = h.findings.items
-    assert (f.kind, f.what) == ("hang", "HANG") and f.reproduce.startswith("kph repro ")
+    assert c["not_run"] == 1 and c["run"] == len(files) - 1 and c["agreed"] == len(files) - 3
+    hang, unmet = h.findings.items
+    assert (hang.kind, hang.what) == ("hang", "HANG") and hang.reproduce.startswith("kph repro ")
+    assert unmet.kind == "scenario" and "expected ok, saw refused" in unmet.detail
     assert h.findings.status == 6
