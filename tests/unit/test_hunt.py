@@ -213,10 +213,13 @@ def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(tmp_pa
     files = h.scenario_files()
     answers = iter([{"error": "trace_kprobe: error: This function returns 'void' type"},
                     {"result": "kernel-finding", "verdict": "HANG"},
-                    {"met": False, "reasons": ["outcome: expected ok, saw refused"]}])
+                    {"met": False, "reasons": ["outcome: expected ok, saw refused (NOT met)"]},
+                    {"met": False, "reasons": ["outcome: expected oops, saw panic (met)",
+                                               "stack /kph_pre/: NOT found"]}])
     h._repro_run = lambda path, timeout: next(answers, {"met": True, "reasons": []})
     h.scenario_phase()
     c = h.counts["scenarios"]
+    # the last: only its stack (evidence the harness reads) was missing: agreed
     assert c["not_run"] == 1 and c["run"] == len(files) - 1 and c["agreed"] == len(files) - 3
     hang, unmet = h.findings.items
     assert (hang.kind, hang.what) == ("hang", "HANG") and hang.reproduce.startswith("kph repro ")
