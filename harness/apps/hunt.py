@@ -477,8 +477,9 @@ class Hunt:
         try:
             doc = json.loads(out)
         except ValueError:
-            lines = [ln for ln in err.splitlines() if ln.strip()]
-            return {"error": (lines[-1] if lines else f"kph repro exited {proc.returncode}")[:200]}
+            lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+            said = [ln for ln in lines if "error" in ln] or lines[-1:]
+            return {"error": (said[0] if said else f"kph repro exited {proc.returncode}")[:200]}
         if "kernels" in doc:
             k = doc["kernels"][0]
             return {"met": k.get("met"), "reasons": k.get("reasons", [])}
