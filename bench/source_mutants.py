@@ -166,6 +166,7 @@ def session(engine: str, work: Path, file: str, lines: set[int] | None = None,
     cfg = work / f"cr-{engine}-{Path(file).stem}{tag}.toml"
     cfg.write_text(config(engine, file, ranges))
     db = cfg.with_suffix(".sqlite")
+    db.unlink(missing_ok=True)      # cosmic-ray init refuses an existing session
     for step in (("cosmic-ray", "init", str(cfg), str(db)),
                  ("cr-filter-lines", "--config", str(cfg), str(db)),
                  ("cr-filter-operators", str(db), str(cfg))):

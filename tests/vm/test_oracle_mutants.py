@@ -27,14 +27,11 @@ import plugin_mutants  # noqa: E402  (bench/, after oracle_mutants is registered
 import source_mutants  # noqa: E402
 
 #: Record mutants the verdict does not catch yet (reported on issue 36, item 5): each
-#: stays here, strict, until the verdict kills it.
+#: stays here, strict, until the verdict kills it (counter-missing and pending-silent
+#: were, by 018796a).
 KNOWN_SURVIVORS = {
-    "counter-missing": "a probe the host has no counter for is named (uncounted) but the "
-                       "run stays equivalent",
     "stale-spurious": "a host (unknown) whose record says 'stale' matches any guest value: "
                       "the rule trusts the record's reason",
-    "pending-silent": "a line the guest armed and the host calls pending is not compared "
-                      "when it is silent and other lines fire",
 }
 
 CASES = [(e, m) for e in ("gdbstub", "plugin") for m in om.MUTANTS if e in m.engines]
