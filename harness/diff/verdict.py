@@ -492,8 +492,10 @@ def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
     for probe in dict.fromkeys([*a.counters, *b.counters, *res.counts]):
         if (probe in a.counters) != (probe in b.counters):
             lacking, other = (b, a) if probe in a.counters else (a, b)
-            if lacking.side in GUEST_SIDES:     # the guest keeps none for this kind: named
-                res.uncounted[probe] = lacking.side
+            placed = any(o.probe == probe and o.accepted and not o.pending
+                         for o in lacking.outcomes)
+            if lacking.side in GUEST_SIDES or not placed:   # none for this kind, or never
+                res.uncounted[probe] = lacking.side         # placed there: named
             else:                               # a host engine counts every probe it placed
                 res.divergences.append(Divergence(
                     probe, "counter", -1, "counted" if lacking is b else "no counter",
