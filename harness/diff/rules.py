@@ -333,9 +333,9 @@ REGISTRY: tuple[Rule, ...] = (
     Rule("nhit", "counter",
          "raw nhit counters not compared; recorded hits are compared one by one",
          "each side counts from its own registration, at different moments",
-         "a host side's nhit equals its own recorded hits, checked (a guest's counts hits "
-         "outside the window too); nmissed is compared where both sides count the probe, "
-         "and a host side always does"),
+         "always: a side's nhit counts from its registration, its records from the "
+         "window (a host engine's too, with --guest module); nmissed is compared where "
+         "both sides count the probe, and a host side counts every probe it placed"),
 )
 
 for _r in REGISTRY:

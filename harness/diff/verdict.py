@@ -281,25 +281,6 @@ def _event_lists(res: DiffResult, a: SideResult, b: SideResult) -> None:
                                       "only here: " + (", ".join(sorted(rest_b)) or "(nothing)")))
 
 
-def _nhit_unlike_records(side: SideResult) -> tuple[str, int, int] | None:
-    """The ``nhit`` rule's evidence: a host engine counts each hit it records (a return
-    probe's nhit is its returns recorded; ``HostBackend.counters()``,
-    ``PluginBackend.counters()``), so its raw counter, not compared with the guest's, is
-    compared with its own records. The first probe of one of the side's lines whose nhit
-    is not its number of hits (the agent's included), or None. Guest sides count from
-    their own registration, hits outside the window included: not checked."""
-    if side.side in GUEST_SIDES:
-        return None
-    lines = {o.probe for o in side.outcomes if o.accepted and not o.pending}
-    recorded: dict[str, int] = {}
-    for h in side.hits:
-        recorded[h.probe] = recorded.get(h.probe, 0) + 1
-    for probe, c in side.counters.items():
-        if probe in lines and c.nhit != recorded.get(probe, 0):
-            return probe, c.nhit, recorded.get(probe, 0)
-    return None
-
-
 def _count(res: DiffResult, rule: str, n: int = 1) -> None:
     res.applied[rule] = res.applied.get(rule, 0) + n
 
@@ -500,13 +481,6 @@ def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
                 res.divergences.append(Divergence(
                     probe, "counter", -1, "counted" if lacking is b else "no counter",
                     "counted" if lacking is a else "no counter"))
-    for side in (a, b):
-        bad = _nhit_unlike_records(side)
-        if bad is not None:
-            probe, counted, recorded = bad
-            txt = f"nhit {counted}, {recorded} hits recorded"
-            res.divergences.append(Divergence(probe, "nhit", -1, txt if side is a else "",
-                                              txt if side is b else ""))
     res.applied["nhit"] = len(set(a.counters) & set(b.counters))
     for probe in a.counters:
         if probe in b.counters:

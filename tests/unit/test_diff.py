@@ -385,14 +385,8 @@ def test_agent_rule_leaves_out_only_the_agent_s_comm():
 
 
 def test_nhit_counters_are_not_compared_but_nmissed_is():
-    """The guest's raw nhit is not compared (it counts from its own registration); the
-    host's is compared with its own records (issue 36: a host engine that counts a hit
-    twice, or not, diverges), and nmissed with the guest's."""
-    bad = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 5, 0)})
-    ok = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
-    res = compare(bad, ok)
-    assert not res.equivalent and res.first.field == "nhit"
-    assert res.first.a_value == "nhit 5, 1 hits recorded"
+    """Raw nhit is not compared (each side counts from its own registration, its records
+    from the window); nmissed is."""
     a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 1, 0)})
     b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
     res = compare(a, b)
