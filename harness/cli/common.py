@@ -143,11 +143,12 @@ def kernel_verdict(splats: Any) -> str | None:
     return headline(splats)
 
 
-def kernel_report(splats: Any, out: Output) -> None:
-    """The kernel's splats of a run, for people (nothing when there were none)."""
+def kernel_report(splats: Any, out: Output, *, full_text: str | None = None) -> None:
+    """The kernel's splats of a run, for people (nothing when there were none); with
+    ``full_text`` (the file holding them) only their headlines."""
     if splats:
         from ..diff.report import findings_text
-        out.text(findings_text(splats))
+        out.text(findings_text(splats, full_text=full_text))
 
 
 def spec_file_lines(path: str) -> list[str]:

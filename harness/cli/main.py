@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from . import upstream
 from . import hunt
+from ..errors import SetupError
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
                      clear_progress, current, output_options, report_crash, report_error)
 
@@ -184,22 +185,36 @@ def _interrupted_exit() -> int:
     return EXIT_INTERRUPTED
 
 
-def _tree_image(args: argparse.Namespace, out: Output) -> None:
-    """``--image tree:TREE[+PATCH...]`` in any verb: the tree's image, built (or found
-    current) first, then the verb runs on it as on any image."""
+def _image_first(args: argparse.Namespace, out: Output) -> None:
+    """``--image`` in any verb names an image that is there when the verb runs:
+    ``tree:TREE[+PATCH...]`` (a kernel tree's image) and a series of Debian's kernels not
+    built yet (``6.12``: ``kph image build --kernel 6.12``, with progress) are built, or found
+    current, first; anything else is looked up as it is (an unknown name: one line, exit 2)."""
     sel = getattr(args, "image", None)
-    if isinstance(sel, str) and sel.startswith("tree:"):
-        from ..machine.image.build import image_for
-        args.image = str(image_for(sel, qemu=getattr(args, "qemu", None),
-                                   progress=out.progress).dir)
-        out.progress.clear()
+    if not isinstance(sel, str):
+        return
+    from ..machine.image.build import image_for
+    from ..machine.image.kbuild import is_series
+    from ..machine.image.store import default_image
+
+    if is_series(sel):
+        try:
+            default_image(sel)
+            return
+        except SetupError:
+            pass                                # not built yet: built below
+    elif not sel.startswith("tree:"):
+        return
+    args.image = str(image_for(sel, qemu=getattr(args, "qemu", None),
+                               progress=out.progress).dir)
+    out.progress.clear()
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     try:
         out = Output(args)
         check_output("-o", out.json_file)       # before any work, for every command
-        _tree_image(args, out)
+        _image_first(args, out)
         return COMMANDS[args.cmd](args, out)
     except BaseException as exc:  # noqa: BLE001 - mapped to one line and an exit code
         if _interrupted or isinstance(exc, KeyboardInterrupt):

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         out.text(f"  - {r}")
     out.text(f"  evidence: {res.bundle}/summary.md")
     from ..diff.report import findings_json
-    kernel_report(res.observed.splats, out)      # reported; the scenario decides the exit
+    kernel_report(res.observed.splats, out,      # reported; the scenario decides the exit
+                  full_text=f"{res.bundle}/kernel.txt")
     doc = {"met": res.met, "scenario": scn.name, "file": str(scn.path), "cause": res.cause,
            "reasons": list(res.reasons), "bundle": str(res.bundle),
            "summary": f"{res.bundle}/summary.md",

@@ -47,9 +47,11 @@ def text(res: DiffResult, *, workload: str = "", status: int | None = None,
     return "\n".join(out) + "\n"
 
 
-def findings_text(splats: Sequence[Any]) -> str:
+def findings_text(splats: Sequence[Any], *, full_text: str | None = None) -> str:
     """The kernel's splats of a run (``harness.kernel.splat``) for people: the run's
-    verdict when its window had one, then each splat's headline and text; "" for none."""
+    verdict when its window had one, then each splat's headline and text; "" for none.
+    ``full_text`` names the file that holds the texts: then only the headlines are shown
+    (``kph repro``, whose scenario already quotes the lines it matched)."""
     if not splats:
         return ""
     head = headline(splats)
@@ -58,7 +60,10 @@ def findings_text(splats: Sequence[Any]) -> str:
            "kernel: nothing during the run; printed before it (boot or an earlier run):"]
     for s in splats:
         out.append("  " + s.headline())
-        out += ["    | " + ln for ln in s.text.splitlines()]
+        if full_text is None:
+            out += ["    | " + ln for ln in s.text.splitlines()]
+    if full_text is not None:
+        out.append(f"  (the kernel's text: {full_text})")
     return "\n".join(out) + "\n"
 
 

@@ -164,14 +164,32 @@ def _machinery(name: str) -> bool:
     return name.startswith(_MACHINERY_PREFIXES)
 
 
+#: The ftrace_ops callbacks that a per-ops trampoline calls (arch/x86/kernel/kprobes/
+#: ftrace.c: kprobe_ftrace_handler; kernel/trace/fprobe.c: fprobe_handler (6.12),
+#: fprobe_ftrace_entry (7.3); kernel/trace/ftrace.c: ftrace_ops_assist_func,
+#: arch_ftrace_ops_list_func). The frame between one of them and the probed context is
+#: the trampoline (arch/x86/kernel/ftrace.c: create_trampoline() copies
+#: ftrace_regs_caller), an allocation kallsyms does not list: the unwinder prints its bare
+#: address, or, when it lies in a module's memory range, the name of that module's last
+#: symbol (6.12 under CI: ``kprobe_ftrace_handler pvpanic_pci_driver_exit do_sys_openat2``).
+_OPS_CALLBACKS = ("kprobe_ftrace_handler", "fprobe_handler", "fprobe_ftrace_entry",
+                  "ftrace_ops_assist_func", "arch_ftrace_ops_list_func", "ftrace_ops_list_func")
+
+
 def stack_match(host: str, guest: str) -> bool:
     """``guest`` (a stacktrace trigger's frames, innermost first) is ``host``'s with frames
     of the kernel's probe machinery on top: from the probed context down, frame for frame,
     the same functions. Where the trigger's unwinder starts, the probe's own handler is
-    running (``kprobe_trace_func`` ... ``ftrace_regs_call``); a host breakpoint never ran it."""
+    running (``kprobe_trace_func`` ... ``ftrace_regs_call``); a host breakpoint never ran it.
+    One frame directly under an ftrace_ops callback is its trampoline, whatever its name."""
     h, g = host.split(), guest.split()
     extra = len(g) - len(h)
-    return extra >= 0 and g[extra:] == h and all(_machinery(f) for f in g[:extra])
+    if extra < 0 or g[extra:] != h:
+        return False
+    top = g[:extra]
+    if len(top) >= 2 and top[-2] in _OPS_CALLBACKS:
+        top = top[:-1]
+    return all(_machinery(f) for f in top)
 
 
 # -- reorders -------------------------------------------------------------------------------

@@ -35,12 +35,19 @@ HOST = "kernel_clone __do_sys_clone do_syscall_64 entry_SYSCALL_64_after_hwframe
     ("kprobe_trace_func kprobe_dispatcher kprobe_ftrace_handler 0xffffffffc020d0de " + HOST,
      True),
     (HOST, True),
+    # the ops trampoline named after the last symbol of the module whose range holds it
+    ("kprobe_trace_func kprobe_dispatcher kprobe_ftrace_handler pvpanic_pci_driver_exit "
+     + HOST, True),
+    ("fentry_trace_func fentry_dispatcher fprobe_ftrace_entry some_module_exit " + HOST, True),
     # not the probe's machinery on top, another frame below, a frame missing
     ("vfs_read " + HOST, False),
     ("kprobe_trace_func 0xffffffff81000000 " + HOST, False),
     ("kprobe_trace_func kernel_clone __do_sys_clone3 do_syscall_64 "
      "entry_SYSCALL_64_after_hwframe", False),
     ("kprobe_trace_func kernel_clone do_syscall_64 entry_SYSCALL_64_after_hwframe", False),
+    # a named frame is a trampoline only directly under an ops callback, and only one
+    ("kprobe_trace_func kprobe_dispatcher pvpanic_pci_driver_exit " + HOST, False),
+    ("kprobe_trace_func kprobe_ftrace_handler vfs_read pvpanic_pci_driver_exit " + HOST, False),
 ])
 def test_the_guest_trace_is_the_hosts_under_its_probe_machinery(guest, ok):
     assert stack_match(HOST, guest) is ok
