@@ -41,9 +41,10 @@ def kernel_group(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vmlinux", metavar="F", help="the kernel's ELF with symbols (default: the "
                    "image's kallsyms, or the guest's /proc/kallsyms)")
     g.add_argument("--image", metavar="SERIES|ABI|DIR|tree:TREE",
-                   help="an image in the cache other than the default: a series (6.12), an "
-                   "ABI, an image directory, or tree:TREE[+PATCH...] (a kernel tree's image, "
-                   "built first: kph image build --tree)")
+                   help="an image other than the default: a series (6.12; Debian's kernel "
+                   "of it, its image built first when missing), an ABI, an image directory, "
+                   "or tree:TREE[+PATCH...] (a kernel tree's image, built first: kph image "
+                   "build --tree)")
 
 
 def qemu_group(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from . import upstream
-from . import hunt
+from . import bisect, hunt
 from ..errors import SetupError
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
                      clear_progress, current, output_options, report_crash, report_error)
@@ -48,7 +48,7 @@ exit status: 0 success, 1 divergence or failed command, 2 usage/setup error,
 #: one is that module and a line here.
 VERBS: tuple[ModuleType, ...] = (image, kernel, qemu, boot, probe, diff, matrix, fuzz, worker, repro,
                                  demo, doctor) + (upstream,)
-VERBS += (hunt,)
+VERBS += (hunt, bisect)
 
 #: Every verb's --help examples, pasted and run by tests/vm/test_help_examples.py from a
 #: directory holding the checkout's probes/ (paths are relative to the checkout).

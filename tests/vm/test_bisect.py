@@ -1,0 +1,79 @@
+"""``kph bisect`` (issue 38) on a planted history: the git copy of Debian's 6.12 source,
+finding 1's fix (the good end), an unrelated change, the commit that undoes the fix
+(planted), another unrelated change (the bad end). kph bisect runs both ends, then
+``git bisect run`` with a build, one boot and the scenario per step, and must name the
+planted commit as the Fixes: line, leaving the tree at the commit it had.
+
+The first build is a whole kernel (both CPUs for ~4 min), so it runs ``alone``; the
+other three are incremental (one file recompiled, the kernel relinked)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.apps import bisect
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(2700)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "probes/scenarios/upstream/btf-char-ptr.toml"
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The planted history, its commits authored by a git identity of the test's own
+    (never the user's)."""
+    home = tmp_path_factory.mktemp("home")
+    for key, val in (("user.name", "Bisect Test"), ("user.email", "bisect@example.org")):
+        subprocess.run(["git", "config", "--global", key, val], check=True,
+                       env={"HOME": str(home)})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        yield bisect.plant_history(tmp_path_factory.mktemp("tree") / "linux",
+                                   finding="btf-char-ptr", series="6.12")
+
+
+def test_a_good_end_after_the_bad_one_is_refused_before_any_build(planted, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "bisect", str(SCENARIO),
+                        "--tree", str(planted.tree), "--good", planted.bad, "--bad", planted.good,
+                        "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"error: --good {planted.bad} is not an ancestor of --bad {planted.good}; give the "
+        "older, good commit as --good"], r.stderr[-2000:]
+    assert not (tmp_path / "out" / "steps.jsonl").exists()
+
+
+def test_kph_bisect_names_the_planted_commit_as_the_fixes_line(planted, tmp_path):
+    h = planted
+    assert len(h.commits) == 4 and h.commits[2] == h.planted
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "bisect", str(SCENARIO),
+                        "--tree", str(h.tree), "--good", h.good, "--bad", h.bad,
+                        "--out", str(tmp_path / "out"), "--json"],
+                       capture_output=True, text=True, timeout=2600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    doc = json.loads(r.stdout)
+    assert doc["first_bad"] == h.planted, doc
+    title = "tracing/probes: Trust the BTF type of a string argument"
+    assert doc["fixes"] == f'Fixes: {h.planted[:12]} ("{title}")'
+    roles = [s["role"] for s in doc["steps"]]
+    assert roles[:2] == ["bad end", "good end"] and all(x.startswith("step") for x in roles[2:])
+    verdict = {s["commit"]: s["verdict"] for s in doc["steps"]}
+    assert verdict[h.bad] == "bad" and verdict[h.good] == "good"
+    assert verdict.get(h.planted) == "bad"      # git bisect must have judged it itself
+    # every step's kernel built from the one build directory: the later builds incremental
+    assert all(s["kernel"].startswith("6.12.") for s in doc["steps"])
+    first, later = doc["steps"][0]["build_s"], [s["build_s"] for s in doc["steps"][1:]]
+    assert max(later) < first, doc["steps"]
+    # the tree is back where it was, no bisect left in it
+    head = subprocess.run(["git", "-C", str(h.tree), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert head == h.bad
+    assert not (h.tree / ".git" / "BISECT_START").exists()
+    assert (tmp_path / "out" / "bisect.log").read_text().count("# first bad commit") == 1
+    assert f"first bad commit: {h.planted}" in r.stderr
