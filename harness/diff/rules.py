@@ -213,7 +213,8 @@ def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int
       and other tasks ran on the same CPU (the run: hits of other pids).
 
     The run must be exactly what ``first`` recorded next (pid, context, CPU, in order),
-    every hit of it on the moved hit's CPU. Stops at the first difference that is not
+    or become it by the same moves within it (a window nested in the window), every hit
+    of it on the moved hit's CPU. Stops at the first difference that is not
     such a run; sides that lack a pid or a context of any hit move nothing by that key."""
     out, done = list(later), []
     pids = all(h.pid is not None for h in (*first, *later))
@@ -225,9 +226,16 @@ def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int
         j = next((k for k in range(i + 1, len(out)) if _sig(out[k]) == _sig(want)), None)
         if j is None:
             break
-        run = out[i:j]
-        if [_sig(h) for h in run] != [_sig(h) for h in first[i + 1:j + 1]] \
-                or any(h.cpu != want.cpu for h in run):
+        run, told = out[i:j], first[i + 1:j + 1]
+        inner: list[tuple[int, str]] = []
+        if [_sig(h) for h in run] != [_sig(h) for h in told]:
+            # a window inside the window: a task of the run was itself preempted (or
+            # interrupted) between its two records (preempt=full: 130 129 128 recorded
+            # by the host, 128 130 129 by the guest); the run is put right the same way
+            run, inner = moves(told, run)
+            if not inner or [_sig(h) for h in run] != [_sig(h) for h in told]:
+                break
+        if any(h.cpu != want.cpu for h in run):
             break
         if pids and all(h.pid != want.pid for h in run):
             name = "preempt-order"
@@ -235,8 +243,9 @@ def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int
             name = "irq-order"
         else:
             break
-        out.insert(i, out.pop(j))
+        out[i:j + 1] = [out[j], *run]
         done.append((i, name))
+        done += [(i + 1 + k, n) for k, n in inner]
     return (out, done) if done else (later, [])
 
 
@@ -282,15 +291,17 @@ REGISTRY: tuple[Rule, ...] = (
          "(kernel/trace/trace_kprobe.c: kprobe_dispatcher()); an interrupt taken between "
          "records its own hits in between",
          "every hit's context known on both sides; one hit moved across exactly the run "
-         "the other side recorded next, all on its CPU, all of the other context"),
+         "the other side recorded next (or that run put right by the same moves: a window "
+         "inside the window), all on its CPU, all of the other context"),
     Rule("preempt-order", "order",
          "a hit one side recorded after a run of other tasks' hits (a preemption between "
          "the two sides' records, on that CPU) moved back in front of that run",
          "kernel/entry/common.c: irqentry_exit() -> preempt_schedule_irq() between the "
          "host's breakpoint and the guest's handler",
          "every pid known on both sides; one hit moved across exactly the run the other "
-         "side recorded next, all on its CPU, all of other pids; an entry probe's only on "
-         "the guest's side (the host records first)"),
+         "side recorded next (or that run put right by the same moves: a task of it "
+         "preempted in its own window), all on its CPU, all of other pids; an entry "
+         "probe's only on the guest's side (the host records first)"),
     Rule("trampoline", "field",
          "a guest ip or return-slot value showing a host trampoline compares equal to the "
          "host's real return address",

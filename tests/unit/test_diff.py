@@ -255,6 +255,28 @@ def test_a_hit_recorded_after_a_preempting_task_s_run_is_moved_back():
                    SideResult("host", host.outcomes, hret, {})).equivalent
 
 
+def test_a_preemption_nested_in_the_window_is_put_right_the_same_way():
+    """preempt=full: task A is preempted between the host's breakpoint and the guest's
+    handler, B runs and is preempted in its own window, C runs through; then B's, then
+    A's guest records come: host A B C, guest C B A (two moves, each on one CPU)."""
+    a, b, c = ("ls", 128, "0x1"), ("sh", 130, "0x2"), ("cat", 129, "0x3")
+    res = compare(_kfree_run("host", [a, b, c]), _kfree_run("events", [c, b, a]))
+    assert res.equivalent, res.first
+    assert res.applied["preempt-order"] == 2
+    # the inner window on another CPU is no such window
+    host, guest = _kfree_run("host", [a, b, c]), _kfree_run("events", [c, b, a])
+    hh = [dataclasses.replace(h, cpu=1) if h.pid == 129 else h for h in host.hits]
+    gg = [dataclasses.replace(h, cpu=1) if h.pid == 129 else h for h in guest.hits]
+    res = compare(SideResult("host", host.outcomes, hh, {}),
+                  SideResult("events", guest.outcomes, gg, {}))
+    assert not res.equivalent and "preempt-order" not in res.applied
+    # one task's own two records swapped inside the run: no window makes that
+    b2 = ("sh", 130, "0x4")
+    # (A's move is allowed; B's two records then differ in value, in the task's order)
+    res = compare(_kfree_run("host", [a, b, b2]), _kfree_run("events", [b2, b, a]))
+    assert not res.equivalent and res.first.field == "arg:object"
+
+
 def test_preempt_order_moves_nothing_that_is_not_such_a_run():
     host = _kfree_run("host", [LS, KD1, KD2])
     # the run differs from what the host recorded next (values): moved, then compared
