@@ -147,3 +147,8 @@ class SideResult:
     #: What the kernel printed over the run (``harness.kernel.splat.Splat``: console and
     #: dmesg, those before the run's window marked so), the same on every side of one run.
     splats: tuple[object, ...] = ()
+    #: The guest kernel's preemption model over the run, on an in-guest side: the mode
+    #: ``/sys/kernel/debug/sched/preempt`` marks (none, voluntary, full, lazy), or what
+    #: its config builds without PREEMPT_DYNAMIC; None where it was not read (a host
+    #: side). ``preempt-order`` needs a model that preempts on interrupt exit.
+    preempt: str | None = None

@@ -21,6 +21,7 @@ recorded. Stages:
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -199,23 +200,35 @@ def _sig(h: Hit) -> tuple[object, ...]:
     return (h.pid, h.irq, h.cpu)
 
 
-def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int, str]]]:
-    """``later`` with each hit that it recorded after a run of hits the other way round
-    moved back in front of that run, where ``first`` recorded it before the same run; and
-    the positions moved to, each with its rule.
+#: The preemption models whose interrupt exit may switch tasks (kernel/sched/core.c:
+#: sched_dynamic_update() enables irqentry_exit_cond_resched for "full" and "lazy" and
+#: makes it a NOP for "none" and "voluntary", on 6.1, 6.12 and 7.3;
+#: kernel/entry/common.c: irqentry_exit())
+PREEMPTING_MODELS = ("full", "lazy")
 
-    A move is allowed only for the one window its reason names: the host records at its
+
+def moves(first: list[Hit], later: list[Hit], *, preempt: bool = False
+          ) -> tuple[list[Hit], list[tuple[int, str]]]:
+    """``later`` with each hit that it recorded after hits the other way round moved back
+    in front of them, where ``first`` recorded it before them; and the positions moved
+    to, each with its rule.
+
+    A move is allowed only for the window its reason names: the host records at its
     breakpoint, the guest in its handler a few instructions later, and in between
 
-    - ``irq-order``: an interrupt on the same CPU recorded its own hits (the run: hits of
-      the other context, interrupt vs task);
+    - ``irq-order``: an interrupt on the same CPU recorded its own hits; the hits crossed
+      are exactly the run ``first`` recorded next (pid, context, CPU, in order), all of
+      the other context (interrupt vs task);
     - ``preempt-order``: that interrupt ended in a preemption (``preempt_schedule_irq()``)
-      and other tasks ran on the same CPU (the run: hits of other pids).
+      and other tasks ran on the same CPU; the hits crossed are other pids' that
+      ``first`` recorded after the moved one. Several tasks can each be preempted in
+      their own window and resume in any order (preempt=full: the host recorded pids
+      130 129 128, the guest 128 130 129: two moves). Only with ``preempt``, the guest
+      kernel's model preempting on interrupt exit (:data:`PREEMPTING_MODELS`).
 
-    The run must be exactly what ``first`` recorded next (pid, context, CPU, in order),
-    or become it by the same moves within it (a window nested in the window), every hit
-    of it on the moved hit's CPU. Stops at the first difference that is not
-    such a run; sides that lack a pid or a context of any hit move nothing by that key."""
+    Every hit crossed is on the moved hit's CPU. Stops at the first difference no such
+    move explains; sides that lack a pid or a context of any hit move nothing by that
+    key."""
     out, done = list(later), []
     pids = all(h.pid is not None for h in (*first, *later))
     ctxs = all(h.irq for h in (*first, *later))
@@ -226,26 +239,20 @@ def moves(first: list[Hit], later: list[Hit]) -> tuple[list[Hit], list[tuple[int
         j = next((k for k in range(i + 1, len(out)) if _sig(out[k]) == _sig(want)), None)
         if j is None:
             break
-        run, told = out[i:j], first[i + 1:j + 1]
-        inner: list[tuple[int, str]] = []
-        if [_sig(h) for h in run] != [_sig(h) for h in told]:
-            # a window inside the window: a task of the run was itself preempted (or
-            # interrupted) between its two records (preempt=full: 130 129 128 recorded
-            # by the host, 128 130 129 by the guest); the run is put right the same way
-            run, inner = moves(told, run)
-            if not inner or [_sig(h) for h in run] != [_sig(h) for h in told]:
-                break
+        run = out[i:j]
         if any(h.cpu != want.cpu for h in run):
             break
-        if pids and all(h.pid != want.pid for h in run):
-            name = "preempt-order"
-        elif ctxs and all(h.irq != want.irq for h in run):
+        sigs = [_sig(h) for h in run]
+        if ctxs and all(h.irq != want.irq for h in run) \
+                and sigs == [_sig(h) for h in first[i + 1:j + 1]]:
             name = "irq-order"
+        elif preempt and pids and all(h.pid != want.pid for h in run) \
+                and not Counter(sigs) - Counter(_sig(h) for h in first[i + 1:]):
+            name = "preempt-order"
         else:
             break
-        out[i:j + 1] = [out[j], *run]
+        out.insert(i, out.pop(j))
         done.append((i, name))
-        done += [(i + 1 + k, n) for k, n in inner]
     return (out, done) if done else (later, [])
 
 
@@ -260,6 +267,8 @@ class Ctx:
     a_side: str
     b_side: str
     trampolines: tuple[str, ...] = ()
+    #: the guest kernel's preemption model (``SideResult.preempt``), None when unread
+    preempt: str | None = None
 
 
 REGISTRY: tuple[Rule, ...] = (
@@ -291,17 +300,18 @@ REGISTRY: tuple[Rule, ...] = (
          "(kernel/trace/trace_kprobe.c: kprobe_dispatcher()); an interrupt taken between "
          "records its own hits in between",
          "every hit's context known on both sides; one hit moved across exactly the run "
-         "the other side recorded next (or that run put right by the same moves: a window "
-         "inside the window), all on its CPU, all of the other context"),
+         "the other side recorded next, all on its CPU, all of the other context"),
     Rule("preempt-order", "order",
          "a hit one side recorded after a run of other tasks' hits (a preemption between "
          "the two sides' records, on that CPU) moved back in front of that run",
          "kernel/entry/common.c: irqentry_exit() -> preempt_schedule_irq() between the "
          "host's breakpoint and the guest's handler",
-         "every pid known on both sides; one hit moved across exactly the run the other "
-         "side recorded next (or that run put right by the same moves: a task of it "
-         "preempted in its own window), all on its CPU, all of other pids; an entry "
-         "probe's only on the guest's side (the host records first)"),
+         "the guest kernel preempts on interrupt exit (its sched/preempt model is full "
+         "or lazy: kernel/sched/core.c: sched_dynamic_update()); every pid known on both "
+         "sides; a hit moved back across other pids' hits that the other side recorded "
+         "after it (tasks each preempted in their own window resume in any order), all "
+         "on its CPU; an entry probe's only on the guest's side (the host records "
+         "first)"),
     Rule("trampoline", "field",
          "a guest ip or return-slot value showing a host trampoline compares equal to the "
          "host's real return address",

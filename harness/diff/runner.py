@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from ..backends import make_backend
@@ -28,6 +29,7 @@ from ..machine.image.store import default_image
 from ..machine.kwatch import KernelWatch
 from ..kernel.splat import KernelFinding
 from .matrix import KernelRun, MatrixResult, compare_kernels
+from .rules import GUEST_SIDES
 from .verdict import compare
 from ..vmctl import Machine
 from ..machine.image.build import image_for
@@ -96,7 +98,8 @@ def _single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str
         be.disable()
         say(progress, f"collecting the hits ({be.side})")
         return SideResult(be.side, outcomes, be.collect(), be.counters(), r.status,
-                         r.stdout + r.stderr, r.stderr)
+                         r.stdout + r.stderr, r.stderr,
+                         preempt=preempt_model(vm) if be.side in GUEST_SIDES else None)
     finally:
         be.close()
 
@@ -221,12 +224,34 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         host = SideResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
                          r.stderr, events_left=events_modelled(h) if g_left is not None else None)
         guest_res = SideResult(g.side, g_out, g_hits, g_counters, r.status,
-                              r.stdout + r.stderr, r.stderr, events_left=g_left)
+                              r.stdout + r.stderr, r.stderr, events_left=g_left,
+                              preempt=preempt_model(vm))
         return host, guest_res
     finally:
         if h is not None:
             h.close()
         g.close()
+
+
+def preempt_model(vm: Machine) -> str | None:
+    """The guest kernel's preemption model now: the mode in parentheses of
+    ``/sys/kernel/debug/sched/preempt`` (PREEMPT_DYNAMIC: kernel/sched/debug.c:
+    sched_dynamic_show(); "none (voluntary) full" on Debian's 6.1 and 6.12, "full (lazy)"
+    on 7.3), else the model the image's config builds (CONFIG_PREEMPT: full,
+    CONFIG_PREEMPT_LAZY: lazy, else voluntary or none); None when neither is known."""
+    r = vm.run("cat /sys/kernel/debug/sched/preempt 2>/dev/null", timeout=30)
+    m = re.search(r"\((\w+)\)", r.stdout) if r.ok else None
+    if m:
+        return m[1]
+    facts = getattr(getattr(vm, "image", None), "facts", None)
+    config = getattr(facts, "config", None) or {}
+    if not config:
+        return None
+    for opt, model in (("CONFIG_PREEMPT", "full"), ("CONFIG_PREEMPT_LAZY", "lazy"),
+                       ("CONFIG_PREEMPT_VOLUNTARY", "voluntary")):
+        if config.get(opt) == "y":
+            return model
+    return "none"
 
 
 def trampoline_text(vm: Machine) -> tuple[str, ...]:

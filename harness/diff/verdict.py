@@ -223,14 +223,15 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
                      allow=frozenset(allow))
     tramps = () if not trampoline else (trampoline,) if isinstance(trampoline, str) \
         else tuple(trampoline)
-    ctx = Ctx(a.side, b.side, tramps)
+    ctx = Ctx(a.side, b.side, tramps, b.preempt or a.preempt)
     _registrations(res, a, b)
     per_a, per_b = _compared_hits(res, a, b)
     pidless = (bool(a.hits) and all(h.pid is None for h in a.hits),
                bool(b.hits) and all(h.pid is None for h in b.hits))
     for probe in dict.fromkeys([*per_a, *per_b, *(x.probe for x, y in res.outcomes.values()
                                                    if x and y and x.accepted and y.accepted)]):
-        la, lb = _ordered(res, probe, per_a.get(probe, []), per_b.get(probe, []))
+        la, lb = _ordered(res, probe, per_a.get(probe, []), per_b.get(probe, []),
+                          preempt=ctx.preempt in _rules.PREEMPTING_MODELS)
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
         div, matched = None, 0
@@ -375,8 +376,8 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
     return per_a, per_b
 
 
-def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit]
-             ) -> tuple[list[Hit], list[Hit]]:
+def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit], *,
+             preempt: bool = False) -> tuple[list[Hit], list[Hit]]:
     """Stage ``order``: ``thread-order`` for uprobes, else the single moves of
     ``irq-order`` and ``preempt-order`` (``harness.diff.rules.moves``)."""
     if res.modes.get(probe) == "uprobe":
@@ -386,11 +387,14 @@ def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit]
             _count(res, "thread-order")
             res.normalized.append(Normalized(probe, -1, "order", "thread-order", "", ""))
         return la, lb
-    # an entry probe's side a (the host, at its breakpoint) records before side b (the
-    # guest's handler); on a return either trampoline may come first
-    ways = ((lb, la),) if all(h.kind == "p" for h in [*la, *lb]) else ((lb, la), (la, lb))
+    # an entry probe's host side (at its breakpoint) records before the guest's (its
+    # handler); on a return either trampoline may come first
+    # (the guest's side is the one moved, whichever of a and b it is)
+    guest_first = res.a_side in _rules.GUEST_SIDES and res.b_side not in _rules.GUEST_SIDES
+    entry = ((la, lb),) if guest_first else ((lb, la),)
+    ways = entry if all(h.kind == "p" for h in [*la, *lb]) else ((lb, la), (la, lb))
     for moved, first in ways:
-        fixed, done = _rules.moves(first, moved)
+        fixed, done = _rules.moves(first, moved, preempt=preempt)
         if done:
             la, lb = (first, fixed) if moved is lb else (fixed, first)
             for i, name in done:

@@ -30,7 +30,7 @@ from .verdict import DiffResult, compare
 from ..errors import SetupError
 from ..kernel.grammar import ProbeSpec
 from ..records import SideResult
-from .runner import events_listed, events_modelled, resolve_uprobes, trampoline_text
+from .runner import events_listed, events_modelled, preempt_model, resolve_uprobes, trampoline_text
 from ..machine.kwatch import KernelWatch
 from ..engines.gdbstub_engine import HostEngine
 from ..vmctl import Machine
@@ -93,8 +93,10 @@ def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload
         g_left = events_listed(vm, specs) if guest == "events" else None
         lefts = (events_modelled(h), events_modelled(p), g_left) if g_left is not None \
             else (None, None, None)
+        model = preempt_model(vm)
         runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text,
-                                r.stderr, events_left=left)
+                                r.stderr, events_left=left,
+                                preempt=model if be is g else None)
                      for be, o, left in zip((h, p, g), outs, lefts, strict=True))
     finally:
         for be in (h, p, g):
