@@ -43,6 +43,11 @@ class Hit:
     #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
     #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.
     unknown: tuple[tuple[str, str], ...] = ()
+    #: Host side, entry probes: recorded at the breakpoint, and the halt that ended the
+    #: recording found the vCPU still between that breakpoint and the guest's handler
+    #: (``HostEngine.in_flight_hits``): a guest probe's handler runs after its tracing
+    #: was switched off, so it records nothing (``harness.diff.rules``' ``in-flight``).
+    in_flight: bool = False
     #: With a ``stacktrace`` trigger on the event (``harness.backends.triggers``): the
     #: functions of the stack trace taken after the hit, innermost first (the ``=>``
     #: lines of the trace); None without one

@@ -10,6 +10,7 @@ the current address space.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
@@ -210,6 +211,8 @@ class HostBackend:
         self.hook = hook
         self.recording = False
         self._hits: list[Hit] = []
+        #: hit index -> (cpu, probe address) of each entry hit, for ``_mark_in_flight``
+        self._hit_at: dict[int, tuple[int, int]] = {}
         #: Hits that could not be evaluated (probe, the engine's error): collect() fails.
         self.engine_errors: list[tuple[str, EngineReadError]] = []
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
@@ -538,6 +541,8 @@ class HostBackend:
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
         irq = eng.hit_context(regs) if up is None else ""
+        if up is None and not spec.is_return and not spec.is_eprobe:
+            self._hit_at[len(self._hits)] = (regs.cpu, what.addr)
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                               seq=len(self._hits), cpu=regs.cpu, pid=pid,
                               comm=comm, ip=ip_text,
@@ -619,6 +624,7 @@ class HostBackend:
         guest instruction, in a halt where no vCPU is between the host's breakpoint and
         the guest's handler (``HostEngine.halted(settle=True)``)."""
         self._hits.clear()
+        self._hit_at.clear()
         self._comm_changes.clear()
         self._watch_comms()
         if self.alone and not self._stubs and not self._estubs and self.layer is not None:
@@ -674,10 +680,23 @@ class HostBackend:
 
         def stop() -> None:
             self.recording = False
+            self._mark_in_flight(self.engine.in_flight_hits)
             also()
             if disarm:
                 self.disarm()
         self.engine.halted(stop, settle=True)
+
+    def _mark_in_flight(self, flying: Sequence[tuple[int, int]]) -> None:
+        """Mark the records of the entry hits the last halt found in flight
+        (``(cpu, probe address)``, innermost first): each is the latest record of that
+        address on that CPU not marked yet (an interrupt's hit in the window of its
+        task's is the later one)."""
+        for cpu, addr in flying:
+            for k in range(len(self._hits) - 1, -1, -1):
+                h = self._hits[k]
+                if self._hit_at.get(k) == (cpu, addr) and not h.in_flight:
+                    self._hits[k] = dataclasses.replace(h, in_flight=True)
+                    break
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file

@@ -217,14 +217,20 @@ def moves(first: list[Hit], later: list[Hit], *, preempt: bool = False
     breakpoint, the guest in its handler a few instructions later, and in between
 
     - ``irq-order``: an interrupt on the same CPU recorded its own hits; the hits crossed
-      are exactly the run ``first`` recorded next (pid, context, CPU, in order), all of
-      the other context (interrupt vs task);
+      are exactly the run ``first`` recorded next (pid, context, CPU, in order), all in
+      interrupt context, the moved one in task context (no task-context code runs inside
+      an interrupt's window);
     - ``preempt-order``: that interrupt ended in a preemption (``preempt_schedule_irq()``)
-      and other tasks ran on the same CPU; the hits crossed are other pids' that
-      ``first`` recorded after the moved one. Several tasks can each be preempted in
-      their own window and resume in any order (preempt=full: the host recorded pids
-      130 129 128, the guest 128 130 129: two moves). Only with ``preempt``, the guest
-      kernel's model preempting on interrupt exit (:data:`PREEMPTING_MODELS`).
+      and other tasks ran on the same CPU; the hits crossed are other pids' (and the
+      moved task's own in interrupt context: the interrupt that preempted it, 7.3 lazy:
+      host ls task, ls irq, kdamond x3; guest ls irq, kdamond x3, ls task) that
+      ``first`` recorded after the moved one, at least one of another pid. Several
+      tasks can each be preempted in their own window and resume in any order
+      (preempt=full: the host recorded pids 130 129 128, the guest 128 130 129: two
+      moves). Only with ``preempt``, the guest kernel's model preempting on interrupt
+      exit (:data:`PREEMPTING_MODELS`), and only for a task-context hit: nothing is
+      preempted in interrupt context (kernel/entry/common.c:
+      raw_irqentry_exit_cond_resched() preempts only where ``preempt_count()`` is 0).
 
     Every hit crossed is on the moved hit's CPU. Stops at the first difference no such
     move explains; sides that lack a pid or a context of any hit move nothing by that
@@ -243,10 +249,12 @@ def moves(first: list[Hit], later: list[Hit], *, preempt: bool = False
         if any(h.cpu != want.cpu for h in run):
             break
         sigs = [_sig(h) for h in run]
-        if ctxs and all(h.irq != want.irq for h in run) \
+        if ctxs and want.irq == "task" and all(h.irq != want.irq for h in run) \
                 and sigs == [_sig(h) for h in first[i + 1:j + 1]]:
             name = "irq-order"
-        elif preempt and pids and all(h.pid != want.pid for h in run) \
+        elif preempt and pids and want.irq != "irq" \
+                and any(h.pid != want.pid for h in run) \
+                and all(h.pid != want.pid or (ctxs and h.irq != want.irq) for h in run) \
                 and not Counter(sigs) - Counter(_sig(h) for h in first[i + 1:]):
             name = "preempt-order"
         else:
@@ -288,6 +296,17 @@ REGISTRY: tuple[Rule, ...] = (
          "the agent switches tracing on and off, at moments the two sides see differently",
          "the comm is the agent's, exactly; a child of the agent under its later comm only "
          "as many of the guest's first hits of that pid as the host left out"),
+    Rule("in-flight", "hits",
+         "a host entry hit still in flight when the recording ended left out",
+         "the host records at its breakpoint, the guest in its handler later "
+         "(kernel/trace/trace_kprobe.c: kprobe_dispatcher()); both stop in one halt of "
+         "the guest, where a vCPU between the two has its hit on the host's side only "
+         "(the guest's handler runs after its recording was switched off: "
+         "kernel/trace/ring_buffer.c: ring_buffer_lock_reserve() refuses once tracing_on "
+         "is 0; the module's handler checks its recording flag)",
+         "no settled halt in the engine's tries, and that halt found the hit's probe "
+         "address + 1 or + 5 (the int3 frame's, an ftrace call's return) on a stack of "
+         "the vCPU that recorded it, its latest record there (HostEngine.in_flight_hits)"),
     Rule("thread-order", "order",
          "uprobe hits compared per thread (pid), in order within each",
          "kernel/events/uprobes.c: uprobe_notify_resume() records on the way back to user "
@@ -299,8 +318,9 @@ REGISTRY: tuple[Rule, ...] = (
          "the host records at its breakpoint, the guest in its handler later "
          "(kernel/trace/trace_kprobe.c: kprobe_dispatcher()); an interrupt taken between "
          "records its own hits in between",
-         "every hit's context known on both sides; one hit moved across exactly the run "
-         "the other side recorded next, all on its CPU, all of the other context"),
+         "every hit's context known on both sides; one task-context hit moved across "
+         "exactly the run the other side recorded next, all on its CPU, all in interrupt "
+         "context"),
     Rule("preempt-order", "order",
          "a hit one side recorded after a run of other tasks' hits (a preemption between "
          "the two sides' records, on that CPU) moved back in front of that run",
@@ -308,10 +328,12 @@ REGISTRY: tuple[Rule, ...] = (
          "host's breakpoint and the guest's handler",
          "the guest kernel preempts on interrupt exit (its sched/preempt model is full "
          "or lazy: kernel/sched/core.c: sched_dynamic_update()); every pid known on both "
-         "sides; a hit moved back across other pids' hits that the other side recorded "
-         "after it (tasks each preempted in their own window resume in any order), all "
-         "on its CPU; an entry probe's only on the guest's side (the host records "
-         "first)"),
+         "sides; a task-context hit (kernel/entry/common.c: "
+         "raw_irqentry_exit_cond_resched() preempts only at preempt_count() 0) moved "
+         "back across hits that the other side recorded after it, of other pids (tasks "
+         "each preempted in their own window resume in any order) and at least one, or "
+         "its own pid's in interrupt context (the interrupt that preempted it), all on "
+         "its CPU; an entry probe's only on the guest's side (the host records first)"),
     Rule("trampoline", "field",
          "a guest ip or return-slot value showing a host trampoline compares equal to the "
          "host's real return address",

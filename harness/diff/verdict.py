@@ -163,7 +163,7 @@ class DiffResult:
 
 
 def _relevant(hits: list[Hit]) -> list[Hit]:
-    return [h for h in hits if h.comm not in AGENT_COMMS]
+    return [h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight]
 
 
 def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
@@ -360,9 +360,17 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
     if renamed:
         gone = {id(h) for h in renamed}
         hb = [h for h in hb if id(h) not in gone]
-    res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb))
+    flying = [h for h in (*a.hits, *b.hits) if h.in_flight and h.comm not in AGENT_COMMS]
+    res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb)) - len(flying)
+    if flying:
+        _count(res, "in-flight", len(flying))
+        for h in flying:
+            res.normalized.append(Normalized(h.probe, -1, "hits", "in-flight",
+                                             f"{h.comm}-{h.pid} cpu{h.cpu} {h.ip}", ""))
     for side, hits in ((0, a.hits), (1, b.hits)):
         for h in hits:
+            if h.in_flight:
+                continue
             if h.comm in AGENT_COMMS or (side == 1 and any(h is r for r in renamed)):
                 n = list(res.left_out.get(h.probe, (0, 0)))
                 n[side] += 1

@@ -123,6 +123,8 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         self._fatal: BaseException | None = None
         self._again: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._rehalted: dict[int, int] = {}
+        #: ``(cpu, probe address)`` of each entry hit in flight in the last settled halt
+        self.in_flight_hits: list[tuple[int, int]] = []
         self._uprobes: Any = None
         self._task_off = {m: self._btf_offset("task_struct", m) for m in ("pid", "comm")}
         if self._task_off["comm"] is None:
@@ -503,23 +505,31 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         "" when it cannot be read. An NMI counts as ``task``: an int3-based guest kprobe
         runs its handler in NMI context whatever the caller was. Where the count lives: per-cpu ``__preempt_count`` (6.1, 7.3),
         ``pcpu_hot.preempt_count`` (6.2 to 6.14: arch/x86/include/asm/preempt.h)."""
-        if not hasattr(self, "_pc_where"):
-            where: tuple[str, int] | None = None
-            if self.symbols.get("__preempt_count") is not None:
-                where = ("__preempt_count", 0)
-            elif self.symbols.get("pcpu_hot") is not None:
-                off = self._btf_offset("pcpu_hot", "preempt_count")
-                where = ("pcpu_hot", off) if off is not None else None
-            self._pc_where = where
-        if self._pc_where is None:
+        where = self._percpu_where("__preempt_count", "preempt_count")
+        if where is None:
             return ""
-        pc = self.percpu_read(regs, self._pc_where[0], self._pc_where[1])
+        pc = self.percpu_read(regs, *where)
         if pc is None:
             return ""
         pc &= 0x7FFFFFFF                       # PREEMPT_NEED_RESCHED is folded in, inverted
         if pc & 0x100 or (pc & 0x000F0000 and not pc & 0x00F00000):   # SOFTIRQ_OFFSET, HARDIRQ
             return "irq"
         return "task"
+
+    def _percpu_where(self, var: str, hot: str) -> tuple[str, int] | None:
+        """Where a per-cpu value lives: its own per-cpu variable ``var``, or member
+        ``hot`` of ``pcpu_hot`` (6.2 to 6.14 gathered the hottest there:
+        arch/x86/include/asm/current.h), as ``(symbol, offset)``; None with neither."""
+        cache = self.__dict__.setdefault("_percpu_wheres", {})
+        if var not in cache:
+            where: tuple[str, int] | None = None
+            if self.symbols.get(var) is not None:
+                where = (var, 0)
+            elif self.symbols.get("pcpu_hot") is not None:
+                off = self._btf_offset("pcpu_hot", hot)
+                where = ("pcpu_hot", off) if off is not None else None
+            cache[var] = where
+        return cache[var]
 
     def percpu_read(self, regs: PtRegs, name: str, offset: int = 0) -> int | None:
         """``this_cpu_read(name)`` for a per-cpu ``unsigned long`` or pointer on the vCPU of
@@ -704,19 +714,25 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         records it in its handler, later (and a return probe the other way round), so a
         vCPU the halt catches between the two would be counted by one side only. Up to
         ``C.SETTLE_TRIES`` halts, the guest running a moment between them; the last one
-        is taken regardless (``stats["unsettled"]``)."""
+        is taken regardless (``stats["unsettled"]``), and the entry hits in flight in it
+        are in :attr:`in_flight_hits` while ``fn`` runs (empty after a settled halt): the
+        caller that ends its recording there knows which of its records the guest's
+        handlers, running after the halt, never made."""
+        self.in_flight_hits = []
         if not settle:
             return self._call(fn)
         for attempt in range(C.SETTLE_TRIES):
             last = attempt == C.SETTLE_TRIES - 1
 
             def go() -> tuple[bool, Any]:
-                busy = self.in_flight()
+                busy = self._scan_in_flight()
                 if busy and not last:
                     return False, busy
+                self.in_flight_hits = [f for _, fs in busy for f in fs]
                 if busy:
                     self.stats["unsettled"] += 1
-                    log.debug("no settled halt in %d tries: %s", C.SETTLE_TRIES, busy)
+                    log.debug("no settled halt in %d tries: %s", C.SETTLE_TRIES,
+                              [d for d, _ in busy])
                 return True, fn()
             done, val = self._call(go)
             if done:
@@ -727,7 +743,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
 
     def in_flight(self) -> list[str]:
         """The vCPUs inside the kernel's handling of a hit at one of this engine's probe
-        addresses, with the guest halted: its stack (from ``rsp``, at most
+        addresses, with the guest halted: a stack it is on (from ``rsp``, at most
         ``C.SETTLE_SCAN`` bytes, inside its 16 KiB stack) holds ``addr + 1``, which the
         int3 exception frame holds (arch/x86/kernel/kprobes/core.c:
         kprobe_int3_handler()) and ``kprobe_ftrace_handler()`` and
@@ -736,12 +752,20 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         or a return address lies in the kernel's kretprobe trampoline
         (``arch_rethook_trampoline``, arch/x86/kernel/rethook.c), where a return probe's
         handler runs, or in ``return_to_handler`` (arch/x86/kernel/ftrace_64.S), where
-        7.3's fprobe exits run. A stale value in a frame only costs a retry."""
-        marks: set[int] = set()
+        7.3's fprobe exits run. A vCPU in an interrupt is on its CPU's hardirq stack; the
+        interrupted stack is scanned too, from the stack pointer ``call_on_stack()``
+        saved at the top of that stack (arch/x86/include/asm/irq_stack.h): a task whose
+        hit an interrupt took in its window is as much in flight as the interrupt. A
+        stale value in a frame only costs a retry. Each entry hit in flight is in
+        :attr:`in_flight_hits` as ``(cpu, probe address)``, innermost first."""
+        return [d for d, _ in self._scan_in_flight()]
+
+    def _scan_in_flight(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        marks: dict[int, int] = {}
         for addr, probes in self._aggr.items():
-            marks.add(addr + INT3_INSN_SIZE)
+            marks[addr + INT3_INSN_SIZE] = addr
             if any(p.flags & ProbeFlags.FTRACE for p in probes):
-                marks.add(addr + _CALL_INSN_SIZE)
+                marks[addr + _CALL_INSN_SIZE] = addr
         ranges = []
         name = next((n for n in ("arch_rethook_trampoline", "__kretprobe_trampoline",
                                  "kretprobe_trampoline") if self.symbols.get(n)), None)
@@ -752,7 +776,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                 ranges.append((sym.addr, sym.addr + max(sym.size, 1)))
         if not marks and not ranges:
             return []
-        busy = []
+        busy: list[tuple[str, list[tuple[int, int]]]] = []
         cur = self.stub.current_thread
         try:
             for th in range(1, self.vm.smp + 1):
@@ -766,24 +790,64 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                 if pc < _KERNEL_SPACE or sp < _KERNEL_SPACE:
                     continue            # in user mode: no kernel handler under way
                 if any(lo <= pc < hi for lo, hi in ranges):
-                    busy.append(f"cpu{th - 1} at {pc:#x}")
+                    busy.append((f"cpu{th - 1} at {pc:#x}", []))
                     continue
-                top = (sp | (_STACK_SIZE - 1)) + 1
-                n = min(C.SETTLE_SCAN, top - sp) & ~7
-                try:
-                    data = self.stub.read_memory(sp, n) if n > 0 else b""
-                except HarnessError:
-                    continue
-                for i in range(0, len(data), 8):
-                    v = int.from_bytes(data[i:i + 8], "little")
-                    if v in marks or any(lo <= v < hi for lo, hi in ranges):
-                        busy.append(f"cpu{th - 1} at {pc:#x} ({v:#x} at {sp + i:#x})")
-                        break
+                found: list[tuple[int, int]] = []
+                where = ""
+                for lo, hi in self._stacks_of(th, sp):
+                    n = min(C.SETTLE_SCAN, hi - lo) & ~7
+                    try:
+                        data = self.stub.read_memory(lo, n) if n > 0 else b""
+                    except HarnessError:
+                        continue
+                    for i in range(0, len(data), 8):
+                        v = int.from_bytes(data[i:i + 8], "little")
+                        if v in marks:
+                            found.append((th - 1, marks[v]))
+                            where = where or f" ({v:#x} at {lo + i:#x})"
+                            break       # one window per stack: its innermost frame
+                        if any(lo_ <= v < hi_ for lo_, hi_ in ranges):
+                            where = where or f" ({v:#x} at {lo + i:#x})"
+                            found.append((th - 1, 0))
+                            break
+                if found:
+                    busy.append((f"cpu{th - 1} at {pc:#x}{where}",
+                                 [f for f in found if f[1]]))
         finally:
             # a pending ``-exec-jump`` must move the vCPU that stopped
             if cur is not None and self.stub.current_thread != cur:
                 self.stub.select_thread(cur)
         return busy
+
+    def _stacks_of(self, th: int, sp: int) -> list[tuple[int, int]]:
+        """``(from, to)`` of each stack to scan for vCPU ``th`` at ``sp``: its own, and
+        when that is the CPU's hardirq stack (arch/x86/kernel/irq_64.c:
+        map_irq_stack(): ``hardirq_stack_ptr`` is its top minus 8, where
+        ``call_on_stack()`` keeps the interrupted stack pointer), the interrupted one."""
+        top = (sp | (_STACK_SIZE - 1)) + 1
+        tos = self._hardirq_tos(th)
+        if tos is None or not tos - _STACK_SIZE < sp <= tos:
+            return [(sp, top)]
+        out = [(sp, tos)]
+        try:
+            old = int.from_bytes(self.stub.read_memory(tos, 8), "little")
+        except HarnessError:
+            return out
+        if old >= _KERNEL_SPACE and not tos - _STACK_SIZE < old <= tos:
+            out.append((old, (old | (_STACK_SIZE - 1)) + 1))
+        return out
+
+    def _hardirq_tos(self, th: int) -> int | None:
+        """``this_cpu_read(hardirq_stack_ptr)`` on vCPU ``th``: a per-cpu variable on 6.1
+        and 7.3 (arch/x86/include/asm/processor.h), ``pcpu_hot.hardirq_stack_ptr`` on 6.2
+        to 6.14 (arch/x86/include/asm/current.h); None when the kernel has neither."""
+        where = self._percpu_where("hardirq_stack_ptr", "hardirq_stack_ptr")
+        if where is None:
+            return None
+        try:
+            return self.percpu_read(self._regs(th, {}), *where)
+        except HarnessError:
+            return None
 
     def list(self) -> str:
         """The registered probes as ``/sys/kernel/debug/kprobes/list`` prints them."""

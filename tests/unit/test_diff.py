@@ -285,6 +285,39 @@ def test_a_preemption_nested_in_the_window_is_put_right_the_same_way():
     assert not res.equivalent and res.first.field == "arg:object"
 
 
+def _ctx_run(side, order):
+    """``(comm, pid, object, context)`` items: a kfree run whose hits know their context."""
+    o = [Outcome("kprobes/kpevent", True)]
+    return run(side, [dataclasses.replace(_task_hit(side, i, c, p, v), irq=x)
+                      for i, (c, p, v, x) in enumerate(order)], o)
+
+
+def test_the_interrupt_that_preempted_the_window_s_task_moves_with_it():
+    """7.3 lazy, add_remove_tprobe.tc: ls is at the host's breakpoint, an interrupt
+    frees on ls's behalf (context irq), preempts it at its exit, kdamond.0 frees three
+    times, then ls's guest record: host ls, ls-irq, kd x3; guest ls-irq, kd x3, ls."""
+    ls, ls_irq = ("ls", 211, "0x1", "task"), ("ls", 211, "0x2", "irq")
+    kd = [("kdamond.0", 44, f"0x{i}0", "task") for i in range(1, 4)]
+    res = compare(_ctx_run("host", [ls, ls_irq, *kd]), _ctx_run("events", [ls_irq, *kd, ls]))
+    assert res.equivalent, res.first
+    assert res.applied["preempt-order"] == 1
+    # an interrupt-context hit is never preempted: the same order with ls's first hit
+    # in an interrupt diverges
+    ls_in_irq = ("ls", 211, "0x1", "irq")
+    res = compare(_ctx_run("host", [ls_in_irq, *kd]), _ctx_run("events", [*kd, ls_in_irq]))
+    assert not res.equivalent and "preempt-order" not in res.applied
+    # no other task ran: ls's own interrupt hits crossed in another order than the host
+    # saw them are no preemption (irq-order's run must be exactly the host's)
+    ls_irq2 = ("ls", 211, "0x3", "irq")
+    res = compare(_ctx_run("host", [ls, ls_irq, ls_irq2]),
+                  _ctx_run("events", [ls_irq2, ls_irq, ls]))
+    assert not res.equivalent and "preempt-order" not in res.applied
+    # ls's own task-context hit in the run: a task's own records keep their order
+    ls2 = ("ls", 211, "0x4", "task")
+    res = compare(_ctx_run("host", [ls, ls2, *kd]), _ctx_run("events", [ls2, *kd, ls]))
+    assert not res.equivalent and res.first.field == "arg:object"
+
+
 def test_preempt_order_moves_nothing_that_is_not_such_a_run():
     host = _kfree_run("host", [LS, KD1, KD2])
     # the run differs from what the host recorded next (values): moved, then compared
@@ -628,6 +661,23 @@ def test_slot_args_are_the_arguments_that_read_the_word_at_sp():
     assert parse("r:b kernel_clone s=$stack0").slot_args == ()
 
 
+def test_in_flight_leaves_out_only_the_host_hits_the_last_halt_found_in_flight():
+    """7.3, add_remove_tprobe.tc: the halt that ended the recording found kthreadd
+    between the host's breakpoint on its kmem_cache_alloc and the guest's handler: the
+    host's record is left out, counted and named; an unmarked extra hit still diverges."""
+    tail = hit("host", 1, comm="kthreadd")
+    a = run("host", [hit("host", 0), dataclasses.replace(tail, in_flight=True)])
+    res = compare(a, run("events", [hit("events", 0)]))
+    assert res.equivalent and res.applied["in-flight"] == 1
+    assert [(n.probe, n.rule, n.a_value) for n in res.normalized] == \
+        [("kprobes/open", "in-flight", "kthreadd-7 cpu0 do_sys_openat2+0x0/0x170")]
+    assert res.left_out == {}
+    assert not compare(run("host", [hit("host", 0), tail]),
+                       run("events", [hit("events", 0)])).equivalent
+    # strict: a window edge is a normalization like any other
+    assert not compare(a, run("events", [hit("events", 0)]), strict=True).equivalent
+
+
 # -- the registry -----------------------------------------------------------------------------
 
 #: Each rule, with the test above that shows it refusing a real difference.
@@ -635,6 +685,7 @@ REFUSED_BY = {
     "refused-missing": test_a_line_refused_on_one_side_and_missing_on_the_other_is_counted,
     "refusal-text": test_refusals_compare_by_errno,
     "agent": test_agent_rule_leaves_out_only_the_agent_s_comm,
+    "in-flight": test_in_flight_leaves_out_only_the_host_hits_the_last_halt_found_in_flight,
     "thread-order": test_uprobe_hits_compare_per_thread_only_for_uprobes,
     "irq-order": test_irq_order_moves_only_the_hit_the_interrupt_passed,
     "preempt-order": test_preempt_order_moves_only_on_one_cpu,

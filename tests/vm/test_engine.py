@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 
@@ -295,3 +296,31 @@ def test_in_flight_names_a_vcpu_inside_the_guests_handling_of_a_hit(vm, host):
         assert not [b for b in busy if b.startswith(f"cpu{cpu} ")], (cpu, busy)
     for cpu, busy in commit:
         assert [b for b in busy if b.startswith(f"cpu{cpu} ")], (cpu, busy)
+
+
+def test_in_flight_reads_the_stack_an_interrupt_came_from(vm, host):
+    """A vCPU in an interrupt is on its CPU's hardirq stack; ``in_flight()`` reads the
+    stack it interrupted too, from the pointer ``call_on_stack()`` saved at the top
+    (arch/x86/include/asm/irq_stack.h): at the timer interrupt's handler
+    (``__sysvec_apic_timer_interrupt``, run on the hardirq stack when the interrupt came
+    from the kernel: the idle task), two stacks, the second a kernel stack of its own."""
+    seen = []
+
+    def at_timer(p, r):
+        seen.append((r.sp, host._hardirq_tos(r.cpu + 1), host._stacks_of(r.cpu + 1, r.sp)))
+        return 0
+    kp = Kprobe(symbol_name="__sysvec_apic_timer_interrupt", pre_handler=at_timer)
+    host.register_kprobes([kp])
+    try:
+        deadline = time.monotonic() + 30
+        while len(seen) < 5 and time.monotonic() < deadline:
+            vm.run("sleep 0.2", check=True)
+    finally:
+        host.unregister_kprobes([kp])
+    assert seen, "no timer interrupt in 30 s"
+    nested = [(sp, tos, st) for sp, tos, st in seen if tos and tos - 16384 < sp <= tos]
+    assert nested, f"no timer interrupt on the hardirq stack: {seen}"
+    for sp, tos, stacks in nested:
+        assert stacks[0] == (sp, tos) and len(stacks) == 2, stacks
+        lo, hi = stacks[1]
+        assert lo >= 0xFFFF800000000000 and not tos - 16384 < lo <= tos and hi - lo <= 16384
