@@ -13,6 +13,9 @@ Classes emulated here, each checked against a real single-step (tests/vm/test_em
   pop      pop r64 (58+r, REX.B; not pop rsp)
   mov      mov r/m64,r64 / mov r64,r/m64 with a register operand (89 /r, 8b /r, mod=11),
            32-bit forms zero-extend as the CPU does
+  call     call rel32 (e8 cd): the ftrace site's call once a guest ftrace user (a kprobe,
+           fprobe, tprobe, function tracer) enabled it, the hottest probed instruction
+           (arch/x86/kernel/kprobes/core.c: prepare_emulation() -> kprobe_emulate_call())
 Anything else (memory operands, flags, branches, faults) is single-stepped.
 """
 from __future__ import annotations
@@ -39,12 +42,13 @@ class Effect:
 class Emulation:
     """A decoded, emulable instruction at ``addr``."""
 
-    kind: str          # nop, push, pop, mov
+    kind: str          # nop, push, pop, mov, call
     addr: int
     length: int
     dst: str = ""
     src: str = ""
     width: int = 64
+    rel: int = 0       # call: the displacement from the next instruction
 
     def apply(self, get: Callable[[str], int], read: Callable[[int, int], bytes]) -> Effect:
         """The effect, given register values (``get``) and guest memory (``read``)."""
@@ -58,6 +62,10 @@ class Emulation:
             sp = get("sp")
             val = int.from_bytes(read(sp, 8), "little")
             return Effect({self.dst: val, "sp": (sp + 8) & MASK64}, (), nxt)
+        if self.kind == "call":
+            sp = (get("sp") - 8) & MASK64
+            return Effect({"sp": sp}, ((sp, nxt.to_bytes(8, "little")),),
+                          (nxt + self.rel) & MASK64)
         if self.kind == "mov":
             val = get(self.src)
             if self.width == 32:
@@ -89,6 +97,9 @@ def decode(code: bytes, addr: int) -> Emulation | None:
         return Emulation("nop", addr, i + 2 + n)
     if opsize:
         return None
+    if op == 0xE8 and not rex and i + 5 <= len(code):
+        return Emulation("call", addr, i + 5,
+                         rel=int.from_bytes(code[i + 1:i + 5], "little", signed=True))
     if op == 0x90 and not rex:
         return Emulation("nop", addr, i + 1)
     if 0x50 <= op <= 0x57 and not w:

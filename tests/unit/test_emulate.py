@@ -51,7 +51,18 @@ def test_mov_forms():
     assert (e.dst, e.src) == ("r12", "si")
 
 
-@pytest.mark.parametrize("hexcode", ["488b07", "e800000000", "c3", "4883ec08", "418b07",
+def test_call_rel32_pushes_the_next_ip_and_jumps():
+    e = decode(bytes.fromhex("e8f7ffffff"), A)      # call A + 5 - 9
+    assert (e.kind, e.length, e.rel) == ("call", 5, -9)
+    eff = e.apply(regs(sp=0x1000), None)
+    assert eff.regs == {"sp": 0xFF8} and eff.next_ip == A + 5 - 9
+    assert eff.mem == ((0xFF8, (A + 5).to_bytes(8, "little")),)
+    assert decode(bytes.fromhex("e800000000"), A).apply(regs(sp=0x1000), None).next_ip == A + 5
+    assert decode(bytes.fromhex("48e800000000"), A) is None    # REX: stepped
+    assert decode(bytes.fromhex("e80000"), A) is None          # cut short
+
+
+@pytest.mark.parametrize("hexcode", ["488b07", "e900000000", "c3", "4883ec08", "418b07",
                                      "6689c8", "4190", "cc"])
 def test_everything_else_is_stepped(hexcode):
     assert decode(bytes.fromhex(hexcode), A) is None

@@ -23,6 +23,9 @@ SYNTHETIC = {
     "mov rax,rsp": "4889e0",
     "mov eax,r11d": "4489d8",
     "mov r10,[r] 8b": "4c8bd7",
+    "call +0": "e800000000",
+    "call +0x10": "e810000000",
+    "call -0x20": "e8e0ffffff",
 }
 
 
