@@ -41,6 +41,8 @@ from .errors import GdbMIError, MemoryFaultError, SetupError, VMLostError
 from .procs import pdeathsig
 
 log = logging.getLogger(__name__)
+#: Registers only the guest's own execution changes (swapgs, wrmsr), read once per stop
+_SEGMENT_BASES = ("gs_base", "fs_base", "k_gs_base")
 #: GDB's answer (gdb/mi/mi-main.c, mi_cmd_data_read_memory_bytes) when no byte of the
 #: range could be read: the target's memory read failed (QEMU: its page walk did).
 _UNREADABLE = "Unable to read memory."
@@ -124,6 +126,8 @@ class GdbStub:
         self._stops: collections.deque[Stop] = collections.deque()
         self.running = False
         self.current_thread: int | None = None  # GDB's selected thread (a vCPU)
+        #: (vCPU, register) -> value of the segment bases read since the last stop
+        self._segments: dict[tuple[int | None, str], int] = {}
         self.stats = collections.Counter()
         stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
         try:
@@ -258,6 +262,7 @@ class GdbStub:
         if kind == "notify":
             if msg == "stopped":
                 self.running = False
+                self._segments.clear()       # the target ran: its segment bases may differ
                 p = rec["payload"] or {}
                 if "reason" not in p and "frame" in p and not self._expect_reasonless:
                     return
@@ -271,6 +276,7 @@ class GdbStub:
                     signal=p.get("signal-name"), when=time.monotonic()))
             elif msg == "running":
                 self.running = True
+                self._segments.clear()
         elif kind == "console" and self._console_capture is not None:
             self._console_capture.append(str(rec.get("payload") or ""))
         elif kind in ("console", "log", "target", "output") and rec.get("payload"):
@@ -482,6 +488,16 @@ class GdbStub:
                        thread: int | None = None) -> dict[str, int]:
         """Register values as unsigned ints (general + system registers by default)."""
         names = tuple(names) if names is not None else self.available_regs
+        if len(names) == 1 and names[0] in _SEGMENT_BASES:
+            # A handler asks for gs_base several times a hit (current, preempt_count,
+            # per-cpu reads): one read per vCPU and stop.
+            key = (thread or self.current_thread, names[0])
+            if key not in self._segments:
+                self._segments[key] = self._read_registers(names, thread)[names[0]]
+            return {names[0]: self._segments[key]}
+        return self._read_registers(names, thread)
+
+    def _read_registers(self, names: tuple[str, ...], thread: int | None) -> dict[str, int]:
         nums = " ".join(str(self._num(n)) for n in names)
         th = self._th(thread)
         # Hot path: a regex over the raw result avoids the generic MI parser's cost.
@@ -493,6 +509,7 @@ class GdbStub:
         return out
 
     def write_register(self, name: str, value: int, *, thread: int | None = None) -> None:
+        self._segments.clear()
         th = self._th(thread)
         self.command(f"-data-write-register-values{th} x {self._num(name)} {value & 0xFFFFFFFFFFFFFFFF:#x}")
 
@@ -500,6 +517,8 @@ class GdbStub:
         """Write several registers in one MI command."""
         if not values:
             return
+        if any(n in _SEGMENT_BASES for n in values):
+            self._segments.clear()
         th = self._th(thread)
         pairs = " ".join(f"{self._num(n)} {v & 0xFFFFFFFFFFFFFFFF:#x}" for n, v in values.items())
         self.command(f"-data-write-register-values{th} x {pairs}")
