@@ -211,8 +211,9 @@ class HostBackend:
         self.hook = hook
         self.recording = False
         self._hits: list[Hit] = []
-        #: hit index -> (cpu, probe address) of each entry hit, for ``_mark_in_flight``
-        self._hit_at: dict[int, tuple[int, int]] = {}
+        #: hit index -> (cpu, probe address, the engine's stop count) of each entry hit,
+        #: for ``_mark_in_flight``
+        self._hit_at: dict[int, tuple[int, int, int]] = {}
         #: Hits that could not be evaluated (probe, the engine's error): collect() fails.
         self.engine_errors: list[tuple[str, EngineReadError]] = []
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
@@ -542,7 +543,7 @@ class HostBackend:
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
         irq = eng.hit_context(regs) if up is None else ""
         if up is None and not spec.is_return and not spec.is_eprobe:
-            self._hit_at[len(self._hits)] = (regs.cpu, what.addr)
+            self._hit_at[len(self._hits)] = (regs.cpu, what.addr, eng.stats["hits"])
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                               seq=len(self._hits), cpu=regs.cpu, pid=pid,
                               comm=comm, ip=ip_text,
@@ -680,7 +681,7 @@ class HostBackend:
 
         def stop() -> None:
             self.recording = False
-            self._mark_in_flight(self.engine.in_flight_hits)
+            self._mark_in_flight(getattr(self.engine, "in_flight_hits", ()))
             also()
             if disarm:
                 self.disarm()
@@ -688,15 +689,18 @@ class HostBackend:
 
     def _mark_in_flight(self, flying: Sequence[tuple[int, int]]) -> None:
         """Mark the records of the entry hits the last halt found in flight
-        (``(cpu, probe address)``, innermost first): each is the latest record of that
+        (``(cpu, probe address)``, innermost first): each is the latest stop at that
         address on that CPU not marked yet (an interrupt's hit in the window of its
-        task's is the later one)."""
+        task's is the later one), with every line's record of it (several lines on one
+        address record one stop each)."""
         for cpu, addr in flying:
-            for k in range(len(self._hits) - 1, -1, -1):
-                h = self._hits[k]
-                if self._hit_at.get(k) == (cpu, addr) and not h.in_flight:
-                    self._hits[k] = dataclasses.replace(h, in_flight=True)
-                    break
+            stop = next((self._hit_at[k][2] for k in range(len(self._hits) - 1, -1, -1)
+                         if self._hit_at.get(k, ())[:2] == (cpu, addr)
+                         and not self._hits[k].in_flight), None)
+            # every line's record of that one stop (several lines on one address)
+            for k, at in self._hit_at.items():
+                if at == (cpu, addr, stop):
+                    self._hits[k] = dataclasses.replace(self._hits[k], in_flight=True)
 
     def collect(self) -> list[Hit]:
         """The hits, each under the comm its pid had at its *last* hit: the trace file

@@ -715,3 +715,22 @@ def test_every_rule_of_the_registry_has_a_reason_evidence_doc_and_a_refusing_tes
         assert r.stage in ("line", "hits", "order", "field", "counter")
     from harness.diff.rules import markdown_table
     assert markdown_table() in text, "docs/diff.md's registry table is not the registry's"
+
+
+def test_the_host_marks_every_line_s_record_of_each_stop_found_in_flight():
+    """``HostBackend._mark_in_flight``: per ``(cpu, address)`` found in flight, innermost
+    first, the latest stop there and every line's record of it (two lines on one
+    address); an outer window on the same address takes the stop before."""
+    from harness.backends.host import HostBackend
+
+    b = object.__new__(HostBackend)
+    kf = 0xFFFFFFFF81300000
+    at = [(0, kf, 1), (0, kf, 2), (0, kf, 2), (1, kf, 3), (0, kf + 8, 4), (0, kf, 5)]
+    b._hits = [hit("host", i) for i in range(len(at))]
+    b._hit_at = dict(enumerate(at))
+    b._mark_in_flight([(0, kf)])
+    assert [h.in_flight for h in b._hits] == [False, False, False, False, False, True]
+    b._mark_in_flight([(0, kf)])            # the outer window: stop 2, both its records
+    assert [h.in_flight for h in b._hits] == [False, True, True, False, False, True]
+    b._mark_in_flight([(2, kf)])            # nothing recorded there: nothing marked
+    assert sum(h.in_flight for h in b._hits) == 3
