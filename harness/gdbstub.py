@@ -126,6 +126,8 @@ class GdbStub:
         self._stops: collections.deque[Stop] = collections.deque()
         self.running = False
         self.current_thread: int | None = None  # GDB's selected thread (a vCPU)
+        #: Why the remote target is gone (``=thread-group-exited``), "" while it is there
+        self.gone = ""
         #: (vCPU, register) -> value of the segment bases read since the last stop
         self._segments: dict[tuple[int | None, str], int] = {}
         self.stats = collections.Counter()
@@ -277,6 +279,10 @@ class GdbStub:
             elif msg == "running":
                 self.running = True
                 self._segments.clear()
+            elif msg == "thread-group-exited":
+                # The remote target went away (a panicked guest reset, QEMU quit): no stop
+                # will ever come, so waiting for one would only run out its timeout.
+                self.gone = "GDB lost the guest's gdbstub (the guest reset or QEMU exited)"
         elif kind == "console" and self._console_capture is not None:
             self._console_capture.append(str(rec.get("payload") or ""))
         elif kind in ("console", "log", "target", "output") and rec.get("payload"):
@@ -389,6 +395,8 @@ class GdbStub:
         command that resumes (a step returned at once with it while GDB was still
         stepping, and the next read met "the target is running").
         """
+        if self.gone:
+            raise VMLostError(self.gone)
         if self.running and self._all_stopped():
             # Our flag is only a cache of GDB's view: seen stale under load (a stop already
             # consumed, the flag still set), and an -exec-interrupt to a halted target
@@ -445,6 +453,8 @@ class GdbStub:
         deadline = time.monotonic() + timeout
         while not self._stops:
             self._raise_pending()
+            if self.gone:
+                raise VMLostError(self.gone)
             recs = self._read_records(deadline, wake_fd)
             if recs is None:
                 return None

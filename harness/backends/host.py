@@ -748,7 +748,9 @@ class HostBackend:
             except HandlerError as exc:
                 handler_error = handler_error or exc
             except HarnessError as exc:
-                log.warning("unregistering %r failed: %s", p, exc)
+                # a guest that is gone (a panic reset it) has no probes left to remove
+                lost = getattr(getattr(self.engine, "stub", None), "gone", "")
+                (log.debug if lost else log.warning)("unregistering %r failed: %s", p, exc)
         self._probes.clear()
         if handler_error is not None:
             raise handler_error
