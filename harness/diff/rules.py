@@ -306,7 +306,10 @@ REGISTRY: tuple[Rule, ...] = (
          "is 0; the module's handler checks its recording flag)",
          "no settled halt in the engine's tries, and that halt found the hit's probe "
          "address + 1 or + 5 (the int3 frame's, an ftrace call's return) on a stack of "
-         "the vCPU that recorded it, its latest record there (HostEngine.in_flight_hits)"),
+         "the vCPU that recorded it, its latest record there (HostEngine.in_flight_hits); "
+         "the verdict keeps the mark only on the host's side and only where the order "
+         "bears it out: no later hit on its CPU but ones also in flight or, for a "
+         "task-context hit, the interrupt hits nested in its window"),
     Rule("thread-order", "order",
          "uprobe hits compared per thread (pid), in order within each",
          "kernel/events/uprobes.c: uprobe_notify_resume() records on the way back to user "

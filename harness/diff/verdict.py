@@ -20,6 +20,8 @@ and each armed probe without a hit on either side is named (``DiffResult.silent`
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 from ..records import Hit, Outcome, SideResult
@@ -164,6 +166,23 @@ class DiffResult:
 
 def _relevant(hits: list[Hit]) -> list[Hit]:
     return [h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight]
+
+
+def _in_flight_checked(side: SideResult) -> SideResult:
+    """``side`` with each ``in_flight`` mark the recorded order does not bear out taken off
+    (the hit is then compared like any other): only a host side marks, and a hit in flight
+    when the recording ended is its CPU's last, but for hits also in flight or, for a
+    task-context one, the interrupt hits nested in its window."""
+    if not any(h.in_flight for h in side.hits):
+        return side
+    keep = side.side not in _rules.GUEST_SIDES
+
+    def borne_out(f: Hit) -> bool:
+        return keep and all(h.in_flight or (f.irq == "task" and h.irq == "irq")
+                            for h in side.hits if h.cpu == f.cpu and h.seq > f.seq)
+    hits = [h if not h.in_flight or borne_out(h) else dataclasses.replace(h, in_flight=False)
+            for h in side.hits]
+    return dataclasses.replace(side, hits=hits)
 
 
 def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
@@ -354,7 +373,9 @@ def _words_text(o: Outcome) -> str:
 
 def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
                    ) -> tuple[dict[str, list[Hit]], dict[str, list[Hit]]]:
-    """Stage ``hits``: the ``agent`` rule, then the hits of each side per probe."""
+    """Stage ``hits``: the ``agent`` and ``in-flight`` rules, then the hits of each side
+    per probe."""
+    a, b = _in_flight_checked(a), _in_flight_checked(b)
     ha, hb = _relevant(a.hits), _relevant(b.hits)
     renamed = _agent_in_b(a.hits, hb)
     if renamed:

@@ -674,6 +674,19 @@ def test_in_flight_leaves_out_only_the_host_hits_the_last_halt_found_in_flight()
     assert res.left_out == {}
     assert not compare(run("host", [hit("host", 0), tail]),
                        run("events", [hit("events", 0)])).equivalent
+    # a mark the recorded order does not bear out is refused: a later task-context hit
+    # on its CPU, or a guest side's mark
+    early = dataclasses.replace(hit("host", 0), in_flight=True)
+    res = compare(run("host", [early, hit("host", 1)]), run("events", [hit("events", 0)]))
+    assert not res.equivalent and "in-flight" not in res.applied
+    g = run("events", [hit("events", 0), dataclasses.replace(hit("events", 1), in_flight=True)])
+    assert not compare(run("host", [hit("host", 0)]), g).equivalent
+    # a later interrupt hit nested in a task-context window is no objection
+    f = dataclasses.replace(hit("host", 1), irq="task", in_flight=True)
+    i = dataclasses.replace(hit("host", 2), irq="irq")
+    res = compare(run("host", [hit("host", 0), f, i]),
+                  run("events", [hit("events", 0), dataclasses.replace(hit("events", 2), irq="irq")]))
+    assert res.applied.get("in-flight") == 1
     # strict: a window edge is a normalization like any other
     assert not compare(a, run("events", [hit("events", 0)]), strict=True).equivalent
 
