@@ -52,6 +52,7 @@ class GuestAgent:
         self._stalled = stalled
         self._synced = False
         self._mutex = threading.RLock()
+        self._unread: set[int] = set()  # guest-exec pids whose exited status is unread
 
     def close(self) -> None:
         self._sock.close()
@@ -187,17 +188,29 @@ class GuestAgent:
         """Run ``argv`` in the guest; return (exit status, stdout, stderr).
 
         A command killed by a signal reports 128 + signal, as a shell does.
+
+        qemu-ga keeps each started process in a list until its exited status is read,
+        and ``guest-exec-status`` answers for the first entry with the pid it is given
+        (qga/commands.c: guest_exec_info_find). An entry never read (a command given up
+        on, the ``kill`` that ended it) would answer for a later process that got the
+        same pid: an empty "exit 0" instead of that process's output. So every exited
+        status is read on every path, and a pid left unread is drained before a new
+        process with that pid is polled.
         """
         deadline = time.monotonic() + timeout
         args: dict[str, Any] = {"path": argv[0], "arg": argv[1:], "capture-output": True}
         if stdin is not None:
             args["input-data"] = base64.b64encode(stdin).decode()
         pid = self.execute("guest-exec", args, timeout=timeout)["pid"]
+        if pid in self._unread:
+            self._drain(pid)
+        self._unread.add(pid)
         delay = 0.001
         while True:
             st = self.execute("guest-exec-status", {"pid": pid},
                               timeout=max(0.5, deadline - time.monotonic()))
             if st.get("exited"):
+                self._unread.discard(pid)
                 out = base64.b64decode(st.get("out-data", ""))
                 err = base64.b64decode(st.get("err-data", ""))
                 code = st.get("exitcode")
@@ -205,16 +218,39 @@ class GuestAgent:
                     code = 128 + int(st.get("signal", 0))
                 return int(code), out, err
             if time.monotonic() + delay > deadline:
-                # Kill it so it does not linger in the guest.
-                try:
-                    self.execute("guest-exec", {"path": "/bin/kill", "arg": ["-9", str(pid)]},
-                                 timeout=2)
-                except Exception:  # noqa: BLE001 - best effort on a path that already failed
-                    pass
+                self._kill(pid)
                 raise VMLostError(f"guest command {argv!r} did not finish within {timeout:.0f} s")
             self._check()
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
+
+    def _kill(self, pid: int) -> None:
+        """SIGKILL a command given up on, and read both its status and the kill's, so
+        neither entry outlives its pid (best effort: this path already failed)."""
+        try:
+            kill = self.execute("guest-exec", {"path": "/bin/kill", "arg": ["-9", str(pid)]},
+                                timeout=2)["pid"]
+            self._unread.add(kill)
+            for p in (kill, pid):
+                self._drain(p, wait=2.0)
+        except Exception:  # noqa: BLE001 - best effort on a path that already failed
+            pass
+
+    def _drain(self, pid: int, *, wait: float = 0.0) -> None:
+        """Read the exited status of an entry left unread, for up to ``wait`` seconds."""
+        end = time.monotonic() + wait
+        while True:
+            try:
+                st = self.execute("guest-exec-status", {"pid": pid}, timeout=2)
+            except GuestAgentError:     # no such entry (a snapshot restored without it)
+                self._unread.discard(pid)
+                return
+            if st.get("exited"):
+                self._unread.discard(pid)
+                return
+            if time.monotonic() >= end:
+                return
+            time.sleep(0.01)
 
     def write_file(self, path: str, data: bytes, *, timeout: float, mode: str = "w") -> None:
         handle = self.execute("guest-file-open", {"path": path, "mode": mode}, timeout=timeout)

@@ -165,3 +165,81 @@ def test_an_abandoned_exchange_resyncs_before_the_next():
         ag.execute("guest-ping", timeout=5)
     time.sleep(1.0)                    # the late reply is in the socket now
     assert ag.execute("guest-exec", {"path": "x"}, timeout=5) == {"pid": 7}
+
+
+class _FakeQga:
+    """qemu-ga's process list as qga/commands.c keeps it: an entry per guest-exec until
+    its exited status is read, and guest-exec-status answers for the FIRST entry with
+    the pid (guest_exec_info_find). ``pids`` are handed out in order, so a test can
+    make a later process reuse an earlier pid; a command named "hang" never exits
+    until it is killed."""
+
+    def __init__(self, pids):
+        import base64
+        self.b64 = base64.b64encode
+        self.pids = list(pids)
+        self.entries = []          # [pid, argv, exited]
+
+    def __call__(self, req):
+        cmd, args = req["execute"], req.get("arguments", {})
+        if cmd == "guest-sync-delimited":
+            return b"\xff" + json.dumps({"return": args["id"]}).encode() + b"\n"
+        if cmd == "guest-exec":
+            pid = self.pids.pop(0)
+            argv = [args["path"], *args.get("arg", [])]
+            if argv[0] == "/bin/kill":
+                for e in self.entries:
+                    if e[0] == int(argv[2]) and not e[2]:
+                        e[2] = True
+            self.entries.append([pid, argv, argv[-1] != "hang"])
+            return json.dumps({"return": {"pid": pid}}).encode() + b"\n"
+        if cmd == "guest-exec-status":
+            e = next((e for e in self.entries if e[0] == args["pid"]), None)
+            if e is None:
+                return b'{"error": {"class": "GenericError", "desc": "PID does not exist"}}\n'
+            if not e[2]:
+                return b'{"return": {"exited": false}}\n'
+            self.entries.remove(e)
+            out = "" if e[1][0] == "/bin/kill" else e[1][-1] + "\n"
+            return json.dumps({"return": {"exited": True, "exitcode": 0,
+                                          "out-data": self.b64(out.encode()).decode()}}).encode() + b"\n"
+        return b'{"return": {}}\n'
+
+
+def test_a_command_given_up_on_leaves_no_entry_to_answer_for_a_later_pid():
+    """The command that timed out and the kill that ended it both get their status read,
+    so a later process with either pid reads its own output (seen once in CI: an empty
+    "exit 0" for `cat stats`)."""
+    qga = _FakeQga([100, 101, 101, 100])
+    ag = _agent(qga)
+    with pytest.raises(VMLostError, match="did not finish"):
+        ag.exec(["/bin/sh", "-c", "hang"], timeout=0.3)
+    assert qga.entries == []
+    assert ag.exec(["/bin/sh", "-c", "first"], timeout=2) == (0, b"first\n", b"")
+    assert ag.exec(["/bin/sh", "-c", "second"], timeout=2) == (0, b"second\n", b"")
+
+
+def test_an_entry_left_unread_is_drained_before_its_pid_is_polled_again():
+    """A wait cut short (a stall error, Ctrl-C) leaves its entry; the next process with
+    that pid must not be answered with the old one's status."""
+    qga = _FakeQga([200, 200])
+    a, b = socket.socketpair()
+    threading.Thread(target=_peer, args=(b, qga), daemon=True).start()
+
+    class Stop(Exception):
+        pass
+
+    ag = GuestAgent(a)
+    real = ag.execute
+
+    def once(cmd, args=None, **kw):
+        if cmd == "guest-exec-status" and args["pid"] == 200 and not once.done:
+            once.done = True
+            raise Stop
+        return real(cmd, args, **kw)
+    once.done = False
+    ag.execute = once
+    with pytest.raises(Stop):
+        ag.exec(["/bin/sh", "-c", "old"], timeout=2)
+    assert ag.exec(["/bin/sh", "-c", "new"], timeout=2) == (0, b"new\n", b"")
+    assert qga.entries == []

@@ -50,6 +50,21 @@ def test_push_and_pull_round_trip(vm, tmp_path):
     assert vm.run("stat -c %a /tmp/blob").stdout.strip() == "600"
 
 
+def test_a_reused_pid_reads_its_own_output_after_a_command_timed_out(vm):
+    """qemu-ga answers guest-exec-status for the first entry with a pid; the command that
+    timed out and the kill that ended it must leave none behind. ns_last_pid makes the
+    next two commands get exactly their pids (seen once in CI as an empty exit 0)."""
+    from harness.errors import VMLostError
+
+    p0 = int(vm.run("echo $$", check=True).stdout)
+    with pytest.raises(VMLostError, match="did not finish"):
+        vm.run("exec sleep 30", timeout=1)
+    for reuse in (p0 + 1, p0 + 2):          # the sleep's pid, then the kill's
+        vm.write_file("/proc/sys/kernel/ns_last_pid", f"{reuse - 1}\n".encode())
+        r = vm.run("echo $$; echo mine")
+        assert (r.status, r.stdout.split()) == (0, [str(reuse), "mine"])
+
+
 def test_sockets_live_in_a_private_run_dir(vm):
     st = os.stat(vm.rundir)
     assert st.st_mode & 0o777 == 0o700
