@@ -8,7 +8,13 @@ Debian's binary kernel of the same series (interleaved, N times each, medians; r
 printed).
 
 Run: ``python3 bench/kernel_build.py [--series 6.12] [-n 3] [--boots-only]``
-(``--boots-only``: the snapshot boots alone, of ``tree:SERIES``'s image, built if missing). It needs the source in the
+(``--boots-only``: the snapshot boots alone, of ``tree:SERIES``'s image, built if missing).
+
+``--variants A.patch,B.patch``: patched variants of the series' tree one after the other
+(``kph image build --tree SERIES --patch ...``, the variant tree of issue 37): A, then B,
+then A again, each timed from the command to the image with its ready snapshot; the first
+may be cold (the variant tree's first build), the next two are what a corpus costs per
+entry. Target: <= 1 min for a one-file patch. It needs the source in the
 cache (``kph kernel fetch``; a fresh unpack of it is made in a scratch directory, as the
 build writes nothing into the tree but the change this script makes) and about 3 GB free.
 """
@@ -58,13 +64,33 @@ def snapshot_boots(series: str, n: int) -> None:
     print(f"tree / Debian snapshot boot: {o / b:6.2f}")
 
 
+def variants(series: str, patches: list[Path]) -> None:
+    from harness.machine.image.build import build_tree_image
+
+    steps = [*patches, patches[0]] if len(patches) > 1 else patches
+    times = []
+    for p in steps:
+        t0 = time.monotonic()
+        img = build_tree_image(series, patches=[p], progress=lambda s: None)
+        times.append(time.monotonic() - t0)
+        print(f"variant {p.name}: {times[-1]:7.1f} s to its image ({img.dir.name})", flush=True)
+    if len(times) > 1:
+        print(f"after the first: {statistics.median(times[1:]):.1f} s per variant "
+              f"(median of {len(times) - 1}); first {times[0]:.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", default="6.12")
     ap.add_argument("-n", type=int, default=3, help="boots of each kind")
     ap.add_argument("--boots-only", action="store_true",
                     help="measure the snapshot boots only (no build)")
+    ap.add_argument("--variants", metavar="A.patch,B.patch",
+                    help="time patched variants A, B, A of the series' tree (no other step)")
     args = ap.parse_args()
+    if args.variants:
+        variants(args.series, [Path(p) for p in args.variants.split(",")])
+        return
     if args.boots_only:
         snapshot_boots(args.series, args.n)
         return

@@ -256,3 +256,62 @@ def test_a_tree_selector_names_a_tree_and_its_patches():
         ("/src/linux", ["a.patch", "b.patch"])
     with pytest.raises(SetupError, match="names no tree"):
         parse_tree_selector("tree:")
+
+
+def _new_file_patch(path, rel: str, text: str):
+    path.write_text(f"--- /dev/null\n+++ b/{rel}\n@@ -0,0 +1 @@\n+{text}\n")
+    return path
+
+
+def test_variants_of_a_tree_share_one_copy_and_put_back_what_the_last_one_changed(
+        tmp_path, monkeypatch):
+    """Every patched variant of a tree is built in one copy and one build directory: the
+    next variant puts the previous one's files back as the tree has them, with a new
+    mtime (make rebuilds them), then applies its own; the tree itself is never written."""
+    import os
+
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    built = []
+    monkeypatch.setattr(kbuild, "build", lambda src, out, **kw: built.append((src, out)) or
+                        kbuild.KernelBuild(src, out, "6.99.1", "sha"))
+    src = _src_tree(tmp_path / "linux")
+    f = "kernel/trace/trace_probe.c"
+    a = _patch(tmp_path / "a.patch", "line 20", "line twenty")
+    b = _patch(tmp_path / "b.patch", "line 30", "line thirty", start=30)
+    new = _new_file_patch(tmp_path / "new.patch", "kernel/trace/extra.c", "int x;")
+    said = []
+    with kbuild.variant(src, [a, new], said.append) as kb:
+        tree = kb.src
+        assert tree == kbuild.variant_dir(src) and tree.name == "linux+variants"
+        assert "line twenty\n" in (tree / f).read_text() and (tree / "kernel/trace/extra.c").exists()
+    os.utime(tree / f, (1, 1))                  # as if built long ago
+    with kbuild.variant(src, [b], said.append) as kb2:
+        text = (tree / f).read_text()
+        assert "line twenty" not in text and "line 20\n" in text and "line thirty\n" in text
+        assert not (tree / "kernel/trace/extra.c").exists()     # created by a: gone with it
+        assert (tree / f).stat().st_mtime > 1                   # make sees it changed
+        assert kb2.out == built[0][1]           # one build directory for every variant
+    assert any("putting back 2 file(s)" in s for s in said)
+    # the same variant again touches nothing
+    os.utime(tree / f, (1, 1))
+    with kbuild.variant(src, [b], said.append):
+        assert (tree / f).stat().st_mtime == 1
+    assert "line twenty" not in (src / f).read_text() and "line 30\n" in (src / f).read_text()
+    assert not (src / "kernel/trace/extra.c").exists()
+
+
+def test_a_variant_that_does_not_apply_leaves_the_tree_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kbuild, "build", lambda src, out, **kw: kbuild.KernelBuild(
+        src, out, "6.99.1", "sha"))
+    src = _src_tree(tmp_path / "linux")
+    good = _patch(tmp_path / "good.patch", "line 20", "line twenty")
+    stale = _patch(tmp_path / "stale.patch", "line 30 as it was", "x", start=30)
+    with pytest.raises(SetupError, match="stale.patch does not apply"):
+        with kbuild.variant(src, [good, stale]):
+            pass
+    tree = kbuild.variant_dir(src)
+    assert (tree / "kernel/trace/trace_probe.c").read_text() == \
+        (src / "kernel/trace/trace_probe.c").read_text()
+    with kbuild.variant(src, [good]) as kb:
+        assert "line twenty\n" in (kb.src / "kernel/trace/trace_probe.c").read_text()

@@ -173,8 +173,8 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
                      force: bool = False, progress: Progress = print, qemu: str | None = None,
                      snapshot: bool = True) -> Image:
     """The image of a kernel tree (``kph image build --tree``): ``tree`` built
-    (``kbuild.prepare_tree``: a series, a source tree with ``patches`` applied to a copy, or
-    a build directory built already), then its bzImage, its vmlinux (symbols, BTF and ORC;
+    (``kbuild.prepare_tree``: a series, a source tree with ``patches`` applied in its
+    variant tree, or a build directory built already), then its bzImage, its vmlinux (symbols, BTF and ORC;
     the DWARF stripped), its modules if any and ``kph_kprobes.ko`` built against it, the
     kernel facts of a first boot, and a ready snapshot.
 
@@ -185,41 +185,41 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
     :raise SetupError: every bad input and failed step, in one line.
     """
     pats = kbuild.check_patches(list(patches))
-    kb = kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress)
-    release = kbuild.kernel_release(kb.out)
-    origin = Path(str(tree)).expanduser().resolve() if not kbuild.is_series(str(tree)) else kb.src
-    if origin.is_dir() and (origin / "source").exists():
-        origin = (origin / "source").resolve()
-    info = {"version": kb.version, "release": release,
-            "commit": kbuild.tree_commit(origin) if origin.is_dir() else None,
-            "config_sha256": kb.config_sha256,
-            "patches": [{"file": str(p), "name": p.name, "sha256": sha256_file(p)} for p in pats]}
-    # the patches by content: the same fix from another checkout is the same image
-    keyed = dict(info, patches=[p["sha256"] for p in info["patches"]])
-    key = hashlib.sha256(json.dumps([keyed, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
-    name = f"tree-{release}-{key}"
-    info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / f".build-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        dest = cache_dir() / name
-        img = None if force else _cached(dest, progress, lambda i: i.manifest.get(
-            "tree", {}).get("bzimage_sha256") == info["bzimage_sha256"])
-        if img is not None:
-            if snapshot:
-                ensure_snapshot(img, qemu, progress)
-            return img
-        _check_image_tools()
-        work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=cache_dir()))
-        try:
-            img_dir = _assemble_tree(kb, work, release, info, progress, qemu)
-            if dest.exists():
-                shutil.rmtree(dest)
-            img_dir.rename(dest)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    img = load_image(dest)
-    progress(f"image: {name} ready in {dest} (kernel-series rules: {img.manifest['rules']})")
+    with kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress) as kb:
+        # held until the image is made: the build directory of a tree's patched
+        # variants is shared, and the next variant would rebuild it
+        release = kbuild.kernel_release(kb.out)
+        origin = Path(str(tree)).expanduser().resolve() if not kbuild.is_series(str(tree)) else kb.src
+        if origin.is_dir() and (origin / "source").exists():
+            origin = (origin / "source").resolve()
+        info = {"version": kb.version, "release": release,
+                "commit": kbuild.tree_commit(origin) if origin.is_dir() else None,
+                "config_sha256": kb.config_sha256,
+                "patches": [{"file": str(p), "name": p.name, "sha256": sha256_file(p)} for p in pats]}
+        # the patches by content: the same fix from another checkout is the same image
+        keyed = dict(info, patches=[p["sha256"] for p in info["patches"]])
+        key = hashlib.sha256(json.dumps([keyed, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
+        name = f"tree-{release}-{key}"
+        info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        with open(cache_dir() / f".build-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            dest = cache_dir() / name
+            img = None if force else _cached(dest, progress, lambda i: i.manifest.get(
+                "tree", {}).get("bzimage_sha256") == info["bzimage_sha256"])
+            if img is None:
+                _check_image_tools()
+                work = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=cache_dir()))
+                try:
+                    img_dir = _assemble_tree(kb, work, release, info, progress, qemu)
+                    if dest.exists():
+                        shutil.rmtree(dest)
+                    img_dir.rename(dest)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                img = load_image(dest)
+                progress(f"image: {name} ready in {dest} (kernel-series rules: "
+                         f"{img.manifest['rules']})")
     if snapshot:
         ensure_snapshot(img, qemu, progress)
     return img

@@ -18,6 +18,7 @@ and pahole (dwarves, for BTF); ``./setup.sh`` installs them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -29,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ...constants import cache_dir
 from ...errors import SetupError
@@ -471,6 +472,48 @@ def first_rejected_hunk(patch: Path, output: str, text: str | None = None) -> st
     return f"{name} hunk #{n} {header} (the tree differs at line {line})".replace("  ", " ")
 
 
+def _read_patches(src: Path, patches: list[Path]) -> tuple[list[bytes], list[list[str]]]:
+    """Each patch's bytes (read once: what is checked is what GNU patch gets) and the
+    files it changes, none of them through a link in ``src``."""
+    if shutil.which("patch") is None:
+        raise SetupError("--patch needs GNU patch", "apt-get install patch (./setup.sh does)")
+    datas = [p.read_bytes() for p in patches]
+    targets = []
+    for p, data in zip(patches, datas):
+        rels = patch_targets(p, data.decode(errors="replace"))
+        for rel in rels:
+            _no_symlink_on_the_way(p, src, rel)
+        targets.append(rels)
+    return datas, targets
+
+
+def _patch_copy(src: Path, tree: Path, patches: list[Path], datas: list[bytes],
+                targets: list[list[str]], say: Progress) -> None:
+    """Apply ``patches`` in order to ``tree``, a hard-linked copy of ``src``: each target
+    becomes a file of the copy's own first, so ``src`` is never written.
+
+    :raise SetupError: a patch that does not apply (its first rejected hunk)."""
+    for p, data, rels in zip(patches, datas, targets):
+        for rel in rels:                    # the copy's own file, not src's
+            _no_symlink_on_the_way(p, tree, rel)     # the copy, as it is now
+            if (tree / rel).is_file():
+                _own_copy(tree / rel)
+        proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-r", "-",
+                               "--no-backup-if-mismatch", "-d", str(tree)],
+                              input=data, capture_output=True, timeout=300,
+                              check=False, env={**os.environ, "LC_ALL": "C"})
+        if proc.returncode != 0:
+            output = (proc.stdout + proc.stderr).decode(errors="replace")
+            raise SetupError(f"{p.name} does not apply to {src.name}: "
+                             f"{first_rejected_hunk(p, output, data.decode(errors='replace'))}",
+                             "rebase the patch on this tree")
+        say(f"kernel: applied {p.name}")
+
+
+def _patch_list(patches: list[Path], datas: list[bytes]) -> str:
+    return "".join(f"{hashlib.sha256(d).hexdigest()}  {p}\n" for p, d in zip(patches, datas))
+
+
 def apply_patches(src: Path, patches: list[Path], progress: Progress | None = None) -> Path:
     """A copy of ``src`` with ``patches`` applied in order:
     ``$KPH_CACHE/src/<tree>+<digest>/`` (hard links to ``src``'s files, except the patched
@@ -484,15 +527,7 @@ def apply_patches(src: Path, patches: list[Path], progress: Progress | None = No
         not apply (its first rejected hunk); nothing is left behind.
     """
     say = progress or (lambda s: None)
-    if shutil.which("patch") is None:
-        raise SetupError("--patch needs GNU patch", "apt-get install patch (./setup.sh does)")
-    datas = [p.read_bytes() for p in patches]
-    targets = []
-    for p, data in zip(patches, datas):
-        rels = patch_targets(p, data.decode(errors="replace"))
-        for rel in rels:
-            _no_symlink_on_the_way(p, src, rel)
-        targets.append(rels)
+    datas, targets = _read_patches(src, patches)
     h = hashlib.sha256()
     for data in datas:
         h.update(hashlib.sha256(data).digest())
@@ -510,27 +545,97 @@ def apply_patches(src: Path, patches: list[Path], progress: Progress | None = No
         try:
             say(f"kernel: copying {src.name} (hard links) to apply {len(patches)} patch(es)")
             run(["cp", "-al", str(src), str(tmp)], "copying the tree", timeout=900)
-            for p, data, rels in zip(patches, datas, targets):
-                for rel in rels:                    # the copy's own file, not src's
-                    _no_symlink_on_the_way(p, tmp, rel)     # the copy, as it is now
-                    if (tmp / rel).is_file():
-                        _own_copy(tmp / rel)
-                proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-r", "-",
-                                       "--no-backup-if-mismatch", "-d", str(tmp)],
-                                      input=data, capture_output=True, timeout=300,
-                                      check=False, env={**os.environ, "LC_ALL": "C"})
-                if proc.returncode != 0:
-                    output = (proc.stdout + proc.stderr).decode(errors="replace")
-                    raise SetupError(f"{p.name} does not apply to {src.name}: "
-                                     f"{first_rejected_hunk(p, output, data.decode(errors='replace'))}",
-                                     "rebase the patch on this tree")
-                say(f"kernel: applied {p.name}")
-            (tmp / ".kph-patches").write_text("".join(
-                f"{hashlib.sha256(data).hexdigest()}  {p}\n" for p, data in zip(patches, datas)))
+            _patch_copy(src, tmp, patches, datas, targets, say)
+            (tmp / ".kph-patches").write_text(_patch_list(patches, datas))
             tmp.rename(dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return dest
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- variants of one tree
+
+#: The variant tree records the patches it holds now and the files they changed.
+VARIANT_STAMP = ".kph-variant"
+
+
+def variant_dir(src: Path) -> Path:
+    """``$KPH_CACHE/src/<tree>+variants``: the one copy of ``src`` that every patched
+    variant of it is built in, one at a time."""
+    return sources_dir() / f"{src.name}+variants"
+
+
+def _restore(src: Path, tree: Path, rel: str) -> None:
+    """Put ``src``'s ``rel`` back in ``tree`` as a new file (a new mtime, so make rebuilds
+    what depends on it), or remove it where ``src`` has none (a file a patch created)."""
+    orig, dest = src / rel, tree / rel
+    if dest.is_symlink() or dest.exists():
+        dest.unlink()
+    if orig.is_file() and not orig.is_symlink():
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                     stat.S_IMODE(orig.stat().st_mode))
+        with os.fdopen(fd, "wb") as out, open(orig, "rb") as fh:
+            shutil.copyfileobj(fh, out)
+
+
+@contextlib.contextmanager
+def variant(src: Path, patches: list[Path], progress: Progress | None = None,
+            jobs: int | None = None) -> Iterator[KernelBuild]:
+    """``src`` with exactly ``patches`` applied, built, in its variant tree
+    (:func:`variant_dir`) and that tree's one build directory, held for the caller (who
+    makes an image from the build) and released after.
+
+    A corpus of fixes undone is many small patches on one tree: a cold build for each
+    is minutes, so every variant of a tree shares one copy and one build directory. The
+    files the previous variant's patches changed are put back as they are in ``src``
+    (with a new mtime), this variant's patches are applied, and make rebuilds what
+    changed in between (both patches' files and what includes them), not the tree. The
+    first variant of a tree is a cold build.
+
+    :raise SetupError: a patch that does not apply (the tree is put back to ``src``'s
+        state, with no patch), a failed build.
+    """
+    say = progress or (lambda s: None)
+    datas, targets = _read_patches(src, patches)
+    tree = variant_dir(src)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(tree.parent / f".{tree.name}.lock", LOCK_TIMEOUT,
+                   f"another kph is building a variant of {src.name}: wait for it")
+    try:
+        stamp = tree / VARIANT_STAMP
+        if not stamp.is_file():
+            shutil.rmtree(tree, ignore_errors=True)
+            say(f"kernel: copying {src.name} (hard links) as the tree of its patched variants")
+            tmp = tree.parent / f".tmp-{tree.name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            run(["cp", "-al", str(src), str(tmp)], "copying the tree", timeout=900)
+            (tmp / VARIANT_STAMP).write_text("")
+            tmp.rename(tree)
+        want = _patch_list(patches, datas)
+        held = stamp.read_text()
+        lines = held.split("\n", 1)
+        if lines[0] != hashlib.sha256(want.encode()).hexdigest():
+            changed = [r for r in (lines[1].split("\n") if len(lines) > 1 else []) if r]
+            if changed:
+                say(f"kernel: {tree.name}: putting back {len(changed)} file(s) of the "
+                    "previous variant")
+            for rel in changed:
+                _restore(src, tree, rel)
+            stamp.write_text("")            # src's state: no patch
+            try:
+                _patch_copy(src, tree, patches, datas, targets, say)
+            except BaseException:
+                for rel in {r for rels in targets for r in rels}:
+                    _restore(src, tree, rel)
+                raise
+            rels = sorted({r for t in targets for r in t})
+            stamp.write_text(hashlib.sha256(want.encode()).hexdigest() + "\n"
+                             + "".join(f"{r}\n" for r in rels))
+        else:
+            say(f"kernel: {tree.name} holds these patches already")
+        yield build(tree, default_out(tree), jobs=jobs, progress=progress)
     finally:
         os.close(fd)
 
@@ -669,14 +774,18 @@ def _build_locked(src: Path, out: Path, jobs: int | None, fragment: Path, say: P
     return result
 
 
+@contextlib.contextmanager
 def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[str]] = (),  # type: ignore[assignment]
                  *, out: str | os.PathLike[str] | None = None, jobs: int | None = None,
-                 progress: Progress | None = None) -> KernelBuild:
-    """The built kernel of ``tree`` (``kph image build --tree``):
+                 progress: Progress | None = None) -> Iterator[KernelBuild]:
+    """The built kernel of ``tree`` (``kph image build --tree``), held while the caller
+    uses its build directory:
 
     - a series (``6.12``): Debian's source of it, fetched when missing, then as a tree;
-    - a source tree: ``patches`` applied to a copy (``apply_patches``), then configured and
-      built (``build``; incremental when built before);
+    - a source tree: built (``build``; incremental when built before); with ``patches``,
+      in the tree's variant tree (:func:`variant`: one copy and one build directory for
+      every patched variant, rebuilt incrementally), or with ``out``, in a copy of its
+      own (``apply_patches``) built there;
     - a build directory built already (``O=``, or a tree built in place): used as it is.
 
     :raise SetupError: each of the bad inputs, in one line.
@@ -692,9 +801,13 @@ def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[s
                 raise SetupError(f"--patch needs a source tree, and {p} is a build directory "
                                  "(built already)", f"pass its source tree: --tree {(p / 'source').resolve()}"
                                  if (p / "source").exists() else "pass the source tree")
-            return use_built(p)
+            yield use_built(p)
+            return
         src = check_tree(p)
+    if pats and out is None:
+        with variant(src, pats, progress, jobs) as kb:
+            yield kb
+        return
     if pats:
         src = apply_patches(src, pats, progress)
-    return build(src, out, jobs=jobs, progress=progress)
-
+    yield build(src, out, jobs=jobs, progress=progress)
