@@ -631,16 +631,25 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     (the trace stores pids and prints comms from ``saved_cmdlines``, recorded after the
     events; pid 0 is ``<idle>``: kernel/trace/trace.c, ``trace_find_cmdline()``), each
     hit carrying the comms its pid took after it (``comm_changes``: (hits recorded
-    before the rename, pid, new comm)) for ``harness.diff.verdict``'s ``comm-change`` rule."""
+    before the rename, pid, new comm)) for ``harness.diff.verdict``'s ``comm-change`` rule.
+
+    A rename is seen at ``__set_task_comm()``'s entry, and the comm changes later in it
+    (fs/exec.c, 6.1 to 7.3: ``task_lock()``, ``trace_task_rename()``, then
+    ``strscpy_pad()`` into ``tsk->comm``; interrupts stay on): an interrupt taken in
+    between records hits of that pid under the old comm after the rename was seen. So a
+    rename takes effect at the first hit of its pid from then on that shows the new comm,
+    and comes after every hit of that pid before it."""
     last: dict[int, str] = {0: "<idle>"}
     for h in hits:
         if h.pid:
             last[h.pid] = h.comm
+    effect = [next((k for k in range(j, len(hits)) if hits[k].pid == pid and hits[k].comm == c),
+                   len(hits)) for j, pid, c in comm_changes]
     out = []
     for i, h in enumerate(hits):
         if h.pid is None:
             out.append(h)
             continue
-        later = tuple(c for j, pid, c in comm_changes if pid == h.pid and j > i)
+        later = tuple(c for (j, pid, c), k in zip(comm_changes, effect) if pid == h.pid and k > i)
         out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
     return out

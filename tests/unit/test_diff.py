@@ -348,6 +348,24 @@ def test_irq_order_compares_per_context_and_only_when_every_context_is_known():
     assert not res.equivalent and "irq-order" not in res.applied
 
 
+def test_a_rename_seen_at_its_entry_comes_after_the_hits_that_still_show_the_old_comm():
+    """The host sees a rename at __set_task_comm()'s entry; an interrupt taken before the
+    comm is written records hits of that pid under the old comm after it (seen: a kfree
+    tracepoint probe, two interrupt hits of pid 73 between the entry and strscpy_pad()).
+    The rename comes after those hits, and not after the first that shows the new comm."""
+    from harness.backends.tracelayer import saved_cmdlines
+
+    def h(seq, pid, comm):
+        return Hit(side="host", probe="tracepoints/tpevent", kind="p", seq=seq, cpu=0, pid=pid,
+                   comm=comm, ip="__probestub_kfree+0x0/0x6", args=())
+    hits = [h(0, 71, "sh"), h(1, 73, "sh"), h(2, 73, "sh"), h(3, 73, "ls"), h(4, 73, "sh")]
+    out = saved_cmdlines(hits, [(2, 73, "ls"), (4, 73, "sh")])
+    assert [x.comm_alts for x in out] == [(), ("ls", "sh"), ("ls", "sh"), ("sh",), ()]
+    assert [x.comm for x in out] == ["sh", "sh", "sh", "sh", "sh"]   # each pid's last comm
+    # a rename no later hit shows stays after every hit of its pid from its entry on
+    assert [x.comm_alts for x in saved_cmdlines(hits[:3], [(1, 73, "ls")])] == [(), ("ls",), ("ls",)]
+
+
 def test_comm_change_takes_only_a_comm_the_pid_took_later():
     h = dataclasses.replace(hit("host", 0, comm="sh", dfd=1), comm_alts=("cat",))
     g = dataclasses.replace(hit("events", 0, comm="cat", dfd=1), comm_alts=("cat",))
