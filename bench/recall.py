@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Recall of ``kph hunt`` on the corpus of undone upstream fixes (``probes/bugs/``, issue 37):
+how many real historical probe bugs the harness finds without being told where.
+
+For each entry: build Debian's source of a series it applies to with the entry's patch
+(``kph image build --tree SERIES --patch ENTRY``: the tree's variant tree, so every entry
+after the first of a series is an incremental build), run ``kph hunt`` on that image with
+a fixed budget, and call the entry *found* when the hunt reports a new finding (not one
+of docs/upstream.md's known ones) that the same hunt on the stock build of that series
+does not report and whose reproducer (the ``kph diff`` line the hunt prints) fails on the
+planted build and passes on the stock one. A finding whose reproducer fails on the stock
+build too is a false alarm, as are the stock builds' own new findings.
+
+Nothing here tells the hunt which entry is planted: the hunt gets only the image.
+
+    python bench/recall.py [--minutes 15] [--series 6.12,7.3] [--entries NAME,...]
+                           [--seed 0] [-o recall.json]
+
+One line per entry (found or not, by which phase and oracle, after how many seconds of
+the hunt, the reproducer's verdicts), then ``recall: K/N`` and the false alarms.
+docs/recall.md keeps the table. A full run is 15 min per entry plus the builds: hours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness.machine.image.build import build_tree_image  # noqa: E402
+
+BUGS = ROOT / "probes" / "bugs"
+PY = sys.executable
+
+
+def entries(names: set[str], series: tuple[str, ...]) -> list[tuple[dict, str]]:
+    """(entry, the series it is built on): the first of ``series`` the entry lists."""
+    out = []
+    for f in sorted(BUGS.glob("*.toml")):
+        e = tomllib.loads(f.read_text())
+        if names and e["name"] not in names:
+            continue
+        s = next((s for s in series if s in e["series"]), None)
+        if s is not None:
+            out.append((e, s))
+    return out
+
+
+def selector(series: str, patch: Path | None) -> str:
+    return f"tree:{series}" + (f"+{patch}" if patch else "")
+
+
+def hunt(sel: str, minutes: float, seed: int) -> dict:
+    """``kph hunt`` on ``sel`` in a process of its own: its JSON, and when (seconds into
+    the hunt) each new finding was first printed."""
+    argv = [PY, "-m", "harness.cli", "hunt", "--image", sel, "--minutes", str(minutes),
+            "--seed", str(seed), "--json"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    first: dict[str, float] = {}
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.match(r"hunt: \w+: finding \((.*?)\) \[NEW\]", line)
+        if m:
+            first.setdefault(m[1], round(time.monotonic() - t0))
+        if line.startswith("error:"):
+            print(f"  {sel}: {line.strip()}", flush=True)
+    out = proc.stdout.read() if proc.stdout else ""
+    code = proc.wait(timeout=60)
+    try:
+        doc = json.loads(out)
+    except ValueError:
+        return {"error": f"kph hunt exited {code} with no JSON", "findings": [], "exit": code}
+    doc["exit"], doc["first_seen"] = code, first
+    return doc
+
+
+def key(f: dict) -> tuple[str, str, str]:
+    return (f["kind"], f["probe_kind"], f["what"])
+
+
+def replay(reproduce: str, sel: str) -> int:
+    """The hunt's reproducer (a ``kph ...`` line) run against ``sel``: its exit status."""
+    argv = shlex.split(reproduce)
+    if argv[:1] != ["kph"]:
+        return -1
+    argv = argv[1:]
+    if "--image" in argv:
+        argv[argv.index("--image") + 1] = sel
+    else:
+        argv[1:1] = ["--image", sel]
+    r = subprocess.run([PY, "-m", "harness.cli", "-q", *argv], capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    return r.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=15.0, help="each hunt's budget")
+    ap.add_argument("--series", default="6.12,7.3", help="the series to build on, in order "
+                    "of preference (an entry is built on the first it lists)")
+    ap.add_argument("--entries", default="", help="only these entries (names)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-stock", action="store_true",
+                    help="skip the stock builds' hunts (no false-alarm count, and an entry "
+                         "is found on any new finding)")
+    ap.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    series = tuple(s for s in args.series.split(",") if s)
+    todo = entries({n for n in args.entries.split(",") if n}, series)
+    if not todo:
+        print("error: no corpus entry matches", file=sys.stderr)
+        return 2
+    say = (lambda s: print(f"  {s}", flush=True)) if os.environ.get("KPH_VERBOSE") else \
+        (lambda s: None)
+    t_all = time.monotonic()
+    stock: dict[str, dict] = {}
+    if not args.no_stock:
+        for s in sorted({s for _, s in todo}):
+            t0 = time.monotonic()
+            build_tree_image(s, progress=say)
+            built = time.monotonic() - t0
+            stock[s] = hunt(selector(s, None), args.minutes, args.seed)
+            new = [f for f in stock[s].get("findings", []) if f.get("new")]
+            print(f"stock tree:{s}: built in {built:.0f} s; hunt exit {stock[s]['exit']}, "
+                  f"{len(new)} new finding(s) (false alarms)", flush=True)
+            for f in new:
+                print(f"  false alarm: {key(f)} {f['lines'][:2]}", flush=True)
+    rows = []
+    for e, s in todo:
+        patch = BUGS / e["patch"]
+        t0 = time.monotonic()
+        row: dict = {"entry": e["name"], "series": s, "kind": e["kind"], "effect": e["effect"]}
+        try:
+            build_tree_image(s, patches=[patch], progress=say)
+        except Exception as exc:                # a build error is the entry's result
+            row.update(found=False, error=f"build: {exc}")
+            print(f"{e['name']:42s} {s:5s} BUILD FAILED: {str(exc)[:120]}", flush=True)
+            rows.append(row)
+            continue
+        row["build_s"] = round(time.monotonic() - t0)
+        doc = hunt(selector(s, patch), args.minutes, args.seed)
+        seen = {key(f) for f in stock.get(s, {}).get("findings", []) if f.get("new")}
+        cands = [f for f in doc.get("findings", []) if f.get("new") and key(f) not in seen]
+        row.update(found=False, hunt_exit=doc["exit"], error=doc.get("error", ""),
+                   findings=len(cands), false_alarms=[])
+        for f in cands:
+            planted = stock_rc = None
+            if not args.no_stock:
+                planted = replay(f["reproduce"], selector(s, patch))
+                stock_rc = replay(f["reproduce"], selector(s, None))
+                if stock_rc != 0:       # the stock build shows it too: not this bug
+                    row["false_alarms"].append({"lines": f["lines"], "oracle":
+                                                f"{f['kind']}/{f['what']}"})
+                    continue
+                if planted == 0:        # not shown again on its own build
+                    continue
+            row.update(found=True, phase=f["phase"], oracle=f"{f['kind']}/{f['what']}",
+                       source=f["source"], lines=f["lines"], reproduce=f["reproduce"],
+                       after_s=doc["first_seen"].get(
+                           f"{f['kind']}, {f['probe_kind']}, {f['what']}"),
+                       repro_planted=planted, repro_stock=stock_rc)
+            break
+        rows.append(row)
+        what = (f"FOUND by {row['phase']} ({row['oracle']}) after {row.get('after_s')} s; "
+                f"reproducer exit {row.get('repro_planted')} planted / "
+                f"{row.get('repro_stock')} stock" if row["found"] else
+                f"missed{': ' + row['error'] if row['error'] else ''}")
+        for fa in row["false_alarms"]:
+            what += f"; false alarm (fails on the stock build too): {fa['oracle']} {fa['lines']}"
+        print(f"{e['name']:42s} {s:5s} build {row['build_s']:4d} s  {what}", flush=True)
+    found = sum(r["found"] for r in rows)
+    alarms = sum(len([f for f in d.get("findings", []) if f.get("new")]) for d in stock.values()) \
+        + sum(len(r.get("false_alarms", [])) for r in rows)
+    print(f"recall: {found}/{len(rows)}" + ("" if args.no_stock else
+                                            f"; false alarms on the stock builds: {alarms}")
+          + f"; {time.monotonic() - t_all:.0f} s in all ({args.minutes:g} min hunts)")
+    if args.output:
+        args.output.write_text(json.dumps({"minutes": args.minutes, "seed": args.seed,
+                                           "rows": rows, "stock": stock}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
