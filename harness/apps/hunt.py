@@ -242,10 +242,12 @@ class HuntResult:
     seconds: float
     findings: Findings
     counts: dict[str, dict[str, int]]
+    stopped_early: bool = False      # --stop-at-first ended it at a new finding
 
     def as_dict(self) -> dict[str, Any]:
         return {"image": self.image, "kernel": self.kernel, "seconds": round(self.seconds, 1),
                 "status": self.findings.status, "counts": self.counts,
+                "stopped_early": self.stopped_early,
                 "findings": [f.as_dict() for f in self.findings.items],
                 "new": len(self.findings.new),
                 "known": len(self.findings.items) - len(self.findings.new)}
@@ -291,10 +293,15 @@ def shrink_lines(lines: tuple[str, ...], same: Callable[[tuple[str, ...]], bool]
 class Hunt:
     """One hunt on one image (see the module docstring)."""
 
+    stop_at_first = False    # end at the first new finding (a known one does not stop it)
+    stopped = False
+
     def __init__(self, img: Any, *, minutes: float, seed: int = 0, image_arg: str | None = None,
                  max_cases: int | None = None, progress: Callable[[str], None] = lambda s: None,
-                 out_dir: Path | None = None, scenarios: Path = SCENARIOS) -> None:
+                 out_dir: Path | None = None, scenarios: Path = SCENARIOS,
+                 stop_at_first: bool = False) -> None:
         self.img, self.seed, self.image_arg = img, seed, image_arg
+        self.stop_at_first = stop_at_first
         self.budget = Budget(minutes * 60.0)
         self.max_cases = max_cases
         self.say = progress
@@ -319,7 +326,10 @@ class Hunt:
 
     def _room(self, phase: str, n: int) -> bool:
         """Another case of ``phase``: within its time and ``max_cases``. Every phase runs
-        one case at least, when earlier phases overran too."""
+        one case at least, when earlier phases overran too; none once a hunt told to stop
+        at its first new finding has one."""
+        if self.stopped:
+            return False
         return (n == 0 or not self.budget.over(phase)) and \
             (self.max_cases is None or n < self.max_cases)
 
@@ -329,6 +339,9 @@ class Hunt:
             tag = f"known: {f.known}" if f.known else "NEW"
             self.say(f"hunt: {f.phase}: finding ({f.kind}, {f.probe_kind}, {f.what}) [{tag}]: "
                      f"{f.lines[0][:100] if f.lines else f.source}")
+            if self.stop_at_first and not f.known and not self.stopped:
+                self.stopped = True
+                self.say("hunt: stopping at the first new finding (--stop-at-first)")
 
     def _repro(self, lines: tuple[str, ...], workload: str, guest: str) -> str:
         return fuzz.repro_line(fuzz.Finding(lines, "", "", ""), image=self.image_arg,
@@ -351,7 +364,7 @@ class Hunt:
                 except HarnessError:
                     pass
         return HuntResult(str(self.img.dir), self.img.version, time.monotonic() - t0,
-                          self.findings, self.counts)
+                          self.findings, self.counts, stopped_early=self.stopped)
 
     # phase 1
     def selftests(self) -> None:
@@ -521,7 +534,8 @@ def report_lines(res: HuntResult) -> Iterator[str]:
     fs = res.findings
     runs = "; ".join(f"{p} {c['run']} run, {c['agreed']} agreed" for p, c in res.counts.items())
     yield (f"kph hunt: {res.kernel}: {res.seconds:.0f} s; {runs}; "
-           f"{len(fs.new)} new finding(s), {len(fs.items) - len(fs.new)} known")
+           f"{len(fs.new)} new finding(s), {len(fs.items) - len(fs.new)} known"
+           + ("; stopped at the first new finding (--stop-at-first)" if res.stopped_early else ""))
     for f in sorted(fs.items, key=lambda f: bool(f.known)):
         tag = f"known: {f.known}" if f.known else "NEW"
         yield f"- [{tag}] {f.kind} / {f.probe_kind} / {f.what} ({f.phase}: {f.source})"

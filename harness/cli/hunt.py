@@ -35,6 +35,10 @@ def add_parser(subparsers: Any) -> None:
     hp.add_argument("--seed", type=int, default=0, metavar="S", help="the fuzzer's seed (default 0)")
     hp.add_argument("--max-cases", type=int, metavar="N",
                     help="at most N cases per phase (selftest cases, scenarios, fuzz examples)")
+    hp.add_argument("--stop-at-first", action="store_true",
+                    help="end the hunt at its first new finding (one docs/upstream.md does "
+                    "not list), e.g. to ask a built kernel 'is anything wrong?' quickly; the "
+                    "phases after it are not run")
     hp.add_argument("--out", metavar="DIR", help="where the scenarios' bundles go "
                     "(default kph-runs/hunt-TIME)")
     ci_group(hp)
@@ -54,7 +58,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     hunt.check_image(img)
     h = hunt.Hunt(img, minutes=args.minutes, seed=args.seed, image_arg=args.image,
                   max_cases=args.max_cases, progress=out.progress,
-                  out_dir=Path(args.out) if args.out else None)
+                  out_dir=Path(args.out) if args.out else None,
+                  stop_at_first=args.stop_at_first)
     res = h.run()
     out.progress.clear()
     for ln in hunt.report_lines(res):

@@ -213,6 +213,25 @@ def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
     assert "1 new finding(s), 0 known" in text and "[NEW] events / kprobe / arg:u32" in text
 
 
+def test_stop_at_first_ends_every_phase_at_the_first_new_finding_not_a_known_one():
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.budget, h.max_cases, h.stop_at_first = hunt.Budget(600.0), None, True
+    h.findings, h.said = hunt.Findings(), []
+    h.say = h.said.append
+    h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
+    known = hunt.Finding("selftests", "registration", "kprobe", "error_log", ("p:a x",),
+                         "", "kph diff")
+    known.known = "docs/upstream.md #9"            # a known finding does not stop the hunt
+    h._add(known)
+    assert h._room("selftests", 3) and not h.stopped
+    h._add(hunt.Finding("selftests", "events", "kprobe", "arg:u32", ("p:b y",), "", "kph diff"))
+    assert h.stopped and not any(h._room(p, 0) for p in hunt.PHASES)
+    assert "stopping at the first new finding" in h.said[-1]
+    text = "\n".join(hunt.report_lines(hunt.HuntResult("d", "6.12.x", 1.0, h.findings,
+                                                      h.counts, stopped_early=True)))
+    assert "stopped at the first new finding" in text.splitlines()[0]
+
+
 def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(tmp_path):
     h = hunt.Hunt.__new__(hunt.Hunt)
     h.budget, h.max_cases, h.image_arg = hunt.Budget(600.0), None, None
