@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 from ..constants import cache_dir
 from ..errors import HarnessError
@@ -101,6 +103,20 @@ def _tools() -> list[Check]:
     return out
 
 
+def rebuild_command(img: Any) -> str:
+    """The command that makes ``img`` again: a Debian kernel's series, or a kernel tree
+    with the patches it was built with."""
+    tree = img.manifest.get("tree")
+    if img.manifest.get("kernel_origin") == "tree" and isinstance(tree, dict) and tree.get("src"):
+        src = str(tree["src"])
+        # Debian's source in the cache, or its variant tree: the series names it
+        where = img.series if src.startswith(str(cache_dir() / "src") + "/") else shlex.quote(src)
+        return " ".join(["kph image build --tree", where]
+                        + [f"--patch {shlex.quote(str(p['file']))}"
+                           for p in tree.get("patches", []) if p.get("file")])
+    return f"kph image build --kernel {img.series}"
+
+
 def _matrix() -> list[Check]:
     """The other kernels' images, and the private compiler their modules are built with."""
     out = []
@@ -112,7 +128,7 @@ def _matrix() -> list[Check]:
         out.append(Check(f"image {img.series}", ok,
                          f"{img.version} (module built with "
                          f"{img.manifest.get('module_toolchain', '?')})",
-                         "" if ok else f"run `kph image build --kernel {img.series}`"))
+                         "" if ok else f"run `{rebuild_command(img)}`"))
     tree = tree_dir() / "tree"
     if tree.exists():
         out.append(Check("toolchain", True, f"{compiler_version(tree) or 'gcc'} for Debian 13 "
