@@ -14,7 +14,7 @@ say() { printf '==> %s\n' "$*" >&2; }
 # The last line: what `kph kernel build` needs to build a kernel from source (BTF: pahole).
 PKGS="qemu-system-x86 qemu-utils gdb busybox-static cpio qemu-guest-agent python3-venv
       python3-pip make gcc libc6-dev chromium
-      flex bison bc libelf-dev libssl-dev dwarves"
+      flex bison bc libelf-dev libssl-dev dwarves ccache"
 # Another apt (a second setup.sh, unattended-upgrades) may hold apt's locks: wait for them.
 APT_WAIT="-o DPkg::Lock::Timeout=600"
 apt_update() {

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.machine.image import kbuild  # noqa: E402
+from harness.machine.image import kbuild, ksource  # noqa: E402
 from harness.machine.image.build import image_for  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
 
@@ -94,7 +94,7 @@ def main() -> None:
     if args.boots_only:
         snapshot_boots(args.series, args.n)
         return
-    src = kbuild.fetch_source(args.series, progress=print)
+    src = ksource.fetch_source(args.series, progress=print)
     with tempfile.TemporaryDirectory(prefix="kph-kbuild-bench-") as d:
         tree, out = Path(d) / "tree", Path(d) / "out"
         t0 = time.monotonic()

@@ -19,7 +19,7 @@ SERIES = "6.12"
 
 
 def kunit_dir() -> Path:
-    from harness.machine.image.kbuild import fetch_source, sources_dir
+    from harness.machine.image.ksource import fetch_source, sources_dir
 
     have = sorted(sources_dir().glob(f"linux-source-{SERIES}.*/tools/testing/kunit/kunit_parser.py"))
     if have:

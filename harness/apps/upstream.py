@@ -36,6 +36,7 @@ from typing import Callable
 
 from ..constants import cache_dir
 from ..errors import SetupError
+from ..machine.image import ksource
 
 Progress = Callable[[str], None]
 
@@ -504,15 +505,11 @@ def _ref(version: str) -> str:
 def find_source(series: str, progress: Progress | None = None) -> Path:
     """Debian's unpacked ``linux-source-<series>`` (the newest in the cache), fetched if
     there is none (``kph kernel fetch SERIES``)."""
-    from ..machine.image import kbuild
-
     if series not in SERIES:
         raise SetupError(f"--tree {series}: the series are made for {', '.join(SERIES)}",
                          "pass --tree 6.12 or --tree 7.3")
-    have = sorted((d for d in kbuild.sources_dir().glob(f"linux-source-{series}.*")
-                   if not re.search(r"\+[0-9a-f]{12}$", d.name)      # a patched copy
-                   and (d / "Makefile").is_file()), key=lambda d: d.name)
-    return have[-1] if have else kbuild.fetch_source(series, progress)
+    have = ksource.unpacked_sources(series)
+    return have[-1] if have else ksource.fetch_source(series, progress)
 
 
 def base_tree(series: str, progress: Progress | None = None) -> Tree:
@@ -546,8 +543,9 @@ def _commit_tree(repo: Path, src: Path, version: str, say: Progress) -> str:
     index = repo / f"index-{os.getpid()}"
     env = {"GIT_INDEX_FILE": str(index), "GIT_WORK_TREE": str(src)}
     try:
+        # the tree as Debian ships it: not the build directory kph makes inside it
         git(repo, "-c", "core.bare=false", "-c", "core.fsync=none", "add", "-A", "-f", ".",
-            env=env, cwd=src)
+            f":(exclude){ksource.BUILD_SUBDIR}", env=env, cwd=src)
         tree = git(repo, "write-tree", env=env).strip()
     finally:
         index.unlink(missing_ok=True)

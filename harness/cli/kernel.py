@@ -36,10 +36,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..machine.image import kbuild
+    from ..machine.image import kbuild, ksource
 
     if args.kernel_cmd == "fetch":
-        tree = kbuild.fetch_source(args.series, progress=out.progress)
+        tree = ksource.fetch_source(args.series, progress=out.progress)
         out.progress.clear()
         out.result({"series": args.series, "tree": str(tree),
                     "version": kbuild.tree_version(tree)})
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if args.jobs is not None and args.jobs < 1:
             raise SetupError(f"-j {args.jobs}: the jobs must be 1 or more", "pass -j 2")
         src = args.src
-        if kbuild.is_series(src):
-            src = kbuild.fetch_source(src, progress=out.progress)
+        if ksource.is_series(src):
+            src = ksource.fetch_source(src, progress=out.progress)
         kb = kbuild.build(src, args.out, jobs=args.jobs, progress=out.progress)
         out.progress.clear()
         out.result({"version": kb.version, "src": str(kb.src), "out": str(kb.out),

@@ -194,7 +194,7 @@ def _image_first(args: argparse.Namespace, out: Output) -> None:
     if not isinstance(sel, str):
         return
     from ..machine.image.build import image_for
-    from ..machine.image.kbuild import is_series
+    from ..machine.image.ksource import is_series
     from ..machine.image.store import default_image
 
     if is_series(sel):

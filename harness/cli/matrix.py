@@ -90,7 +90,7 @@ def check_kernels(kernels: list[str]) -> None:
     for k in kernels:
         if k.startswith("tree:"):
             from ..machine.image.build import parse_tree_selector
-            from ..machine.image.kbuild import check_patches
+            from ..machine.image.ksource import check_patches
             check_patches(parse_tree_selector(k)[1])      # type: ignore[index]
             continue
         try:

@@ -2,9 +2,9 @@
 upstream probe fix as a patch for Debian's 6.12 and/or 7.3 source, with its metadata.
 
 The patches are checked the way ``kph image build --tree SERIES --patch FILE`` applies
-them (``kbuild.check_patches``, then GNU patch ``-p1 --forward --batch``), as a dry run
+them (``ksource.check_patches``, then GNU patch ``-p1 --forward --batch``), as a dry run
 against the tree ``kph kernel fetch SERIES`` unpacks, with no fuzz. A series' tree that
-is not unpacked is fetched (``kbuild.fetch_source``, what ``kph kernel fetch`` runs); if
+is not unpacked is fetched (``ksource.fetch_source``, what ``kph kernel fetch`` runs); if
 that fails the test fails and names the command: it never passes without the tree.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import SetupError
-from harness.machine.image import kbuild
+from harness.machine.image import ksource
 
 BUGS = Path(__file__).resolve().parents[2] / "probes" / "bugs"
 SERIES = {"6.12", "7.3"}
@@ -41,15 +41,13 @@ ENTRIES = _entries()
 def tree(series: str) -> Path:
     """Debian's unpacked ``linux-source-<series>`` (the newest one in the cache), fetched
     if there is none."""
-    have = sorted((d for d in kbuild.sources_dir().glob(f"linux-source-{series}.*")
-                   if "+" not in d.name and (d / "Makefile").is_file()),
-                  key=lambda d: d.name)
+    have = ksource.unpacked_sources(series)
     if have:
         return have[-1]
     try:
-        return kbuild.fetch_source(series)
+        return ksource.fetch_source(series)
     except SetupError as e:
-        pytest.fail(f"no Debian {series} tree in {kbuild.sources_dir()} and fetching it failed "
+        pytest.fail(f"no Debian {series} tree in {ksource.sources_dir()} and fetching it failed "
                     f"({e}): run `kph kernel fetch {series}`")
 
 
@@ -86,8 +84,8 @@ def test_an_entry_has_its_metadata(name, meta):
 @pytest.mark.parametrize("name,meta", ENTRIES, ids=[n for n, _ in ENTRIES])
 def test_a_patch_touches_only_the_files_its_metadata_names(name, meta):
     patch = BUGS / meta["patch"]
-    assert kbuild.check_patches([patch]) == [patch.resolve()]
-    files = set(kbuild.patch_targets(patch, patch.read_text()))
+    assert ksource.check_patches([patch]) == [patch.resolve()]
+    files = set(ksource.patch_targets(patch, patch.read_text()))
     assert files == {t.split(":")[0] for t in meta["reverse"]["touches"]}
 
 

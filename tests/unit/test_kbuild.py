@@ -2,13 +2,14 @@
 inputs refused before anything runs (harness.machine.image.kbuild)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 from harness.errors import SetupError
-from harness.machine.image import kbuild
+from harness.machine.image import kbuild, ksource
 
 
 def test_the_fragment_asks_for_what_the_harness_needs():
@@ -43,9 +44,9 @@ def test_the_first_compiler_error_is_the_one_reported():
 
 
 def test_a_series_is_not_a_path():
-    assert kbuild.is_series("6.12") and kbuild.is_series("7.3")
-    assert not kbuild.is_series("./6.12") and not kbuild.is_series("6") \
-        and not kbuild.is_series("linux-6.12")
+    assert ksource.is_series("6.12") and ksource.is_series("7.3")
+    assert not ksource.is_series("./6.12") and not ksource.is_series("6") \
+        and not ksource.is_series("linux-6.12")
 
 
 def test_the_tree_version_comes_from_its_makefile(tmp_path):
@@ -199,14 +200,14 @@ def test_a_patch_is_applied_to_a_copy_and_the_tree_is_left_alone(tmp_path, monke
     src = _src_tree(tmp_path / "linux")
     p = _patch(tmp_path / "fix.patch", "line 20", "line twenty")
     lines = []
-    copy = kbuild.apply_patches(src, [p], lines.append)
+    copy = ksource.apply_patches(src, [p], lines.append)
     assert copy.parent == tmp_path / "cache/src" and copy.name.startswith("linux+")
     assert "line twenty\n" in (copy / "kernel/trace/trace_probe.c").read_text()
     assert "line twenty" not in (src / "kernel/trace/trace_probe.c").read_text()
     assert (copy / ".kph-patches").read_text().split()[1] == str(p)
     # made once: the second call finds it
     lines.clear()
-    assert kbuild.apply_patches(src, [p], lines.append) == copy
+    assert ksource.apply_patches(src, [p], lines.append) == copy
     assert any("patched already" in ln for ln in lines)
 
 
@@ -217,7 +218,7 @@ def test_a_patch_that_does_not_apply_names_its_first_rejected_hunk(tmp_path, mon
     with pytest.raises(SetupError, match=r"stale.patch does not apply to linux: "
                        r"kernel/trace/trace_probe.c hunk #1 @@ -17,7 \+17,7 @@ static int "
                        r"f\(void\) \(the tree differs at line 17\)") as e:
-        kbuild.apply_patches(src, [p])
+        ksource.apply_patches(src, [p])
     assert "rebase" in e.value.hint
     # nothing half-written is left in the cache
     assert [d.name for d in (tmp_path / "cache/src").iterdir() if not d.name.endswith(".lock")] == []
@@ -225,10 +226,10 @@ def test_a_patch_that_does_not_apply_names_its_first_rejected_hunk(tmp_path, mon
 
 def test_what_is_not_a_patch_is_refused(tmp_path):
     with pytest.raises(SetupError, match="--patch .*nope.patch: no such file"):
-        kbuild.check_patches([tmp_path / "nope.patch"])
+        ksource.check_patches([tmp_path / "nope.patch"])
     (tmp_path / "notes.txt").write_text("just words\n")
     with pytest.raises(SetupError, match="not a unified diff"):
-        kbuild.check_patches([tmp_path / "notes.txt"])
+        ksource.check_patches([tmp_path / "notes.txt"])
 
 
 def test_a_build_directory_is_used_as_it_is_or_refused_with_the_reason(tmp_path):
@@ -315,3 +316,42 @@ def test_a_variant_that_does_not_apply_leaves_the_tree_as_it_was(tmp_path, monke
         (src / "kernel/trace/trace_probe.c").read_text()
     with kbuild.variant(src, [good]) as kb:
         assert "line twenty\n" in (kb.src / "kernel/trace/trace_probe.c").read_text()
+
+
+def test_a_tree_is_built_in_its_own_subdirectory_and_copies_leave_the_build_out(
+        tmp_path, monkeypatch):
+    """``SRC/.kph-build`` makes kbuild name the tree ``..``, so the same file of two trees
+    compiles with one command and ccache shares it; a copy of a built tree (a patched
+    copy, the variant tree) must not carry hard links to the build's files."""
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    src = _src_tree(tmp_path / "linux")
+    assert kbuild.default_out(src) == src / ".kph-build"
+    (src / ".kph-build").mkdir()
+    (src / ".kph-build/vmlinux").write_text("built")
+    dest = tmp_path / "copy"
+    ksource.link_copy(src, dest)
+    assert (dest / "kernel/trace/trace_probe.c").samefile(src / "kernel/trace/trace_probe.c")
+    assert not (dest / ".kph-build").exists()
+    monkeypatch.delenv("CCACHE_DIR", raising=False)
+    monkeypatch.setattr(kbuild.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert kbuild.ccache_env() == {"CCACHE_DIR": str(tmp_path / "cache/ccache"),
+                                   "CCACHE_NOHASHDIR": "1"}
+    monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "mine"))      # the user's own cache
+    assert kbuild.ccache_env()["CCACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.setattr(kbuild.shutil, "which", lambda name: None)
+    assert kbuild.ccache_env() == {}
+
+
+def test_debian_s_sources_are_not_kph_s_patched_copies_or_variant_trees(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    d = ksource.sources_dir()
+    for name, stamp in (("linux-source-6.12.117-1", None),
+                        ("linux-source-6.12.117-1+0123456789ab", ".kph-patches"),
+                        ("linux-source-6.12.117-1+variants", ksource.VARIANT_STAMP),
+                        ("linux-source-7.3.4-1~bpo13+1", None)):
+        (d / name).mkdir(parents=True)
+        (d / name / "Makefile").write_text("")
+        if stamp:
+            (d / name / stamp).write_text("")
+    assert [p.name for p in ksource.unpacked_sources("6.12")] == ["linux-source-6.12.117-1"]
+    assert [p.name for p in ksource.unpacked_sources("7.3")] == ["linux-source-7.3.4-1~bpo13+1"]

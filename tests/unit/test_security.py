@@ -21,7 +21,7 @@ import pytest
 
 from harness.apps import loopback_sshd, remote
 from harness.errors import SetupError
-from harness.machine.image import kbuild, toolchain
+from harness.machine.image import ksource, toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,13 +76,13 @@ def test_a_patch_naming_a_file_outside_the_tree_is_refused_and_the_file_untouche
     src = _tree(tmp_path / "linux")
     p = _evil_patch(tmp_path / "evil.patch", name.format(victim=victim))
     with pytest.raises(SetupError) as e:
-        kbuild.check_patches([p])
+        ksource.check_patches([p])
     msg = str(e.value)
     assert "\n" not in msg and f"--patch {p}: line 2 names" in msg and f"({why})" in msg
     assert "inside the tree" in e.value.hint and "a/ and b/ prefixes" in e.value.hint
     # apply_patches checks again on its own (a caller may skip check_patches)
     with pytest.raises(SetupError, match="outside the tree"):
-        kbuild.apply_patches(src, [p])
+        ksource.apply_patches(src, [p])
     assert _state(victim) == before
     assert "line two" not in (src / "kernel/fork.c").read_text()
     assert not (tmp_path / "cache/src").exists() or \
@@ -98,9 +98,9 @@ def test_a_patch_through_a_symbolic_link_in_the_tree_is_refused(tmp_path, monkey
     src = _tree(tmp_path / "linux")
     (src / "drivers").symlink_to(victim.parent)
     p = _evil_patch(tmp_path / "link.patch", "b/drivers/victim.c", "a/drivers/victim.c")
-    kbuild.check_patches([p])                  # the names themselves are inside the tree
+    ksource.check_patches([p])                  # the names themselves are inside the tree
     with pytest.raises(SetupError) as e:
-        kbuild.apply_patches(src, [p])
+        ksource.apply_patches(src, [p])
     assert str(e.value).startswith(f"--patch {p}: drivers/victim.c goes through the symbolic "
                                    "link drivers in the tree")
     assert "\n" not in str(e.value) and "points to" in e.value.hint
@@ -132,8 +132,8 @@ def test_a_patch_inside_the_tree_still_applies_and_keeps_the_file_mode(tmp_path,
     (src / "scripts/gen.sh").write_text("line 1\nline 2\nline 3\nline 4\n")
     (src / "scripts/gen.sh").chmod(0o755)
     p = _evil_patch(tmp_path / "ok.patch", "b/scripts/gen.sh", "a/scripts/gen.sh")
-    assert kbuild.patch_targets(p, p.read_text()) == ["scripts/gen.sh"]
-    copy = kbuild.apply_patches(src, kbuild.check_patches([p]))
+    assert ksource.patch_targets(p, p.read_text()) == ["scripts/gen.sh"]
+    copy = ksource.apply_patches(src, ksource.check_patches([p]))
     assert "line two" in (copy / "scripts/gen.sh").read_text()
     assert os.stat(copy / "scripts/gen.sh").st_mode & 0o777 == 0o755
     assert "line two" not in (src / "scripts/gen.sh").read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.machine.image import kbuild
+from harness.machine.image import kbuild, ksource
 from harness.machine.image.store import load_image
 from harness.vmctl import Machine
 
@@ -52,7 +52,7 @@ def test_the_tree_is_patched_and_built_with_every_option_the_harness_needs(image
     src = Path((out / "source").resolve())
     assert "btf_type_is_ptr(type)" in (src / "kernel/trace/trace_probe.c").read_text()
     # the patch went into a copy: Debian's tree is as Debian ships it
-    pristine = kbuild.fetch_source("6.12")
+    pristine = ksource.fetch_source("6.12")
     assert src != pristine
     assert "btf_type_is_ptr(type)" not in (pristine / "kernel/trace/trace_probe.c").read_text()
     from elftools.elf.elffile import ELFFile

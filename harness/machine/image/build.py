@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import facts as F, kbuild, kernels, toolchain
+from . import facts as F, kbuild, kernels, ksource, toolchain
 from ...constants import cache_dir
 from ...errors import SetupError
 from ...kernel.rules import rules_for
@@ -184,12 +184,12 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
 
     :raise SetupError: every bad input and failed step, in one line.
     """
-    pats = kbuild.check_patches(list(patches))
+    pats = ksource.check_patches(list(patches))
     with kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress) as kb:
         # held until the image is made: the build directory of a tree's patched
         # variants is shared, and the next variant would rebuild it
         release = kbuild.kernel_release(kb.out)
-        origin = Path(str(tree)).expanduser().resolve() if not kbuild.is_series(str(tree)) else kb.src
+        origin = Path(str(tree)).expanduser().resolve() if not ksource.is_series(str(tree)) else kb.src
         if origin.is_dir() and (origin / "source").exists():
             origin = (origin / "source").resolve()
         info = {"version": kb.version, "release": release,
