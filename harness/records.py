@@ -43,6 +43,10 @@ class Hit:
     #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
     #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.
     unknown: tuple[tuple[str, str], ...] = ()
+    #: Host side: for each argument whose reason is ``stale``, the address whose read
+    #: failed in its fetch (a fault the engine confirmed, or an address the kernel's
+    #: probe_mem_read() refuses): the evidence ``harness.diff.rules``' ``stale`` asks for.
+    failed: tuple[tuple[str, int], ...] = ()
     #: Host side, entry probes: recorded at the breakpoint, and the halt that ended the
     #: recording found the vCPU still between that breakpoint and the guest's handler
     #: (``HostEngine.in_flight_hits``): a guest probe's handler runs after its tracing

@@ -537,7 +537,8 @@ class HostBackend:
                    record=what if spec.is_eprobe else 0)
         ctx.entry_index = entry_args(spec)
         why: dict[int, str] = {}
-        values = evaluate(spec, ctx, why)
+        failed: dict[int, int] = {}
+        values = evaluate(spec, ctx, why, failed)
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
@@ -551,6 +552,7 @@ class HostBackend:
                               mode="host", irq=irq,
                               ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                               unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                              failed=tuple((spec.args[i].name, a) for i, a in failed.items()),
                               stack=self._stack(regs, what) if stack else None))
         return 0
 

@@ -462,8 +462,9 @@ class PluginBackend:
             ret_from = None
         ctx = _RecordCtx(self, rec, ip, up)
         why: dict[int, str] = {}
+        failed: dict[int, int] = {}
         try:
-            values = evaluate(spec, ctx, why)
+            values = evaluate(spec, ctx, why, failed)
         finally:
             self.capture_misses += ctx.mem.misses
         if spec.args:
@@ -480,7 +481,8 @@ class PluginBackend:
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
                    ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
-                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
+                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
 
     def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,
                     event_id: int, targs: tuple) -> Hit | None:
@@ -494,14 +496,16 @@ class PluginBackend:
             if not triggered(spec, event_id, site, values, rec.vcpu):
                 return None
             why: dict[int, str] = {}
-            values = evaluate(spec, ctx, why)
+            failed: dict[int, int] = {}
+            values = evaluate(spec, ctx, why, failed)
         finally:
             self.capture_misses += ctx.mem.misses
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
         return Hit(side=self.side, probe=name, kind="p", seq=seq, cpu=rec.vcpu,
                    pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip="{}.{}".format(*(spec.attach or ("", ""))), ret_from=None, args=args,
-                   mode="plugin", unknown=tuple((spec.args[i].name, w) for i, w in why.items()))
+                   mode="plugin", unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
 
     def collect(self) -> list[Hit]:
         """The hits, each pid under the comm of its last hit (see the module docstring).

@@ -101,6 +101,15 @@ def _unknown_rule(reason: str) -> Callable[..., bool]:
     return check
 
 
+def _stale_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """:func:`_unknown_rule` ``stale``, where the record also holds its evidence: the
+    address whose read failed in that argument's fetch (``Hit.failed``)."""
+    def proven(h: Hit) -> bool:
+        return k.startswith("arg:") and k[4:] in dict(h.failed)
+    return ((_why(ha, k) == "stale" and proven(ha) and unknown_match(va, vb)) or
+            (_why(hb, k) == "stale" and proven(hb) and unknown_match(vb, va)))
+
+
 def _flags_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     """Only on the plugin engine's side (the gdbstub engine reads the real flags)."""
     return ((ctx.a_side == "plugin" and _why(ha, k) == "flags" and unknown_match(va, vb)) or
@@ -352,9 +361,10 @@ REGISTRY: tuple[Rule, ...] = (
          "ring-buffer bytes) matches any value, that argument only",
          "kernel/trace/trace_probe_tmpl.h: process_fetch_insn() stores nothing on a fault "
          "(store_trace_args())",
-         "the host's record gives the reason for that argument, and the engine confirmed "
-         "the fault with a second read (else the run fails: EngineReadError)",
-         _unknown_rule("stale")),
+         "the host's record gives the reason for that argument with its evidence, the "
+         "address whose read failed in that fetch (Hit.failed), and the engine confirmed "
+         "a fault there with a second read (else the run fails: EngineReadError)",
+         _stale_check),
     Rule("below-sp", "field",
          "a host (unknown) where the fetch read the stack below the probed sp (the guest "
          "probe's own frames) matches any value, that argument only",

@@ -96,7 +96,8 @@ def test_host_unknown_matches_any_value_only_where_the_record_says_why():
     """Applied: a host (unknown) the record gives a kernel reason for matches any guest
     value, per element, that argument only, counted under the reason's rule."""
     h = dataclasses.replace(hit("host", 0, head="{(unknown),(unknown)}", n="(unknown)"),
-                            unknown=(("head", "stale"), ("n", "below-sp")))
+                            unknown=(("head", "stale"), ("n", "below-sp")),
+                            failed=(("head", 0xffff888000001000),))
     a = run("host", [h])
     b = run("events", [hit("events", 0, head="{20,0}", n="5")])
     res = compare(a, b)
@@ -115,9 +116,24 @@ def test_host_unknown_without_a_reason_is_a_divergence():
     res = compare(a, b)
     assert not res.equivalent and res.first.field == "arg:n"
     # a reason for another argument covers only that argument
-    h = dataclasses.replace(hit("host", 0, n="(unknown)", m="(unknown)"), unknown=(("n", "stale"),))
+    h = dataclasses.replace(hit("host", 0, n="(unknown)", m="(unknown)"), unknown=(("n", "stale"),),
+                            failed=(("n", 0x10),))
     res = compare(run("host", [h]), b)
     assert not res.equivalent and res.first.field == "arg:m" and res.applied["stale"] == 1
+
+
+def test_a_stale_reason_without_the_failed_read_it_stands_for_is_a_divergence():
+    """``stale`` is the host's word that a fetch failed; without the address whose read
+    failed (``Hit.failed``, filled by evaluate()) the rule has no evidence and the
+    (unknown) diverges: the record mutant ``stale-spurious``'s case."""
+    b = run("events", [hit("events", 0, n="5")])
+    said = dataclasses.replace(hit("host", 0, n="(unknown)"), unknown=(("n", "stale"),))
+    res = compare(run("host", [said]), b)
+    assert not res.equivalent and res.first.field == "arg:n"
+    other = dataclasses.replace(said, failed=(("m", 0x10),))      # another argument's read
+    assert not compare(run("host", [other]), b).equivalent
+    shown = dataclasses.replace(said, failed=(("n", 0x10),))
+    assert compare(run("host", [shown]), b).equivalent
 
 
 def test_kernel_data_unknown_matches_only_an_unknown_host_value_of_that_argument():
@@ -721,7 +737,7 @@ REFUSED_BY = {
     "irq-order": test_irq_order_moves_only_the_hit_the_interrupt_passed,
     "preempt-order": test_preempt_order_moves_only_on_one_cpu,
     "trampoline": test_trampoline_matches_whole_and_only_the_return_slot,
-    "stale": test_host_unknown_without_a_reason_is_a_divergence,
+    "stale": test_a_stale_reason_without_the_failed_read_it_stands_for_is_a_divergence,
     "below-sp": test_host_unknown_matches_any_value_only_where_the_record_says_why,
     "flags": test_the_plugin_flags_rule_holds_only_on_the_plugin_engine_side,
     "kernel-data": test_kernel_data_unknown_matches_only_an_unknown_host_value_of_that_argument,

@@ -375,6 +375,24 @@ def test_derefs_negative_and_nested():
     assert ev("+0x1f8(-0xf8(+0x100(%di)))", ctx)[0] is UNKNOWN   # a deref faults: undefined
 
 
+def test_a_stale_value_carries_the_address_whose_read_failed():
+    """evaluate()'s ``failed``: per argument the kernel leaves stale (a fetch that failed
+    before its store), the first address that did not read: a fault, or one the kernel's
+    probe_mem_read() refuses without reading (non-canonical). The verdict's ``stale``
+    rule asks for it; an argument that read has none."""
+    ctx = FakeCtx(di=KBASE + 0x100, si=0x8000000000000000)
+    ctx.poke64(KBASE + 0x100, KBASE + 0x200)
+    spec = ps.parse("p:x do_sys_openat2 ok=+0(%di) bad=+0x1f8(-0xf8(+0x100(%di))) "
+                    "nc=+0(%si)")
+    why, failed = {}, {}
+    ok, bad, nc = evaluate(spec, ctx, why, failed)
+    assert bad is UNKNOWN and nc is UNKNOWN and ok == KBASE + 0x200
+    assert why == {1: "stale", 2: "stale"}
+    # +0x100(%di) reads 0 (KBASE+0x200, a mapped page of zeros); -0xf8(0) is a kernel read
+    # at 0xffffffffffffff08, which faults; 0x8000000000000000 is refused unread
+    assert failed == {1: 0xFFFFFFFFFFFFFF08, 2: 0x8000000000000000}
+
+
 def test_kernel_typed_fetches_of_user_addresses_read_user_memory():
     """x86_64 has CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE: probe_mem_read() and
     kern_fetch_store_string() send addresses below TASK_SIZE to the user-copy path (6.1,

@@ -329,6 +329,10 @@ class _Cached:
         self._memo: dict[tuple[bool, int, int], bytes | FaultError] = {}
         #: Set when a read hit :class:`UnknowableRead` (evaluate() resets it per argument).
         self.unknowable = False
+        #: The first address whose read failed (a fault, or an address the kernel's
+        #: probe_mem_read() refuses), per argument as ``unknowable``: a ``stale``
+        #: value's evidence (``evaluate(..., failed=...)``).
+        self.failed_at: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
@@ -363,10 +367,18 @@ class _Blob:
 
 
 def _read(ctx: FetchContext, addr: Any, size: int, user: bool) -> bytes | None:
-    """``probe_mem_read()`` / ``probe_mem_read_user()`` on x86_64; None on failure."""
+    """``probe_mem_read()`` / ``probe_mem_read_user()`` on x86_64; None on failure (its
+    address kept in ``ctx.failed_at`` where ``ctx`` keeps one)."""
     if isinstance(addr, _Blob):
         return (addr.data + b"\0" * size)[:size]
     addr &= _M
+    got = _read_at(ctx, addr, size, user)
+    if got is None and isinstance(ctx, _Cached) and ctx.failed_at is None:
+        ctx.failed_at = addr
+    return got
+
+
+def _read_at(ctx: FetchContext, addr: int, size: int, user: bool) -> bytes | None:
     if not user and addr < TASK_SIZE_MAX:
         # probe_mem_read(): with CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE (x86_64)
         # a kernel-typed read below TASK_SIZE goes to probe_mem_read_user().
@@ -640,7 +652,8 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
 UNKNOWN_WHY = ("below-sp", "stale", "kernel-data")
 
 
-def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) -> Any:
+def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
+             failed: dict[int, int] | None = None) -> Any:
     """Fetch what the kernel would record for a probe hit with ``ctx`` as its registers.
 
     :param target: a ``ProbeSpec`` (all its args, one tuple of values back, strings sharing
@@ -648,6 +661,8 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) 
     :param why: filled, per argument index whose value holds :data:`UNKNOWN`, with the
         reason (one of :data:`UNKNOWN_WHY`). A read that fails for any other reason than
         a fault the kernel would take (an engine error) is not a value: it raises.
+    :param failed: filled, per argument whose reason is ``stale``, with the address whose
+        read failed in its fetch: the evidence the verdict's ``stale`` rule asks for.
     :return: per argument an ``int`` (signed for ``s*`` types), ``bytes`` for strings
         (without the NUL), :data:`FAULT`, :data:`UNKNOWN`, or a list of those for arrays.
     :raise KeyError: from ``ctx.symbol_addr`` for an ``@SYM`` the kernel could not resolve.
@@ -665,14 +680,17 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) 
                 unknowable.add(i)
     st = _Store(bytearray(dsize), bytearray(dsize))
     pos, out = 0, []
+    failed_at: dict[int, int] = {}
     for i, a in enumerate(args):                    # store_trace_args()
         t = FETCH_TYPES[a.type]
         st.elems, st.loc = [], (dsize - pos, pos)
         first = st.loc
-        ctx.unknowable = False
+        ctx.unknowable, ctx.failed_at = False, None
         ret = _run(a.code, ctx, st)
         if ctx.unknowable:
             unknowable.add(i)
+        if ctx.failed_at is not None:
+            failed_at[i] = ctx.failed_at
         if t.is_string and ret > 0:
             pos += ret
         out.append((a, t, list(st.elems), first))
@@ -699,6 +717,8 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None) 
             elems = [_typed(t, e) for e in elems]
         if why is not None and any(e is UNKNOWN for e in elems):
             why[i] = "kernel-data" if a.code and a.code[0][0] == "data" else "stale"
+            if failed is not None and why[i] == "stale" and i in failed_at:
+                failed[i] = failed_at[i]
         values.append(elems if a.count else elems[0])
     return tuple(values) if hasattr(target, "args") else values[0]
 
