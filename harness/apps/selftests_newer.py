@@ -446,6 +446,14 @@ _EPROBE = [
        "e:b syscalls.sys_enter_openat f=+0($filename):ustring if dfd != 1 || CPU == 0",
        "e:c sched.sched_process_fork p=$child_pid if !(child_pid < 2) && common_pid > 0"],
       f"{OPEN}; {FORK}", "ok", "hit", "hit"),
+    # a glob on a char[16] field is matched on all 16 bytes (filter_pred_string() passes
+    # field->size): "*t" compares the bytes before the last one, so cat's exit is not
+    # recorded; a __data_loc string passes its own length, where "*loop" matches
+    C("dynevent/add_remove_eprobe.tc",
+      ["e:xt sched.sched_process_exit c=$comm:string if comm ~ \"*t\"",
+       "e:xc sched.sched_process_exit c=$comm:string if comm ~ \"c?t*\"",
+       "e:xe sched.sched_process_exec f=$filename:string if filename ~ \"*loop\""],
+      "cat /proc/version > /dev/null; /usr/bin/kph-loop 1 x > /dev/null", "ok", "hit", "hit"),
 ]
 _EPROBE_7_3 = [
     # bare field names, a __data_loc string, a typecast of a field (7.3)

@@ -48,14 +48,22 @@ class CommitSite:
                    symbols.lookup("global_trace").addr)
 
 
-def _arg(name: str, type_: str, code: tuple) -> ProbeArg:
-    return ProbeArg(name, Reg("di"), type_, code=code + (("end",),))
+#: include/linux/sched.h: the generic ``comm`` predicate passes current->comm with this
+#: length (filter_pred_comm()); the kernel keeps the name zero-padded (strscpy_pad() in
+#: __set_task_comm(), a fork's copy of its parent's)
+TASK_COMM_LEN = 16
 
 
-def _field_code(pred: Any) -> tuple[tuple, str]:
-    """A filter predicate's field as ``filter_pred_*()`` reads it: (code, type)."""
+def _arg(name: str, type_: str, code: tuple, count: int = 0) -> ProbeArg:
+    return ProbeArg(name, Reg("di"), type_, count=count, code=code + (("end",),))
+
+
+def _field_code(pred: Any) -> tuple[tuple, str, int]:
+    """A filter predicate's field as ``filter_pred_*()`` reads it: (code, type, count).
+    A ``char[N]`` field is its N bytes (filter_pred_string() passes them all, with N as
+    the length), a string elsewhere its text up to the NUL."""
     if pred.kind == "comm":
-        return (("comm",), ("st_string", 0)), "string"
+        return (("comm",), ("st_string", 0)), "string", 0
     kind = pred.kind
     off = pred.offset
     if kind == "rdyn":
@@ -63,9 +71,11 @@ def _field_code(pred: Any) -> tuple[tuple, str]:
         # it from the field's own address): the same as a __data_loc relative to off + 4
         kind = "rdyn4"
     tp = ("tp_arg", pred.field, off, pred.size, pred.signed, kind)
-    if kind in ("static", "dyn", "rdyn4", "ptr"):
-        return (tp, ("st_string", 0)), "string"
-    return (tp, ("st_raw", 0, 8)), "x64"
+    if kind == "static":
+        return (tp, ("st_mem", 0, 1), ("lp_array", pred.size)), "u8", pred.size
+    if kind in ("dyn", "rdyn4", "ptr"):
+        return (tp, ("st_string", 0)), "string", 0
+    return (tp, ("st_raw", 0, 8)), "x64", 0
 
 
 def trigger_args(spec: ProbeSpec, site: CommitSite) -> tuple[ProbeArg, ...]:
@@ -80,10 +90,26 @@ def trigger_args(spec: ProbeSpec, site: CommitSite) -> tuple[ProbeArg, ...]:
         if pred.kind == "ptr":      # the pointer too: test_string() takes kernel ones only
             out.append(_arg(f"p{i}", "x64", (("tp_arg", pred.field, pred.offset, 8, False,
                                               "int"), ("st_raw", 0, 8))))
+        if pred.kind in ("dyn", "rdyn"):    # the u32 too: its high half is the length
+            out.append(_arg(f"l{i}", "u32", (("tp_arg", pred.field, pred.offset, 4, False,
+                                              "int"), ("st_raw", 0, 4))))
         if pred.kind != "cpu":
-            code, t = _field_code(pred)
-            out.append(_arg(f"f{i}", t, code))
+            code, t, n = _field_code(pred)
+            out.append(_arg(f"f{i}", t, code, n))
     return tuple(out)
+
+
+def _as_bytes(v: Any) -> bytes | None:
+    """A u8 array's elements as bytes; None when an element did not read."""
+    return bytes(v) if isinstance(v, list) and all(isinstance(x, int) for x in v) else None
+
+
+def _sized(text: Any, length: int) -> tuple[bytes, int] | None:
+    """(the bytes a string predicate passes, its length) from the text up to its NUL: the
+    bytes after the NUL as zeros (the name's padding; a __data_loc string's NUL)."""
+    if not isinstance(text, (bytes, bytearray)):
+        return None
+    return (bytes(text) + b"\0" * max(0, length - len(text)))[:max(length, len(text))], length
 
 
 def triggered(spec: ProbeSpec, event_id: int, site: CommitSite, values: Sequence[Any],
@@ -109,6 +135,16 @@ def triggered(spec: ProbeSpec, event_id: int, site: CommitSite, values: Sequence
             # it cannot copy makes the predicate false, whatever its operator
             ptr, text = next(it), next(it)
             got[id(p)] = text if ptr >= TASK_SIZE_MAX and isinstance(text, bytes) else None
+        elif p.kind in ("dyn", "rdyn"):
+            # filter_pred_strloc()/strrelloc(): the length is the u32's high half
+            item, text = next(it), next(it)
+            got[id(p)] = _sized(text, item >> 16) if isinstance(item, int) else None
+        elif p.kind == "static":
+            # filter_pred_string(): the field's bytes, all of them, field->size the length
+            raw = _as_bytes(next(it))
+            got[id(p)] = None if raw is None else (raw, p.size)
+        elif p.kind == "comm":
+            got[id(p)] = _sized(next(it), TASK_COMM_LEN)    # filter_pred_comm()
         else:
             got[id(p)] = next(it)
     return spec.filter.match(lambda p: got[id(p)])

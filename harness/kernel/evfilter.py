@@ -17,7 +17,6 @@ Not mirrored (:class:`NotMirroredError`): cpumask values (``{...}``), ``.functio
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -116,19 +115,136 @@ def _glob(pattern: str) -> tuple[str, str, bool]:
     return kind, buf, neg
 
 
+def _strncmp(a: bytes, b: bytes, n: int | None) -> bool:
+    """``strncmp(a, b, n) == 0`` (``strcmp`` for None), bytes past either's end as NUL."""
+    i = 0
+    while n is None or i < n:
+        ca = a[i] if i < len(a) else 0
+        cb = b[i] if i < len(b) else 0
+        if ca != cb:
+            return False
+        if ca == 0:
+            return True
+        i += 1
+    return True
+
+
+def _cstring(buf: bytes) -> bytes:
+    z = buf.find(b"\0")
+    return buf if z < 0 else buf[:z]
+
+
+def glob_match_len(pat: bytes, buf: bytes, end: int | None) -> bool:
+    """lib/glob.c: ``glob_match_str()`` (6.12's Debian tree and 7.3), ``buf`` read up to
+    ``end`` bytes (None: up to its NUL), a NUL within them ending it."""
+    def at(i: int) -> int:
+        return 0 if (end is not None and i >= end) or i >= len(buf) else buf[i]
+    back_pat = back_str = -1
+    pi = si = 0
+    while True:
+        c = at(si)
+        d = pat[pi] if pi < len(pat) else 0
+        pi += 1
+        si += 1
+        if d == ord("?"):                       # anything but nul
+            if c == 0:
+                return False
+            continue
+        if d == ord("*"):                       # any-length wildcard
+            if pi >= len(pat):
+                return True
+            back_pat, si = pi, si - 1
+            back_str = si
+            continue
+        literal = True
+        if d == ord("["):
+            if c == 0:
+                return False
+            inverted = pi < len(pat) and pat[pi] == ord("!")
+            ci = pi + 1 if inverted else pi
+            a = pat[ci] if ci < len(pat) else 0
+            ci += 1
+            match, malformed = False, False
+            while True:
+                b = a
+                if a == 0:
+                    malformed = True
+                    break
+                if ci + 1 < len(pat) + 1 and (pat[ci] if ci < len(pat) else 0) == ord("-") \
+                        and (pat[ci + 1] if ci + 1 < len(pat) else 0) != ord("]"):
+                    b = pat[ci + 1] if ci + 1 < len(pat) else 0
+                    if b == 0:
+                        malformed = True
+                        break
+                    ci += 2
+                if a <= c <= b:
+                    match = True
+                a = pat[ci] if ci < len(pat) else 0
+                ci += 1
+                if a == ord("]"):
+                    break
+            if not malformed:
+                literal = False
+                if match != inverted:
+                    pi = ci
+                    continue
+        elif d == ord("\\"):
+            d = pat[pi] if pi < len(pat) else 0
+            pi += 1
+        if literal and c == d:
+            if d == 0:
+                return True
+            continue
+        # backtrack
+        if c == 0 or back_pat < 0:
+            return False
+        pi = back_pat
+        back_str += 1
+        si = back_str
+
+
+def regex_match(kind: str, pat: bytes, buf: bytes, length: int) -> bool:
+    """kernel/trace/trace_events_filter.c: ``regex_match_full/front/middle/end/glob()``
+    (6.12's Debian tree and 7.3) on the ``length`` the field's predicate passes: a static
+    ``char[N]`` its size N, the generic ``comm`` TASK_COMM_LEN (16), a ``__data_loc``
+    string the length in its u32, a ``char *`` strlen + 1; 0 means NUL-terminated.
+    ``buf`` holds those bytes (the string and what follows it in the field)."""
+    r = len(pat)
+    buf = buf + b"\0" * max(0, length - len(buf))
+    if kind == "full":
+        if not length:
+            return _strncmp(buf, pat, None)
+        return length >= r and _strncmp(buf, pat, length)
+    if kind == "front":
+        return not (length and length < r) and _strncmp(buf, pat, r)
+    if kind == "middle":
+        if not length:
+            return pat in _cstring(buf)
+        return r == 0 or pat in buf[:length]            # strnstr(): memcmp, NULs too
+    if kind == "end":
+        n = length - 1
+        return n >= r and buf[n - r:n] == pat
+    return glob_match_len(pat, buf, length)
+
+
 def _test(p: _Pred, v: Any) -> bool:
     if v is None:       # a string the kernel could not read: the predicate is false
         return False
     if isinstance(p.value, str):                 # a string predicate: a regex
-        s = v.decode("latin-1") if isinstance(v, (bytes, bytearray)) else str(v)
+        # v: (the bytes the predicate passes, its length), or a C string (filter_pchar())
+        if isinstance(v, tuple):
+            buf, length = bytes(v[0]), int(v[1])
+        else:
+            raw = v if isinstance(v, (bytes, bytearray)) else str(v).encode("utf-8",
+                                                                              "surrogateescape")
+            buf = _cstring(bytes(raw))
+            buf, length = buf + b"\0", len(buf) + 1
         if p.op == "~":
             kind, pat, neg = _glob(p.value)
         else:
-            kind, pat, neg = "full", p.value, False
-        hit = {"full": s == pat, "front": s.startswith(pat), "middle": pat in s,
-               "end": s.endswith(pat), "glob": fnmatch.fnmatchcase(s, pat)}[kind]
-        hit ^= neg
-        return not hit if p.op == "!=" else hit
+            kind, pat, neg = "full", p.value, p.op == "!="
+        hit = regex_match(kind, pat.encode("utf-8", "surrogateescape"), buf, length)
+        return hit ^ neg
     bits = 8 * (p.size if p.kind != "cpu" else 4)
     mask = (1 << bits) - 1
     a, b = v & mask, p.value & mask

@@ -184,6 +184,44 @@ def test_filters_match_as_filter_match_preds_does():
         parse_filter("CPU & {1-2}", fields)
 
 
+def test_a_glob_on_a_fixed_size_field_matches_as_the_kernel_does_on_all_its_bytes():
+    """The length a string predicate passes is the field's, not the string's: a
+    ``char comm[16]`` gives 16 (filter_pred_string(): field_len = field->size), the generic
+    ``comm`` TASK_COMM_LEN, a ``__data_loc`` string its recorded length, a ``char *``
+    strlen + 1. So ``regex_match_end()`` compares the bytes before the field's last one:
+    ``comm ~ "*t"`` does not match ``cat`` in a 16-byte field (the kernel's own answer on
+    6.12: ``e sched/sched_process_exit $comm if comm ~ "*t"`` records no exit of ``cat``,
+    the false alarm bench/recall.py's first run counted), and does match a 15-character
+    name. Full, front and glob matches stop at the NUL; middle (strnstr()) reads every
+    byte of the field."""
+    from harness.kernel.evfilter import glob_match_len, regex_match
+    fields = FORMATS[("sched", "sched_switch")].fields
+
+    def static(text):
+        return (text + b"\0" * 16)[:16], 16
+    end = parse_filter('prev_comm ~ "*t"', fields)
+    assert not end.match(lambda p: static(b"cat"))
+    assert end.match(lambda p: static(b"kph-long-name-t"))          # 15 characters
+    assert end.match(lambda p: b"cat")                 # a char * string: strlen + 1
+    assert end.match(lambda p: (b"cat\0", 4))          # a __data_loc string of 4 bytes
+    assert parse_filter('prev_comm ~ "c*"', fields).match(lambda p: static(b"cat"))
+    assert parse_filter('prev_comm ~ "*a*"', fields).match(lambda p: static(b"cat"))
+    assert parse_filter('prev_comm ~ "c?t"', fields).match(lambda p: static(b"cat"))
+    assert parse_filter('prev_comm == "cat"', fields).match(lambda p: static(b"cat"))
+    assert not parse_filter('prev_comm == "ca"', fields).match(lambda p: static(b"cat"))
+    assert parse_filter('prev_comm != "ca"', fields).match(lambda p: static(b"cat"))
+    # strnstr() reads past the NUL: what follows the name in the field counts
+    assert parse_filter('prev_comm ~ "*xy*"', fields).match(lambda p: (b"ab\0xy", 16))
+    assert not parse_filter('prev_comm ~ "ab*y"', fields).match(lambda p: (b"ab\0xy", 16))
+    # lib/glob.c: classes, ranges, an escaped metacharacter, a malformed class literal
+    assert glob_match_len(b"k[a-z]o[!0-9]*", b"kworker", 16)
+    assert not glob_match_len(b"k[!a-z]*", b"kworker", 16)
+    assert glob_match_len(b"a\\*b", b"a*b", 8) and not glob_match_len(b"a\\*b", b"axb", 8)
+    assert glob_match_len(b"x[ab", b"x[ab", 8)
+    assert glob_match_len(b"*", b"", 0) and not glob_match_len(b"?", b"abc", 0)
+    assert regex_match("end", b"t", b"cat", 0) is False
+
+
 def test_field_kinds_follow_filter_assign_type():
     assert field_kind("__data_loc char[] name") == "dyn"
     assert field_kind("__rel_loc char[] name") == "rdyn"
