@@ -90,19 +90,32 @@ _FTRACE_FILES: "weakref.WeakKeyDictionary[Any, dict[str, tuple[frozenset[str], l
     weakref.WeakKeyDictionary()
 
 
+#: (snapshot directory, tracefs file, loaded modules) -> the file's lines, for machines
+#: restored from one snapshot: the same kernel state, so the same ftrace locations
+_SNAPSHOT_FTRACE_FILES: dict[tuple[str, str, frozenset[str]], list[str]] = {}
+
+
 def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> list[str]:
     """The lines of a tracefs file of ftrace's locations, read once per machine while its
     loaded modules stay the same: vmlinux's ftrace locations are fixed at boot, a module's
-    come and go with it (kernel/trace/ftrace.c: ftrace_module_init())."""
+    come and go with it (kernel/trace/ftrace.c: ftrace_module_init()). Machines restored
+    from one snapshot share one read per set of loaded modules (0.4-0.7 s a read of
+    6.1's or 6.12's 40,000 lines through the agent, once per test before)."""
     cache = _FTRACE_FILES.setdefault(vm, {})
     got = cache.get(name)
     if got is not None and got[0] == modules:
         return got[1]
-    r = vm.run(f"cat /sys/kernel/tracing/{name}", timeout=60)
-    if r.status != 0:
-        raise SetupError(f"cannot read {name} in the guest: {r.stderr.strip() or r.status}",
-                         fix)
-    lines = [ln for ln in r.stdout.splitlines() if ln]
+    snap = getattr(vm, "snapshot", None) if getattr(vm, "start_mode", "") == "snapshot" else None
+    key = (str(snap.dir), name, modules) if snap is not None else None
+    lines = _SNAPSHOT_FTRACE_FILES.get(key) if key is not None else None
+    if lines is None:
+        r = vm.run(f"cat /sys/kernel/tracing/{name}", timeout=60)
+        if r.status != 0:
+            raise SetupError(f"cannot read {name} in the guest: "
+                             f"{r.stderr.strip() or r.status}", fix)
+        lines = [ln for ln in r.stdout.splitlines() if ln]
+        if key is not None:
+            _SNAPSHOT_FTRACE_FILES[key] = lines
     cache[name] = (modules, lines)
     return lines
 

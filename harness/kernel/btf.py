@@ -13,6 +13,7 @@ include/uapi/linux/btf.h (header, type section, string section). What is mirrore
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 BTF_MAGIC = 0xEB9F
@@ -75,6 +76,7 @@ class BTF:
         self._members: dict[int, list[Member]] = {}
         self._params: dict[int, list[Param]] = {}
         self._by_name: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()
 
     # -- the type table ----------------------------------------------------------------------
     def _name(self, off: int) -> str:
@@ -84,6 +86,13 @@ class BTF:
     def _table(self) -> list[BtfType | None]:
         if self._types is not None:
             return self._types
+        with self._lock:            # one parse, though machines of one kernel share it
+            if self._types is None:
+                self._parse()
+        assert self._types is not None
+        return self._types
+
+    def _parse(self) -> None:
         out: list[BtfType | None] = [None]          # id 0 is void
         t, pos = self._types_raw, 0
         while pos < len(t):
@@ -114,7 +123,6 @@ class BTF:
                 self._by_name.setdefault((kind, name), tid)
             pos += _FIXED.get(kind, 0) + _PER_MEMBER.get(kind, 0) * vlen
         self._types = out
-        return out
 
     def type(self, tid: int) -> BtfType | None:
         """``btf_type_by_id()``; None for void (0) or an id out of range."""

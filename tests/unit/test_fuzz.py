@@ -40,9 +40,10 @@ def test_each_kernel_s_grammar_is_drawn_from_its_own_rules():
 
     pool = ["vfs_read", "do_sys_openat2"]
     # several seeds: Hypothesis leans each run toward some choices, so one seed's 400
-    # examples can hold no this_cpu_() at all
+    # examples can hold no this_cpu_() at all (the draws are the same for a seed: 100 each
+    # keep the test within its timeout beside a loaded suite)
     text = {k: " ".join(" ".join(ex) for seed in range(5, 10)
-                        for ex in fuzz.list_examples(pool, examples=200, seed=seed, rules=r))
+                        for ex in fuzz.list_examples(pool, examples=100, seed=seed, rules=r))
             for k, r in SERIES.items()}
     assert "$current" in text["7.3"] and "this_cpu_" in text["7.3"]
     assert any(t in text["6.12"] for t in ("$arg*", "file->f_pos", "$arg1->f_flags"))
