@@ -26,13 +26,13 @@ SCENARIO = ROOT / "probes/scenarios/upstream/btf-char-ptr.toml"
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The planted history, its commits authored by a git identity of the test's own
-    (never the user's)."""
-    home = tmp_path_factory.mktemp("home")
-    for key, val in (("user.name", "Bisect Test"), ("user.email", "bisect@example.org")):
-        subprocess.run(["git", "config", "--global", key, val], check=True,
-                       env={"HOME": str(home)})
+    (never the user's): git's global config is a file of the test's (GIT_CONFIG_GLOBAL),
+    HOME stays, so kph's cache (~/.cache/kprobe-harness without KPH_CACHE) is the one
+    every other test uses."""
+    cfg = tmp_path_factory.mktemp("git") / "gitconfig"
+    cfg.write_text("[user]\n\tname = Bisect Test\n\temail = bisect@example.org\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOME", str(home))
+        mp.setenv("GIT_CONFIG_GLOBAL", str(cfg))
         yield bisect.plant_history(tmp_path_factory.mktemp("tree") / "linux",
                                    finding="btf-char-ptr", series="6.12")
 
