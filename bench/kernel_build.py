@@ -17,6 +17,11 @@ may be cold (the variant tree's first build), the next two are what a corpus cos
 entry. Target: <= 1 min for a one-file patch. It needs the source in the
 cache (``kph kernel fetch``; a fresh unpack of it is made in a scratch directory, as the
 build writes nothing into the tree but the change this script makes) and about 3 GB free.
+
+``--ccache``: the series' tree built cold in two places (hard-link copies at two paths,
+each built in its own ``TREE/.kph-build``) with one empty ccache: the first fills it, the
+second is what a second tree of the same sources costs (a bisect's first commit, a
+variant tree, another checkout), with ccache's hit count.
 """
 from __future__ import annotations
 
@@ -79,6 +84,36 @@ def variants(series: str, patches: list[Path]) -> None:
               f"(median of {len(times) - 1}); first {times[0]:.1f} s")
 
 
+def ccache_pair(series: str) -> None:
+    import os
+
+    src = ksource.fetch_source(series, progress=print)
+    with tempfile.TemporaryDirectory(prefix="kph-ccache-bench-") as d:
+        env = os.environ.copy()
+        os.environ["CCACHE_DIR"] = str(Path(d) / "ccache")
+        try:
+            times = []
+            for name in ("first", "second"):
+                tree = Path(d) / name / "linux"
+                tree.parent.mkdir()
+                ksource.link_copy(src, tree)
+                t0 = time.monotonic()
+                kbuild.build(tree)
+                times.append(time.monotonic() - t0)
+                stats = subprocess.run(["ccache", "-s"], capture_output=True, text=True,
+                                       env=os.environ).stdout
+                hits = next((ln.strip() for ln in stats.splitlines()
+                             if ln.strip().startswith("Hits:")), "?")
+                print(f"{name} tree, cold build dir: {times[-1]:7.1f} s  (ccache {hits})",
+                      flush=True)
+                subprocess.run(["ccache", "-z"], capture_output=True, env=os.environ)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+    print(f"second / first: {times[1] / times[0]:.2f} ({time.strftime('%Y-%m-%d')}, "
+          f"{os.cpu_count()} CPUs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", default="6.12")
@@ -87,7 +122,12 @@ def main() -> None:
                     help="measure the snapshot boots only (no build)")
     ap.add_argument("--variants", metavar="A.patch,B.patch",
                     help="time patched variants A, B, A of the series' tree (no other step)")
+    ap.add_argument("--ccache", action="store_true",
+                    help="a cold build of the tree in two places with one ccache")
     args = ap.parse_args()
+    if args.ccache:
+        ccache_pair(args.series)
+        return
     if args.variants:
         variants(args.series, [Path(p) for p in args.variants.split(",")])
         return
@@ -98,7 +138,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kph-kbuild-bench-") as d:
         tree, out = Path(d) / "tree", Path(d) / "out"
         t0 = time.monotonic()
-        subprocess.run(["cp", "-a", "--reflink=auto", str(src), str(tree)], check=True)
+        tree.mkdir()
+        subprocess.run(["cp", "-a", "--reflink=auto",
+                        *[str(e) for e in src.iterdir() if e.name != ksource.BUILD_SUBDIR],
+                        str(tree)], check=True)
         copy_s = time.monotonic() - t0
         t0 = time.monotonic()
         kb = kbuild.build(tree, out)
