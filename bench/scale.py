@@ -60,19 +60,22 @@ def functions(vm: Machine, n: int) -> list[str]:
     for nm in names:
         seen[nm] = seen.get(nm, 0) + 1
     bl = vm.blacklist
-    out = [h for h in HOT if seen.get(h) == 1]
+    view = kernel_view(vm.facts)
+
+    def takes(nm: str) -> bool:
+        try:        # the kernel's parser: a name kallsyms holds twice is refused
+            parse(f"p:x {nm}", kernel=view)
+            return bl.find(vm.symbols.lookup(nm).addr) is None
+        except HarnessError:
+            return False
+    out = [h for h in HOT if seen.get(h) == 1 and takes(h)]
     for nm in names:
         if len(out) >= n:
             break
         if seen[nm] != 1 or nm in out or nm.startswith(("__", "trace_", "kprobe", "ftrace")):
             continue
-        try:
-            addr = vm.symbols.lookup(nm).addr
-        except HarnessError:
-            continue
-        if bl.find(addr) is not None:
-            continue
-        out.append(nm)
+        if takes(nm):
+            out.append(nm)
     return out[:n]
 
 

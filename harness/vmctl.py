@@ -242,6 +242,7 @@ class Machine:
         self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
+        self._scripts = itertools.count()
         #: What the host side knows about the kernel (``harness.machine.image.facts``); set by ``boot()``.
         self.facts: F.KernelFacts | None = image.facts if image is not None else None
         #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
@@ -797,8 +798,15 @@ class Machine:
         """
         agent = self._require_running()
         self.log.debug("--> run %r", cmd)
+        argv = ["/bin/sh", "-c", cmd]
+        if len(cmd.encode()) > C.MAX_INLINE_CMD:
+            # past execve()'s MAX_ARG_STRLEN (a registration script of 1,000 lines): the
+            # script goes through the agent's file calls and removes itself as it starts
+            path = f"/tmp/kph-run-{os.getpid()}-{next(self._scripts)}.sh"
+            agent.write_file(path, f"rm -f {path}\n{cmd}".encode(), timeout=timeout)
+            argv = ["/bin/sh", path]
         try:
-            status, out, err = agent.exec(["/bin/sh", "-c", cmd], stdin=stdin, timeout=timeout)
+            status, out, err = agent.exec(argv, stdin=stdin, timeout=timeout)
         except VMLostError as exc:
             self._check()
             raise VMLostError(str(exc), self.console_tail()) from exc

@@ -65,6 +65,16 @@ def test_a_reused_pid_reads_its_own_output_after_a_command_timed_out(vm):
         assert (r.status, r.stdout.split()) == (0, [str(reuse), "mine"])
 
 
+def test_a_command_past_execve_s_argument_limit_runs_from_a_file_that_removes_itself(vm):
+    """One execve() argument holds at most 128 KiB (MAX_ARG_STRLEN): a longer command (a
+    registration script of 1,000 probe lines; bench/scale.py met it as "Argument list too
+    long") runs from a guest file, with the same status and output."""
+    body = "".join(f"x{i}={i}\n" for i in range(20000))          # ~190 KB of shell
+    r = vm.run(body + "echo \"$x19999\"; echo err >&2; exit 3", timeout=120)
+    assert (r.status, r.stdout, r.stderr) == (3, "19999\n", "err\n"), r
+    assert vm.run("ls /tmp/kph-run-* 2>/dev/null | wc -l").stdout.strip() == "0"
+
+
 def test_sockets_live_in_a_private_run_dir(vm):
     st = os.stat(vm.rundir)
     assert st.st_mode & 0o777 == 0o700
