@@ -229,6 +229,14 @@ def profile_counters(dynamic_events: str, kprobe_profile: str, uprobe_profile: s
     return sums, unclear
 
 
+def _scaled(base: float, lines: int) -> float:
+    """A guest script's timeout that grows with the probe lines it handles: each
+    registration or removal of a kprobe event waits for the kernel (a removal's
+    synchronize_rcu(); under TCG a removal took ~0.1 s, 1,000 of them past a fixed
+    60 s: bench/scale.py)."""
+    return base + 0.5 * lines
+
+
 class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
@@ -302,7 +310,7 @@ class EventsBackend:
                 f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
                 f"fi; else {err}; {last_error}; fi")
         script.append(f"echo '@list'; cat {KPROBES_LIST}")
-        text = self._sh("\n".join(script), timeout=120)
+        text = self._sh("\n".join(script), timeout=_scaled(120, len(specs)))
         results, _, listing = text.partition("@list\n")
         out, lines, i = [], results.splitlines(), 0
         for n, spec in enumerate(specs):
@@ -399,7 +407,7 @@ class EventsBackend:
         for name in self.specs:     # an event a later -: line freed has no format left
             script.append(f"if [ -e events/{name}/format ]; then echo '@fmt {name}'; "
                           f"cat events/{name}/format; else echo '@gone {name}'; fi")
-        text = self._sh("\n".join(script), timeout=60)
+        text = self._sh("\n".join(script), timeout=_scaled(60, len(self.specs)))
         out: dict[int, tuple[str, ProbeSpec, EventFormat]] = {}
         for chunk in text.split("@")[1:]:
             head, _, body = chunk.partition("\n")
@@ -704,5 +712,5 @@ class EventsBackend:
             cmds.append(f"echo 0 > {TRACING}/events/{spec.group}/{spec.event}/enable")
             cmds.append(f"echo '-:{spec.group}/{spec.event}' >> {TRACING}/{_events_file(spec)}")
         cmds.append(f"echo > {TRACING}/trace; echo 1 > {TRACING}/tracing_on")
-        self.vm.run("; ".join(cmds), timeout=60)
+        self.vm.run("; ".join(cmds), timeout=_scaled(60, len(self.specs)))
         self.specs.clear()
