@@ -139,11 +139,13 @@ def glob_match_len(pat: bytes, buf: bytes, end: int | None) -> bool:
     ``end`` bytes (None: up to its NUL), a NUL within them ending it."""
     def at(i: int) -> int:
         return 0 if (end is not None and i >= end) or i >= len(buf) else buf[i]
+
+    def p(i: int) -> int:       # the pattern's byte, NUL past its end
+        return pat[i] if i < len(pat) else 0
     back_pat = back_str = -1
     pi = si = 0
     while True:
-        c = at(si)
-        d = pat[pi] if pi < len(pat) else 0
+        c, d = at(si), p(pi)
         pi += 1
         si += 1
         if d == ord("?"):                       # anything but nul
@@ -151,36 +153,32 @@ def glob_match_len(pat: bytes, buf: bytes, end: int | None) -> bool:
                 return False
             continue
         if d == ord("*"):                       # any-length wildcard
-            if pi >= len(pat):
+            if p(pi) == 0:
                 return True
             back_pat, si = pi, si - 1
             back_str = si
             continue
         literal = True
-        if d == ord("["):
+        if d == ord("["):                       # a class; malformed: '[' literal
             if c == 0:
                 return False
-            inverted = pi < len(pat) and pat[pi] == ord("!")
-            ci = pi + 1 if inverted else pi
-            a = pat[ci] if ci < len(pat) else 0
-            ci += 1
-            match, malformed = False, False
+            inverted = p(pi) == ord("!")
+            ci = pi + inverted
+            a, ci = p(ci), ci + 1
+            match = malformed = False
             while True:
                 b = a
                 if a == 0:
                     malformed = True
                     break
-                if ci + 1 < len(pat) + 1 and (pat[ci] if ci < len(pat) else 0) == ord("-") \
-                        and (pat[ci + 1] if ci + 1 < len(pat) else 0) != ord("]"):
-                    b = pat[ci + 1] if ci + 1 < len(pat) else 0
+                if p(ci) == ord("-") and p(ci + 1) != ord("]"):
+                    b = p(ci + 1)
                     if b == 0:
                         malformed = True
                         break
                     ci += 2
-                if a <= c <= b:
-                    match = True
-                a = pat[ci] if ci < len(pat) else 0
-                ci += 1
+                match |= a <= c <= b
+                a, ci = p(ci), ci + 1
                 if a == ord("]"):
                     break
             if not malformed:
@@ -189,8 +187,7 @@ def glob_match_len(pat: bytes, buf: bytes, end: int | None) -> bool:
                     pi = ci
                     continue
         elif d == ord("\\"):
-            d = pat[pi] if pi < len(pat) else 0
-            pi += 1
+            d, pi = p(pi), pi + 1
         if literal and c == d:
             if d == 0:
                 return True
