@@ -63,6 +63,11 @@ THREADS = ("p:u/work /usr/bin/kph-threads:kph_work t=%di:s64 i=%si:s64",
 IRQ = ("p:kf kfree ptr=%di:x64", "p:rc rcu_core")
 #: a stacktrace trigger on a probe (the gdbstub engine only: kph diff --trigger)
 STACK = ("p:op do_sys_openat2 dfd=%di:s32 flags=%dx:x32",)
+#: probe kinds 6.1 does not have (fprobes, $argN at a return, an event probe)
+NEWER = ("f:fx vfs_read%return ret=$retval:s64 cnt=$arg3:u64",
+         "r:rx vfs_read cnt=$arg3:u64 ret=$retval:s64", "f:fe vfs_read buf=$arg2:x64",
+         "e:chdir syscalls.sys_enter_chdir file=+0($filename):ustring")
+NEWER_RUN = WORKLOAD + "; cd /sys/kernel/tracing; cd /"
 #: an armed line no workload calls (kexec_load) beside lines that fire
 SILENT = READS + ("p:sl __x64_sys_kexec_load",)
 #: tasks that die inside a kretprobed function: their instances come back only at
@@ -89,9 +94,9 @@ PREEMPT = ("p:wr ksys_write fd=%di:s32 n=%dx:u64", "r:wrr ksys_write ret=$retval
 PROBE_SETS: dict[str, ProbeSet] = {
     "reads": ProbeSet(READS), "opens": ProbeSet(OPENS), "refused": ProbeSet(REFUSED),
     "threads": ProbeSet(THREADS, "/usr/bin/kph-threads 4 8"),
-    # gdbstub only: the plugin engine misses rcu_core's hits in the idle task's softirq
-    # (pid 0) that the guest and the gdbstub engine record (reported, issue 36)
-    "irq": ProbeSet(IRQ, "ls /proc >/dev/null; sleep 0.05", engines=("gdbstub",)),
+    # both engines since the plugin's window opens and closes with the guest's tracing
+    # (CMD_WINDOW): it missed rcu_core's softirq hits at the window's edges before
+    "irq": ProbeSet(IRQ, "ls /proc >/dev/null; sleep 0.05"),
     "tasks": ProbeSet(PREEMPT, PREEMPT_RUN),
     "stack": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace"), ("gdbstub",)),
     "silent": ProbeSet(SILENT),
@@ -108,6 +113,17 @@ PROBE_SETS: dict[str, ProbeSet] = {
     "flags": ProbeSet(("p:fl vfs_read fl=%flags:x64 f=%di:x64",)),
     # a stacktrace trigger with a count: the first two hits only
     "stackn": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace:2"), ("gdbstub",)),
+    # a probed function called from inside the guest's own kprobe handler (its fetch
+    # reads memory: probe_mem_read() -> copy_from_kernel_nofault()): missed on each side
+    "nested": ProbeSet(("p:o do_sys_openat2 x=+0(%sp):u64", "p:c copy_from_kernel_nofault"),
+                       "cat /proc/version >/dev/null"),
+    # two probes under one event name (each line a kprobe_profile line of its own)
+    "multi": ProbeSet(("r:rw vfs_read ret=$retval:s64", "r:rw vfs_write ret=$retval:s64",
+                       "p:pw vfs_read f=%di:x64", "p:pw vfs_write f=%di:x64")),
+    # what 6.1 has not: fprobe entries and exits, $argN at a return, an event probe, on
+    # 6.12 (rethook: an exit sees the real return address) and 7.3 (the function graph)
+    "newer": ProbeSet(NEWER, NEWER_RUN, ("--image", "6.12")),
+    "newest": ProbeSet(NEWER, NEWER_RUN, ("--image", "7.3")),
     # a return probe with a pool of one instance: every call takes the last one
     "pool": ProbeSet(("r1:rr vfs_read ret=$retval:s64", "p:rd vfs_read f=%di:x64"),
                      engines=("plugin",)),
@@ -655,6 +671,8 @@ MUTANTS: tuple[Mutant, ...] = (
        _hits(_edit(_first_irq, _irq_flipped))),
     _m("irq-hit-late", "a hit of the interrupt context recorded after its probe's others",
        "irq", _hits(_irq_hit_late)),
+    _m("irq-unknown", "no hit's context read host-side (every kernel hit's irq empty)",
+       "reads", _hits(lambda hs: [dataclasses.replace(h, irq="") for h in hs])),
     _m("tasks-hits-swapped", "two tasks' writes exchanged while they take turns", "tasks",
        _hits(_hits_swapped_across_pids)),
     _m("tasks-pids-swapped", "two tasks' writes: their pids exchanged", "tasks",

@@ -34,7 +34,7 @@ from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
                               parse_format, parse_stats, read_pages, ring_loss)
-from .tracelayer import TraceLayer
+from .tracelayer import GuestWrite, TraceLayer, write_switch
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -454,13 +454,14 @@ class EventsBackend:
                            pending="not in the kprobes list: accepted, not registered")
         return Outcome(o.probe, True, mode=modes[addr], index=o.index)
 
-    def switch(self, on: bool) -> None:
-        """``echo 1|0 > tracing_on`` done in guest memory, for a caller that holds the
-        guest halted (``harness.engines.gdbstub_engine.HostEngine.halted``): ``tracer_tracing_on()``/
-        ``_off()`` (kernel/trace/trace.c) are ``ring_buffer_record_on()``/``_off()`` on
-        ``global_trace``'s buffer (the ``RB_BUFFER_OFF`` bit, 1 << 20, of
-        ``record_disabled`` in kernel/trace/ring_buffer.c of 6.1, 6.12 and 7.3) and
-        ``buffer_disabled``. Offsets from the kernel's BTF."""
+    def switch_writes(self, on: bool) -> list[GuestWrite]:
+        """``echo 1|0 > tracing_on`` as guest memory writes, for a host engine that makes
+        them at one instant (``switch``; the plugin's recording window):
+        ``tracer_tracing_on()``/``_off()`` (kernel/trace/trace.c) are
+        ``ring_buffer_record_on()``/``_off()`` on ``global_trace``'s buffer (the
+        ``RB_BUFFER_OFF`` bit, 1 << 20, of ``record_disabled`` in
+        kernel/trace/ring_buffer.c of 6.1, 6.12 and 7.3) and ``buffer_disabled``. Offsets
+        from the kernel's BTF."""
         eng, btf = self.vm.host, self.vm.btf
         if self._tr is None:
             gt = self.vm.symbols.lookup("global_trace").addr
@@ -469,10 +470,14 @@ class EventsBackend:
                         btf.offset("trace_buffer", "record_disabled"))
         gt, buf_off, dis_off, rd_off = self._tr
         buf = int.from_bytes(eng.read(gt + buf_off, 8), "little")
-        rd = int.from_bytes(eng.read(buf + rd_off, 4), "little")
-        rd = rd & ~(1 << 20) if on else rd | (1 << 20)
-        eng.write(buf + rd_off, rd.to_bytes(4, "little"))
-        eng.write(gt + dis_off, (0 if on else 1).to_bytes(4, "little"))
+        off = 1 << 20
+        return [(buf + rd_off, 4, 0 if on else off, off if on else 0),
+                (gt + dis_off, 4, 0 if on else 1, 0xFFFFFFFF)]
+
+    def switch(self, on: bool) -> None:
+        """``switch_writes`` made through a host engine that holds the guest halted
+        (``harness.engines.gdbstub_engine.HostEngine.halted``)."""
+        write_switch(self.vm.host, self.switch_writes(on))
 
     def enable(self, *, tracing: bool = True) -> None:
         """Enable our events, then tracing. Through the agent's file API, not a shell: the

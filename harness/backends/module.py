@@ -39,7 +39,7 @@ from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.grammar import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
-from .tracelayer import TraceLayer, refused
+from .tracelayer import GuestWrite, TraceLayer, refused, write_switch
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -635,12 +635,16 @@ class ModuleBackend:
             self._recording_at = int(out.split()[0], 16)
         return self._recording_at
 
+    def switch_writes(self, on: bool) -> list[GuestWrite]:
+        """``record on|off`` as a guest memory write (``WRITE_ONCE(recording, ...)`` of the
+        control write), for a host engine that makes it at one instant: the host's probes
+        and the module's then start and stop at the same guest instruction."""
+        return [(self._recording_addr(), 1, 1 if on else 0, 0xFF)]
+
     def switch(self, on: bool) -> None:
-        """``record on|off`` done in guest memory (``WRITE_ONCE(recording, ...)`` of the
-        control write), for a caller that holds the guest halted
-        (``harness.engines.gdbstub_engine.HostEngine.halted``): the host's probes and the module's then
-        start and stop at the same guest instruction."""
-        self.vm.host.write(self._recording_addr(), bytes([1 if on else 0]))
+        """``switch_writes`` made through a host engine that holds the guest halted
+        (``harness.engines.gdbstub_engine.HostEngine.halted``)."""
+        write_switch(self.vm.host, self.switch_writes(on))
 
     def disable(self) -> None:
         self.vm.write_file(f"{KPH_DIR}/control", b"record off\n")

@@ -23,15 +23,16 @@ from ..errors import (EngineReadError, HarnessError, PluginRecordError, ProbeRej
 from ..kernel.grammar.fetch import (UNKNOWN, FaultError, Reg, below_sp, evaluate, format_ip,
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
-from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline
-from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_PID, RF_TASK, RF_TRUNC,
-                                  RF_UNCONFIRMED, REC_HIT, REC_RET, PluginRecord)
+from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline, preempt_context
+from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NMI, RF_PID,
+                                  RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
+                                  REC_RET, PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
 from ..engines.plugin_uprobes import user_filter, user_trampoline
 from ..engines.uprobes import Uprobe, UprobeManager
 from .eprobes import COMMIT, CommitSite, trigger_args, triggered
-from .tracelayer import (FprobeOps, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
+from .tracelayer import (FprobeOps, GuestWrite, TraceLayer, attach_stubs, detach_stubs, fprobe_pool,
                          register_lines, saved_cmdlines, spec_group)
 from ..vmctl import Machine
 
@@ -46,6 +47,18 @@ def _unknown_like(v: Any) -> Any:
 
 def _is_flags(a: Any) -> bool:
     return isinstance(a.fetch, Reg) and a.fetch.name == "flags"
+
+
+def hit_context(flags: int) -> str:
+    """A record's context, ``irq`` or ``task``, from what the plugin read of the caller's
+    ``preempt_count()`` (``RF_CTX`` and its bits; kph_proto.h), judged as the gdbstub
+    engine judges the whole count (``harness.kernel.kprobes.preempt_context``); "" when
+    the plugin could not read it."""
+    if not flags & RF_CTX:
+        return ""
+    return preempt_context((0x100 if flags & RF_SOFTIRQ else 0) |
+                           (0x10000 if flags & RF_HARDIRQ else 0) |
+                           (0x100000 if flags & RF_NMI else 0))
 
 
 class _RecordCtx:
@@ -332,20 +345,35 @@ class PluginBackend:
                     self.engine.enable_probe(p, False)
             self._armed = False
 
-    def enable(self) -> None:
+    def enable(self, *, switch: Sequence[GuestWrite] | None = None) -> None:
+        """Start recording. ``switch``: the guest side's own switch on (its
+        ``switch_writes(True)``: tracing_on, the module's recording flag), made as the
+        plugin's recording window opens, at one instant where no vCPU is between a hit
+        and the guest's handler of it (``PluginEngine.window``): the two sides record over
+        the same guest instructions, so an interrupt's hit at either edge of the window
+        is on both or neither (the gdbstub engine's one halt, ``HostBackend.enable``).
+        Without it the window opens now and the guest side switches itself."""
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
         if self.alone and not self._stubs and self.layer is not None:
             self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe})
             attach_stubs(self.vm, self._stubs)
+        # with a guest switch, the window stays closed while the probes arm
+        self.engine.window(switch is None, now=True)
         self.engine.records()              # what came before does not count
         self._dropped0 = self.engine.link.dropped
         self.arm()
+        if switch is not None:
+            self.engine.window(True, switch)
         self.recording = True
 
-    def disable(self, *, disarm: bool = True) -> None:
-        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later)."""
+    def disable(self, *, disarm: bool = True, switch: Sequence[GuestWrite] | None = None) -> None:
+        """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later).
+        ``switch``: the guest side's own switch off, made as the window closes (see
+        :meth:`enable`)."""
+        if switch is not None:
+            self.engine.window(False, switch)
         if disarm:
             self.disarm()
         self.recording = False
@@ -480,6 +508,7 @@ class PluginBackend:
         return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
+                   irq="" if up is not None else hit_context(rec.flags),
                    ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
@@ -504,7 +533,7 @@ class PluginBackend:
         return Hit(side=self.side, probe=name, kind="p", seq=seq, cpu=rec.vcpu,
                    pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip="{}.{}".format(*(spec.attach or ("", ""))), ret_from=None, args=args,
-                   mode="plugin", unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                   mode="plugin", irq=hit_context(rec.flags), unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
 
     def collect(self) -> list[Hit]:

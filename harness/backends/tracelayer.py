@@ -589,6 +589,19 @@ Place = Callable[[ProbeSpec, str, int], Outcome]
 Release = Callable[["TraceLayer", ProbeSpec, str, int], Outcome]
 
 
+#: one word of guest memory a side's switch changes: ``(addr, size, set, clear)``, the new
+#: value ``(old & ~clear) | set`` (what the plugin's CMD_WINDOW writes, kph_proto.h)
+GuestWrite = tuple[int, int, int, int]
+
+
+def write_switch(engine: Any, writes: Sequence[GuestWrite]) -> None:
+    """Apply a side's switch through a host engine that holds the guest halted (the
+    gdbstub engine's ``halted()``): each word read, changed and written back."""
+    for addr, size, set_, clear in writes:
+        old = int.from_bytes(engine.read(addr, size), "little")
+        engine.write(addr, ((old & ~clear) | set_).to_bytes(size, "little"))
+
+
 def refused(name: str, spec: ProbeSpec, refusal: Refusal, *, index: int,
             reason: str = "", words: str = "") -> Outcome:
     """The Outcome of a line the kernel refuses: its errno and its ``error_log`` words

@@ -198,9 +198,11 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         # no hit of another task (idle, softirq) falls between the two sides' windows,
         # and the halt is one where no vCPU is between the host's breakpoint and the
         # guest's handler (HostEngine.halted(settle=True)).
+        # With the plugin engine the same: its recording window opens and closes with the
+        # guest's switch, written by a vCPU as it enters or leaves idle
+        # (PluginBackend.enable(switch=...)).
         same_halt = isinstance(h, HostBackend)
-        g.enable(**({} if not same_halt else {"tracing": False} if guest == "events"
-                    else {"recording": False}))
+        g.enable(**({"tracing": False} if guest == "events" else {"recording": False}))
         if same_halt:
             def start() -> None:
                 g.switch(True)
@@ -208,14 +210,14 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                     h.trigger_counts(g.trigger_counts())
             h.enable(also=start)
         else:
-            h.enable()
+            h.enable(switch=g.switch_writes(True))
         say(progress, f"workload running: {workload}")
         with ticking(progress, _live_hits(h)):
             r = vm.run(workload, timeout=timeout)
         if same_halt:
             h.disable(disarm=guest != "module", also=lambda: g.switch(False))
         else:
-            h.disable(disarm=guest != "module")
+            h.disable(disarm=guest != "module", switch=g.switch_writes(False))
         g.disable()
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
         g_hits, g_counters = g.collect(), g.counters()

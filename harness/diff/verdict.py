@@ -440,10 +440,11 @@ def _compare_pair(res: DiffResult, ctx: Ctx, probe: str, i: int, ha: Hit, hb: Hi
     """Stage ``field``: every field of one pair; each difference goes through the field
     rules in registry order, the first whose check holds makes it equal (counted). The
     first difference left, as ``(field, a, b)``; None when they agree."""
+    # the context (irq or task) is compared wherever one side knows it: every side reads
+    # it for every kernel hit (trace entry flags, the module's in_serving_softirq(), the
+    # engines' preempt_count()), so a side without it failed to measure it, which is a
+    # difference, not a pass; uprobe hits carry none on any side
     fa, fb = _fields(ha), _fields(hb)
-    if ("irq" in fa) != ("irq" in fb):      # context known on one side only: no rule used it
-        fa.pop("irq", None)
-        fb.pop("irq", None)
     for k in dict.fromkeys([*fa, *fb]):
         va, vb = fa.get(k, "<none>"), fb.get(k, "<none>")
         if va == vb:

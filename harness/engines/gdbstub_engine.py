@@ -58,10 +58,10 @@ from .base import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, EngineCore, read_cstrin
 from .rethook import Rethook
 from ..errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedError, VMLostError
 from ..gdbstub import GdbStub, Stop, readable
-from ..machine.image.facts import percpu_current_task
+from ..machine.image.facts import percpu_current_task, percpu_offset
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
-                              ProbeFlags, PtRegs)
+                              ProbeFlags, PtRegs, preempt_context)
 from ..kernel.unwind import stack_trace
 from ..kernel.symbols import ReservedText, is_ftrace_site
 from ..vmctl import register_host_engine
@@ -502,46 +502,33 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
     def hit_context(self, regs: PtRegs) -> str:
         """``irq`` (the probed call runs in a softirq or a hardirq) or ``task``, as the
         guest's trace entry flags tell it (``tracing_gen_ctx()``), from ``preempt_count()``;
-        "" when it cannot be read. An NMI counts as ``task``: an int3-based guest kprobe
-        runs its handler in NMI context whatever the caller was. Where the count lives: per-cpu ``__preempt_count`` (6.1, 7.3),
-        ``pcpu_hot.preempt_count`` (6.2 to 6.14: arch/x86/include/asm/preempt.h)."""
-        where = self._percpu_where("__preempt_count", "preempt_count")
-        if where is None:
-            return ""
-        pc = self.percpu_read(regs, *where)
-        if pc is None:
-            return ""
-        pc &= 0x7FFFFFFF                       # PREEMPT_NEED_RESCHED is folded in, inverted
-        if pc & 0x100 or (pc & 0x000F0000 and not pc & 0x00F00000):   # SOFTIRQ_OFFSET, HARDIRQ
-            return "irq"
-        return "task"
+        "" when it cannot be read (``harness.kernel.kprobes.preempt_context``). Where the
+        count lives: ``facts.percpu_preempt_count``."""
+        off = self._percpu_off("__preempt_count", "preempt_count")
+        pc = self.percpu_read_at(regs, off) if off is not None else None
+        return "" if pc is None else preempt_context(pc)
 
-    def _percpu_where(self, var: str, hot: str) -> tuple[str, int] | None:
-        """Where a per-cpu value lives: its own per-cpu variable ``var``, or member
-        ``hot`` of ``pcpu_hot`` (6.2 to 6.14 gathered the hottest there:
-        arch/x86/include/asm/current.h), as ``(symbol, offset)``; None with neither."""
-        cache = self.__dict__.setdefault("_percpu_wheres", {})
+    def _percpu_off(self, var: str, hot: str) -> int | None:
+        """The per-cpu offset of ``var`` (``facts.percpu_offset``: its own per-cpu
+        variable or member ``hot`` of ``pcpu_hot``), once per engine."""
+        cache = self.__dict__.setdefault("_percpu_offs", {})
         if var not in cache:
-            where: tuple[str, int] | None = None
-            if self.symbols.get(var) is not None:
-                where = (var, 0)
-            elif self.symbols.get("pcpu_hot") is not None:
-                off = self._btf_offset("pcpu_hot", hot)
-                where = ("pcpu_hot", off) if off is not None else None
-            cache[var] = where
+            cache[var] = percpu_offset(self.symbols, self.btf, var, hot)
         return cache[var]
 
-    def percpu_read(self, regs: PtRegs, name: str, offset: int = 0) -> int | None:
+    def percpu_read(self, regs: PtRegs, name: str) -> int | None:
         """``this_cpu_read(name)`` for a per-cpu ``unsigned long`` or pointer on the vCPU of
-        ``regs``: 8 bytes at the GS base plus the symbol (zero-based per-cpu symbols up to
-        6.14, section addresses in 7.x: the sum wraps as the CPU's segment addressing
-        does). None when the kernel has no such symbol or it cannot be read."""
+        ``regs``. None when the kernel has no such symbol or it cannot be read."""
         sym = self.symbols.get(name)
-        if sym is None:
-            return None
+        return None if sym is None else self.percpu_read_at(regs, sym.addr)
+
+    def percpu_read_at(self, regs: PtRegs, off: int) -> int | None:
+        """8 bytes at the GS base plus the per-cpu offset ``off`` on the vCPU of ``regs``
+        (zero-based per-cpu symbols up to 6.14, section addresses in 7.x: the sum wraps
+        as the CPU's segment addressing does); None when it cannot be read."""
         try:
             base = regs.read_sys("k_gs_base" if regs.get("cs") & 3 == 3 else "gs_base")
-            addr = (base + sym.addr + offset) & ((1 << 64) - 1)
+            addr = (base + off) & ((1 << 64) - 1)
             return int.from_bytes(self.stub.read_memory(addr, 8), "little")
         except MemoryFaultError:
             return None
@@ -841,11 +828,11 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         """``this_cpu_read(hardirq_stack_ptr)`` on vCPU ``th``: a per-cpu variable on 6.1
         and 7.3 (arch/x86/include/asm/processor.h), ``pcpu_hot.hardirq_stack_ptr`` on 6.2
         to 6.14 (arch/x86/include/asm/current.h); None when the kernel has neither."""
-        where = self._percpu_where("hardirq_stack_ptr", "hardirq_stack_ptr")
-        if where is None:
+        off = self._percpu_off("hardirq_stack_ptr", "hardirq_stack_ptr")
+        if off is None:
             return None
         try:
-            return self.percpu_read(self._regs(th, {}), *where)
+            return self.percpu_read_at(self._regs(th, {}), off)
         except HarnessError:
             return None
 

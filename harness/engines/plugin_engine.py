@@ -61,17 +61,16 @@ from ..errors import HarnessError, ProbeRejectedError, SetupError
 from .uprobes import Uprobe
 from ..kernel.kprobes import (Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, PtRegs,
                               kernel_rethook_trampoline)
-from ..machine.pluginlink import (ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, ADD_FTRACE,
-                     ADD_FTRACE_OPS,
-                     ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE,
-                     CMD_CONFIG, CMD_ENABLE, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, INVAL_PENDING, INVAL_TEXT,
-                     PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, Channel, PluginLink,
-                     PluginRecord,
-                     decode, ADD_KPROBE_RUNNING, CMD_FAILREAD, FULL_PROBES, FULL_SITE,
-                     MAX_PER_SITE, MAX_PROBES, NGSTATS, PK_FLUSH, PK_UFREE, PluginError)
+from ..machine.pluginlink import (
+    ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, ADD_FTRACE, ADD_FTRACE_OPS, ADD_KPROBE_RUNNING,
+    ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE, CMD_CONFIG, CMD_ENABLE,
+    CMD_FAILREAD, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, CMD_WINDOW, FULL_PROBES,
+    FULL_SITE, INVAL_PENDING, INVAL_TEXT, MAX_PER_SITE, MAX_PROBES, MAX_WIN_WRITES, NGSTATS,
+    PK_FLUSH, PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, PK_UFREE, WIN_FAILED,
+    WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
-from ..machine.image.facts import percpu_current_task
+from ..machine.image.facts import percpu_current_task, percpu_preempt_count
 from ..machine.handlerctx import HandlerErrors
 from ..kernel.symbols import ReservedText, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
@@ -143,11 +142,15 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         # and current_kprobe's: kprobe_running() for probes of the guest's kind (the
         # gdbstub engine's guest_kprobe_running(), the same per-cpu read)
         ckp = self.symbols.get("current_kprobe")
-        self.link.request(CMD_CONFIG, struct.pack("<9Q", *self.task_offsets, self.trampoline,
+        # and preempt_count()'s: each hit's context, irq or task (the gdbstub engine's
+        # hit_context(), the same per-cpu read)
+        pco = percpu_preempt_count(self.symbols, vm.btf)
+        self.link.request(CMD_CONFIG, struct.pack("<10Q", *self.task_offsets, self.trampoline,
                                                   flags, kernel_rethook_trampoline(self.symbols),
                                                   rth.addr if rth is not None else 0,
                                                   tco.addr if tco is not None else 0,
-                                                  ckp.addr if ckp is not None else 0))
+                                                  ckp.addr if ckp is not None else 0,
+                                                  pco or 0))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None
@@ -424,6 +427,39 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         """Nothing to forget: the plugin decodes no instruction (the gdbstub engine's
         emulation cache is what this clears there), and QEMU retranslates guest-patched
         code through the same callbacks."""
+
+    def window(self, on: bool, writes: Sequence[tuple[int, int, int, int]] = (), *,
+               now: bool = False) -> int:
+        """Open or close the plugin's recording window (spec probes record only while it
+        is open; their counts and instances go on regardless, as a guest kprobe's do
+        under ``tracing_on``), and make ``writes`` (``(addr, size, set, clear)``: the
+        guest's own switch) at the same instant, where no vCPU is between a hit and the
+        guest's handler of it (kph_proto.h ``CMD_WINDOW``). ``now``: at once, with no
+        write. Returns a ``WIN_*`` status; ``WIN_UNSETTLED`` is counted
+        (``stats["unsettled"]``).
+
+        :raise HarnessError: the switch was not made in time, or a guest write failed.
+        """
+        if len(writes) > MAX_WIN_WRITES or (now and writes):
+            raise ValueError(f"window(): {len(writes)} writes (now={now})")
+        st = struct.unpack("<I", self.link.request(CMD_WINDOW, struct.pack(
+            "<II", int(on) | (2 if now else 0), len(writes)) + b"".join(
+                struct.pack("<QIIQQ", a, size, 0, set_, clear)
+                for a, size, set_, clear in writes)))[0]
+        if not now:
+            self.stats[f"window_{WIN_TEXT.get(st, st)}"] += 1
+        if st == WIN_UNSETTLED:
+            self.stats["unsettled"] += 1
+            log.warning("the plugin switched its recording window where a vCPU was busy "
+                        "(no vCPU idled within a second): a hit in flight there is seen "
+                        "by one side only")
+        elif st == WIN_PENDING:
+            raise HarnessError("the plugin could not switch its recording window within "
+                               "2 s: no vCPU ran a callback (is the guest hung?)")
+        elif st == WIN_FAILED:
+            raise HarnessError("the plugin could not write the guest's switch at "
+                               + ", ".join(f"{a:#x}" for a, *_ in writes))
+        return st
 
     def records(self) -> list[PluginRecord]:
         """Every hit recorded since the last call, in the order they happened."""

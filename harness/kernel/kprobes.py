@@ -258,6 +258,22 @@ class Jprobe:
     kp: Kprobe | None = field(default=None, repr=False)
 
 
+def preempt_context(pc: int) -> str:
+    """The context of a probed call from the caller's ``preempt_count()``, as the guest's
+    trace entry records it (``tracing_gen_ctx_irq_test()``, kernel/trace/trace.c, 6.1 to
+    7.3: TRACE_FLAG_SOFTIRQ from ``in_serving_softirq()``, TRACE_FLAG_HARDIRQ from
+    ``hardirq_count()``, TRACE_FLAG_NMI from ``in_nmi()``): ``irq`` in a softirq, or in a
+    hardirq that is not an NMI (include/linux/preempt.h: SOFTIRQ_OFFSET 0x100,
+    HARDIRQ_MASK 0xf0000, NMI_MASK 0xf00000), else ``task``. An NMI counts as ``task``:
+    an int3-based guest kprobe runs its handler in NMI context whatever its caller was,
+    so only the caller's softirq bit tells there (``harness.backends.events._context``).
+    x86 folds PREEMPT_NEED_RESCHED into bit 31, inverted: ignored."""
+    pc &= 0x7FFFFFFF
+    if pc & 0x100 or (pc & 0x000F0000 and not pc & 0x00F00000):
+        return "irq"
+    return "task"
+
+
 def kernel_rethook_trampoline(symbols: Any) -> int:
     """The guest kernel's own kretprobe trampoline: ``arch_rethook_trampoline`` where
     kretprobes run on rethook (x86 since 5.19: CONFIG_KRETPROBE_ON_RETHOOK, so 6.1, 6.12

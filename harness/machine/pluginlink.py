@@ -61,6 +61,13 @@ CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5
 CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11
 #: tests only: the plugin's reads of a range fail although it maps (an unconfirmed fault)
 CMD_FAILREAD = 12
+#: the recording window, and the guest's own switch written at the same instant
+CMD_WINDOW = 13
+MAX_WIN_WRITES = 4
+#: CMD_WINDOW's reply (kph_proto.h says what each means)
+WIN_SETTLED, WIN_IDLE, WIN_UNSETTLED, WIN_PENDING, WIN_FAILED = 0, 1, 2, 3, 4
+WIN_TEXT = {WIN_SETTLED: "settled", WIN_IDLE: "idle", WIN_UNSETTLED: "unsettled",
+            WIN_PENDING: "pending", WIN_FAILED: "failed"}
 #: why CMD_ADD answered ENOSPC (its reply's u32)
 FULL_SITE, FULL_PROBES, FULL_TABLE = 1, 2, 3
 #: CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
@@ -87,6 +94,8 @@ REC_HIT, REC_RET, REC_PAD, REC_ERROR = 1, 2, 3, 4
 #: RF_UNCONFIRMED: a read of the hit's program failed where every page translates (the
 #: plugin's failure, not a fault of the guest's: the hit is an engine error)
 RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG, RF_UNCONFIRMED = 1, 2, 4, 8, 16, 32
+#: the caller's context: its preempt_count() was read (RF_CTX), and what it held
+RF_CTX, RF_SOFTIRQ, RF_HARDIRQ, RF_NMI = 64, 128, 256, 512
 INVAL_DONE, INVAL_IDLE, INVAL_PENDING, INVAL_SKIPPED = 0, 1, 2, 3
 INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "pending",
               INVAL_SKIPPED: "skipped"}

@@ -165,6 +165,7 @@ static void reset_session(void)
     }
     pthread_mutex_unlock(&g_lock);
     post_mode_check();
+    window_switch(1, 1, 0, NULL, 0);    /* the window open, a pending switch dropped */
 }
 
 static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
@@ -448,8 +449,9 @@ int serve(int fd)
         case CMD_CONFIG:
             /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
              * u64 flags (CFG_*)[, u64 kernel rethook trampoline, u64 return_to_handler
-             * [, u64 this_cpu_off's per-cpu offset[, u64 current_kprobe's]]] */
-            if (len != 40 && len != 56 && len != 64 && len != 72) {
+             * [, u64 this_cpu_off's per-cpu offset[, u64 current_kprobe's
+             * [, u64 preempt_count()'s]]]] */
+            if (len != 40 && len != 56 && len != 64 && len != 72 && len != 80) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -470,6 +472,9 @@ int serve(int fd)
                 if (len >= 72) {
                     memcpy(&f, pl + 64, 8);
                     atomic_store(&g_current_kprobe, f);
+                }
+                if (len >= 80) {
+                    memcpy(&g_preempt_off, pl + 72, 8);
                 }
             }
             memcpy(&g_cur_task_off, pl, 8);
@@ -704,6 +709,37 @@ int serve(int fd)
                 request_invalidate(a);
                 st = (uint32_t)wait_invalidated(2000);
             }
+            rc = reply(fd, 0, &st, 4);
+            break;
+        }
+        case CMD_WINDOW: {
+            uint32_t on, nw;
+
+            if (len < 8) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            memcpy(&on, pl, 4);
+            memcpy(&nw, pl + 4, 4);
+            if (nw > MAX_WIN_WRITES || len != 8 + 32 * nw || (on & ~3u)) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            for (uint32_t i = 0; i < nw; i++) {
+                uint32_t size;
+
+                memcpy(&size, pl + 8 + 32 * i + 8, 4);
+                if (size != 1 && size != 2 && size != 4 && size != 8) {
+                    nw = UINT32_MAX;
+                    break;
+                }
+            }
+            if (nw == UINT32_MAX) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            /* bit 0: open; bit 1: now (no guest write, a pending switch dropped) */
+            st = (uint32_t)window_switch((int)(on & 1), (int)(on >> 1), (int)nw, pl + 8, 1000);
             rc = reply(fd, 0, &st, 4);
             break;
         }

@@ -65,6 +65,7 @@ uint64_t g_mm_off;           /* task_struct.mm, once a user return probe exists 
 _Atomic uint64_t g_cfg_flags;
 /* CMD_CONFIG's eighth word: the per-cpu address of current_kprobe (kprobe_running()) */
 _Atomic uint64_t g_current_kprobe;
+uint64_t g_preempt_off;      /* per-cpu offset of preempt_count() (CMD_CONFIG), 0: none */
 /* CMD_CONFIG's optional tail: what the guest kernel writes in a return-address slot it
  * hooks (arch_rethook_trampoline; return_to_handler for ADD_FGRAPH probes), which a
  * program reading a slot the plugin hooked sees instead of the plugin's trampoline */
@@ -478,10 +479,18 @@ void read_context(vcpu_t *v, uint64_t pc)
     v->task = 0;
     v->pid = 0;
     memset(v->comm, 0, sizeof(v->comm));
+    base = reg_read(v, (v->regs[KREG_CS] & 3) == 3 ? g_kgs_base : g_gs_base);
+    if (g_preempt_off) {
+        uint32_t pc;
+
+        if (mem_read(v, base + g_preempt_off, &pc, 4) == 0) {
+            v->tflags |= RF_CTX | (pc & 0x100 ? RF_SOFTIRQ : 0) |
+                         (pc & 0x000F0000 ? RF_HARDIRQ : 0) | (pc & 0x00F00000 ? RF_NMI : 0);
+        }
+    }
     if (!g_cur_task_off) {
         return;
     }
-    base = reg_read(v, (v->regs[KREG_CS] & 3) == 3 ? g_kgs_base : g_gs_base);
     if (mem_read(v, base + g_cur_task_off, &v->task, 8) != 0) {
         return;
     }
@@ -550,6 +559,9 @@ void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func,
     };
     uint32_t size;
 
+    if (!atomic_load_explicit(&g_window, memory_order_relaxed)) {
+        return;                     /* the recording window is closed (CMD_WINDOW) */
+    }
     v->unconfirmed = 0;             /* counted by mem_read() from here to the header */
     if (ri) {
         cap.edata = ri->edata;
@@ -593,6 +605,129 @@ void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func,
     ring_put(vcpu, v->rec, size);
 }
 
+/* ---------------------------------------------------------------- the recording window */
+
+/* Spec probes record only while the window is open (CMD_WINDOW; open by default and at
+ * every new session). The harness opens and closes it together with the guest's own
+ * switch, as tracing_on gates the guest's ring buffer while its kprobes stay armed
+ * (kernel/trace/trace.c: tracer_tracing_on()/_off(); a kprobe's handler still runs and
+ * counts): both sides then record over the same instructions. The switch is applied by
+ * a vCPU (guest memory is written only from a vCPU) where none is between a hit and the
+ * guest's handler of it: as a vCPU enters or leaves idle. */
+atomic_int g_window = 1;
+static pthread_mutex_t win_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t win_cond = PTHREAD_COND_INITIALIZER;
+static atomic_int win_pending;      /* a switch waits for a vCPU */
+static atomic_int win_force;        /* ... at its next callback of any kind */
+static int win_on, win_nw, win_status;
+static uint64_t win_req, win_done;
+static struct {
+    uint64_t addr, set, clear;
+    uint32_t size;
+} win_w[MAX_WIN_WRITES];
+
+/* vCPU: apply a pending switch, if this is a point it may be applied at. */
+static void service_window(vcpu_t *v, int settled)
+{
+    int i, failed = 0;
+
+    if (!atomic_load_explicit(&win_pending, memory_order_acquire)) {
+        return;
+    }
+    if (!settled && !atomic_load_explicit(&win_force, memory_order_relaxed)) {
+        return;
+    }
+    if (pthread_mutex_trylock(&win_lock) != 0) {
+        return;
+    }
+    if (atomic_load(&win_pending)) {
+        for (i = 0; i < win_nw; i++) {
+            uint64_t x = 0;
+
+            if (mem_read(v, win_w[i].addr, &x, win_w[i].size) != 0) {
+                failed = 1;
+                continue;
+            }
+            x = (x & ~win_w[i].clear) | win_w[i].set;
+            if (mem_write(v, win_w[i].addr, &x, win_w[i].size) != 0) {
+                failed = 1;
+            }
+        }
+        atomic_store(&g_window, win_on);
+        win_status = failed ? WIN_FAILED : settled ? WIN_SETTLED : WIN_UNSETTLED;
+        win_done = win_req;
+        atomic_store(&win_pending, 0);
+        atomic_store(&win_force, 0);
+        pthread_cond_broadcast(&win_cond);
+    }
+    pthread_mutex_unlock(&win_lock);
+}
+
+static void win_deadline(struct timespec *dl, int ms)
+{
+    clock_gettime(CLOCK_REALTIME, dl);
+    dl->tv_sec += ms / 1000;
+    dl->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (dl->tv_nsec >= 1000000000L) {
+        dl->tv_sec++;
+        dl->tv_nsec -= 1000000000L;
+    }
+}
+
+/* Control thread: CMD_WINDOW. `now`: switch at once, no guest write (and drop a switch
+ * still pending); else wait up to `settle_ms` for a vCPU to apply it where it settles,
+ * then up to as long again at any callback. Returns a WIN_* status. */
+int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms)
+{
+    struct timespec dl;
+    uint64_t want;
+    int i, rc, forced = 0;
+
+    pthread_mutex_lock(&win_lock);
+    if (now) {
+        atomic_store(&win_pending, 0);
+        atomic_store(&win_force, 0);
+        atomic_store(&g_window, on);
+        pthread_mutex_unlock(&win_lock);
+        return WIN_SETTLED;
+    }
+    for (i = 0; i < nw; i++) {
+        memcpy(&win_w[i].addr, w + 32 * i, 8);
+        memcpy(&win_w[i].size, w + 32 * i + 8, 4);
+        memcpy(&win_w[i].set, w + 32 * i + 16, 8);
+        memcpy(&win_w[i].clear, w + 32 * i + 24, 8);
+    }
+    win_nw = nw;
+    win_on = on;
+    want = ++win_req;
+    atomic_store(&win_force, 0);
+    atomic_store_explicit(&win_pending, 1, memory_order_release);
+    win_deadline(&dl, settle_ms);
+    for (;;) {
+        if (win_done >= want) {
+            rc = win_status;
+            break;
+        }
+        /* an idle vCPU runs nothing before it leaves idle, and applies it then */
+        if (!forced && all_idle()) {
+            rc = WIN_IDLE;
+            break;
+        }
+        if (pthread_cond_timedwait(&win_cond, &win_lock, &dl) == ETIMEDOUT &&
+            win_done < want) {
+            if (forced) {
+                rc = WIN_PENDING;
+                break;
+            }
+            forced = 1;
+            atomic_store(&win_force, 1);
+            win_deadline(&dl, settle_ms);
+        }
+    }
+    pthread_mutex_unlock(&win_lock);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- callbacks */
 
 static void on_site(unsigned int vcpu, void *ud)
@@ -606,6 +741,7 @@ static void on_site(unsigned int vcpu, void *ud)
         return;
     }
     service_invalidations(v);
+    service_window(v, 0);
     if (s->tramp) {
         on_trampoline(vcpu, v, s->addr);
         return;
@@ -854,6 +990,7 @@ static void on_discon(unsigned int vcpu, enum qemu_plugin_discon_type type, uint
     atomic_fetch_add_explicit(type == QEMU_PLUGIN_DISCON_INTERRUPT ? &g_n_irq : &g_n_exc, 1,
                               memory_order_relaxed);
     service_invalidations(v);
+    service_window(v, 0);
     if (v->post_armed && !v->discon_pending) {
         v->discon_pending = type == QEMU_PLUGIN_DISCON_INTERRUPT ? 1 : 2;
     }
@@ -866,6 +1003,7 @@ static void on_idle(unsigned int vcpu, void *ud)
     (void)ud;
     if (v) {
         service_invalidations(v);
+        service_window(v, 1);
         atomic_store(&v->idle, 1);
     }
 }
@@ -878,6 +1016,7 @@ static void on_resume(unsigned int vcpu, void *ud)
     if (v) {
         atomic_store(&v->idle, 0);
         service_invalidations(v);
+        service_window(v, 1);
     }
 }
 

@@ -33,6 +33,7 @@
 #define TABLE_SIZE 16384            /* power of two; sites are never removed */
 #define MAX_PROBES KPH_MAX_PROBES
 #define MAX_PER_SITE KPH_MAX_PER_SITE
+#define MAX_WIN_WRITES KPH_MAX_WIN_WRITES
 #define MAX_PROG KPH_MAX_PROG
 #define REC_MAX KPH_REC_MAX
 #define MAX_PENDING 1024            /* more pending invalidations: one full flush */
@@ -149,6 +150,7 @@ extern uint64_t g_this_cpu_off;
 extern uint64_t g_mm_off;
 extern _Atomic uint64_t g_cfg_flags;
 extern _Atomic uint64_t g_current_kprobe;
+extern uint64_t g_preempt_off;
 extern _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 extern atomic_uint_fast64_t g_seq;
 extern atomic_uint_fast64_t g_tramp_missing;
@@ -190,6 +192,8 @@ int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len);
 void read_context(vcpu_t *v, uint64_t pc);
 void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func, uint64_t ret_addr, const inst *ri);
 int reset_all(int timeout_ms);
+int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms);
+extern atomic_int g_window;
 
 /* returns.c */
 unsigned int live_bucket(uint64_t slot);

@@ -31,7 +31,21 @@ enum {
     /* tests only: u64 addr, u64 len; the plugin's reads of those bytes fail although the
      * page maps (an unconfirmed fault: the harness must not take it for the guest's) */
     CMD_FAILREAD = 12,
+    /* the recording window: u32 on, u32 nwrites (<= KPH_MAX_WIN_WRITES), then per write
+     * u64 addr, u32 size (1, 2, 4 or 8), u32 pad, u64 set, u64 clear; spec probes record
+     * only while the window is open, and the guest's own switch (its tracing_on, the
+     * module's recording flag: value = (value & ~clear) | set) is written at the same
+     * instant, at a point no vCPU is between a hit and the guest's handler of it (a vCPU
+     * entering or leaving idle). u32 reply: WIN_* */
+    CMD_WINDOW = 13,
 };
+#define KPH_MAX_WIN_WRITES 4
+/* CMD_WINDOW's reply: applied when a vCPU entered or left idle (SETTLED); every vCPU idle,
+ * so the first to leave idle applies it before it runs anything (IDLE); no vCPU idled in
+ * time and the next callback of any kind applied it (UNSETTLED: a hit in flight there is
+ * seen by one side only); not applied in time (PENDING: applied later, as UNSETTLED);
+ * a guest write failed (FAILED: the window switched, the guest's switch did not) */
+enum { WIN_SETTLED = 0, WIN_IDLE = 1, WIN_UNSETTLED = 2, WIN_PENDING = 3, WIN_FAILED = 4 };
 /* CMD_ADD refused with ENOSPC: which limit (u32 reply payload) */
 enum { KPH_FULL_SITE = 1, KPH_FULL_PROBES = 2, KPH_FULL_TABLE = 3 };
 /* CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
@@ -85,7 +99,12 @@ enum { REC_HIT = 1, REC_RET = 2, REC_PAD = 3, REC_ERROR = 4 };
 /* record flags: RF_UNCONFIRMED, a read of the program failed where the page translates
  * (a failure of the plugin's read, not the guest's fault: the harness fails the hit) */
 enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16,
-       RF_UNCONFIRMED = 32 };
+       RF_UNCONFIRMED = 32,
+       /* the caller's context: RF_CTX when its preempt_count() was read (CMD_CONFIG's
+        * per-cpu offset), then what it held: in_serving_softirq(), hardirq_count(), in_nmi()
+        * (include/linux/preempt.h); the harness decides irq or task as the guest's trace
+        * entry does (harness.kernel.kprobes.preempt_context) */
+       RF_CTX = 64, RF_SOFTIRQ = 128, RF_HARDIRQ = 256, RF_NMI = 512 };
 enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
 
 /* the ring: a header page, per-vCPU control blocks, per-vCPU data areas */

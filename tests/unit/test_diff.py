@@ -599,6 +599,39 @@ def test_irq_order_moves_only_the_hit_the_interrupt_passed():
     assert not res.equivalent and res.first.field == "irq"
 
 
+def test_a_context_one_side_did_not_read_is_a_difference_not_a_pass():
+    """Defect 5 (``irq``): a host that reads no context for a kernel hit (an engine that
+    lost its preempt_count() read) is compared, not left out: the field is ``irq``."""
+    g = dataclasses.replace(hit("events", 0, dfd=1), irq="task")
+    for host_irq, guest_irq in (("", "task"), ("task", ""), ("", "irq")):
+        res = compare(run("host", [dataclasses.replace(g, side="host", irq=host_irq)]),
+                      run("events", [dataclasses.replace(g, irq=guest_irq)]))
+        assert not res.equivalent and res.first.field == "irq", (host_irq, guest_irq)
+    # neither side has one (uprobe hits): nothing to compare
+    res = compare(run("host", [dataclasses.replace(g, side="host", irq="")]),
+                  run("events", [dataclasses.replace(g, irq="")]))
+    assert res.equivalent
+
+
+def test_the_plugin_s_context_bits_are_judged_as_the_whole_count():
+    """The plugin records what it read of preempt_count() as bits (kph_proto.h RF_CTX,
+    RF_SOFTIRQ, RF_HARDIRQ, RF_NMI); each combination means what the count means."""
+    from harness.backends.plugin import hit_context
+    from harness.kernel.kprobes import preempt_context
+    from harness.machine.pluginlink import RF_CTX, RF_HARDIRQ, RF_NMI, RF_PID, RF_SOFTIRQ
+
+    assert hit_context(RF_PID) == ""
+    assert hit_context(RF_CTX) == "task"
+    assert hit_context(RF_CTX | RF_SOFTIRQ) == "irq"
+    assert hit_context(RF_CTX | RF_HARDIRQ) == "irq"
+    assert hit_context(RF_CTX | RF_HARDIRQ | RF_NMI) == "task"    # an NMI: task
+    assert hit_context(RF_CTX | RF_SOFTIRQ | RF_HARDIRQ | RF_NMI) == "irq"
+    # the count itself: preemption disabled is task, NEED_RESCHED (bit 31) ignored
+    assert preempt_context(0x1) == "task" and preempt_context(0x80000000) == "task"
+    assert preempt_context(0x200) == "task"        # softirqs disabled (SOFTIRQ_DISABLE_OFFSET)
+    assert preempt_context(0x101) == "irq" and preempt_context(0x10001) == "irq"
+
+
 def test_a_pid_one_hit_lacks_is_compared_unless_the_side_knows_no_pid_at_all():
     """Defect 5: a pid the host could not read at one hit (a swallowed fault) no longer
     switches the comparison off; only a side that knows no pid at all (no task offsets)

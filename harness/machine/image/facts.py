@@ -216,20 +216,35 @@ def kernel_view(facts: KernelFacts, symbols: Any = None, *, read: Any = None,
     return KernelView(rules, b, on_func_entry, count_symbol, module_count, dentry)
 
 
+def percpu_offset(symbols: Any, btf: Any, var: str, hot: str | None = None) -> int | None:
+    """The per-cpu offset of the value ``this_cpu_read(var)`` reads: the per-cpu variable
+    ``var`` itself, or, where the kernel has none, member ``hot`` of the per-cpu ``struct
+    pcpu_hot`` (6.2 to 6.14 gathered the hottest there: arch/x86/include/asm/current.h;
+    ``current_task``, ``preempt_count``, ``hardirq_stack_ptr``). Decided by what the
+    kernel has, not by its version number; None with neither."""
+    sym = symbols.get(var)
+    if sym is not None:
+        return int(sym.addr)
+    pcpu = symbols.get("pcpu_hot")
+    if pcpu is None or hot is None:
+        return None
+    try:
+        return int(pcpu.addr) + int(btf.offset("pcpu_hot", hot))
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
 def percpu_current_task(symbols: Any, btf: Any) -> int | None:
     """The per-cpu offset of ``current`` (``get_current()``, arch/x86/include/asm/
     current.h). 6.1 and 7.3: the per-cpu variable ``current_task``; 6.2 to 6.14 (6.12
-    here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``. Decided by
-    what the kernel has, not by its version number."""
-    cur = symbols.get("current_task")
-    if cur is not None:
-        return int(cur.addr)
-    hot = symbols.get("pcpu_hot")
-    try:
-        off = int(btf.offset("pcpu_hot", "current_task"))
-    except (KeyError, ValueError, AttributeError):
-        return None
-    return int(hot.addr) + off if hot is not None else None
+    here): the ``current_task`` member of the per-cpu ``struct pcpu_hot``."""
+    return percpu_offset(symbols, btf, "current_task", "current_task")
+
+
+def percpu_preempt_count(symbols: Any, btf: Any) -> int | None:
+    """The per-cpu offset of ``preempt_count()`` (arch/x86/include/asm/preempt.h): the
+    per-cpu ``__preempt_count`` (6.1, 7.3), ``pcpu_hot.preempt_count`` (6.2 to 6.14)."""
+    return percpu_offset(symbols, btf, "__preempt_count", "preempt_count")
 
 
 def harvest(vm: Any, dest: Path, *, only: tuple[str, ...] | None = None) -> None:
