@@ -40,7 +40,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import cli, errors, gdbstub
+from harness import cli, constants, errors, gdbstub
 from harness.kernel.grammar import program as fetchprog  # noqa: E402
 from harness.backends import host as host_backend  # noqa: E402
 from harness.backends import plugin as plugin_backend  # noqa: E402
@@ -90,6 +90,8 @@ class ProbeSet:
 PREEMPT_RUN = ("for j in 1 2 3; do (i=0; while [ $i -lt 15 ]; do i=$((i+1)); k=0; "
                "while [ $k -lt 100 ]; do k=$((k+1)); done; echo $i >/dev/null; done) & done; wait")
 PREEMPT = ("p:wr ksys_write fd=%di:s32 n=%dx:u64", "r:wrr ksys_write ret=$retval:s64")
+#: the default command line with full preemption (PREEMPT_DYNAMIC's preempt=full)
+PREEMPT_FULL = constants.DEFAULT_APPEND + " preempt=full"
 
 PROBE_SETS: dict[str, ProbeSet] = {
     "reads": ProbeSet(READS), "opens": ProbeSet(OPENS), "refused": ProbeSet(REFUSED),
@@ -98,6 +100,10 @@ PROBE_SETS: dict[str, ProbeSet] = {
     # (CMD_WINDOW): it missed rcu_core's softirq hits at the window's edges before
     "irq": ProbeSet(IRQ, "ls /proc >/dev/null; sleep 0.05"),
     "tasks": ProbeSet(PREEMPT, PREEMPT_RUN),
+    # the same, booted preempt=full: a task preempted between the host's record and the
+    # guest's handler (preempt-order applies: 21 and 22 moves in two gdbstub runs, 6.1)
+    "preempt": ProbeSet(PREEMPT + ("p:kf kfree ptr=%di:x64",), PREEMPT_RUN,
+                        ("--append", PREEMPT_FULL)),
     "stack": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace"), ("gdbstub",)),
     "silent": ProbeSet(SILENT),
     "exits": ProbeSet(EXITS, "for i in $(seq 20); do /bin/true; done"),
@@ -677,6 +683,12 @@ MUTANTS: tuple[Mutant, ...] = (
        _hits(_hits_swapped_across_pids)),
     _m("tasks-pids-swapped", "two tasks' writes: their pids exchanged", "tasks",
        _hits(_pids_swapped)),
+    _m("preempt-hits-swapped", "two tasks' hits exchanged, preemption on", "preempt",
+       _hits(_hits_swapped_across_pids)),
+    _m("preempt-pids-swapped", "two tasks' hits: their pids exchanged, preemption on",
+       "preempt", _hits(_pids_swapped)),
+    _m("preempt-probes-reordered", "one task's hits of two probes in the other order, "
+       "preemption on", "preempt", _hits(_probes_reordered)),
     _m("stack-extra-frames", "two host frames of probe machinery on top of the stack",
        "stack", _hits(_stack_edit(lambda f: ("kprobe_ftrace_handler", "0xffffffffc0401000") + f)),
        ("gdbstub",)),

@@ -32,7 +32,7 @@ import oracle_mutants as om
 @dataclass(frozen=True)
 class CMutant:
     name: str
-    cls: str            # boundary, drop, register, recycle, field, block
+    cls: str            # boundary, drop, register, recycle, field, block, window
     what: str
     file: str           # where it was written (the pattern is searched in every C file)
     pattern: str        # a regular expression that must match exactly once
@@ -79,6 +79,16 @@ MUTANTS: tuple[CMutant, ...] = (
             "fetch.c",
             r"if \(len == 0 \|\| len > sizeof\(tmp\)\) \{",
             "if (len == 0 || len >= 8) {", "reads"),
+    CMutant("c-window-write-skipped", "window",
+            "service_window() flips the plugin's window but never writes the guest's switch",
+            "kph_plugin.c",
+            r"x = \(x & ~win_w\[i\]\.clear\) \| win_w\[i\]\.set;",
+            "x = x; /* mutant: the guest's switch not made */", "reads"),
+    CMutant("c-context-unread", "field",
+            "read_context() never reads preempt_count(): every hit's context unknown",
+            "kph_plugin.c",
+            r"if \(g_preempt_off\) \{",
+            "if (0) {", "reads"),
 )
 
 

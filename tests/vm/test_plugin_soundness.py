@@ -18,6 +18,7 @@ from harness.kernel.grammar import parse
 from harness.kernel.grammar import program as fetchprog
 from harness.kernel.kprobes import Kprobe
 from harness.machine.pluginlink import (CMD_ARRANGE, CMD_WINDOW, MAX_PER_SITE, MAX_WIN_WRITES,
+                                       WIN_UNSETTLED,
                                        PluginError)
 
 pytestmark = pytest.mark.vm
@@ -181,3 +182,20 @@ def test_a_window_request_out_of_bounds_is_refused(pvm):
         assert bad.value.errno == 22, payload
     with pytest.raises(ValueError):
         eng.window(True, [(0, 8, 0, 0)] * (MAX_WIN_WRITES + 1))
+
+
+def test_a_window_switch_on_a_guest_that_never_idles_is_made_and_counted_unsettled(pvm):
+    """A guest busy on every vCPU passes no idle point: after a second the next callback
+    of any kind (a timer interrupt) makes the switch, and the engine counts it unsettled
+    (with a warning): made, never lost, never silent."""
+    eng = pvm.host
+    word = pvm.symbols.lookup("jiffies").addr       # read and written back unchanged
+    pvm.run("(i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done) >/dev/null 2>&1 & "
+            "echo $! > /tmp/busy.pid")
+    try:
+        before = eng.stats.get("unsettled", 0)
+        assert eng.window(True, [(word, 8, 0, 0)]) == WIN_UNSETTLED
+        assert eng.stats["unsettled"] == before + 1
+    finally:
+        pvm.run("kill $(cat /tmp/busy.pid); rm /tmp/busy.pid", check=True)
+    eng.window(True, now=True)
