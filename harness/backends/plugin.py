@@ -345,14 +345,17 @@ class PluginBackend:
                     self.engine.enable_probe(p, False)
             self._armed = False
 
-    def enable(self, *, switch: Sequence[GuestWrite] | None = None) -> None:
+    def enable(self, *, switch: Sequence[GuestWrite] | None = None, opened: bool = True) -> None:
         """Start recording. ``switch``: the guest side's own switch on (its
         ``switch_writes(True)``: tracing_on, the module's recording flag), made as the
         plugin's recording window opens, at one instant where no vCPU is between a hit
         and the guest's handler of it (``PluginEngine.window``): the two sides record over
         the same guest instructions, so an interrupt's hit at either edge of the window
         is on both or neither (the gdbstub engine's one halt, ``HostBackend.enable``).
-        Without it the window opens now and the guest side switches itself."""
+        Without it the window opens now and the guest side switches itself.
+        ``opened=False``: the window stays closed; the caller opens it
+        (``engine.window(True)``) in a halt of the guest (``harness.diff.worlds``: in the
+        gdbstub engine's settled halt, with every vCPU stopped)."""
         self._hits.clear()
         self._comm_changes.clear()
         self._watch_comms()
@@ -360,7 +363,7 @@ class PluginBackend:
             self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe})
             attach_stubs(self.vm, self._stubs)
         # with a guest switch, the window stays closed while the probes arm
-        self.engine.window(switch is None, now=True)
+        self.engine.window(switch is None and opened, now=True)
         self.engine.records()              # what came before does not count
         self._dropped0 = self.engine.link.dropped
         self.arm()
@@ -371,7 +374,7 @@ class PluginBackend:
     def disable(self, *, disarm: bool = True, switch: Sequence[GuestWrite] | None = None) -> None:
         """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later).
         ``switch``: the guest side's own switch off, made as the window closes (see
-        :meth:`enable`)."""
+        :meth:`enable`); a caller that opened the window closes it before."""
         if switch is not None:
             self.engine.window(False, switch)
         if disarm:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from ..backends import make_backend
 from ..backends.host import HostBackend
 from ..backends.plugin import PluginBackend
+from ..backends.tracelayer import write_switch
 from .verdict import DiffResult, compare
 from ..errors import SetupError
 from ..kernel.grammar import ProbeSpec
@@ -82,11 +83,21 @@ def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload
         g = make_backend(guest, vm)
         outs = h.register(specs), p.register(specs), g.register(specs)
         stub.invalidate_code()
-        g.enable()
-        p.enable()
-        h.enable()
+        # All three switch in one settled halt of the guest (harness.diff.runner): the
+        # gdbstub engine's breakpoints, the guest's tracing_on or recording flag (written
+        # through the stub) and the plugin's recording window (its vCPUs are stopped: the
+        # first to run again applies it before any guest instruction).
+        g.enable(**({"tracing": False} if guest == "events" else {"recording": False}))
+        p.enable(opened=False)
+
+        writes = {on: g.switch_writes(on) for on in (True, False)}
+
+        def switch(on: bool) -> None:
+            write_switch(stub, writes[on])
+            p.engine.window(on)
+        h.enable(also=lambda: switch(True))
         r = vm.run(workload, timeout=timeout)
-        h.disable()
+        h.disable(also=lambda: switch(False))
         p.disable()
         g.disable()
         text = r.stdout + r.stderr

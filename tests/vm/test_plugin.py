@@ -203,6 +203,21 @@ def test_a_return_slot_read_under_stacked_return_probes_in_three_worlds(pvm):
         assert slot and {n.rule for n in slot} == {"trampoline"}
 
 
+def test_three_worlds_switch_in_one_halt_so_softirq_hits_at_the_edges_agree(pvm):
+    """``kfree`` and ``rcu_core`` under ``ls``: softirq hits (ksoftirqd, idle) land at the
+    window's edges. The three worlds switch in one settled halt of the gdbstub engine (its
+    breakpoints, the guest's tracing_on through the stub, the plugin's window with every
+    vCPU stopped); before, each world switched on its own and 3 runs of 3 diverged
+    (counts 31 vs 36, 28 vs 31, a comm at hit #1)."""
+    from harness.diff.worlds import run_three
+
+    for _ in range(2):
+        tw = run_three(pvm, [parse("p:kf kfree ptr=%di:x64"), parse("p:rc rcu_core")],
+                       "ls /proc >/dev/null; sleep 0.05")
+        assert tw.equivalent, tw.first_divergence().first
+        assert all({h.irq for h in run.hits} == {"irq", "task"} for run in tw.runs)
+
+
 def test_kph_probe_host_plugin(capsys):
     from harness.cli import main
 
