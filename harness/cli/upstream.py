@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .common import examples, sub
+from .common import ci_group, examples, sub
 from .output import EXIT_DIVERGED, EXIT_OK, Output
 
 NAME = "upstream"
 EXAMPLES = ["kph upstream export btf-char-ptr --tree 6.12 --out series-1",
-            "kph upstream export 2 --tree 7.3 --signoff --out series-2"]
+            "kph upstream export 2 --tree 7.3 --signoff --out series-2",
+            "kph upstream verify 1 --tree 6.12   # the series' selftest under ftracetest"]
+VERIFY_EXAMPLES = ["kph upstream verify btf-char-ptr --tree 6.12",
+                   "kph upstream verify 3 --kernels stock,patched"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -32,14 +35,32 @@ def add_parser(subparsers: Any) -> None:
                    "git config user.name/user.email, as git format-patch -s does (you "
                    "certify the DCO)")
     e.add_argument("--no-check", action="store_true", help="skip checkpatch.pl and git am")
+    v = sub(usub, "verify", help="Run the series' own kselftest case under the kernel's "
+            "ftracetest (-K, KTAP read by the tree's kunit.py parse) on the kernel with the "
+            "bug and on the same source with the series' fix. Exit 0 when it fails on stock "
+            "and source and passes on patched, 1 otherwise, 2 on a setup error",
+            epilog=examples(VERIFY_EXAMPLES))
+    v.add_argument("finding", metavar="FINDING", help="btf-char-ptr (1), "
+                   "non-unique-symbol-errno (2) or second-kretprobe-ret-ip (3)")
+    v.add_argument("--tree", default="6.12", choices=("6.12", "7.3"),
+                   help="the series made against this tree (default 6.12): "
+                   "probes/patches/upstream/FINDING/SERIES/")
+    v.add_argument("--kernels", default="stock,source,patched", metavar="K,...",
+                   help="stock (Debian's kernel), source (its source built small), patched "
+                   "(that source with the series' fix); images are built when missing "
+                   "(1 to 6 min each)")
+    ci_group(v)
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
     from ..apps.upstream import export
     from ..errors import SetupError
 
+    if getattr(args, "upstream_cmd", None) == "verify":
+        return _verify(args, out)
     if getattr(args, "upstream_cmd", None) != "export":
-        raise SetupError("kph upstream needs an action", "try `kph upstream export 1`")
+        raise SetupError("kph upstream needs an action", "try `kph upstream export 1` or "
+                         "`kph upstream verify 1`")
     e = export(args.finding, args.tree, args.out, signoff=args.signoff,
                check=not args.no_check, progress=out.progress)
     out.progress.clear()
@@ -63,3 +84,33 @@ def run(args: argparse.Namespace, out: Output) -> int:
                 "branch": e.branch, "patches": rows, "git_am": bool(e.applied),
                 "ok": e.ok if e.checkpatch else None})
     return EXIT_OK if (e.ok or args.no_check) else EXIT_DIVERGED
+
+
+def _verify(args: argparse.Namespace, out: Output) -> int:
+    from ..apps.upstream_verify import verify
+
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    runs = verify(args.finding, args.tree, kernels, progress=out.progress)
+    out.progress.clear()
+    for r in runs:
+        said = r.why or next((ln for ln in r.ktap.splitlines()
+                              if ln.startswith(("ok ", "not ok "))), "(no result line)")
+        out.text(f"{r.kernel:8s} {'as expected' if r.ok else 'NOT as expected':16s} "
+                 f"{r.result} (expected {r.expected})  {said}")
+    ok = all(r.ok for r in runs)
+    both = {r.kernel for r in runs} & {"stock", "source"} and any(r.kernel == "patched"
+                                                                 for r in runs)
+    out.text("verified: the selftest fails without the fix and passes with it" if ok and both
+             else "as expected on " + ", ".join(r.kernel for r in runs) + "; a verification "
+             "needs a kernel with the bug and the patched one" if ok else "not verified")
+    from ..diff import ktap
+    from . import ci
+    from ..apps.upstream import finding
+    ci.emit(args, ktap.upstream_verify_cases(finding(args.finding).name, runs),
+            verb=f"{NAME} verify")
+    out.result({"finding": args.finding, "tree": args.tree, "ok": ok,
+                "verified": bool(ok and both),
+                "runs": [{"kernel": r.kernel, "image": r.selector, "expected": r.expected,
+                          "result": r.result, "ok": r.ok, "why": r.why, "ktap": r.ktap}
+                         for r in runs]})
+    return EXIT_OK if ok else EXIT_DIVERGED

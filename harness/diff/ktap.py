@@ -255,6 +255,28 @@ def repro_kernels_cases(scn: Any, runs: list[Any]) -> list[Case]:
     return [Case.parent(name, subs)]
 
 
+def upstream_verify_cases(name: str, runs: list[Any]) -> list[Case]:
+    """``kph upstream verify``: one test for the series, one subtest per kernel. The
+    selftest failing where the fix is missing is the known bug shown (``XFAIL``), passing
+    where it is applied passes; anything else fails, a kernel that could not run it is an
+    error. Each subtest carries ftracetest's own result line."""
+    subs = []
+    for r in runs:
+        line = next((ln for ln in r.ktap.splitlines() if ln.startswith(("ok ", "not ok "))),
+                    "")
+        if r.result == "error" and r.why:
+            subs.append(Case(r.kernel, "error", r.why, kernel=r.selector))
+        elif not r.ok:
+            subs.append(Case(r.kernel, "fail", kernel=r.selector, diagnostics=[
+                f"expected the selftest to {r.expected}, it gave {r.result}", line]))
+        elif r.expected == "fail":
+            subs.append(Case(r.kernel, "xfail", f"known bug: {name}", kernel=r.selector,
+                             issue=name, diagnostics=[line]))
+        else:
+            subs.append(Case(r.kernel, "pass", kernel=r.selector, diagnostics=[line]))
+    return [Case.parent(name, subs)]
+
+
 def replay_cases(bundle: str, same: bool, met: bool, reasons: list[str]) -> list[Case]:
     """``kph repro --replay``: one test, passed when the replay is identical and met."""
     ok = same and met
