@@ -118,7 +118,9 @@ PROBE_SETS: dict[str, ProbeSet] = {
     # %flags (the plugin engine cannot know TCG's lazy flags: the flags rule)
     "flags": ProbeSet(("p:fl vfs_read fl=%flags:x64 f=%di:x64",)),
     # a stacktrace trigger with a count: the first two hits only
-    "stackn": ProbeSet(STACK, WORKLOAD, ("--trigger", "kprobes/op=stacktrace:2"), ("gdbstub",)),
+    # (three opens and more: a count that never ends shows a third stack)
+    "stackn": ProbeSet(STACK, WORKLOAD + "; cat /proc/version /proc/version >/dev/null",
+                       ("--trigger", "kprobes/op=stacktrace:2"), ("gdbstub",)),
     # a probed function called from inside the guest's own kprobe handler (its fetch
     # reads memory: probe_mem_read() -> copy_from_kernel_nofault()): missed on each side
     "nested": ProbeSet(("p:o do_sys_openat2 x=+0(%sp):u64", "p:c copy_from_kernel_nofault"),
@@ -128,7 +130,9 @@ PROBE_SETS: dict[str, ProbeSet] = {
                        "p:pw vfs_read f=%di:x64", "p:pw vfs_write f=%di:x64")),
     # what 6.1 has not: fprobe entries and exits, $argN at a return, an event probe, on
     # 6.12 (rethook: an exit sees the real return address) and 7.3 (the function graph)
-    "newer": ProbeSet(NEWER, NEWER_RUN, ("--image", "6.12")),
+    # (on 6.12 the return probe first: the fprobe exit's hook then finds the slot
+    # hijacked, and still prints the real return address, rethook's correct_ret_addr)
+    "newer": ProbeSet((NEWER[1], NEWER[0]) + NEWER[2:], NEWER_RUN, ("--image", "6.12")),
     "newest": ProbeSet(NEWER, NEWER_RUN, ("--image", "7.3")),
     # a return probe with a pool of one instance: every call takes the last one
     "pool": ProbeSet(("r1:rr vfs_read ret=$retval:s64", "p:rd vfs_read f=%di:x64"),

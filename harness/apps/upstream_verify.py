@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -43,8 +43,12 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ("stock", "source", "patched")
 #: where ftracetest and its test.d live in a kernel tree
 FTRACE_DIR = "tools/testing/selftests/ftrace"
-#: seconds for one ftracetest run in the guest
+#: seconds for one ftracetest run in the guest: one test file, and the directories
+#: --others runs (93 s for their 44 cases on Debian's 6.12, 2026-11-28, a loaded machine)
 RUN_TIMEOUT = 300.0
+OTHERS_TIMEOUT = 1200.0
+#: the directories of probe tests --others runs whole
+OTHER_DIRS = ("test.d/kprobe", "test.d/dynevent")
 _NEW_TC = re.compile(r"^\+\+\+ b/" + re.escape(FTRACE_DIR) + r"/(test\.d/\S+\.tc)$", re.M)
 
 
@@ -58,10 +62,21 @@ class SelftestRun:
     result: str             # "pass", "fail", "skip" or "error" (kunit.py parse's reading)
     ktap: str               # ftracetest -K's output
     why: str = ""           # an error's reason
+    #: every case's status as the kernel's parser read it (name -> PASS, FAIL, ...)
+    cases: dict[str, str] = field(default_factory=dict)
+    test: str = ""          # the series' case, by its description
 
     @property
     def ok(self) -> bool:
         return self.result == self.expected
+
+    @property
+    def line(self) -> str:
+        """ftracetest's own result line of the series' case (of the first case without
+        its description)."""
+        results = [ln for ln in self.ktap.splitlines() if ln.startswith(("ok ", "not ok "))]
+        return next((ln for ln in results if self.test and self.test in ln),
+                    results[0] if results else "")
 
 
 def series_patches(name: str, series: str) -> tuple[Path, Path]:
@@ -110,11 +125,11 @@ def selftests_tarball(src: Path, test_patch: Path) -> bytes:
         return buf.getvalue()
 
 
-def parse_ktap(src: Path, ktap: str) -> str:
-    """The kernel's own reading of ftracetest's KTAP (``kunit.py parse --json``): "fail"
-    when a case failed, "pass" when every case passed, "skip" when a case was skipped
-    (ftracetest's unsupported or untested: nothing measured, neither outcome), "error"
-    when it found no case."""
+def read_ktap(src: Path, ktap: str) -> dict[str, str]:
+    """The kernel's own reading of ftracetest's KTAP (``kunit.py parse --json``): each
+    case's name (its ``# description:``) and status, PASS, FAIL, SKIP or ERROR
+    (kunit_json.py; ftracetest's UNRESOLVED and UNTESTED come out as ERROR, its
+    UNSUPPORTED as SKIP); empty when it found no case."""
     parser = src / "tools" / "testing" / "kunit" / "kunit.py"
     with tempfile.TemporaryDirectory(prefix="kph-ktap-") as d:
         inp, out = Path(d) / "ktap", Path(d) / "out.json"
@@ -124,17 +139,38 @@ def parse_ktap(src: Path, ktap: str) -> str:
         try:
             doc = json.loads(out.read_text())
         except (OSError, ValueError):
-            return "error"
+            return {}
     cases = doc.get("test_cases", []) + [c for g in doc.get("sub_groups", [])
                                          for c in g.get("test_cases", [])]
-    if not cases:
-        return "error"
-    statuses = {c.get("status") for c in cases}     # kunit_json.py: PASS FAIL SKIP ERROR
-    if "FAIL" in statuses:
+    return {str(c.get("name", "")): str(c.get("status", "")) for c in cases}
+
+
+def verdict(statuses: Sequence[str]) -> str:
+    """One verdict of some cases' statuses: "fail" when one failed, "pass" when every one
+    passed, "skip" when one was skipped (unsupported: nothing measured, neither outcome),
+    "error" when one could not run or there is none."""
+    got = set(statuses)
+    if "FAIL" in got:
         return "fail"
-    if statuses - {"PASS", "SKIP"}:
+    if not got or got - {"PASS", "SKIP"}:
         return "error"
-    return "pass" if statuses == {"PASS"} else "skip"
+    return "pass" if got == {"PASS"} else "skip"
+
+
+def parse_ktap(src: Path, ktap: str) -> str:
+    """:func:`verdict` of every case ftracetest's KTAP holds."""
+    return verdict(list(read_ktap(src, ktap).values()))
+
+
+def description(tarball: bytes, tc: str) -> str:
+    """A test file's ``# description:``, which ftracetest names its case by."""
+    with tarfile.open(fileobj=io.BytesIO(tarball)) as t:
+        f = t.extractfile(f"ftrace/{tc}")
+        text = f.read().decode("utf-8", "replace") if f is not None else ""
+    m = re.search(r"^# description: (.*)$", text, re.M)
+    if m is None:
+        raise SetupError(f"{tc} has no '# description:' line", "regenerate the series")
+    return m.group(1).strip()
 
 
 def selector(kernel: str, series: str, fix: Path) -> str:
@@ -143,8 +179,10 @@ def selector(kernel: str, series: str, fix: Path) -> str:
 
 
 def verify(name: str, series: str = "6.12", kernels: Sequence[str] = KERNELS, *,
-           progress: Progress | None = None) -> list[SelftestRun]:
-    """Run the series' selftest under ftracetest on each of ``kernels``."""
+           others: bool = False, progress: Progress | None = None) -> list[SelftestRun]:
+    """Run the series' selftest under ftracetest on each of ``kernels``; ``others``:
+    with every other case of ``test.d/kprobe`` and ``test.d/dynevent`` (each run's
+    ``cases``; :func:`changed` compares them across kernels)."""
     say = progress or (lambda s: None)
     bad = [k for k in kernels if k not in KERNELS]
     if bad or not kernels:
@@ -154,6 +192,8 @@ def verify(name: str, series: str = "6.12", kernels: Sequence[str] = KERNELS, *,
     tc = new_test(test)
     src = find_source(series, progress)
     tarball = selftests_tarball(src, test)
+    desc = description(tarball, tc)
+    target = " ".join(OTHER_DIRS) if others else tc
     runs = []
     for k in kernels:
         sel = selector(k, series, fix)
@@ -161,19 +201,38 @@ def verify(name: str, series: str = "6.12", kernels: Sequence[str] = KERNELS, *,
         say(f"{k}: the image of {sel} (built when missing)")
         try:
             img = image_for(sel, progress=say)
-            say(f"{k}: ftracetest -K {tc}")
-            ktap = run_selftest(img, tarball, tc)
+            say(f"{k}: ftracetest -K {target}")
+            ktap = run_selftest(img, tarball, target,
+                                timeout=OTHERS_TIMEOUT if others else RUN_TIMEOUT)
         except HarnessError as exc:
             runs.append(SelftestRun(k, sel, expected, "error", "", why=str(exc)))
             continue
-        runs.append(SelftestRun(k, sel, expected, parse_ktap(src, ktap), ktap))
+        cases = read_ktap(src, ktap)
+        mine = [st for n, st in cases.items() if n == desc]
+        runs.append(SelftestRun(k, sel, expected, verdict(mine), ktap, cases=cases,
+                                test=desc))
     return runs
 
 
-def run_selftest(image, tarball: bytes, tc: str, *, timeout: float = RUN_TIMEOUT) -> str:
-    """ftracetest's KTAP for one test file, in a fresh guest of ``image``."""
+def changed(runs: Sequence[SelftestRun]) -> dict[str, tuple[str, str]]:
+    """The other cases whose status differs between the kernel with the bug and the
+    patched one (``source`` when it ran, else ``stock``): name -> (before, after). A case
+    one of the two lacks counts as changed."""
+    by = {r.kernel: r for r in runs if r.cases}
+    before = by.get("source") or by.get("stock")
+    after = by.get("patched")
+    if before is None or after is None:
+        return {}
+    names = (set(before.cases) | set(after.cases)) - {after.test}
+    return {n: (before.cases.get(n, "-"), after.cases.get(n, "-")) for n in sorted(names)
+            if before.cases.get(n) != after.cases.get(n)}
+
+
+def run_selftest(image, tarball: bytes, target: str, *, timeout: float = RUN_TIMEOUT) -> str:
+    """ftracetest's KTAP for ``target`` (test files or directories under the ftrace
+    selftest directory), in a fresh guest of ``image``."""
     with Machine.boot(image) as vm:
         vm.write_file("/tmp/kph-ftrace.tgz", tarball)
         vm.run("cd /tmp && tar xzf kph-ftrace.tgz && rm kph-ftrace.tgz", check=True)
-        r = vm.run(f"cd /tmp/ftrace && ./ftracetest -K {tc}", timeout=timeout)
+        r = vm.run(f"cd /tmp/ftrace && ./ftracetest -K {target}", timeout=timeout)
         return r.stdout

@@ -11,9 +11,11 @@ from .output import EXIT_DIVERGED, EXIT_OK, Output
 NAME = "upstream"
 EXAMPLES = ["kph upstream export btf-char-ptr --tree 6.12 --out series-1",
             "kph upstream export 2 --tree 7.3 --signoff --out series-2",
-            "kph upstream verify 1 --tree 6.12   # the series' selftest under ftracetest"]
-VERIFY_EXAMPLES = ["kph upstream verify btf-char-ptr --tree 6.12",
-                   "kph upstream verify 3 --kernels stock,patched"]
+            "kph upstream verify 1 --tree 6.12 --kernels stock  # the series' selftest under "
+            "ftracetest"]
+VERIFY_EXAMPLES = [EXAMPLES[-1],
+                   "kph upstream verify 1 --tree 6.12 --others  # not run: builds two kernels "
+                   "first (docs/upstream.md)"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -49,6 +51,10 @@ def add_parser(subparsers: Any) -> None:
                    help="stock (Debian's kernel), source (its source built small), patched "
                    "(that source with the series' fix); images are built when missing "
                    "(1 to 6 min each)")
+    v.add_argument("--others", action="store_true", help="run every case of "
+                   "test.d/kprobe and test.d/dynevent too, and require each other case's "
+                   "result to be the same on the patched kernel as on the one with the bug "
+                   "(about 1.5 min a kernel)")
     ci_group(v)
 
 
@@ -90,14 +96,26 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     from ..apps.upstream_verify import verify
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    runs = verify(args.finding, args.tree, kernels, progress=out.progress)
+    from ..apps.upstream_verify import changed
+
+    runs = verify(args.finding, args.tree, kernels, others=args.others, progress=out.progress)
     out.progress.clear()
+    moved = changed(runs) if args.others else {}
     for r in runs:
-        said = r.why or next((ln for ln in r.ktap.splitlines()
-                              if ln.startswith(("ok ", "not ok "))), "(no result line)")
+        said = r.why or r.line or "(no result line)"
         out.text(f"{r.kernel:8s} {'as expected' if r.ok else 'NOT as expected':16s} "
                  f"{r.result} (expected {r.expected})  {said}")
-    ok = all(r.ok for r in runs)
+    if args.others:
+        for r in runs:
+            tally: dict[str, int] = {}
+            for st in r.cases.values():
+                tally[st] = tally.get(st, 0) + 1
+            out.text(f"{r.kernel:8s} {len(r.cases)} cases: " + ", ".join(
+                f"{n} {st}" for st, n in sorted(tally.items())))
+        out.text("other cases: " + ("the same on the patched kernel" if not moved else
+                                    f"{len(moved)} changed") + "".join(
+            f"\n  {n}: {a} -> {b}" for n, (a, b) in moved.items()))
+    ok = all(r.ok for r in runs) and not moved
     both = {r.kernel for r in runs} & {"stock", "source"} and any(r.kernel == "patched"
                                                                  for r in runs)
     out.text("verified: the selftest fails without the fix and passes with it" if ok and both
@@ -106,11 +124,13 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     from ..diff import ktap
     from . import ci
     from ..apps.upstream import finding
-    ci.emit(args, ktap.upstream_verify_cases(finding(args.finding).name, runs),
+    ci.emit(args, ktap.upstream_verify_cases(finding(args.finding).name, runs,
+                                             moved if args.others else None),
             verb=f"{NAME} verify")
     out.result({"finding": args.finding, "tree": args.tree, "ok": ok,
                 "verified": bool(ok and both),
+                "changed": {n: list(v) for n, v in moved.items()},
                 "runs": [{"kernel": r.kernel, "image": r.selector, "expected": r.expected,
-                          "result": r.result, "ok": r.ok, "why": r.why, "ktap": r.ktap}
-                         for r in runs]})
+                          "result": r.result, "ok": r.ok, "why": r.why, "ktap": r.ktap,
+                          "test": r.test, "cases": r.cases} for r in runs]})
     return EXIT_OK if ok else EXIT_DIVERGED

@@ -255,15 +255,16 @@ def repro_kernels_cases(scn: Any, runs: list[Any]) -> list[Case]:
     return [Case.parent(name, subs)]
 
 
-def upstream_verify_cases(name: str, runs: list[Any]) -> list[Case]:
+def upstream_verify_cases(name: str, runs: list[Any],
+                          changed: dict[str, tuple[str, str]] | None = None) -> list[Case]:
     """``kph upstream verify``: one test for the series, one subtest per kernel. The
     selftest failing where the fix is missing is the known bug shown (``XFAIL``), passing
     where it is applied passes; anything else fails, a kernel that could not run it is an
-    error. Each subtest carries ftracetest's own result line."""
+    error. Each subtest carries ftracetest's own result line; with ``changed`` (``--others``)
+    one more subtest fails when another case's result moved with the fix."""
     subs = []
     for r in runs:
-        line = next((ln for ln in r.ktap.splitlines() if ln.startswith(("ok ", "not ok "))),
-                    "")
+        line = r.line
         if r.result == "error" and r.why:
             subs.append(Case(r.kernel, "error", r.why, kernel=r.selector))
         elif not r.ok:
@@ -274,6 +275,9 @@ def upstream_verify_cases(name: str, runs: list[Any]) -> list[Case]:
                              issue=name, diagnostics=[line]))
         else:
             subs.append(Case(r.kernel, "pass", kernel=r.selector, diagnostics=[line]))
+    if changed is not None:     # --others: every other case the same with the fix
+        subs.append(Case("other cases unchanged", "fail" if changed else "pass", diagnostics=[
+            f"{n}: {a} -> {b}" for n, (a, b) in changed.items()]))
     return [Case.parent(name, subs)]
 
 

@@ -81,3 +81,29 @@ def test_the_result_as_ktap_shows_the_bug_as_xfail_and_the_fix_as_pass():
     assert case.subtests[0].status == "error"
     text = ktap.render([case])
     assert text.startswith("KTAP version 1") and "not ok 1 x" in text
+
+
+ALL_BEFORE = ("TAP version 13\n1..3\nnot ok 1 Kprobe event BTF string type check\n"
+              "ok 2 Kprobe dynamic event - adding and removing\n"
+              "not ok 3 Kprobe dynamic event - probing module # UNRESOLVED\n")
+
+
+def test_the_other_cases_are_compared_between_the_bug_and_the_fix():
+    """--others: ftracetest's UNRESOLVED is a failure to the kernel's parser, the same on
+    both kernels is no change; a case that moved is named with both statuses."""
+    src = find_source("6.12")
+    before = uv.read_ktap(src, ALL_BEFORE)
+    assert before == {"Kprobe event BTF string type check": "FAIL",
+                      "Kprobe dynamic event - adding and removing": "PASS",
+                      "Kprobe dynamic event - probing module": "FAIL"}
+    after = dict(before, **{"Kprobe event BTF string type check": "PASS"})
+    test = "Kprobe event BTF string type check"
+    runs = [_run("source", "fail", "fail"), _run("patched", "pass", "pass")]
+    runs[0].cases, runs[1].cases = before, after
+    runs[0].test = runs[1].test = test
+    assert uv.changed(runs) == {}
+    after["Kprobe dynamic event - adding and removing"] = "FAIL"
+    assert uv.changed(runs) == {"Kprobe dynamic event - adding and removing": ("PASS", "FAIL")}
+    [case] = ktap.upstream_verify_cases("btf-char-ptr", runs, uv.changed(runs))
+    assert case.status == "fail" and case.subtests[-1].name == "other cases unchanged"
+    assert uv.verdict([]) == "error" and uv.verdict(["PASS", "SKIP"]) == "skip"
