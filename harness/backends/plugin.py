@@ -580,3 +580,10 @@ class PluginBackend:
                 except HarnessError as exc:
                     log.warning("removing plugin probe %d failed: %s", p.id, exc)
         self._probes.clear()
+        # the window open again for the engine's other users (a run that closed it with
+        # the guest's switch is over: the guest side has switched itself off since)
+        if not getattr(self.vm, "aborting", False):
+            try:
+                self.engine.window(True, now=True)
+            except (HarnessError, OSError) as exc:
+                log.debug("reopening the plugin's window failed: %s", exc)
