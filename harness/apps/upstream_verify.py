@@ -157,11 +157,6 @@ def verdict(statuses: Sequence[str]) -> str:
     return "pass" if got == {"PASS"} else "skip"
 
 
-def parse_ktap(src: Path, ktap: str) -> str:
-    """:func:`verdict` of every case ftracetest's KTAP holds."""
-    return verdict(list(read_ktap(src, ktap).values()))
-
-
 def description(tarball: bytes, tc: str) -> str:
     """A test file's ``# description:``, which ftracetest names its case by."""
     with tarfile.open(fileobj=io.BytesIO(tarball)) as t:

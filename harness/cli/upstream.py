@@ -18,6 +18,11 @@ VERIFY_EXAMPLES = [EXAMPLES[-1],
                    "first (docs/upstream.md)"]
 
 
+def _finding(p: argparse.ArgumentParser) -> None:
+    p.add_argument("finding", metavar="FINDING", help="btf-char-ptr (1), "
+                   "non-unique-symbol-errno (2) or second-kretprobe-ret-ip (3)")
+
+
 def add_parser(subparsers: Any) -> None:
     u = sub(subparsers, NAME, help="Export a kernel finding (docs/upstream.md) as a git "
             "format-patch series: the fix and a kselftest case", epilog=examples(EXAMPLES))
@@ -26,8 +31,7 @@ def add_parser(subparsers: Any) -> None:
             "then run the tree's checkpatch.pl --strict on each patch and git am the series "
             "on a clean checkout. Exit 0 when both pass, 1 when a check fails, 2 on a setup "
             "error (no git identity, no tree)", epilog=examples(EXAMPLES))
-    e.add_argument("finding", metavar="FINDING", help="btf-char-ptr (1), "
-                   "non-unique-symbol-errno (2) or second-kretprobe-ret-ip (3)")
+    _finding(e)
     e.add_argument("--tree", default="6.12", choices=("6.12", "7.3"),
                    help="Debian's linux-source of this series (default 6.12), fetched when "
                    "missing; its git copy is made once in $KPH_CACHE/upstream (about 1.5 min)")
@@ -42,8 +46,7 @@ def add_parser(subparsers: Any) -> None:
             "bug and on the same source with the series' fix. Exit 0 when it fails on stock "
             "and source and passes on patched, 1 otherwise, 2 on a setup error",
             epilog=examples(VERIFY_EXAMPLES))
-    v.add_argument("finding", metavar="FINDING", help="btf-char-ptr (1), "
-                   "non-unique-symbol-errno (2) or second-kretprobe-ret-ip (3)")
+    _finding(v)
     v.add_argument("--tree", default="6.12", choices=("6.12", "7.3"),
                    help="the series made against this tree (default 6.12): "
                    "probes/patches/upstream/FINDING/SERIES/")
