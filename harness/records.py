@@ -134,6 +134,9 @@ class Counters:
     probe: str
     nhit: int
     nmissed: int = 0
+    #: ``nhit`` counts the hits of the recording window only (both sides' windows open and
+    #: close in one halt of the guest), not from the probe's registration or enabling
+    window: bool = False
 
 
 @dataclass

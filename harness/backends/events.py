@@ -266,6 +266,8 @@ class EventsBackend:
         #: of each rename, the evidence the diff's ``comm-change`` rule needs
         self._rename_fmt: tuple[int, Any, Any] | None = None
         self._trigger_files: dict[str, int] = {}
+        self._nhit_ptrs: list[tuple[str, int]] | None | bool = False    # False: not looked
+        self._nhit_marks: list[dict[str, int]] = []
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -380,6 +382,77 @@ class EventsBackend:
             node = int.from_bytes(read(node, 8), "little")
             seen += 1
 
+    #: the most per-cpu ``nhit`` words read in one halt (probes x CPUs); more, and ``nhit``
+    #: is not counted over the window (each read is a round trip to the stub)
+    NHIT_READS = 256
+
+    def _find_nhits(self) -> None:
+        """Each of our kprobe events' ``trace_kprobe.nhit`` (a per-cpu counter that
+        ``kprobe_dispatcher()`` and ``kretprobe_dispatcher()`` increment at every hit, the
+        sum of which ``kprobe_profile`` prints: kernel/trace/trace_kprobe.c of 6.1, 6.12,
+        7.3), and the addresses of its per-cpu words: ``dyn_event_list`` walked as
+        ``for_each_trace_kprobe()`` does (``dyn_event.ops == &trace_kprobe_ops``), the
+        event named by ``tp.event->class.system`` and ``tp.event->call.name``, each
+        possible CPU's word at ``nhit + __per_cpu_offset[cpu]``. Offsets from the kernel's
+        BTF. ``None`` when the kernel's symbols or types do not allow it (logged)."""
+        self._nhit_ptrs = None
+        btf, syms, read = self.vm.btf, self.vm.symbols, self.vm.host.read
+        head_s, ops_s = syms.get("dyn_event_list"), syms.get("trace_kprobe_ops")
+        pco, mask_s = syms.get("__per_cpu_offset"), syms.get("__cpu_possible_mask")
+        if None in (head_s, ops_s, pco, mask_s) or btf is None:
+            log.info("nhit not counted over the window: the kernel lacks dyn_event_list, "
+                     "trace_kprobe_ops, __per_cpu_offset or __cpu_possible_mask")
+            return
+        try:
+            off = {k: btf.offset(*k.split(":")) for k in (
+                "dyn_event:ops", "trace_kprobe:nhit", "trace_kprobe:tp",
+                "trace_probe:event", "trace_probe_event:class", "trace_probe_event:call",
+                "trace_event_class:system", "trace_event_call:name")}
+        except KeyError as exc:
+            log.info("nhit not counted over the window: %s", exc)
+            return
+
+        def word(addr: int) -> int:
+            return int.from_bytes(read(addr, 8), "little")
+
+        def cstr(addr: int) -> str:
+            return read(addr, 64).split(b"\0", 1)[0].decode("utf-8", "replace")
+        mask = word(mask_s.addr)
+        offsets = [word(pco.addr + 8 * cpu) for cpu in range(64) if mask >> cpu & 1]
+        found: list[tuple[str, int]] = []
+        head = head_s.addr
+        node, seen = word(head), 0
+        while node and node != head and seen < 100000:
+            if word(node + off["dyn_event:ops"]) == ops_s.addr:
+                tk = node               # devent is trace_kprobe's first member
+                ev = word(tk + off["trace_kprobe:tp"] + off["trace_probe:event"])
+                group = cstr(word(ev + off["trace_probe_event:class"]
+                                  + off["trace_event_class:system"]))
+                name = f"{group}/{cstr(word(ev + off['trace_probe_event:call'] + off['trace_event_call:name']))}"
+                if name in self.specs:
+                    ptr = word(tk + off["trace_kprobe:nhit"])
+                    found += [(name, (ptr + o) & ((1 << 64) - 1)) for o in offsets]
+            node = word(node)
+            seen += 1
+        if len(found) > self.NHIT_READS:
+            log.info("nhit not counted over the window: %d per-cpu words to read in a halt "
+                     "(at most %d)", len(found), self.NHIT_READS)
+            return
+        self._nhit_ptrs = found
+
+    def mark_nhits(self) -> None:
+        """Read every kprobe event's ``nhit`` now: for a caller holding the guest halted at
+        the window's start and at its end (``counters(window=True)`` gives the
+        difference)."""
+        if self._nhit_ptrs is False:
+            self._find_nhits()
+        if not self._nhit_ptrs:
+            return
+        read, marks = self.vm.host.read, {}
+        for name, addr in self._nhit_ptrs:
+            marks[name] = marks.get(name, 0) + int.from_bytes(read(addr, 8), "little")
+        self._nhit_marks.append(marks)
+
     def trigger_counts(self) -> dict[str, int]:
         """What is left of each counted trigger's count (``event_trigger_data->count``:
         ``event_trigger_count()`` runs it down at every hit of the enabled event, the
@@ -485,6 +558,7 @@ class EventsBackend:
         both sides, and no harness process exits through a probed do_exit while the
         events are enabled. (register() enables each event once to see it can be, then
         disables it again, as kprobe_events leaves a new event.)"""
+        self._nhit_marks = []
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self._enable_renames(True)
@@ -687,11 +761,15 @@ class EventsBackend:
                 return
         log.warning("cpu%d: a stack trace with no event before it", rec.cpu)
 
-    def counters(self) -> dict[str, Counters]:
+    def counters(self, *, window: bool = False) -> dict[str, Counters]:
         """nhit/nmissed of our events, keyed ``GROUP/EVENT`` as the host's are
         (:func:`profile_counters`). A probe kind the guest counts nowhere (fprobe, tprobe
         and eprobe events have no profile line) is left absent, and so is an event whose
-        lines cannot be told apart from another group's (logged)."""
+        lines cannot be told apart from another group's (logged).
+
+        ``window``: a kprobe event's ``nhit`` is what it counted between the two
+        :meth:`mark_nhits` of the window's halts (``Counters.window``), when both were
+        read; the profile's count from the event's enabling otherwise."""
         text = self._sh(f"cd {TRACING}; cat dynamic_events; echo @k; cat kprobe_profile; "
                         "echo @u; cat uprobe_profile")
         dyn, _, rest = text.partition("@k\n")
@@ -701,8 +779,14 @@ class EventsBackend:
             log.warning("%s: no counters: its kprobe_profile/uprobe_profile lines name the "
                         "event only and could not be matched to its group (%s)", name,
                         unclear[name])
-        return {name: Counters(name, nhit, nmissed)
-                for name, (nhit, nmissed) in sums.items() if name in self.specs}
+        out = {name: Counters(name, nhit, nmissed)
+               for name, (nhit, nmissed) in sums.items() if name in self.specs}
+        if window and len(self._nhit_marks) == 2:
+            start, end = self._nhit_marks
+            for name, n in end.items():
+                missed = out[name].nmissed if name in out else 0
+                out[name] = Counters(name, n - start.get(name, 0), missed, window=True)
+        return out
 
     def close(self) -> None:
         """Disable and delete our events; tracing is left on, the buffer empty."""

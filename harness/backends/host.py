@@ -219,7 +219,7 @@ class HostBackend:
         self._probes: list[tuple[str, Kprobe | Kretprobe | Uprobe]] = []
         #: the probe placed for each accepted line (id of its spec), for `-:` lines
         self._placed: dict[int, Any] = {}
-        self._returns: dict[str, int] = {}
+        self._nhit: dict[str, int] = {}
         #: the kernel's callback order where fprobes are (made with the trace layer), and
         #: the lines counted in it (id of spec)
         self._ops: FprobeOps | None = None
@@ -414,7 +414,6 @@ class HostBackend:
             up = Uprobe(spec.path, spec.offset if spec.symbol is None else None,
                         symbol=spec.symbol)
             if spec.is_return:
-                self._returns[name] = 0
                 up.ret_handler = lambda ri, regs: self._record(spec, name, regs, ri, up)
             else:
                 up.handler = lambda u, regs: self._record(spec, name, regs, u, up)
@@ -434,7 +433,6 @@ class HostBackend:
         entry is a kprobe and misses while a guest kprobe handler runs
         (``pre_handler_kretprobe()`` is not called); an fprobe's is an ftrace_ops callback
         (``fprobe_handler()``), which ``kprobe_running()`` does not stop."""
-        self._returns.setdefault(name, 0)
         saved = entry_args(spec)
 
         def entry(ri: Any, regs: PtRegs) -> int:
@@ -492,6 +490,10 @@ class HostBackend:
             self._stacks_left[name] -= 1
         if not self.recording:
             return 0
+        # trace_kprobe's nhit: kprobe_dispatcher()/kretprobe_dispatcher() count every hit
+        # their handler runs for, before the event's filter and triggers
+        # (kernel/trace/trace_kprobe.c); counted here over the recording window only
+        self._nhit[name] = self._nhit.get(name, 0) + 1
         nth = sum(1 for h in self._hits if h.probe == name) + 1
         overrides: dict[str, int] = {}
         if self.hook is not None:
@@ -502,8 +504,6 @@ class HostBackend:
             ip_val = regs.ip
             ip_text = f"0x{regs.ip:x}"
             ret_from = f"0x{what.func:x}" if spec.is_return else None
-            if spec.is_return:
-                self._returns[name] = self._returns.get(name, 0) + 1
         elif spec.is_eprobe:
             # print_eprobe_event(): "(SYSTEM.EVENT)" where a kprobe shows "(SYM+OFFS)"
             ip_val = regs.ip
@@ -525,7 +525,6 @@ class HostBackend:
                                 if eng.symbols.symbolize(a) else None,
                                 kretprobe_trampoline=eng.kernel_rethook_trampoline())
             ret_from: str | None = hit
-            self._returns[name] = self._returns.get(name, 0) + 1
         else:
             # regs.ip is probe address + 1 here, on all three x86 paths (the engine's
             # pre_handler convention); a newer probe's pre_handler may have moved it.
@@ -627,6 +626,7 @@ class HostBackend:
         guest instruction, in a halt where no vCPU is between the host's breakpoint and
         the guest's handler (``HostEngine.halted(settle=True)``)."""
         self._hits.clear()
+        self._nhit.clear()
         self._hit_at.clear()
         self._comm_changes.clear()
         self._watch_comms()
@@ -715,17 +715,15 @@ class HostBackend:
         return saved_cmdlines(self._hits, self._comm_changes)
 
     def counters(self) -> dict[str, Counters]:
-        """Per event, summed over its probes (kprobe_profile has a line per probe)."""
-        nhit: dict[str, int] = {}
+        """Per event, summed over its probes (kprobe_profile has a line per probe): ``nhit``
+        the hits its handlers ran for while recording (``Counters.window``: the runner
+        opens and closes the window in the halts where the guest's opens and closes),
+        ``nmissed`` the misses whenever armed."""
         nmissed: dict[str, int] = {}
         for name, p in self._probes:
-            if isinstance(p, Kretprobe) or (isinstance(p, Uprobe) and p.ret_handler):
-                hits = self._returns.get(name, 0) if name not in nhit else 0
-            else:
-                hits = p.nhit
-            nhit[name] = nhit.get(name, 0) + hits
             nmissed[name] = nmissed.get(name, 0) + p.nmissed
-        return {name: Counters(name, nhit[name], nmissed[name]) for name in nhit}
+        return {name: Counters(name, self._nhit.get(name, 0), nmissed[name], window=True)
+                for name in nmissed}
 
     def close(self) -> None:
         """Unregister every probe; then raise ``HandlerError`` if a handler raised (a bug

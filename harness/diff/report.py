@@ -332,10 +332,12 @@ def _probe_section(res: DiffResult, probe: str, anchor: str, status: str, bad: b
     ca, cb = a_run.counters.get(probe), b_run.counters.get(probe)
     if ca is not None or cb is not None:
         nm_bad = div is not None and div.field == "nmissed"
+        nh_bad = div is not None and div.field == "nhit"
         nhit = (f'<sup class="rule" title="{e(NORMALIZATIONS["nhit"])}">nhit</sup>'
                 if "nhit" in whole else "")
         parts.append("<p>counters: " + "; ".join(
-            f"{e(side)} <span class=\"f{' normf' if nhit else ''}\" data-field=\"nhit\">nhit "
+            f"{e(side)} <span class=\"f{' normf' if nhit else ''}{' badf' if nh_bad else ''}\" "
+            f"data-field=\"nhit\">nhit "
             f"{c.nhit}</span>{nhit}, <span class=\"f{' badf' if nm_bad else ''}\" "
             f"data-field=\"nmissed\">nmissed {c.nmissed}</span>"
             for side, c in ((A, ca), (B, cb)) if c is not None) + "</p>")

@@ -405,10 +405,12 @@ REGISTRY: tuple[Rule, ...] = (
          "no hit of that side carries a pid; a side that knows some pids is compared on "
          "all of them"),
     Rule("nhit", "counter",
-         "raw nhit counters not compared; recorded hits are compared one by one",
-         "each side counts from its own registration, at different moments",
-         "always: a side's nhit counts from its registration, its records from the "
-         "window (a host engine's too, with --guest module); nmissed is compared where "
+         "nhit not compared where a side did not count it over the recording window",
+         "the guest's counters count from the event's enabling (kprobe_profile, the "
+         "module's stats from its loading), the plugin's from its registration",
+         "a side's Counters.window is unset: compared wherever both sides counted over the "
+         "one window (the gdbstub engine with --guest events, its halts settled: the "
+         "guest's per-cpu trace_kprobe.nhit read at both halts); nmissed is compared where "
          "both sides count the probe, and a host side counts every probe it placed"),
 )
 

@@ -203,9 +203,15 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         # (PluginBackend.enable(switch=...)).
         same_halt = isinstance(h, HostBackend)
         g.enable(**({"tracing": False} if guest == "events" else {"recording": False}))
+        # The guest's kprobe events count nhit from their enabling: read at both halts, the
+        # difference is the window's, as the host's (Counters.window), when both are settled
+        marks = same_halt and guest == "events"
+        unsettled = h.engine.stats.get("unsettled", 0) if same_halt else 0
         if same_halt:
             def start() -> None:
                 g.switch(True)
+                if marks:
+                    g.mark_nhits()
                 if trig:    # the counts the guest's triggers have left, in this halt
                     h.trigger_counts(g.trigger_counts())
             h.enable(also=start)
@@ -215,12 +221,18 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         with ticking(progress, _live_hits(h)):
             r = vm.run(workload, timeout=timeout)
         if same_halt:
-            h.disable(disarm=guest != "module", also=lambda: g.switch(False))
+            def stop() -> None:
+                g.switch(False)
+                if marks:
+                    g.mark_nhits()
+            h.disable(disarm=guest != "module", also=stop)
         else:
             h.disable(disarm=guest != "module", switch=g.switch_writes(False))
         g.disable()
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
-        g_hits, g_counters = g.collect(), g.counters()
+        settled = same_halt and h.engine.stats.get("unsettled", 0) == unsettled
+        g_hits = g.collect()
+        g_counters = g.counters(window=settled) if marks else g.counters()
         g_left = events_listed(vm, specs) if guest == "events" else None
         h.disarm()
         host = SideResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,

@@ -38,7 +38,7 @@ class Divergence:
     """The first place where the two sides disagree for one probe."""
 
     probe: str
-    field: str                  # registration, count, kind, comm, ip, ret_from, arg:NAME, nmissed
+    field: str                  # registration, count, kind, comm, ip, ret_from, arg:NAME, nmissed, nhit
     index: int                  # hit number (0-based), -1 for registration and counters
     a_value: str
     b_value: str
@@ -498,7 +498,8 @@ def _cross_order(res: DiffResult, context: int) -> Divergence | None:
 
 def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
     """Stage ``counter``: ``nmissed`` wherever both sides count the probe; a probe one side
-    has no counter for is named (``uncounted``); ``nhit`` is not compared."""
+    has no counter for is named (``uncounted``); ``nhit`` where both sides counted it over
+    the one recording window (``Counters.window``), else named by the rule ``nhit``."""
     for probe, ca in a.counters.items():
         cb = b.counters.get(probe)
         if cb is not None and ca.nmissed != cb.nmissed:
@@ -515,11 +516,20 @@ def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
                 res.divergences.append(Divergence(
                     probe, "counter", -1, "counted" if lacking is b else "no counter",
                     "counted" if lacking is a else "no counter"))
-    res.applied["nhit"] = len(set(a.counters) & set(b.counters))
-    for probe in a.counters:
-        if probe in b.counters:
-            res.normalized.append(Normalized(probe, -1, "nhit", "nhit", str(a.counters[probe].nhit),
-                                             str(b.counters[probe].nhit)))
+    unwindowed = 0
+    for probe, ca in a.counters.items():
+        cb = b.counters.get(probe)
+        if cb is None:
+            continue
+        if ca.window and cb.window:     # both counted over the one window: compared
+            if ca.nhit != cb.nhit:
+                res.divergences.append(Divergence(probe, "nhit", -1, str(ca.nhit),
+                                                  str(cb.nhit)))
+            continue
+        unwindowed += 1
+        res.normalized.append(Normalized(probe, -1, "nhit", "nhit", str(ca.nhit),
+                                         str(cb.nhit)))
+    res.applied["nhit"] = unwindowed
 
 
 def _by_line(outcomes: list[Outcome]) -> dict[object, Outcome]:

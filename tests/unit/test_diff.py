@@ -481,15 +481,27 @@ def test_agent_rule_leaves_out_only_the_agent_s_comm():
     assert not res.equivalent and res.first.field == "count" and not res.applied["agent"]
 
 
-def test_nhit_counters_are_not_compared_but_nmissed_is():
-    """Raw nhit is not compared (each side counts from its own registration, its records
-    from the window); nmissed is."""
-    a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 1, 0)})
+def test_nhit_is_compared_only_where_both_sides_counted_over_the_window():
+    """nhit counted from a side's own registration or enabling is not compared (rule
+    ``nhit``, named); where both sides counted it over the one recording window
+    (``Counters.window``) it is, and a count that differs is a divergence; nmissed is
+    compared either way."""
+    a = run("host", [hit("host", 0, dfd=1)],
+            counters={"kprobes/open": Counters("kprobes/open", 1, 0, window=True)})
     b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 0)})
     res = compare(a, b)
     assert res.equivalent and res.applied["nhit"] == 1
     b = run("events", [hit("events", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 9, 1)})
     assert compare(a, b).first.field == "nmissed"
+    b = run("events", [hit("events", 0, dfd=1)],
+            counters={"kprobes/open": Counters("kprobes/open", 2, 0, window=True)})
+    res = compare(a, b)
+    assert not res.equivalent and res.first.field == "nhit" and not res.applied.get("nhit")
+    assert (res.first.a_value, res.first.b_value) == ("1", "2")
+    b = run("events", [hit("events", 0, dfd=1)],
+            counters={"kprobes/open": Counters("kprobes/open", 1, 0, window=True)})
+    res = compare(a, b)
+    assert res.equivalent and not res.applied.get("nhit")
 
 
 def test_a_guest_value_that_is_the_kretprobe_trampoline_compares_equal_and_no_other():
@@ -777,7 +789,7 @@ REFUSED_BY = {
     "comm-change": test_comm_change_takes_only_a_comm_the_pid_took_later,
     "stack-machinery": test_stack_machinery_takes_extra_frames_on_the_guest_side_only,
     "pid": test_a_pid_one_hit_lacks_is_compared_unless_the_side_knows_no_pid_at_all,
-    "nhit": test_nhit_counters_are_not_compared_but_nmissed_is,
+    "nhit": test_nhit_is_compared_only_where_both_sides_counted_over_the_window,
 }
 
 

@@ -100,6 +100,31 @@ def test_an_smp_guest_s_events_are_read_from_every_cpu(default_image):
     guest = [h for h in runs[1].hits if h.comm == "cat"]
     assert {h.cpu for h in guest} == {0, 1}, [h.line() for h in guest]
     assert res.equivalent, res
+    # nhit over the window, each CPU's per-cpu word summed: what both sides recorded
+    for side in runs:
+        c = side.counters["kprobes/o"]
+        assert c.window and c.nhit == len(side.hits) >= 2, (side.side, c, len(side.hits))
+
+
+def test_nhit_is_compared_over_the_window_and_a_count_one_off_diverges(vm):
+    """The guest's kprobe events count nhit from their enabling; read in the two halts
+    that open and close the window (per-cpu ``trace_kprobe.nhit``), the difference is
+    the window's, as the host's count is: compared, entry and return probes alike. A
+    host count one off is a divergence (a false pass before: nhit was never compared)."""
+    import dataclasses
+
+    specs = [parse("p:kf kfree"), parse("r:kfr kfree"), parse("p:vr vfs_read")]
+    host, guest = run_differential(vm, specs, "ls / >/dev/null; cat /proc/version")
+    res = compare(host, guest, trampoline=trampoline_text(vm))
+    assert res.equivalent and not res.applied.get("nhit"), res
+    for name in ("kprobes/kf", "kprobes/kfr", "kprobes/vr"):
+        h, g = host.counters[name], guest.counters[name]
+        assert h.window and g.window and h.nhit == g.nhit >= 1, (name, h, g)
+        assert g.nhit == sum(1 for x in guest.hits if x.probe == name)
+    c = host.counters["kprobes/kfr"]
+    host.counters["kprobes/kfr"] = dataclasses.replace(c, nhit=c.nhit + 1)
+    res = compare(host, guest, trampoline=trampoline_text(vm))
+    assert not res.equivalent and (res.first.probe, res.first.field) == ("kprobes/kfr", "nhit")
 
 
 def test_a_comm_an_exec_gave_after_the_hit_needs_both_sides_to_have_seen_it(vm):
