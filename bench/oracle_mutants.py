@@ -641,6 +641,8 @@ MUTANTS: tuple[Mutant, ...] = (
        _hits(_edit(_first("r"), lambda h: dataclasses.replace(h, ret_from="vfs_write")))),
     _m("nmissed-off-by-one", "nmissed one more", "reads",
        _counters(lambda c: dataclasses.replace(c, nmissed=c.nmissed + 1))),
+    _m("nhit-off-by-one", "nhit one more over the window", "reads",
+       _counters(lambda c: dataclasses.replace(c, nhit=c.nhit + 1))),
     _m("wrong-offset", "the probe placed 5 bytes into the function", "reads", _offset_probe),
     # registration
     _m("refuses-accepted", "a line the kernel accepts refused host-side", "reads",

@@ -84,6 +84,12 @@ MUTANTS: tuple[CMutant, ...] = (
             "kph_plugin.c",
             r"x = \(x & ~win_w\[i\]\.clear\) \| win_w\[i\]\.set;",
             "x = x; /* mutant: the guest's switch not made */", "reads"),
+    CMutant("c-marks-word-skipped", "window",
+            "service_window() leaves the first word of the window's reads unread (0): the "
+            "guest's nhit at the window's edges short of one event's CPU 0",
+            "kph_plugin.c",
+            r"for \(i = 0; i < win_nr; i\+\+\) \{",
+            "for (i = 1; i < win_nr; i++) {", "reads"),
     CMutant("c-context-unread", "field",
             "read_context() never reads preempt_count(): every hit's context unknown",
             "kph_plugin.c",

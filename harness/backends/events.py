@@ -267,7 +267,7 @@ class EventsBackend:
         self._rename_fmt: tuple[int, Any, Any] | None = None
         self._trigger_files: dict[str, int] = {}
         self._nhit_ptrs: list[tuple[str, int]] | None | bool = False    # False: not looked
-        self._nhit_marks: list[dict[str, int]] = []
+        self._nhit_marks: list[dict[str, int] | None] = []
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -440,18 +440,33 @@ class EventsBackend:
             return
         self._nhit_ptrs = found
 
+    def nhit_words(self) -> list[int]:
+        """The addresses of our kprobe events' per-cpu ``nhit`` words (:meth:`_find_nhits`),
+        for a host engine that reads them at the window's edges itself (the plugin's
+        ``window(reads=)``); [] when they cannot be known."""
+        if self._nhit_ptrs is False:
+            self._find_nhits()
+        return [addr for _, addr in self._nhit_ptrs or ()]
+
+    def add_nhit_mark(self, values: Sequence[int] | None) -> None:
+        """One edge of the window: the words of :meth:`nhit_words` read there (None: not
+        read; the window's nhit is then not known)."""
+        if values is None or not self._nhit_ptrs or len(values) != len(self._nhit_ptrs):
+            self._nhit_marks.append(None)
+            return
+        marks: dict[str, int] = {}
+        for (name, _), v in zip(self._nhit_ptrs, values, strict=True):
+            marks[name] = marks.get(name, 0) + v
+        self._nhit_marks.append(marks)
+
     def mark_nhits(self) -> None:
         """Read every kprobe event's ``nhit`` now: for a caller holding the guest halted at
         the window's start and at its end (``counters(window=True)`` gives the
         difference)."""
-        if self._nhit_ptrs is False:
-            self._find_nhits()
-        if not self._nhit_ptrs:
-            return
-        read, marks = self.vm.host.read, {}
-        for name, addr in self._nhit_ptrs:
-            marks[name] = marks.get(name, 0) + int.from_bytes(read(addr, 8), "little")
-        self._nhit_marks.append(marks)
+        words = self.nhit_words()
+        if words:
+            read = self.vm.host.read
+            self.add_nhit_mark([int.from_bytes(read(a, 8), "little") for a in words])
 
     def trigger_counts(self) -> dict[str, int]:
         """What is left of each counted trigger's count (``event_trigger_data->count``:
@@ -781,7 +796,7 @@ class EventsBackend:
                         unclear[name])
         out = {name: Counters(name, nhit, nmissed)
                for name, (nhit, nmissed) in sums.items() if name in self.specs}
-        if window and len(self._nhit_marks) == 2:
+        if window and len(self._nhit_marks) == 2 and None not in self._nhit_marks:
             start, end = self._nhit_marks
             for name, n in end.items():
                 missed = out[name].nmissed if name in out else 0

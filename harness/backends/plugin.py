@@ -173,6 +173,7 @@ class PluginBackend:
         self._ops: Any = None
         self._grouped: set[int] = set()
         self._hits: list[Hit] = []
+        self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
         self.capture_misses = 0
         self.dropped = 0
         #: Hits that could not be evaluated (probe, the error) and records the plugin
@@ -345,7 +346,8 @@ class PluginBackend:
                     self.engine.enable_probe(p, False)
             self._armed = False
 
-    def enable(self, *, switch: Sequence[GuestWrite] | None = None, opened: bool = True) -> None:
+    def enable(self, *, switch: Sequence[GuestWrite] | None = None, opened: bool = True,
+               reads: Sequence[int] = ()) -> None:
         """Start recording. ``switch``: the guest side's own switch on (its
         ``switch_writes(True)``: tracing_on, the module's recording flag), made as the
         plugin's recording window opens, at one instant where no vCPU is between a hit
@@ -355,8 +357,10 @@ class PluginBackend:
         Without it the window opens now and the guest side switches itself.
         ``opened=False``: the window stays closed; the caller opens it
         (``engine.window(True)``) in a halt of the guest (``harness.diff.worlds``: in the
-        gdbstub engine's settled halt, with every vCPU stopped)."""
+        gdbstub engine's settled halt, with every vCPU stopped). ``reads``: words the
+        switch reads at its instant (the guest's counters: ``PluginEngine.window_marks``)."""
         self._hits.clear()
+        self._nhit.clear()
         self._comm_changes.clear()
         self._watch_comms()
         if self.alone and not self._stubs and self.layer is not None:
@@ -368,15 +372,16 @@ class PluginBackend:
         self._dropped0 = self.engine.link.dropped
         self.arm()
         if switch is not None:
-            self.engine.window(True, switch)
+            self.engine.window(True, switch, reads=reads)
         self.recording = True
 
-    def disable(self, *, disarm: bool = True, switch: Sequence[GuestWrite] | None = None) -> None:
+    def disable(self, *, disarm: bool = True, switch: Sequence[GuestWrite] | None = None,
+                reads: Sequence[int] = ()) -> None:
         """Stop recording; ``disarm=False`` leaves the probes armed (:meth:`disarm` later).
         ``switch``: the guest side's own switch off, made as the window closes (see
         :meth:`enable`); a caller that opened the window closes it before."""
         if switch is not None:
-            self.engine.window(False, switch)
+            self.engine.window(False, switch, reads=reads)
         if disarm:
             self.disarm()
         self.recording = False
@@ -402,6 +407,9 @@ class PluginBackend:
             if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
                 continue
             name = self._specs[rec.probe_id][1]
+            # trace_kprobe's nhit (kprobe_dispatcher(), kretprobe_dispatcher()): every hit
+            # the window recorded, counted before its record is read
+            self._nhit[name] = self._nhit.get(name, 0) + 1
             if rec.flags & (RF_TRUNC | RF_BADPROG):
                 what = "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin"
                 self.bad_records[what] = self.bad_records.get(what, 0) + 1
@@ -553,17 +561,15 @@ class PluginBackend:
         return saved_cmdlines(self._hits, self._comm_changes)
 
     def counters(self) -> dict[str, Counters]:
+        """Per event: ``nhit`` the hits the recording window took (``Counters.window``:
+        the runner opens and closes it with the guest's switch), ``nmissed`` the plugin's
+        misses since registration."""
         out = {}
         for name, ps in self._probes.items():
             if any(p.id in self._eprobes for p in ps):
                 continue        # an event probe has no kprobe_profile line
-            nhit = nmissed = 0
-            for p in ps:
-                h, m, _ = self.engine.probe_stats(p)
-                nhit, nmissed = nhit + h, nmissed + m
-            if any(self._specs[p.id][0].is_return for p in ps):
-                nhit = sum(1 for h in self._hits if h.probe == name)
-            out[name] = Counters(name, nhit, nmissed)
+            nmissed = sum(self.engine.probe_stats(p)[1] for p in ps)
+            out[name] = Counters(name, self._nhit.get(name, 0), nmissed, window=True)
         return out
 
     def close(self) -> None:

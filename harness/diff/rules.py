@@ -406,12 +406,13 @@ REGISTRY: tuple[Rule, ...] = (
          "all of them"),
     Rule("nhit", "counter",
          "nhit not compared where a side did not count it over the recording window",
-         "the guest's counters count from the event's enabling (kprobe_profile, the "
-         "module's stats from its loading), the plugin's from its registration",
+         "the guest's counters count from the event's enabling (kprobe_profile, "
+         "uprobe_profile, the module's stats from its loading)",
          "a side's Counters.window is unset: compared wherever both sides counted over the "
-         "one window (the gdbstub engine with --guest events, its halts settled: the "
-         "guest's per-cpu trace_kprobe.nhit read at both halts); nmissed is compared where "
-         "both sides count the probe, and a host side counts every probe it placed"),
+         "one window (--guest events: the guest's per-cpu trace_kprobe.nhit read where the "
+         "window opens and closes, in the gdbstub engine's halts or by the plugin's "
+         "switching vCPU, both settled); nmissed is compared where both sides count the "
+         "probe, and a host side counts every probe it placed"),
 )
 
 for _r in REGISTRY:

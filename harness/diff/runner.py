@@ -205,8 +205,9 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         g.enable(**({"tracing": False} if guest == "events" else {"recording": False}))
         # The guest's kprobe events count nhit from their enabling: read at both halts, the
         # difference is the window's, as the host's (Counters.window), when both are settled
-        marks = same_halt and guest == "events"
-        unsettled = h.engine.stats.get("unsettled", 0) if same_halt else 0
+        marks = guest == "events"
+        unsettled = h.engine.stats.get("unsettled", 0)
+        reads: list[int] = []
         if same_halt:
             def start() -> None:
                 g.switch(True)
@@ -215,8 +216,9 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                 if trig:    # the counts the guest's triggers have left, in this halt
                     h.trigger_counts(g.trigger_counts())
             h.enable(also=start)
-        else:
-            h.enable(switch=g.switch_writes(True))
+        else:   # the plugin reads the guest's nhit words as its window switches
+            reads = g.nhit_words() if marks else []
+            h.enable(switch=g.switch_writes(True), reads=reads)
         say(progress, f"workload running: {workload}")
         with ticking(progress, _live_hits(h)):
             r = vm.run(workload, timeout=timeout)
@@ -227,10 +229,13 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                     g.mark_nhits()
             h.disable(disarm=guest != "module", also=stop)
         else:
-            h.disable(disarm=guest != "module", switch=g.switch_writes(False))
+            h.disable(disarm=guest != "module", switch=g.switch_writes(False), reads=reads)
         g.disable()
+        if not same_halt and reads:     # the closing is applied by now (the agent ran)
+            for values in h.engine.window_marks():
+                g.add_nhit_mark(values)
         say(progress, f"collecting the hits ({guest}: reading the guest's records)")
-        settled = same_halt and h.engine.stats.get("unsettled", 0) == unsettled
+        settled = h.engine.stats.get("unsettled", 0) == unsettled
         g_hits = g.collect()
         g_counters = g.counters(window=settled) if marks else g.counters()
         g_left = events_listed(vm, specs) if guest == "events" else None

@@ -66,6 +66,7 @@ from ..machine.pluginlink import (
     ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE, CMD_CONFIG, CMD_ENABLE,
     CMD_FAILREAD, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, CMD_WINDOW, FULL_PROBES,
     FULL_SITE, INVAL_PENDING, INVAL_TEXT, MAX_PER_SITE, MAX_PROBES, MAX_WIN_WRITES, NGSTATS,
+    CMD_MARKS, MARKS_READ, MAX_WIN_READS,
     PK_FLUSH, PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, PK_UFREE, WIN_FAILED,
     WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode)
 from .plugin_handlers import HandlerDispatch
@@ -429,23 +430,26 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         code through the same callbacks."""
 
     def window(self, on: bool, writes: Sequence[tuple[int, int, int, int]] = (), *,
-               now: bool = False) -> int:
+               reads: Sequence[int] = (), now: bool = False) -> int:
         """Open or close the plugin's recording window (spec probes record only while it
         is open; their counts and instances go on regardless, as a guest kprobe's do
         under ``tracing_on``), and make ``writes`` (``(addr, size, set, clear)``: the
         guest's own switch) at the same instant, where no vCPU is between a hit and the
         guest's handler of it (kph_proto.h ``CMD_WINDOW``). ``now``: at once, with no
-        write. Returns a ``WIN_*`` status; ``WIN_UNSETTLED`` is counted
-        (``stats["unsettled"]``).
+        write. ``reads``: 8-byte words read at that instant, before the writes (the
+        guest's counters at the window's edge: :meth:`window_marks`). Returns a ``WIN_*``
+        status; ``WIN_UNSETTLED`` is counted (``stats["unsettled"]``).
 
         :raise HarnessError: the switch was not made in time, or a guest write failed.
         """
-        if len(writes) > MAX_WIN_WRITES or (now and writes):
-            raise ValueError(f"window(): {len(writes)} writes (now={now})")
+        if len(writes) > MAX_WIN_WRITES or len(reads) > MAX_WIN_READS or \
+                (now and (writes or reads)):
+            raise ValueError(f"window(): {len(writes)} writes, {len(reads)} reads (now={now})")
         st = struct.unpack("<I", self.link.request(CMD_WINDOW, struct.pack(
             "<II", int(on) | (2 if now else 0), len(writes)) + b"".join(
                 struct.pack("<QIIQQ", a, size, 0, set_, clear)
-                for a, size, set_, clear in writes)))[0]
+                for a, size, set_, clear in writes) + (
+                struct.pack(f"<I{len(reads)}Q", len(reads), *reads) if reads else b"")))[0]
         if not now:
             self.stats[f"window_{WIN_TEXT.get(st, st)}"] += 1
         if st == WIN_UNSETTLED:
@@ -460,6 +464,20 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             raise HarnessError("the plugin could not write the guest's switch at "
                                + ", ".join(f"{a:#x}" for a, *_ in writes))
         return st
+
+    def window_marks(self) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """The words the last opening and the last closing of the window read
+        (``window(reads=)``), each None where that switch read nothing, is still to be
+        applied (an idle guest applies it as a vCPU leaves idle) or a read failed."""
+        raw = self.link.request(CMD_MARKS, b"")
+        out: list[tuple[int, ...] | None] = []
+        pos = 0
+        for _ in range(2):
+            state, n = struct.unpack_from("<II", raw, pos)
+            vals = struct.unpack_from(f"<{n}Q", raw, pos + 8)
+            pos += 8 + 8 * n
+            out.append(vals if state == MARKS_READ else None)
+        return out[0], out[1]
 
     def records(self) -> list[PluginRecord]:
         """Every hit recorded since the last call, in the order they happened."""

@@ -64,6 +64,11 @@ CMD_FAILREAD = 12
 #: the recording window, and the guest's own switch written at the same instant
 CMD_WINDOW = 13
 MAX_WIN_WRITES = 4
+#: the words the last opening and closing of the window read at their instant
+CMD_MARKS = 14
+MAX_WIN_READS = 256
+#: CMD_MARKS: per direction, read / still to be applied / never asked / a read failed
+MARKS_READ, MARKS_PENDING, MARKS_NONE, MARKS_FAILED = 0, 1, 2, 3
 #: CMD_WINDOW's reply (kph_proto.h says what each means)
 WIN_SETTLED, WIN_IDLE, WIN_UNSETTLED, WIN_PENDING, WIN_FAILED = 0, 1, 2, 3, 4
 WIN_TEXT = {WIN_SETTLED: "settled", WIN_IDLE: "idle", WIN_UNSETTLED: "unsettled",

@@ -165,7 +165,7 @@ static void reset_session(void)
     }
     pthread_mutex_unlock(&g_lock);
     post_mode_check();
-    window_switch(1, 1, 0, NULL, 0);    /* the window open, a pending switch dropped */
+    window_switch(1, 1, 0, NULL, 0, NULL, 0);  /* the window open, a pending switch dropped */
 }
 
 static int cmd_ring(const uint8_t *pl, uint32_t len, int fd)
@@ -713,7 +713,7 @@ int serve(int fd)
             break;
         }
         case CMD_WINDOW: {
-            uint32_t on, nw;
+            uint32_t on, nw, nr;
 
             if (len < 8) {
                 rc = reply(fd, EINVAL, NULL, 0);
@@ -721,7 +721,12 @@ int serve(int fd)
             }
             memcpy(&on, pl, 4);
             memcpy(&nw, pl + 4, 4);
-            if (nw > MAX_WIN_WRITES || len != 8 + 32 * nw || (on & ~3u)) {
+            nr = 0;
+            if (nw <= MAX_WIN_WRITES && len >= 12 + 32 * nw) {
+                memcpy(&nr, pl + 8 + 32 * nw, 4);
+            }
+            if (nw > MAX_WIN_WRITES || (on & ~3u) || nr > MAX_WIN_READS ||
+                (len != 8 + 32 * nw && len != 12 + 32 * nw + 8 * nr) || ((on & 2u) && nr)) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -739,8 +744,19 @@ int serve(int fd)
                 break;
             }
             /* bit 0: open; bit 1: now (no guest write, a pending switch dropped) */
-            st = (uint32_t)window_switch((int)(on & 1), (int)(on >> 1), (int)nw, pl + 8, 1000);
+            st = (uint32_t)window_switch((int)(on & 1), (int)(on >> 1), (int)nw, pl + 8,
+                                         (int)nr, pl + 12 + 32 * nw, 1000);
             rc = reply(fd, 0, &st, 4);
+            break;
+        }
+        case CMD_MARKS: {
+            static uint8_t out[16 + 16 * MAX_WIN_READS];
+
+            if (len != 0) {
+                rc = reply(fd, EINVAL, NULL, 0);
+                break;
+            }
+            rc = reply(fd, 0, out, (uint32_t)window_marks(out));
             break;
         }
         default:

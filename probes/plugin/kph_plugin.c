@@ -625,6 +625,12 @@ static struct {
     uint64_t addr, set, clear;
     uint32_t size;
 } win_w[MAX_WIN_WRITES];
+/* the words a switch reads at its instant (the guest's counters at the window's edges),
+ * and what the last opening [1] and closing [0] read */
+static int win_nr;
+static uint64_t win_r[MAX_WIN_READS];
+static uint64_t win_vals[2][MAX_WIN_READS];
+static uint32_t win_nvals[2], win_state[2] = {KPH_MARKS_NONE, KPH_MARKS_NONE};
 
 /* vCPU: apply a pending switch, if this is a point it may be applied at. */
 static void service_window(vcpu_t *v, int settled)
@@ -641,6 +647,18 @@ static void service_window(vcpu_t *v, int settled)
         return;
     }
     if (atomic_load(&win_pending)) {
+        if (win_nr > 0) {
+            int bad = 0;
+
+            for (i = 0; i < win_nr; i++) {
+                win_vals[win_on][i] = 0;
+                if (mem_read(v, win_r[i], &win_vals[win_on][i], 8) != 0) {
+                    bad = 1;
+                }
+            }
+            win_nvals[win_on] = (uint32_t)win_nr;
+            win_state[win_on] = bad ? KPH_MARKS_FAILED : KPH_MARKS_READ;
+        }
         for (i = 0; i < win_nw; i++) {
             uint64_t x = 0;
 
@@ -677,7 +695,8 @@ static void win_deadline(struct timespec *dl, int ms)
 /* Control thread: CMD_WINDOW. `now`: switch at once, no guest write (and drop a switch
  * still pending); else wait up to `settle_ms` for a vCPU to apply it where it settles,
  * then up to as long again at any callback. Returns a WIN_* status. */
-int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms)
+int window_switch(int on, int now, int nw, const uint8_t *w, int nr, const uint8_t *r,
+                  int settle_ms)
 {
     struct timespec dl;
     uint64_t want;
@@ -688,6 +707,7 @@ int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms)
         atomic_store(&win_pending, 0);
         atomic_store(&win_force, 0);
         atomic_store(&g_window, on);
+        win_state[0] = win_state[1] = KPH_MARKS_NONE;
         pthread_mutex_unlock(&win_lock);
         return WIN_SETTLED;
     }
@@ -698,7 +718,14 @@ int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms)
         memcpy(&win_w[i].clear, w + 32 * i + 24, 8);
     }
     win_nw = nw;
+    win_nr = nr;
+    for (i = 0; i < nr; i++) {
+        memcpy(&win_r[i], r + 8 * i, 8);
+    }
     win_on = on;
+    if (nr > 0) {
+        win_state[on] = KPH_MARKS_PENDING;
+    }
     want = ++win_req;
     atomic_store(&win_force, 0);
     atomic_store_explicit(&win_pending, 1, memory_order_release);
@@ -726,6 +753,24 @@ int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms)
     }
     pthread_mutex_unlock(&win_lock);
     return rc;
+}
+
+size_t window_marks(uint8_t *out)
+{
+    size_t n = 0;
+    int d;
+
+    pthread_mutex_lock(&win_lock);
+    for (d = 1; d >= 0; d--) {         /* the opening first */
+        uint32_t cnt = win_state[d] == KPH_MARKS_NONE ? 0 : win_nvals[d];
+
+        memcpy(out + n, &win_state[d], 4);
+        memcpy(out + n + 4, &cnt, 4);
+        memcpy(out + n + 8, win_vals[d], 8 * (size_t)cnt);
+        n += 8 + 8 * (size_t)cnt;
+    }
+    pthread_mutex_unlock(&win_lock);
+    return n;
 }
 
 /* ---------------------------------------------------------------- callbacks */

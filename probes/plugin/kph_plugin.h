@@ -34,6 +34,7 @@
 #define MAX_PROBES KPH_MAX_PROBES
 #define MAX_PER_SITE KPH_MAX_PER_SITE
 #define MAX_WIN_WRITES KPH_MAX_WIN_WRITES
+#define MAX_WIN_READS KPH_MAX_WIN_READS
 #define MAX_PROG KPH_MAX_PROG
 #define REC_MAX KPH_REC_MAX
 #define MAX_PENDING 1024            /* more pending invalidations: one full flush */
@@ -192,7 +193,10 @@ int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len);
 void read_context(vcpu_t *v, uint64_t pc);
 void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func, uint64_t ret_addr, const inst *ri);
 int reset_all(int timeout_ms);
-int window_switch(int on, int now, int nw, const uint8_t *w, int settle_ms);
+int window_switch(int on, int now, int nw, const uint8_t *w, int nr, const uint8_t *r,
+                  int settle_ms);
+/* CMD_MARKS's reply payload into out (at most 16 + 16 * MAX_WIN_READS bytes); its length */
+size_t window_marks(uint8_t *out);
 extern atomic_int g_window;
 
 /* returns.c */

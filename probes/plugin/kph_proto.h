@@ -38,8 +38,18 @@ enum {
      * instant, at a point no vCPU is between a hit and the guest's handler of it (a vCPU
      * entering or leaving idle). u32 reply: WIN_* */
     CMD_WINDOW = 13,
+    /* the 8-byte words that the last opening and the last closing of the window read at
+     * their instant (CMD_WINDOW's reads: after the writes, u32 nreads (<=
+     * KPH_MAX_WIN_READS), then u64 addr each; read before the writes are made). Reply, for
+     * the opening then the closing: u32 state (KPH_MARKS_*), u32 n, then n u64 values */
+    CMD_MARKS = 14,
 };
 #define KPH_MAX_WIN_WRITES 4
+#define KPH_MAX_WIN_READS 256
+/* CMD_MARKS: a direction's words were read in its last switch (READ), the switch is still
+ * to be applied (PENDING: an idle guest applies it as a vCPU leaves idle), no switch of
+ * that direction asked for reads since the session began (NONE), or a read failed */
+enum { KPH_MARKS_READ = 0, KPH_MARKS_PENDING = 1, KPH_MARKS_NONE = 2, KPH_MARKS_FAILED = 3 };
 /* CMD_WINDOW's reply: applied when a vCPU entered or left idle (SETTLED); every vCPU idle,
  * so the first to leave idle applies it before it runs anything (IDLE); no vCPU idled in
  * time and the next callback of any kind applied it (UNSETTLED: a hit in flight there is

@@ -65,7 +65,7 @@ def _backend(records, hit):
     be = object.__new__(PluginBackend)
     be.engine = SimpleNamespace(records=records)
     be._specs = {7: (None, "kprobes/open")}
-    be._hits, be.bad_records, be.engine_errors = [], {}, []
+    be._hits, be.bad_records, be.engine_errors, be._nhit = [], {}, [], {}
     be._comm_probe = None
     be._hit = hit
     rec = SimpleNamespace(type=REC_HIT, probe_id=7, flags=0)

@@ -17,9 +17,8 @@ from harness.errors import EngineReadError, SetupError
 from harness.kernel.grammar import parse
 from harness.kernel.grammar import program as fetchprog
 from harness.kernel.kprobes import Kprobe
-from harness.machine.pluginlink import (CMD_ARRANGE, CMD_WINDOW, MAX_PER_SITE, MAX_WIN_WRITES,
-                                       WIN_UNSETTLED,
-                                       PluginError)
+from harness.machine.pluginlink import (CMD_ARRANGE, CMD_WINDOW, MAX_PER_SITE, MAX_WIN_READS,
+                                       MAX_WIN_WRITES, WIN_UNSETTLED, PluginError)
 
 pytestmark = pytest.mark.vm
 
@@ -182,6 +181,16 @@ def test_a_window_request_out_of_bounds_is_refused(pvm):
         assert bad.value.errno == 22, payload
     with pytest.raises(ValueError):
         eng.window(True, [(0, 8, 0, 0)] * (MAX_WIN_WRITES + 1))
+    # reads: no more than MAX_WIN_READS, none with a switch made now, the length exact
+    word = struct.pack("<Q", pvm.symbols.lookup("jiffies").addr)
+    for payload in (struct.pack("<III", 1, 0, MAX_WIN_READS + 1) + word * (MAX_WIN_READS + 1),
+                    struct.pack("<III", 3, 0, 1) + word,
+                    struct.pack("<III", 1, 0, 2) + word):
+        with pytest.raises(PluginError) as bad:
+            eng.link.request(CMD_WINDOW, payload)
+        assert bad.value.errno == 22, payload[:12]
+    with pytest.raises(ValueError):
+        eng.window(True, reads=[0] * (MAX_WIN_READS + 1))
 
 
 def test_a_window_switch_on_a_guest_that_never_idles_is_made_and_counted_unsettled(pvm):
