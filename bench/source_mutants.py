@@ -72,7 +72,9 @@ JUDGE = ("reads", "opens", "stacked", "missed", "threads",
          # added 2026-11-28 for the survivors of code no 6.1 run reaches: fprobes, $argN
          # at returns and event probes (6.12, 7.3), an event of two lines, a call made
          # inside a guest kprobe handler
-         "newer", "newest", "multi", "nested")
+         "newer", "newest", "multi", "nested",
+         # the fetch hook's hit numbers (gdbstub only: _hook_contract, not a probe set)
+         "hook")
 #: cosmic-ray's timeout per mutant (s): a mutant that hangs a run is killed by it
 TIMEOUT = 150.0
 #: the one mutant the suite runs (tests/vm/test_oracle_mutants.py): a file, an operator
@@ -338,7 +340,7 @@ def _judge(engine: str) -> int:
 
     for probes in os.environ.get("KPH_JUDGE", "").split(",") if os.environ.get("KPH_JUDGE") \
             else JUDGE:
-        if engine not in om.PROBE_SETS[probes].engines:
+        if probes not in om.PROBE_SETS or engine not in om.PROBE_SETS[probes].engines:
             continue
         try:
             code, line = om.kph_diff(engine, probes)
@@ -348,7 +350,46 @@ def _judge(engine: str) -> int:
         print(f"{probes}: exit {code} {line}")
         if code != 0:
             return 1
+    judged = os.environ.get("KPH_JUDGE", "").split(",") if os.environ.get("KPH_JUDGE") \
+        else JUDGE
+    if engine == "gdbstub" and "hook" in judged:
+        try:
+            ok, line = _hook_contract()
+        except Exception as exc:            # a mutant may raise anything: a kill
+            print(f"hook: {type(exc).__name__}: {exc}")
+            return 1
+        print(f"hook: {line}")
+        if not ok:
+            return 1
     return 0
+
+
+def _hook_contract() -> tuple[bool, str]:
+    """The gdbstub engine's fetch hook (``run_differential(hook=)``, the pytest plugin's
+    ``probe_diff(hook=)``), as documented: called at each recorded hit of a probe with
+    its number, 1, 2, 3, ...; a register overridden at hit 2 reaches that hit's record
+    alone, so the first divergence is there. (True, what was seen) when it holds."""
+    from harness.diff.runner import run_differential, trampoline_text
+    from harness.diff.verdict import compare
+    from harness.kernel.grammar import parse
+    from harness.machine.image.store import default_image
+    from harness.vmctl import Machine
+
+    seen: dict[str, list[int]] = {}
+
+    def hook(probe: str, nth: int, overrides: dict[str, int]) -> None:
+        seen.setdefault(probe, []).append(nth)
+        if probe == "kprobes/o" and nth == 2:
+            overrides["di"] = 7
+    with Machine.boot(default_image()) as vm:
+        a, b = run_differential(vm, [parse("p:o do_sys_openat2 dfd=%di:s32")],
+                                "cat /proc/version /proc/cmdline /proc/uptime", hook=hook)
+        res = compare(a, b, trampoline=trampoline_text(vm))
+    first = res.first
+    where = (first.field, first.index, first.a_value) if first is not None else None
+    ok = bool(seen) and all(v == list(range(1, len(v) + 1)) for v in seen.values()) and \
+        where == ("arg:dfd", 1, "7")
+    return ok, f"hit numbers {seen}, first divergence {where}"
 
 
 def main(argv: list[str] | None = None) -> int:
