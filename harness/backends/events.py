@@ -405,7 +405,8 @@ class EventsBackend:
             return
         try:
             off = {k: btf.offset(*k.split(":")) for k in (
-                "dyn_event:ops", "trace_kprobe:nhit", "trace_kprobe:tp",
+                "dyn_event:list", "dyn_event:ops", "trace_kprobe:devent", "trace_kprobe:nhit",
+                "trace_kprobe:tp",
                 "trace_probe:event", "trace_probe_event:class", "trace_probe_event:call",
                 "trace_event_class:system", "trace_event_call:name")}
         except KeyError as exc:
@@ -424,11 +425,13 @@ class EventsBackend:
         node, seen = word(head), 0
         while node and node != head and seen < 100000:
             if word(node + off["dyn_event:ops"]) == ops_s.addr:
-                tk = node               # devent is trace_kprobe's first member
+                tk = node - off["dyn_event:list"] - off["trace_kprobe:devent"]
                 ev = word(tk + off["trace_kprobe:tp"] + off["trace_probe:event"])
                 group = cstr(word(ev + off["trace_probe_event:class"]
                                   + off["trace_event_class:system"]))
-                name = f"{group}/{cstr(word(ev + off['trace_probe_event:call'] + off['trace_event_call:name']))}"
+                event = cstr(word(ev + off["trace_probe_event:call"]
+                                  + off["trace_event_call:name"]))
+                name = f"{group}/{event}"
                 if name in self.specs:
                     ptr = word(tk + off["trace_kprobe:nhit"])
                     found += [(name, (ptr + o) & ((1 << 64) - 1)) for o in offsets]
