@@ -125,9 +125,11 @@ PROBE_SETS: dict[str, ProbeSet] = {
     # reads memory: probe_mem_read() -> copy_from_kernel_nofault()): missed on each side
     "nested": ProbeSet(("p:o do_sys_openat2 x=+0(%sp):u64", "p:c copy_from_kernel_nofault"),
                        "cat /proc/version >/dev/null"),
-    # two probes under one event name (each line a kprobe_profile line of its own)
+    # two probes under one event name (each line a kprobe_profile line of its own), and a
+    # probe armed on both sides that never fires (its nhit 0 on both)
     "multi": ProbeSet(("r:rw vfs_read ret=$retval:s64", "r:rw vfs_write ret=$retval:s64",
-                       "p:pw vfs_read f=%di:x64", "p:pw vfs_write f=%di:x64")),
+                       "p:pw vfs_read f=%di:x64", "p:pw vfs_write f=%di:x64",
+                       "p:nv __x64_sys_reboot")),
     # what 6.1 has not: fprobe entries and exits, $argN at a return, an event probe, on
     # 6.12 (rethook: an exit sees the real return address) and 7.3 (the function graph)
     # (on 6.12 the return probe first: the fprobe exit's hook then finds the slot

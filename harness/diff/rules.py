@@ -408,7 +408,9 @@ REGISTRY: tuple[Rule, ...] = (
          "nhit not compared where a side did not count it over the recording window",
          "the guest's counters count from the event's enabling (kprobe_profile, "
          "uprobe_profile, the module's stats from its loading)",
-         "a side's Counters.window is unset: compared wherever both sides counted over the "
+         "a guest side's Counters.window is unset (a host engine's counts are always "
+         "over the window: one that is not diverges): compared wherever both sides "
+         "counted over the "
          "one window (--guest events: the guest's per-cpu trace_kprobe.nhit read where the "
          "window opens and closes, in the gdbstub engine's halts or by the plugin's "
          "switching vCPU, both settled); nmissed is compared where both sides count the "

@@ -521,6 +521,13 @@ def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:
         cb = b.counters.get(probe)
         if cb is None:
             continue
+        host_unwindowed = [x for x, c in ((a, ca), (b, cb))
+                           if x.side not in GUEST_SIDES and not c.window]
+        if host_unwindowed:     # a host engine counts its recorded hits, over the window
+            res.divergences.append(Divergence(
+                probe, "counter", -1, "not over the window" if not ca.window else "window",
+                "not over the window" if not cb.window else "window"))
+            continue
         if ca.window and cb.window:     # both counted over the one window: compared
             if ca.nhit != cb.nhit:
                 res.divergences.append(Divergence(probe, "nhit", -1, str(ca.nhit),

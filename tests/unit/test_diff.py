@@ -502,6 +502,10 @@ def test_nhit_is_compared_only_where_both_sides_counted_over_the_window():
             counters={"kprobes/open": Counters("kprobes/open", 1, 0, window=True)})
     res = compare(a, b)
     assert res.equivalent and not res.applied.get("nhit")
+    # the host cannot switch the comparison off: its counts are always over the window
+    a = run("host", [hit("host", 0, dfd=1)], counters={"kprobes/open": Counters("kprobes/open", 1, 0)})
+    res = compare(a, b)
+    assert not res.equivalent and res.first.field == "counter", res.first
 
 
 def test_a_guest_value_that_is_the_kretprobe_trampoline_compares_equal_and_no_other():
