@@ -73,8 +73,10 @@ JUDGE = ("reads", "opens", "stacked", "missed", "threads",
          # at returns and event probes (6.12, 7.3), an event of two lines, a call made
          # inside a guest kprobe handler
          "newer", "newest", "multi", "nested",
-         # the fetch hook's hit numbers (gdbstub only: _hook_contract, not a probe set)
-         "hook")
+         # contracts checked through the Python API, not probe sets: the fetch hook's hit
+         # numbers (gdbstub, _hook_contract), a hit whose task the plugin could not read
+         # (plugin, _task_unread_contract)
+         "hook", "task-unread")
 #: cosmic-ray's timeout per mutant (s): a mutant that hangs a run is killed by it
 TIMEOUT = 150.0
 #: the one mutant the suite runs (tests/vm/test_oracle_mutants.py): a file, an operator
@@ -352,16 +354,48 @@ def _judge(engine: str) -> int:
             return 1
     judged = os.environ.get("KPH_JUDGE", "").split(",") if os.environ.get("KPH_JUDGE") \
         else JUDGE
-    if engine == "gdbstub" and "hook" in judged:
+    for step, eng, check in (("hook", "gdbstub", _hook_contract),
+                             ("task-unread", "plugin", _task_unread_contract)):
+        if engine != eng or step not in judged:
+            continue
         try:
-            ok, line = _hook_contract()
+            ok, line = check()
         except Exception as exc:            # a mutant may raise anything: a kill
-            print(f"hook: {type(exc).__name__}: {exc}")
+            print(f"{step}: {type(exc).__name__}: {exc}")
             return 1
-        print(f"hook: {line}")
+        print(f"{step}: {line}")
         if not ok:
             return 1
     return 0
+
+
+def _task_unread_contract() -> tuple[bool, str]:
+    """The plugin engine's hits when it cannot read the task (``read_context()`` in
+    kph_plugin.c: no ``RF_TASK``, so no ``RF_PID`` and no ``RF_COMM``): each carries no pid
+    (None, which the verdict's ``pid`` rule needs, not 0) and no comm. The plugin's reads of
+    the guest's direct map are made to fail (``fail_reads``, tests only), where the per-cpu
+    ``current_task`` and every task_struct live. (True, what was seen) when it holds."""
+    from harness.backends.plugin import PluginBackend
+    from harness.kernel.grammar import parse
+    from harness.machine.image.store import default_image
+    from harness.vmctl import Machine
+
+    with Machine.boot(default_image(), host="plugin") as vm:
+        h = PluginBackend(vm, comm_rule="at_hit")
+        try:
+            h.register([parse("p:o do_sys_openat2")])
+            h.enable()
+            vm.host.fail_reads(0xffff888000000000, 1 << 40)
+            try:
+                vm.run("cat /proc/version >/dev/null", check=True)
+            finally:
+                vm.host.fail_reads(0, 0)
+            h.disable()
+            hits = [x for x in h.collect() if x.probe == "kprobes/o"]
+        finally:
+            h.close()
+    seen = sorted({(x.pid, x.comm) for x in hits}, key=str)
+    return bool(hits) and seen == [(None, "")], f"{len(hits)} hits, (pid, comm) {seen}"
 
 
 def _hook_contract() -> tuple[bool, str]:
