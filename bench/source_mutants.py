@@ -75,8 +75,9 @@ JUDGE = ("reads", "opens", "stacked", "missed", "threads",
          "newer", "newest", "multi", "nested",
          # contracts checked through the Python API, not probe sets: the fetch hook's hit
          # numbers (gdbstub, _hook_contract), a hit whose task the plugin could not read
-         # (plugin, _task_unread_contract)
-         "hook", "task-unread")
+         # (plugin, _task_unread_contract), the stacked set's three worlds (both engines:
+         # the host-vs-plugin leg sees the printed return addresses the guest cannot)
+         "hook", "task-unread", "both")
 #: cosmic-ray's timeout per mutant (s): a mutant that hangs a run is killed by it
 TIMEOUT = 150.0
 #: the one mutant the suite runs (tests/vm/test_oracle_mutants.py): a file, an operator
@@ -355,7 +356,8 @@ def _judge(engine: str) -> int:
     judged = os.environ.get("KPH_JUDGE", "").split(",") if os.environ.get("KPH_JUDGE") \
         else JUDGE
     for step, eng, check in (("hook", "gdbstub", _hook_contract),
-                             ("task-unread", "plugin", _task_unread_contract)):
+                             ("task-unread", "plugin", _task_unread_contract),
+                             ("both", engine, _three_worlds_stacked)):
         if engine != eng or step not in judged:
             continue
         try:
@@ -367,6 +369,17 @@ def _judge(engine: str) -> int:
         if not ok:
             return 1
     return 0
+
+
+def _three_worlds_stacked() -> tuple[bool, str]:
+    """The ``stacked`` set under ``kph diff --host both``: its host-vs-plugin leg compares
+    the two engines' printed return addresses, which the guest cannot check (it records
+    the host's trampoline there: the trampoline blind spot). (True, the verdict) when
+    every leg agrees."""
+    import oracle_mutants as om
+
+    code, line = om.kph_diff("gdbstub", "stacked", ("--host", "both"))
+    return code == 0, f"exit {code} {line}"
 
 
 def _task_unread_contract() -> tuple[bool, str]:
