@@ -376,10 +376,19 @@ def _three_worlds_stacked() -> tuple[bool, str]:
     the two engines' printed return addresses, which the guest cannot check (it records
     the host's trampoline there: the trampoline blind spot). (True, the verdict) when
     every leg agrees."""
-    import oracle_mutants as om
+    import contextlib
+    import io
 
-    code, line = om.kph_diff("gdbstub", "stacked", ("--host", "both"))
-    return code == 0, f"exit {code} {line}"
+    import oracle_mutants as om
+    from harness import cli
+
+    ps = om.PROBE_SETS["stacked"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(["-q", "diff", *ps.specs, "--run", ps.run, "--host", "both",
+                         *ps.extra])
+    said = [ln for ln in err.getvalue().splitlines() if ln.strip()] or [""]
+    return code == 0, f"exit {code} {said[-1]}"
 
 
 def _task_unread_contract() -> tuple[bool, str]:
