@@ -29,11 +29,12 @@ directory per host and test), so nothing has to be copied back from a remote wor
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 from pathlib import Path
-from typing import Any, Callable, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Iterator, Sequence, TYPE_CHECKING
 
 import pytest
 
@@ -298,11 +299,37 @@ def kph_image(request: pytest.FixtureRequest, kph_kernel: str | None) -> Any:
                 return default_image(kph_kernel)
             except HarnessError:
                 from harness.machine.image.build import build_image
-                return build_image(kernel=kph_kernel, qemu=request.config.getoption("--kph-qemu"),
-                                   progress=lambda s: None)
+                with _untimed(request):
+                    return build_image(kernel=kph_kernel,
+                                       qemu=request.config.getoption("--kph-qemu"),
+                                       progress=lambda s: None)
         return default_image(request.config.getoption("--kph-image"))
     except HarnessError as exc:
         pytest.fail(f"no kprobe-harness image: {exc}")
+
+
+@contextlib.contextmanager
+def _untimed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Suspend pytest-timeout's timer of the test whose setup builds a session's image
+    (minutes on a fresh cache, whichever test asks first, and then the image of every
+    later test on that worker: a build cut off by one test's timeout would fail them
+    all); the timer starts again, in full, once it is built. The build's own steps have
+    their own timeouts. Without pytest-timeout, or its hooks, nothing to do."""
+    item = getattr(request, "_pyfuncitem", None)
+    cancel = getattr(item, "cancel_timeout", None)
+    try:
+        import pytest_timeout
+        settings = pytest_timeout._get_item_settings(item) if item is not None else None
+    except (ImportError, AttributeError):
+        settings = None
+    if cancel is None or settings is None:
+        yield
+        return
+    cancel()
+    try:
+        yield
+    finally:
+        request.config.pluginmanager.hook.pytest_timeout_set_timer(item=item, settings=settings)
 
 
 @pytest.fixture(scope="session")
