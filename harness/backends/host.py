@@ -493,8 +493,7 @@ class HostBackend:
         # trace_kprobe's nhit: kprobe_dispatcher()/kretprobe_dispatcher() count every hit
         # their handler runs for, before the event's filter and triggers
         # (kernel/trace/trace_kprobe.c); counted here over the recording window only
-        self._nhit[name] = self._nhit.get(name, 0) + 1
-        nth = sum(1 for h in self._hits if h.probe == name) + 1
+        self._nhit[name] = nth = self._nhit.get(name, 0) + 1     # this hit's number
         overrides: dict[str, int] = {}
         if self.hook is not None:
             self.hook(name, nth, overrides)
