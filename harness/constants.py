@@ -18,6 +18,12 @@ MAX_INLINE_CMD = 120_000
 RR_TIMEOUT = 120.0
 #: One QMP command.
 QMP_TIMEOUT = 10.0
+#: Waiting for another process that is building the same image (a Debian kernel's image
+#: takes 1-3 min here; past this the other one is stuck).
+IMAGE_LOCK_TIMEOUT = 900.0
+#: Waiting for another process that is provisioning the kernel-build toolchain (apt
+#: downloads and an unpack: minutes).
+TOOLCHAIN_LOCK_TIMEOUT = 1800.0
 #: Waiting for another process that is building the same snapshot.
 SNAPSHOT_LOCK_TIMEOUT = 180.0
 #: ``migrate`` of a booted guest's device state into the snapshot (takes ~0.02 s).

@@ -15,6 +15,8 @@ import pytest
 # tests/vm/selftests.py (the kernels' selftests as data) is imported by two test modules;
 # --import-mode=importlib puts no test directory on sys.path.
 sys.path.insert(0, str(Path(__file__).parent / "vm"))
+sys.path.insert(0, str(Path(__file__).parent))
+import kph_watchdog  # noqa: E402
 
 ALONE_WAIT = 1800.0
 
@@ -59,8 +61,8 @@ def run_lock(exclusive: bool = False, item: pytest.Item | None = None):
         if exclusive:
             got = _flock(gate, fcntl.LOCK_EX, deadline) and _flock(f, fcntl.LOCK_EX, deadline)
         else:
-            fcntl.flock(gate, fcntl.LOCK_SH)        # waits while an alone test holds it
-            got = _flock(f, fcntl.LOCK_SH, deadline)
+            # waits while an alone test holds the gate (bounded too: never a silent hang)
+            got = _flock(gate, fcntl.LOCK_SH, deadline) and _flock(f, fcntl.LOCK_SH, deadline)
         fcntl.flock(gate, fcntl.LOCK_UN)
         if not got:
             msg = f"waited {ALONE_WAIT:.0f} s for the other workers' tests to end"
@@ -87,6 +89,8 @@ _LOCK_DIR: Path | None = None
 @pytest.hookimpl(trylast=True)            # after the tmp_path plugin's own configure
 def pytest_configure(config: pytest.Config) -> None:
     global _LOCK_DIR
+    if not config.pluginmanager.is_registered(kph_watchdog):
+        config.pluginmanager.register(kph_watchdog, "kph_watchdog")
     if hasattr(config, "workerinput") and hasattr(config, "_tmp_path_factory"):
         _LOCK_DIR = config._tmp_path_factory.getbasetemp().parent
 

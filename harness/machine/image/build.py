@@ -16,7 +16,6 @@ that a newcomer's machine may share with CI; nothing derived is kept there).
 from __future__ import annotations
 
 import datetime as _dt
-import fcntl
 import hashlib
 import json
 import os
@@ -26,7 +25,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import facts as F, kbuild, kernels, ksource, toolchain
+from ... import constants as C
 from ...constants import cache_dir
+from ...procs import lock_file
 from ...errors import SetupError
 from ...kernel.rules import rules_for
 from .debian import run
@@ -54,9 +55,12 @@ def build_image(*, kernel: str | None = None, force: bool = False, progress: Pro
     cache_dir().mkdir(parents=True, exist_ok=True)
     # One build of an image at a time (xdist workers may all want the same one); the
     # second finds the first's result.
-    with open(cache_dir() / f".build-{rel.abi}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = lock_file(cache_dir() / f".build-{rel.abi}.lock", C.IMAGE_LOCK_TIMEOUT,
+                   f"another kph builds the {rel.abi} image; let it finish, or end it")
+    try:
         return _build_locked(rel, force=force, progress=progress, qemu=qemu, snapshot=snapshot)
+    finally:
+        os.close(fd)
 
 
 def _build_locked(rel: kernels.KernelRelease, *, force: bool, progress: Progress,
@@ -202,8 +206,9 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
         name = f"tree-{release}-{key}"
         info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
         cache_dir().mkdir(parents=True, exist_ok=True)
-        with open(cache_dir() / f".build-{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        fd = lock_file(cache_dir() / f".build-{name}.lock", C.IMAGE_LOCK_TIMEOUT,
+                       f"another kph makes the {name} image; let it finish, or end it")
+        try:
             dest = cache_dir() / name
             img = None if force else _cached(dest, progress, lambda i: i.manifest.get(
                 "tree", {}).get("bzimage_sha256") == info["bzimage_sha256"])
@@ -220,6 +225,8 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
                 img = load_image(dest)
                 progress(f"image: {name} ready in {dest} (kernel-series rules: "
                          f"{img.manifest['rules']})")
+        finally:
+            os.close(fd)
     if snapshot:
         ensure_snapshot(img, qemu, progress)
     return img

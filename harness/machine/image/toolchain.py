@@ -18,7 +18,6 @@ needs root (or unprivileged user namespaces, tried with ``unshare --user
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -28,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ... import constants as C
 from ...constants import cache_dir
+from ...procs import lock_file
 from ...errors import SetupError
 from .kernels import KernelRelease
 from .debian import TRIXIE, PrivateApt, unpack
@@ -98,8 +99,9 @@ def _chroot_toolchain(rel: KernelRelease, progress: Progress | None) -> Toolchai
     tree = base / "tree"
     meta_path = base / "toolchain.json"
     headers = f"usr/src/linux-headers-{rel.abi}"
-    with open(base / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = lock_file(base / ".lock", C.TOOLCHAIN_LOCK_TIMEOUT,
+                   "another kph provisions the kernel-build toolchain; let it finish, or end it")
+    try:
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"debs": []}
         have = {d.split("_", 1)[0] for d in meta["debs"]}
         # A tree made before a tool joined TOOLS gets it now (a tree from an older kph
@@ -127,6 +129,8 @@ def _chroot_toolchain(rel: KernelRelease, progress: Progress | None) -> Toolchai
             raise SetupError(f"{pkg} unpacked without {headers}/Makefile",
                              "this package layout is new to kph: report it")
         return Toolchain("chroot", Path("/") / headers, tree)
+    finally:
+        os.close(fd)
 
 
 #: The root shell's script: the tree and the command are its arguments ($1, "$@"), never
