@@ -157,15 +157,39 @@ class SymbolTable:
 
     def add_module(self, name: str, text: str) -> None:
         """Merge, or replace, module ``name``'s kallsyms lines (after it loads in the guest)."""
+        self.modules_key = None
         base = max((r[1] for r in self._rows), default=-1) + 1
         new = [(a, base + o, n, t, name, s)
                for a, o, n, t, _, s in _parse_kallsyms(text, f"module {name}", name)]
         self._rows = [r for r in self._rows if r[4] != name] + new
         self._rebuild()
 
+    #: what the last ``set_modules`` was given (its ``key``); any other change of the
+    #: modules clears it
+    modules_key: object = None
+
+    def set_modules(self, texts: dict[str, str], sections: dict[str, dict[str, int]],
+                    key: object = None) -> None:
+        """Merge, or replace, several modules' kallsyms lines and section bases at once:
+        ``add_module`` and ``add_module_sections`` for each, with one index rebuild (a
+        rebuild sorts every symbol: ~0.5 s for a Debian kernel's ~160,000). ``key``
+        names this state (``modules_key``), so a caller can tell it is already merged."""
+        self.modules_key = key
+        if not texts and not sections:
+            return
+        base = max((r[1] for r in self._rows), default=-1) + 1
+        new: list[_Row] = []
+        for name, text in texts.items():
+            rows = _parse_kallsyms(text, f"module {name}", name)
+            new += [(a, base + len(new) + o, n, t, name, sz) for a, o, n, t, _, sz in rows]
+        self._rows = [r for r in self._rows if r[4] not in texts] + new
+        self._sections = {**self._sections, **{k: dict(v) for k, v in sections.items()}}
+        self._rebuild()
+
     def drop_module(self, name: str) -> None:
         """Forget module ``name`` (it is no longer loaded in the guest)."""
         if any(r[4] == name for r in self._rows):
+            self.modules_key = None
             self._rows = [r for r in self._rows if r[4] != name]
             self._sections = {k: v for k, v in self._sections.items() if k != name}
             self._rebuild()
@@ -173,6 +197,7 @@ class SymbolTable:
     def add_module_sections(self, name: str, sections: dict[str, int]) -> None:
         """Record ``/sys/module/NAME/sections/*`` bases; a module symbol then ends at the
         next section at the latest, as ``find_kallsyms_symbol()`` ends at the text's end."""
+        self.modules_key = None
         self._sections = {**self._sections, name: dict(sections)}
         self._rebuild()
 

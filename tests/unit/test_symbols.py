@@ -267,6 +267,26 @@ def test_module_sections_cap_symbol_size(table):
     assert table.lookup("mymod:foo_data").size == 0
 
 
+def test_set_modules_is_add_module_and_add_module_sections_at_once(table):
+    """vmctl.refresh_module_symbols merges every loaded module with one index rebuild; the
+    result is the table the one-at-a-time calls make, and a changed module clears the key."""
+    texts = {"late": "ffffffffc0020000 t late_fn\nffffffffc0020040 t late_end\n",
+             "mymod": "ffffffffc0002040 t do_sys_open\nffffffffc0003000 d foo_data\n"}
+    secs = {"mymod": {".text": 0xffffffffc0002000, ".rodata": 0xffffffffc0002800}}
+    one = table.copy()
+    for name, text in texts.items():
+        one.add_module(name, text)
+    one.add_module_sections("mymod", secs["mymod"])
+    table.set_modules(texts, secs, key="k1")
+    assert table.modules_key == "k1" and one.modules_key is None
+    for addr in (0xffffffffc0020001, 0xffffffffc0002050, 0xffffffffc0002900, PROBE_ME + 1):
+        assert table.format(addr) == one.format(addr), hex(addr)
+    assert table.modules() == one.modules()
+    assert table.lookup("late:late_fn").size == 0x40
+    table.drop_module("late")
+    assert table.modules_key is None and "late" not in table.modules()
+
+
 def test_kallsyms_all_zero_addresses_is_a_setup_error():
     with pytest.raises(SetupError, match="kptr_restrict"):
         SymbolTable.from_kallsyms("0000000000000000 T _stext\n0000000000000000 t foo\n")
