@@ -52,7 +52,7 @@ from .machine.image import facts as F
 from .machine.agent import GuestAgent
 from .aio import LoopThread, qmp_connect
 from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
-                     HandlerError, SetupError, StateError, VMError, VMLostError)
+                     HandlerError, HarnessError, SetupError, StateError, VMError, VMLostError)
 from .machine.handlerctx import ADVICE, stopped_reason
 from .machine.image.kbuild import boot_refusal
 from .machine.image.store import Image, default_image
@@ -709,6 +709,16 @@ class Machine:
             if _PANIC_MARK.decode() in line:
                 return line.strip()
         return "GUEST_PANICKED from pvpanic"
+
+    def alive(self) -> bool:
+        """Running, with no panic, shutdown or QEMU exit seen (no guest round trip)."""
+        if self.state is not VmState.RUNNING:
+            return False
+        try:
+            self._check()
+        except HarnessError:
+            return False
+        return self.state is VmState.RUNNING
 
     def _check(self) -> None:
         """Raise at once if the guest panicked, shut down, or QEMU died."""

@@ -78,12 +78,24 @@ def machine(request, newer_image):
 
 
 @pytest.fixture
-def diff(machine):
+def diff(request, newer_image, kph_reused):
+    """probe_diff on the test's ``series``: a fresh machine, or with
+    ``--kph-machine-per worker`` the worker's machine of that series (kept while tests
+    pass and leave no probe behind)."""
     from harness.apps.pytest_plugin import DiffHelper
 
-    helper = DiffHelper(machine, "events")
+    if kph_reused is None:
+        vm = request.getfixturevalue("machine")
+    else:
+        series = request.node.callspec.params["series"]
+        vm = kph_reused.get(newer_image(series))
+        assert vm.facts.series == series
+    helper = DiffHelper(vm, "events")
     yield helper
-    left = machine.run("cat /sys/kernel/tracing/dynamic_events").stdout
+    if kph_reused is not None:
+        kph_reused.after(request, vm, "dynamic_events")
+        return
+    left = vm.run("cat /sys/kernel/tracing/dynamic_events").stdout
     assert left == "", f"in-guest probes left behind: {left}"
 
 
