@@ -1,9 +1,10 @@
 """The differential suite: one spec set per case, host-side and in-guest on one execution.
 
 Each case runs on Linux 6.1, 6.12 and 7.3 (each with its own image and rules), against
-tracefs ``kprobe_events`` and against the harness's module, on a fresh machine of its own (the plugin's ``kph_fresh_machine``, restored
-from the image's ready snapshot) and leaves no probe behind (the ``probe_diff`` fixture
-checks).
+tracefs ``kprobe_events`` and against the harness's module, on its worker's machine of
+that kernel (``--kph-machine-per worker`` in pyproject.toml: kept while the cases pass,
+restored fresh from the image's ready snapshot after one that fails), and leaves no probe
+behind (the ``probe_diff`` fixture checks).
 """
 from __future__ import annotations
 

@@ -21,7 +21,9 @@ is here once (``$FUNCTION_FORK`` = ``kernel_clone``), in one of:
 - ``SKIPPED[series]``: what cannot run here, each with the reason.
 
 Each kernel's image is built on first use; every test boots a fresh machine of its own
-from that image's ready snapshot.
+from that image's ready snapshot, except the cases compared through ``diff``, which share
+their worker's machine of that kernel under ``--kph-machine-per worker`` (pyproject.toml)
+while they pass and leave no probe behind.
 """
 from __future__ import annotations
 
