@@ -284,7 +284,7 @@ def ftrace_flow(vm: Machine, func: str, workload: str) -> Flow:
         mb.close()
 
 
-def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 30.0) -> Flow:
+def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 5.0) -> Flow:
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_opt {target}")])
@@ -292,9 +292,7 @@ def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 30.
             raise HarnessError(f"the guest refused a kprobe at {target}: errno {o.errno}")
         mode, deadline = o.mode, time.monotonic() + wait
         while mode != "optimized" and time.monotonic() < deadline:
-            # the kprobe optimizer runs deferred (kprobe_optimizer work, after an RCU-tasks
-            # grace period: seconds on a loaded TCG host; 5 s was too short in a CI run)
-            time.sleep(0.3)
+            time.sleep(0.3)  # the kprobe optimizer runs deferred (kprobe_optimizer work)
             mode = next(iter(mb.list().values()))[2]
         vm.refresh_module_symbols()
         mb.enable()
