@@ -9,7 +9,28 @@ the library (runner, repro, trapflow, report). Verbs import the library inside `
 ``kph --help`` (0.04 s; 0.18 s with the layers loaded, measured 2026-11-26) and a Ctrl-C
 during start-up do not wait for QEMU's, GDB's and the probe
 grammar's modules.
+
+A SIGINT or SIGTERM that comes while the program (``kph``, or ``python -m harness.cli``,
+whose ``sys.argv[0]`` is ``-m`` while the package is found) imports the modules below,
+before ``main`` installs its handlers, is recorded in ``early_signals``; ``main`` then ends
+at once with 130 and its one line, as for any interruption. Imported as a library, nothing
+is installed.
 """
+import os as _os
+import signal as _signal
+import sys as _sys
+
+early_signals: list[int] = []
+
+
+def _record(signum: int, frame: object) -> None:
+    early_signals.append(signum)
+
+
+if _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "kph":
+    for _s in (_signal.SIGINT, _signal.SIGTERM):
+        _signal.signal(_s, _record)
+
 from .main import COMMANDS, EXAMPLES, VERBS, main, make_parser
 from .output import (EXIT_DIVERGED, EXIT_EMPTY, EXIT_INFRA, EXIT_OK, EXIT_USAGE, Output,
                      Progress)

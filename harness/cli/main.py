@@ -138,6 +138,7 @@ _exiting: list[bool] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    early = getattr(sys.modules.get(__package__ or ""), "early_signals", [])
     _interrupted.clear()
     _exiting.clear()
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -145,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     alarm = signal.getsignal(signal.SIGALRM)
     unraisable, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     try:
+        if early:                       # while the package was imported (cli/__init__.py)
+            signum = early[0]
+            early.clear()
+            _on_signal(signum, None)
         parser = make_parser()
         argv = list(sys.argv[1:] if argv is None else argv)
         old = _old_json_form(argv)
@@ -177,6 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _interrupted_exit() -> int:
     _exiting.append(True)
+    # CPython marks a KeyboardInterrupt that leaves a string ``exec``/``eval`` (a dataclass
+    # or namedtuple being made while an import is interrupted) "unhandled" even once caught,
+    # and under ``python -m`` Py_RunMain then ends the process with SIGINT (-2), not 130.
+    # Every string eval clears that mark as it starts (Python/pythonrun.c: run_eval_code_obj).
+    exec("pass", {})
     if signal.getsignal(signal.SIGALRM) is _on_alarm:
         signal.setitimer(signal.ITIMER_REAL, 0)
     clear_progress()

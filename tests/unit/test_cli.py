@@ -1,7 +1,11 @@
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from harness.cli import make_parser
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kph(*args, timeout=60):
@@ -235,3 +239,53 @@ def test_an_interrupt_that_lands_where_python_cannot_raise_still_exits_130_in_on
     assert lines[0] == "interrupted (SIGINT)", r.stderr
     rc, secs = lines[-1].split()
     assert rc == "130" and int(secs) < 5, r.stderr
+
+
+_STRING_EXEC = '''
+import os, signal, sys
+import harness.cli as cli
+
+def cmd(args, out):                 # as a dataclass being made while an import is interrupted
+    exec("import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(20)", {})
+    return 0
+
+cli.COMMANDS["boot"] = cmd
+sys.exit(cli.main(["boot"]))
+'''
+
+
+def test_an_interrupt_inside_a_string_exec_under_python_m_exits_130_not_sigint(tmp_path):
+    """CI, SIGTERM to ``python -m harness.cli diff`` at 0.29 s: "interrupted (SIGTERM)", then
+    the process died of SIGINT (-2). CPython marks a KeyboardInterrupt leaving a string exec
+    unhandled even once caught, and under ``-m`` ends the process with SIGINT at exit."""
+    pkg = tmp_path / "kphstr"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(_STRING_EXEC)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{ROOT}")
+    r = subprocess.run([sys.executable, "-m", "kphstr"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert (r.returncode, r.stderr.strip()) == (130, "interrupted (SIGTERM)"), r
+
+
+_DURING_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+
+class Finder(importlib.abc.MetaPathFinder):    # SIGTERM as harness.cli.main is imported
+    def find_spec(self, name, path, target=None):
+        if name == "harness.cli.main":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, Finder())
+sys.argv = ["kph", "doctor"]
+runpy.run_module("harness.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_signal_while_the_cli_is_imported_exits_130_in_one_line():
+    """A SIGTERM before ``main`` installs its handlers (the imports take ~0.15 s) ended the
+    process by the signal (-15): ``python -m harness.cli`` records it and main ends at once."""
+    r = subprocess.run([sys.executable, "-c", _DURING_IMPORT], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert (r.returncode, r.stderr.strip()) == (130, "interrupted (SIGTERM)"), r
