@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import sys
 import tempfile
@@ -104,6 +105,30 @@ def _flock(f, mode: int, deadline: float) -> bool:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+
+
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order for xdist's ``load`` scheduling: ``alone`` tests first, then the tests
+    tests/durations.json measured longest (longest first), then the rest as collected
+    (a stable sort: each group keeps its modules together). An ``alone`` test waits for the
+    other worker's current test to end: at the start that is a short one, where later it
+    can be a 7-minute docs example; a long test started last makes the other worker idle
+    to the end of the run. ``python bench/test_durations.py run.xml`` rewrites the file."""
+    try:
+        secs = json.loads(DURATIONS.read_text())["seconds"]
+    except (OSError, ValueError, KeyError):
+        secs = {}
+
+    def key(item: pytest.Item) -> tuple[int, float]:
+        if item.get_closest_marker("alone") is not None:
+            return (0, 0.0)
+        s = secs.get(item.nodeid)
+        return (1, -s) if s else (2, 0.0)
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
