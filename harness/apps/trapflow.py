@@ -284,7 +284,25 @@ def ftrace_flow(vm: Machine, func: str, workload: str) -> Flow:
         mb.close()
 
 
-def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 5.0) -> Flow:
+def _wait_for_the_jump(vm: Machine, addr: int, deadline: float) -> None:
+    """Until the probed address holds the ``jmp`` (0xe9) or ``deadline``. A kprobe queued
+    for optimization is "optimized" at once (kernel/kprobes.c: optimize_kprobe sets
+    KPROBE_FLAG_OPTIMIZED, which kprobe_optimized() reads), but the jump is written later,
+    by the deferred kprobe_optimizer() after synchronize_rcu_tasks() (arch/x86/kernel/
+    kprobes/opt.c: arch_optimize_kprobes, text_poke_bp): seconds under TCG, and only
+    while the guest runs, so each look halts it for a read and lets it go on."""
+    stub = vm.gdbstub(resume=False)
+    while True:
+        if stub.running:
+            stub.interrupt()
+        if stub.read_memory(addr, 1) == b"\xe9" or time.monotonic() > deadline:
+            return                          # halted; a late optimizer shows as int3
+        stub.cont()
+        time.sleep(0.5)
+
+
+def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 5.0,
+                   jump_wait: float = 30.0) -> Flow:
     mb = _module(vm, post=False)
     try:
         (o,) = mb.register([parse(f"p:kph/trapflow_opt {target}")])
@@ -297,6 +315,8 @@ def optimized_flow(vm: Machine, target: str, workload: str, *, wait: float = 5.0
         vm.refresh_module_symbols()
         mb.enable()
         p = vm.symbols.resolve(target)
+        if mode == "optimized":
+            _wait_for_the_jump(vm, p, time.monotonic() + jump_wait)
         obs = _Observer(vm)
         code = obs.stub.read_memory(p, 5)
         lanes: dict[int, tuple[str, str]] = {p: ("CPU", f"the probed address ({mode})")}
