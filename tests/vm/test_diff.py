@@ -124,7 +124,7 @@ def test_nhit_is_compared_over_the_window_and_a_count_one_off_diverges(default_i
         host, guest = run_differential(vm, specs, "ls / >/dev/null; cat /proc/version")
         tramp = trampoline_text(vm)
     res = compare(host, guest, trampoline=tramp)
-    assert res.equivalent and not res.applied.get("nhit"), res
+    assert res.equivalent and not res.applied.get("nhit"), (res.first, res)
     for name in ("kprobes/kf", "kprobes/kfr", "kprobes/vr"):
         h, g = host.counters[name], guest.counters[name]
         assert h.window and g.window and h.nhit == g.nhit >= 1, (name, h, g)
