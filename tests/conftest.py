@@ -111,7 +111,8 @@ DURATIONS = Path(__file__).parent / "durations.json"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The order for xdist's ``load`` scheduling: ``alone`` tests first, then the tests
+    """The order for xdist's ``load`` scheduling: ``alone`` and ``kbuild`` tests first (each
+    module kept whole: a module fixture is set up once), then the tests
     tests/durations.json measured longest (longest first), then the rest as collected
     (a stable sort: each group keeps its modules together). An ``alone`` test waits for the
     other worker's current test to end: at the start that is a short one, where later it
@@ -123,7 +124,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         secs = {}
 
     def key(item: pytest.Item) -> tuple[int, float]:
-        if item.get_closest_marker("alone") is not None:
+        if item.get_closest_marker("alone") is not None or \
+                item.get_closest_marker("kbuild") is not None:
             return (0, 0.0)
         s = secs.get(item.nodeid)
         return (1, -s) if s else (2, 0.0)

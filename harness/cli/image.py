@@ -11,7 +11,7 @@ from .output import EXIT_OK, Output
 NAME = "image"
 EXAMPLES = ["kph image build", "kph image list", "kph image info --json",
             "kph image build --tree 6.12 --patch probes/patches/btf-char-ptr-needs-a-pointer.patch"
-            "  # not run: builds a kernel (minutes); tests/vm/test_kbuild.py does, alone"]
+            "  # not run: builds a kernel (minutes); tests/vm/test_kbuild.py does"]
 
 
 def add_parser(subparsers: Any) -> None:

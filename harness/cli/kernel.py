@@ -11,7 +11,7 @@ from .output import EXIT_OK, Output
 NAME = "kernel"
 EXAMPLES = ["kph kernel fetch 6.12",
             "kph kernel build 6.12 --out kbuild-6.12  # not run: both CPUs for minutes; "
-            "tests/vm/test_kbuild.py builds it alone",
+            "tests/vm/test_kbuild.py builds it",
             "kph boot --kernel kbuild-6.12 --run 'uname -r'  # not run: boots that build"]
 
 

@@ -4,8 +4,11 @@ finding 1's fix (the good end), an unrelated change, the commit that undoes the 
 ``git bisect run`` with a build, one boot and the scenario per step, and must name the
 planted commit as the Fixes: line, leaving the tree at the commit it had.
 
-The first build is a whole kernel (both CPUs for ~4 min), so it runs ``alone``; the
-other three are incremental (one file recompiled, the kernel relinked)."""
+The first build is a whole kernel (both CPUs for ~4-10 min); the other three are
+incremental (one file recompiled, the kernel relinked). Not ``alone``: its single-threaded
+phases (unpacking, planting, linking, pahole, boots) would leave a CPU idle, and the
+other worker's tests are not timing-sensitive (CI's run of 79c6101 spent 22 minutes with
+one worker held off by the alone tests); ``kbuild`` schedules it first."""
 from __future__ import annotations
 
 import json
@@ -17,7 +20,7 @@ import pytest
 
 from harness.apps import bisect
 
-pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.kbuild, pytest.mark.timeout(2700)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "probes/scenarios/upstream/btf-char-ptr.toml"
