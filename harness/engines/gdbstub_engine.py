@@ -159,9 +159,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                     # GDB had the target running under a stop taken for current (a stop
                     # that crossed a resume): halt for real, then serve the request again
                     self.stats["rehalts"] += 1
-                    stop = self.stub.interrupt()
-                    resume_at = self._on_stop(stop)
-                    self._unresumed = (stop.thread, stop.addr) if stop.addr in self._aggr else None
+                    resume_at = self._handle(self.stub.interrupt())
                     continue
                 if self._closing:
                     # The last hit's resume address must not be lost: after an emulated
@@ -188,15 +186,20 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                         stop = None
                 if self._held is None:
                     self._held = (time.monotonic(), f"the hit at {stop.addr:#x}")
-                resume_at = self._on_stop(stop)
-                # requests are served before the resume: in that halt this vCPU sits on
-                # the probed instruction, its hit recorded here and not yet by the guest
-                self._unresumed = (stop.thread, stop.addr) if stop.addr in self._aggr else None
+                resume_at = self._handle(stop)
         except BaseException as exc:  # noqa: BLE001 - reported to every later caller
             self._fatal = exc
             log.debug("dispatcher stopped: %r", exc)
             self._fail_requests(exc)
             self._recover(exc)
+
+    def _handle(self, stop: Stop) -> int | None:
+        """:meth:`_on_stop`, noting the stop as not resumed from: requests are served in
+        its halt, before the resume, where this vCPU sits on the probed instruction, its
+        hit recorded here and not yet by the guest (:meth:`in_flight`)."""
+        resume_at = self._on_stop(stop)
+        self._unresumed = (stop.thread, stop.addr) if stop.addr in self._aggr else None
+        return resume_at
 
     def _recover(self, exc: BaseException) -> None:
         """After the dispatcher died: leave the guest as ``close()`` would (return
