@@ -185,6 +185,9 @@ class FakeVM:
                if "available_filter_functions" in cmd else "")
         return types.SimpleNamespace(stdout=out, out=out.encode(), status=0)
 
+    def pull(self, path, **kw):
+        return b""
+
     def refresh_module_symbols(self):
         return []
 
@@ -431,3 +434,27 @@ def test_parse_events_line_reads_the_context_of_the_probed_call():
     assert parse_events_line(LINE_PRE).irq == ""
     with pytest.raises(ModuleError):
         parse_events_line(LINE_PRE.replace(" ftrace ", " ftrace:nmi ", 1))
+
+
+def test_symbol_in_section_reads_a_relocatable_objects_symtab(tmp_path):
+    """The flag's (section, offset) as a .ko holds it: st_value is the offset in its
+    section (a relocatable object), st_shndx names the section."""
+    import shutil
+    import subprocess
+
+    from harness.backends.module import symbol_in_section
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler (build-essential) is part of the test setup"
+    src = tmp_path / "m.c"
+    src.write_text("int pad[3] = {1, 2, 3};\nstatic _Bool recording;\n"
+                   "int get(void) { return pad[0] + recording; }\n"
+                   "void set(_Bool v) { recording = v; }\n")
+    obj = tmp_path / "m.o"
+    subprocess.run([cc, "-c", "-O2", "-o", str(obj), str(src)], check=True)
+    section, offset = symbol_in_section(obj.read_bytes(), "recording")
+    assert section == ".bss" and offset == 0
+    assert symbol_in_section(obj.read_bytes(), "pad") == (".data", 0)
+    assert symbol_in_section(obj.read_bytes(), "get") is None       # a function
+    assert symbol_in_section(obj.read_bytes(), "missing") is None
+    assert symbol_in_section(b"not an ELF file", "recording") is None

@@ -88,6 +88,17 @@ def _list_line(vm, addr):
     return lines
 
 
+def test_recording_flag_address_is_its_kallsyms_address(vm, backend):
+    """The flag's address from the module's section base and the .ko's symbol table (a
+    few ms) is the one /proc/kallsyms lists (seconds under TCG)."""
+    be = backend()
+    be.load()
+    at = be._recording_from_sections()
+    line = vm.run("grep -E ' recording\\s+\\[kph_kprobes\\]$' /proc/kallsyms",
+                  check=True).stdout
+    assert at is not None and at == int(line.split()[0], 16), (hex(at or 0), line)
+
+
 def test_mid_function_mode_follows_the_flags(vm, backend):
     """+5 is past the ftrace nop: int3 unless the kprobe optimizer takes it; a post_handler
     forbids optimizing, and the kernel then single-steps the instruction."""
