@@ -242,6 +242,8 @@ class Machine:
         self._host: Any = None
         self._stub: Any = None
         self._symbols: Any = None
+        #: refresh_module_symbols(): kallsyms lines per module state seen
+        self._module_kallsyms: dict[frozenset[Any], dict[str, str]] = {}
         self._scripts = itertools.count()
         #: What the host side knows about the kernel (``harness.machine.image.facts``); set by ``boot()``.
         self.facts: F.KernelFacts | None = image.facts if image is not None else None
@@ -932,32 +934,58 @@ class Machine:
         """Merge the symbols and section bases of the guest's loaded modules; return their names.
 
         ``/proc/modules`` (names, sizes, load addresses) is read first: when it is what it
-        was at this table's last refresh, the merge is already done (reading the modules'
-        kallsyms lines and sections costs the TCG guest ~4 s; a refresh runs before every
-        batch of lines naming a symbol the table does not know)."""
+        was at this table's last refresh, the merge is already done. Otherwise each
+        module's section bases and build ID are read (``/sys/module/NAME/sections``,
+        ``notes/.note.gnu.build-id``: a few ms each); a module seen before with the same
+        size, address, sections and build ID is the same ELF laid out the same way
+        (kernel/module/main.c: layout_sections() is a function of the ELF), so a set of
+        modules seen before has the kallsyms lines read then. Only a new set costs a read
+        of the modules' kallsyms lines: the kernel walks every vmlinux symbol first, ~4 to 10 s
+        under TCG (``kph_kprobes.ko`` loaded and unloaded around each module-side run
+        comes back where it was, and costs that once)."""
         table = self.symbols
         mods = self.run("cat /proc/modules", check=True, timeout=30).stdout
-        addrs = [ln.split()[5] for ln in mods.splitlines() if len(ln.split()) > 5]
+        listed = {p[0]: (p[1], p[5]) for p in (ln.split() for ln in mods.splitlines())
+                  if len(p) > 5}
         known = table.modules_key
+        # kptr_restrict hides the addresses (0x0000000000000000): nothing can be keyed then
+        addrs_known = all(int(a, 16) for _, a in listed.values())
         if (isinstance(known, tuple) and len(known) == 3 and known[0] == "guest modules"
-                and known[1] == mods and addrs and all(int(a, 16) for a in addrs)):
+                and known[1] == mods and addrs_known):
             return list(known[2])
-        text = self.run("grep '\\[' /proc/kallsyms || true", check=True, timeout=60).stdout
-        per: dict[str, list[str]] = {}
-        for line in text.splitlines():
-            if line.endswith("]") and "[" in line:
-                per.setdefault(line.rsplit("[", 1)[1].rstrip("]"), []).append(line)
         sect = self.run("cd /sys/module && for f in */sections/.*; do "
-                        "[ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null || true",
-                        timeout=60).stdout
+                        "[ -f \"$f\" ] && echo \"$f $(cat \"$f\")\"; done 2>/dev/null; "
+                        "for f in */notes/.note.gnu.build-id; do [ -f \"$f\" ] && "
+                        "echo \"$f $(od -An -tx1 \"$f\" | tr -d ' \\n')\"; done 2>/dev/null; "
+                        "true", timeout=60).stdout
         sections: dict[str, dict[str, int]] = {}
+        build_ids: dict[str, str] = {}
         for line in sect.splitlines():
-            path, _, addr = line.partition(" ")
+            path, _, value = line.partition(" ")
             mod, _, name = path.partition("/sections/")
-            if addr.startswith("0x"):
-                sections.setdefault(mod, {})[name] = int(addr, 16)
-        table.set_modules({mod: "\n".join(lines) for mod, lines in per.items()}, sections,
-                          key=("guest modules", mods, tuple(sorted(per))))
+            if name and value.startswith("0x"):
+                sections.setdefault(mod, {})[name] = int(value, 16)
+            elif path.endswith("/notes/.note.gnu.build-id") and value:
+                build_ids[path.split("/", 1)[0]] = value
+        # the state: every module as it is laid out (the [bpf] and [__builtin__ftrace]
+        # lines come with it, as the /proc/modules check above keeps them)
+        state = frozenset((mod, size, addr, build_ids.get(mod),
+                           tuple(sorted(sections.get(mod, {}).items())))
+                          for mod, (size, addr) in listed.items())
+        seen = self._module_kallsyms
+        if addrs_known and state in seen:
+            per = seen[state]
+        else:
+            text = self.run("grep '\\[' /proc/kallsyms || true", check=True,
+                            timeout=60).stdout
+            lines: dict[str, list[str]] = {}
+            for line in text.splitlines():
+                if line.endswith("]") and "[" in line:
+                    lines.setdefault(line.rsplit("[", 1)[1].rstrip("]"), []).append(line)
+            per = {mod: "\n".join(ls) for mod, ls in lines.items()}
+            if addrs_known:
+                seen[state] = per
+        table.set_modules(per, sections, key=("guest modules", mods, tuple(sorted(per))))
         return sorted(per)
 
     @property

@@ -99,6 +99,36 @@ def test_recording_flag_address_is_its_kallsyms_address(vm, backend):
     assert at is not None and at == int(line.split()[0], 16), (hex(at or 0), line)
 
 
+def test_a_module_reloaded_where_it_was_reuses_its_kallsyms_lines(vm, backend, monkeypatch):
+    """refresh_module_symbols() reads the modules' kallsyms lines once per state of the
+    modules (sizes, addresses, sections, build IDs): kph_kprobes.ko loaded again where it
+    was is not read again, and its symbols are the ones read the first time."""
+    reads = []
+    real = vm.run
+
+    def run(cmd, *a, **kw):
+        if "/proc/kallsyms" in cmd:
+            reads.append(cmd)
+        return real(cmd, *a, **kw)
+    monkeypatch.setattr(vm, "run", run)
+    be = backend()
+    be.load()
+    assert "kph_kprobes" in vm.refresh_module_symbols()
+    first = vm.symbols.lookup("kph_kprobes:kph_ctl_write").addr
+    n = len(reads)
+    assert n <= 1
+    be.close()
+    assert "kph_kprobes" not in vm.refresh_module_symbols()
+    be = backend()
+    be.load()
+    assert "kph_kprobes" in vm.refresh_module_symbols()
+    lines = real("grep kph_ctl_write /proc/kallsyms", check=True).stdout
+    assert vm.symbols.lookup("kph_kprobes:kph_ctl_write").addr == first == \
+        int(lines.split()[0], 16), lines
+    # the state without the module may be new (read once); the one with it is not
+    assert len(reads) <= n + 1, reads
+
+
 def test_mid_function_mode_follows_the_flags(vm, backend):
     """+5 is past the ftrace nop: int3 unless the kprobe optimizer takes it; a post_handler
     forbids optimizing, and the kernel then single-steps the instruction."""

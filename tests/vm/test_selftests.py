@@ -79,6 +79,18 @@ def test_multiple_kprobes_registration(kph_fresh_machine):
     assert sum(o.accepted for o in g_out) >= (100 if vm.facts.series == "6.1" else 1)
 
 
+def test_dot_func_is_the_one_the_selftests_loop_finds(vm):
+    """``{dotfunc}`` found host-side (one read of available_filter_functions) is the
+    function kprobe_eventname.tc's find_dot_func loop finds in the guest."""
+    from harness.apps.selftests import dot_func
+
+    r = vm.run("cd /sys/kernel/tracing; grep ' [tT] .*\\.isra\\..*' /proc/kallsyms | "
+               "cut -f 3 -d ' ' | while read f; do "
+               "[ $(grep -s $f available_filter_functions | wc -l) -eq 1 ] && "
+               "echo $f && break; done", check=True, timeout=120)
+    assert r.stdout.split() and dot_func(vm) == r.stdout.split()[0], r.stdout
+
+
 def test_inventory():
     """docs/diff.md states how many selftest-derived cases there are and what is skipped."""
     readme = (Path(__file__).parents[2] / "docs" / "diff.md").read_text()
