@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import atexit
 import enum
+import hashlib
 import itertools
+import json
 import logging
 import os
 import shlex
@@ -190,6 +192,18 @@ def _opt(path: Path) -> str:
     """A path as a QEMU option value (a comma is written twice)."""
     return str(path).replace(",", ",,")
 
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (concurrent writers of the same content
+    agree on one file); a cache that cannot be written is only not kept."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("not kept: %s: %s", path, exc)
 
 class Machine:
     """A booted guest. Use ``Machine.boot()`` as a context manager."""
@@ -973,6 +987,12 @@ class Machine:
                            tuple(sorted(sections.get(mod, {}).items())))
                           for mod, (size, addr) in listed.items())
         seen = self._module_kallsyms
+        kept = self._kept_module_kallsyms(state) if addrs_known else None
+        if addrs_known and state not in seen and kept is not None:
+            try:
+                seen[state] = json.loads(kept.read_text())
+            except (OSError, ValueError):
+                pass                    # not kept yet (or a torn copy): read below
         if addrs_known and state in seen:
             per = seen[state]
         else:
@@ -985,8 +1005,21 @@ class Machine:
             per = {mod: "\n".join(ls) for mod, ls in lines.items()}
             if addrs_known:
                 seen[state] = per
+                if kept is not None:
+                    _write_atomically(kept, json.dumps(per))
         table.set_modules(per, sections, key=("guest modules", mods, tuple(sorted(per))))
         return sorted(per)
+
+    def _kept_module_kallsyms(self, state: frozenset[Any]) -> Path | None:
+        """Where the modules' kallsyms lines of ``state`` are kept for every machine
+        restored from this machine's snapshot (the same kernel, so the same modules laid
+        out the same way: each state is read once per snapshot, not once per process);
+        None without a snapshot."""
+        snap = self.snapshot
+        if snap is None:
+            return None
+        digest = hashlib.sha256(repr(sorted(state)).encode()).hexdigest()[:24]
+        return Path(snap.dir) / "module-kallsyms" / f"{digest}.json"
 
     @property
     def pid(self) -> int | None:

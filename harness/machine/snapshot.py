@@ -24,6 +24,11 @@ So the snapshot is split the way QEMU's VM templating splits it:
     A restore is ``-incoming defer`` then ``migrate-incoming file:``.
 ``snapshot.json``
     The key the snapshot was built for, sizes and hashes.
+``module-kallsyms/``
+    Added by the machines restored from it: the modules' kallsyms lines for each state
+    of the loaded modules seen (``harness.vmctl.Machine.refresh_module_symbols``), so the
+    kernel's walk of every symbol to list them (4 to 10 s under TCG) is made once per
+    state and snapshot, not once per process. Removed with the snapshot.
 
 Key and invalidation. Snapshots of an image live in ``<image dir>/snapshots/<slot>/``,
 where the slot is a hash of the machine options (kernel and initrd paths, append line,

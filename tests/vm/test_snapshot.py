@@ -198,3 +198,30 @@ def test_a_snapshot_that_does_not_restore_falls_back_to_a_cold_boot(default_imag
         assert m.start_mode == "cold"
         assert m.cold_reason.startswith(f"restoring {snap.dir} failed: ")
         assert _marker(m) == "broken"
+
+
+def test_module_kallsyms_are_kept_per_snapshot(default_image):
+    """A machine restored from the snapshot finds the modules' kallsyms lines of a state
+    another machine of it read (``module-kallsyms/``): no walk of /proc/kallsyms, and
+    the same symbols as the guest lists."""
+    lines = []
+    for _ in range(2):
+        with Machine.boot(default_image) as m:
+            real, reads = m.run, []
+
+            def run(cmd, *a, real=real, reads=reads, **kw):
+                if "/proc/kallsyms" in cmd:
+                    reads.append(cmd)
+                return real(cmd, *a, **kw)
+            m.run = run
+            m.symbols.modules_key = None    # as a new process's table: not merged yet
+            mods = m.refresh_module_symbols()
+            assert m.snapshot is not None and mods, mods
+            got = sorted((s.addr, s.name) for s in m.symbols if s.module in mods)
+            lines.append((reads, got))
+            assert (m.snapshot.dir / "module-kallsyms").is_dir()
+            listed = {(int(ln.split()[0], 16), ln.split()[2]) for ln in
+                      real("grep '\\[' /proc/kallsyms", check=True).stdout.splitlines()}
+            assert got and set(got) <= listed, sorted(set(got) - listed)[:5]
+    assert lines[1][0] == [], lines[1][0]
+    assert lines[0][1] == lines[1][1]
