@@ -231,10 +231,19 @@ def test_kph_probe_host_plugin(capsys):
 
 def test_maxactive_1_on_two_vcpus_misses_as_the_guest_counts(default_image):
     """-smp 2, two pinned sleepers in do_nanosleep at once, ``r1:``: the plugin's nmissed
-    is the guest kretprobe's own (kprobe_profile), compared exactly by the diff."""
+    is the guest kretprobe's own (kprobe_profile), compared exactly by the diff.
+
+    The second sleeper starts once the first is asleep (``sleep`` in state S): two entries at the
+    same instant on two vCPUs are a race that each side decides on its own (the plugin
+    takes its instance in its callback, before the guest's handler takes the kernel's),
+    so which sleeper holds the one instance may differ; CI's loaded run of ea804e1 had
+    the two sides pick different sleepers (counts 1 and 1, none matched)."""
+    first_asleep = ("i=0; while [ $i -lt 5000 ] && ! grep -q '(sleep) S' /proc/$p/stat "
+                    "2>/dev/null; do i=$((i+1)); done")
     with Machine.boot(default_image, host="plugin", smp=2) as vm:
         runs = run_differential(vm, [parse("r1:ns do_nanosleep ret=$retval:s32")],
-                                "taskset 1 sleep 1 & taskset 2 sleep 1 & wait")
+                                f"taskset 1 sleep 1 & p=$!; {first_asleep}; "
+                                "taskset 2 sleep 1 & wait")
         res = compare(*runs, trampoline=trampoline_text(vm))
     assert res.equivalent, res
     assert runs[0].side == "plugin"
