@@ -193,18 +193,6 @@ def _opt(path: Path) -> str:
     return str(path).replace(",", ",,")
 
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` into ``path`` whole or not at all (concurrent writers of the same content
-    agree on one file); a cache that cannot be written is only not kept."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.debug("not kept: %s: %s", path, exc)
-
 class Machine:
     """A booted guest. Use ``Machine.boot()`` as a context manager."""
 
@@ -1006,7 +994,11 @@ class Machine:
             if addrs_known:
                 seen[state] = per
                 if kept is not None:
-                    _write_atomically(kept, json.dumps(per))
+                    try:
+                        kept.parent.mkdir(parents=True, exist_ok=True)
+                        F.write_whole(kept, json.dumps(per).encode())
+                    except OSError as exc:       # only not kept
+                        log.debug("not kept: %s: %s", kept, exc)
         table.set_modules(per, sections, key=("guest modules", mods, tuple(sorted(per))))
         return sorted(per)
 

@@ -260,14 +260,16 @@ def harvest(vm: Any, dest: Path, *, only: tuple[str, ...] | None = None) -> None
         if only is not None and name not in only:
             continue
         data = gzip.decompress(vm.run(f"gzip -c {guest_path}", check=True, timeout=120).out)
-        _write(dest / name, data)
+        write_whole(dest / name, data)
     if only is None or "release" in only:
-        _write(dest / "release", vm.run("uname -r", check=True).out)
+        write_whole(dest / "release", vm.run("uname -r", check=True).out)
     if only is None:
-        _write(dest / DONE, b"")
+        write_whole(dest / DONE, b"")
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` whole or not at all: written beside it, then renamed (a
+    reader, or a concurrent writer of the same content, never sees a torn file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     tmp.rename(path)
