@@ -3,7 +3,6 @@ divergence (``--host both``: the gdbstub engine, the plugin engine and the guest
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from ..errors import SetupError
@@ -90,8 +89,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     out.text(report.text(res, workload=args.run, status=runs[0].workload_status,
                          stderr=runs[0].workload_stderr))
     kernel_report(runs[0].splats, out)
-    out.result(dict(json.loads(report.to_json(res, runs)),
-                    kernel=report.findings_json(runs[0].splats)))
+    out.result(lambda: dict(report.json_doc(res, runs),
+                            kernel=report.findings_json(runs[0].splats)))
     ci.emit(args, ktap.diff_cases(res, kernel=kernel, findings=[
         s.headline() for s in runs[0].splats if not s.before]), verb=NAME, kernel=kernel)
     if args.html:
@@ -123,9 +122,10 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
              + ("" if first is None else f" first between {first.a_side} and {first.b_side}"))
     which = ((0, 2), (1, 2), (0, 1))
     kernel_report(three.runs[0].splats, out)
-    out.result({"equivalent": first is None, "kernel": report.findings_json(three.runs[0].splats),
-                "pairs": [json.loads(report.to_json(r, (three.runs[i], three.runs[j])))
-                          for r, (i, j) in zip(three.pairs, which, strict=True)]})
+    out.result(lambda: {"equivalent": first is None,
+                        "kernel": report.findings_json(three.runs[0].splats),
+                        "pairs": [report.json_doc(r, (three.runs[i], three.runs[j]))
+                                  for r, (i, j) in zip(three.pairs, which, strict=True)]})
     ci.emit(args, ktap.three_cases(three.pairs, kernel=kernel), verb=NAME, kernel=kernel)
     if args.html:
         k = three.pairs.index(first) if first is not None else 0

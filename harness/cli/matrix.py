@@ -66,8 +66,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if splats:
             out.text(f"{name}:")
             kernel_report(splats, out)
-    out.result(dict(json.loads(report.matrix_json(res)),
-                    kernel={n: report.findings_json(s) for n, s in findings.items()}))
+    out.result(lambda: dict(json.loads(report.matrix_json(res)),
+                            kernel={n: report.findings_json(s) for n, s in findings.items()}))
     cases, between = ktap.matrix_cases(res)
     ci.emit(args, cases, verb=NAME, diagnostics=between)
     if args.html:

@@ -118,8 +118,19 @@ class Output:
             sys.stdout.write(s)
             sys.stdout.flush()
 
+    @property
+    def wants_result(self) -> bool:
+        """Whether :meth:`result` writes anything (--json or -o)."""
+        return self.json or bool(self.json_file)
+
     def result(self, doc: Any) -> None:
-        """The machine-readable result: stdout with --json, the file with -o."""
+        """The machine-readable result: stdout with --json, the file with -o. ``doc`` may
+        be a function that builds it, called only then (a run's every hit as JSON costs
+        seconds for 100,000 hits that only the text report was asked for)."""
+        if not self.wants_result:
+            return
+        if callable(doc):
+            doc = doc()
         text = json.dumps(doc, indent=2, default=str) + "\n"
         if self.json_file:
             with open(self.json_file, "w") as f:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from typing import Any
 
 from .common import (booted, examples, kernel_group, load_specs, machine, qemu_group,
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     doc = {"side": res.side, "workload": {"command": args.run, "status": res.workload_status,
                                           "stderr": res.workload_stderr},
            "outcomes": [dataclasses.asdict(o) for o in res.outcomes],
-           "hits": json.loads(report.hits_json(res.hits)),
+           "hits": [report.hit_doc(h) for h in res.hits],
            "counters": {p: dataclasses.asdict(c) for p, c in res.counters.items()}}
     doc["kernel"] = report.findings_json(res.splats)
     out.result(doc)

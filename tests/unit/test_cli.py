@@ -289,3 +289,25 @@ def test_a_signal_while_the_cli_is_imported_exits_130_in_one_line():
     r = subprocess.run([sys.executable, "-c", _DURING_IMPORT], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert (r.returncode, r.stderr.strip()) == (130, "interrupted (SIGTERM)"), r
+
+
+def test_a_result_is_built_only_when_json_or_a_file_asks_for_it(tmp_path, capsys):
+    """Output.result(fn): fn is called only for --json or -o (a run's every hit as JSON
+    cost seconds that a text report did not need); a plain document works as before."""
+    import argparse
+    import json
+
+    from harness.cli.output import Output
+
+    calls = []
+
+    def doc():
+        calls.append(1)
+        return {"hits": [1, 2]}
+    Output(argparse.Namespace(quiet=True)).result(doc)
+    assert calls == []
+    f = tmp_path / "r.json"
+    Output(argparse.Namespace(quiet=True, json_file=str(f))).result(doc)
+    assert calls == [1] and json.loads(f.read_text()) == {"hits": [1, 2]}
+    Output(argparse.Namespace(quiet=True, json=True)).result({"a": (1, 2)})
+    assert json.loads(capsys.readouterr().out) == {"a": [1, 2]}
