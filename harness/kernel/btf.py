@@ -72,10 +72,12 @@ class BTF:
             raise ValueError("not BTF data")
         self._types_raw = data[hdr_len + type_off:hdr_len + type_off + type_len]
         self._strs = data[hdr_len + str_off:hdr_len + str_off + str_len]
-        self._types: list[BtfType | None] | None = None
+        self._pos: list[int] | None = None
+        self._types: dict[int, BtfType] = {}
+        self._found: dict[tuple[int, str], int | None] = {}
         self._members: dict[int, list[Member]] = {}
         self._params: dict[int, list[Param]] = {}
-        self._by_name: dict[tuple[int, str], int] = {}
+        self._by_name: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
 
     # -- the type table ----------------------------------------------------------------------
@@ -83,56 +85,75 @@ class BTF:
         end = self._strs.index(b"\0", off)
         return self._strs[off:end].decode()
 
-    def _table(self) -> list[BtfType | None]:
-        if self._types is not None:
-            return self._types
+    def _table(self) -> list[int]:
+        """Each type's offset in the type section (index 0, void, unused)."""
+        if self._pos is not None:
+            return self._pos
         with self._lock:            # one parse, though machines of one kernel share it
-            if self._types is None:
+            if self._pos is None:
                 self._parse()
-        assert self._types is not None
-        return self._types
+        assert self._pos is not None
+        return self._pos
 
     def _parse(self) -> None:
-        out: list[BtfType | None] = [None]          # id 0 is void
-        t, pos = self._types_raw, 0
-        while pos < len(t):
+        """One pass over the type section: where each type starts, and the first type of
+        each (kind, name offset). Types are decoded when asked (:meth:`type`): vmlinux
+        has ~100,000 and a run asks for a few hundred."""
+        out = [0]                                   # id 0 is void
+        by_name = self._by_name
+        t, pos, end = self._types_raw, 0, len(self._types_raw)
+        unpack = struct.Struct("<II").unpack_from
+        while pos < end:
+            name_off, info = unpack(t, pos)
+            tid = len(out)
+            out.append(pos)
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            if name_off:
+                by_name.setdefault((kind, name_off), tid)
+            pos += 12 + _FIXED.get(kind, 0) + _PER_MEMBER.get(kind, 0) * vlen
+        self._pos = out
+
+    def type(self, tid: int) -> BtfType | None:
+        """``btf_type_by_id()``; None for void (0) or an id out of range."""
+        table = self._table()
+        if not 0 < tid < len(table):
+            return None
+        got = self._types.get(tid)
+        if got is None:
+            t, pos = self._types_raw, table[tid]
             name_off, info, ref = struct.unpack_from("<III", t, pos)
             pos += 12
-            tid = len(out)
             kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, bool(info >> 31)
-            name = self._name(name_off) if name_off else ""
             extra: tuple = ()
             if kind == KIND_INT:
                 (v,) = struct.unpack_from("<I", t, pos)
                 extra = ((v >> 24) & 0x0F, (v >> 16) & 0xFF, v & 0xFF)
             elif kind == KIND_ARRAY:
                 extra = struct.unpack_from("<III", t, pos)
-            elif kind in (KIND_STRUCT, KIND_UNION):
-                ms = []
-                for i in range(vlen):
-                    m_name, m_type, m_off = struct.unpack_from("<III", t, pos + 12 * i)
-                    bits, bsize = (m_off & 0xFFFFFF, m_off >> 24) if kflag else (m_off, 0)
-                    ms.append(Member(self._name(m_name) if m_name else "", m_type, bits, bsize))
-                self._members[tid] = ms
-            elif kind == KIND_FUNC_PROTO:
-                self._params[tid] = [
-                    Param(self._name(n) if n else "", ty)
-                    for n, ty in (struct.unpack_from("<II", t, pos + 8 * i) for i in range(vlen))]
-            out.append(BtfType(tid, kind, name, ref, vlen, kflag, extra))
-            if name:
-                self._by_name.setdefault((kind, name), tid)
-            pos += _FIXED.get(kind, 0) + _PER_MEMBER.get(kind, 0) * vlen
-        self._types = out
-
-    def type(self, tid: int) -> BtfType | None:
-        """``btf_type_by_id()``; None for void (0) or an id out of range."""
-        table = self._table()
-        return table[tid] if 0 < tid < len(table) else None
+            got = BtfType(tid, kind, self._name(name_off) if name_off else "", ref, vlen,
+                          kflag, extra)
+            self._types[tid] = got
+        return got
 
     def find(self, name: str, kind: int) -> int | None:
-        """``btf_find_by_name_kind()``: the first type of that kind and name."""
+        """``btf_find_by_name_kind()``: the first type of that kind and name (every
+        offset of the string table where ``name`` is a whole C string may be its name)."""
         self._table()
-        return self._by_name.get((kind, name))
+        key = (kind, name)
+        if key in self._found:
+            return self._found[key]
+        if not name:
+            return None
+        want, strs = name.encode() + b"\0", self._strs
+        best = None
+        at = strs.find(want)
+        while at >= 0:
+            tid = self._by_name.get((kind, at))
+            if tid is not None and (best is None or tid < best):
+                best = tid
+            at = strs.find(want, at + 1)
+        self._found[key] = best
+        return best
 
     def skip_modifiers(self, tid: int) -> tuple[int, BtfType | None]:
         """``btf_type_skip_modifiers()``: (the id and type past typedefs and qualifiers)."""
@@ -142,8 +163,31 @@ class BTF:
             t = self.type(tid)
         return tid, t
 
+    def _decode_list(self, tid: int) -> None:
+        """A struct's members or a prototype's parameters, from the position
+        :meth:`_parse` kept; decoding every one of vmlinux's up front was
+        most of a 1-s parse."""
+        t = self.type(tid)
+        if t is None or t.kind not in (KIND_STRUCT, KIND_UNION, KIND_FUNC_PROTO):
+            return
+        pos = self._table()[tid] + 12
+        raw = self._types_raw
+        if t.kind == KIND_FUNC_PROTO:
+            self._params[tid] = [
+                Param(self._name(n) if n else "", ty)
+                for n, ty in (struct.unpack_from("<II", raw, pos + 8 * i) for i in range(t.vlen))]
+            return
+        ms = []
+        for i in range(t.vlen):
+            m_name, m_type, m_off = struct.unpack_from("<III", raw, pos + 12 * i)
+            bits, bsize = (m_off & 0xFFFFFF, m_off >> 24) if t.kflag else (m_off, 0)
+            ms.append(Member(self._name(m_name) if m_name else "", m_type, bits, bsize))
+        self._members[tid] = ms
+
     def members(self, tid: int) -> list[Member]:
         self._table()
+        if tid not in self._members:
+            self._decode_list(tid)
         return self._members.get(tid, [])
 
     def func_proto(self, name: str) -> tuple[int, list[Param]] | None:
@@ -157,6 +201,8 @@ class BTF:
         proto = self.type(func.ref) if func is not None else None
         if proto is None or proto.kind != KIND_FUNC_PROTO:
             return None
+        if proto.id not in self._params:
+            self._decode_list(proto.id)
         return proto.ref, list(self._params.get(proto.id, []))
 
     def find_member(self, struct_tid: int, name: str
