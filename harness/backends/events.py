@@ -711,11 +711,16 @@ class EventsBackend:
         comms = self._cmdlines()
         table = self.vm.symbols
 
-        def symbolize(addr: int) -> str | None:
-            return table.format(addr) if table.symbolize(addr) is not None else None
+        seen: dict[int, str | None] = {}
+
+        def symbolize(addr: int) -> str | None:     # remembered: addresses repeat
+            if addr not in seen:
+                seen[addr] = table.format(addr) if table.symbolize(addr) is not None else None
+            return seen[addr]
         ktramp = kernel_rethook_trampoline(table)
 
         modes = {o.probe: o.mode for o in self.outcomes}
+        ip_text: dict[int, str] = {}
         hits: list[Hit] = []
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
         for rec in recs:
@@ -743,7 +748,11 @@ class EventsBackend:
                                  rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)
                 ip, _, ret_from = text.partition(" <- ")
             else:
-                ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
+                at = rec.u64(fields["__probe_ip"])
+                ip = ip_text.get(at)
+                if ip is None:          # a probe's address prints the same at every hit
+                    ip = ip_text[at] = format_ip(at, symbolize)
+                ret_from = None
             gargs = self._args.get(rec.type, spec.args)
             values = decode_args(rec, fmt, gargs)
             args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
@@ -753,8 +762,11 @@ class EventsBackend:
                             seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
                             ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
                             irq="" if spec.is_uprobe else _context(rec.data[2])))
-        return [dataclasses.replace(h, comm_alts=tuple(c for n, c in renames[h.pid] if n > i))
-                if h.pid in renames else h for i, h in enumerate(hits)]
+        out = []
+        for i, h in enumerate(hits):
+            later = tuple(c for n, c in renames[h.pid] if n > i) if h.pid in renames else ()
+            out.append(h.changed(comm_alts=later) if later else h)
+        return out
 
     def _attach_stack(self, hits: list[Hit], rec: Any) -> None:
         """A ``kernel_stack`` entry: the frames of the stacktrace trigger of the event

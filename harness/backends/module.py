@@ -358,8 +358,14 @@ def decode_args(args: Sequence[ProbeArg], items: Sequence[Sequence[Item]],
 
 
 def _symbolizer(table: Any) -> Callable[[int], str | None]:
+    """``%pS`` of an address, remembered (one collect: the probed addresses repeat at
+    every hit, and the table does not change under it)."""
+    seen: dict[int, str | None] = {}
+
     def symbolize(addr: int) -> str | None:
-        return table.format(addr) if table.symbolize(addr) is not None else None
+        if addr not in seen:
+            seen[addr] = table.format(addr) if table.symbolize(addr) is not None else None
+        return seen[addr]
     return symbolize
 
 

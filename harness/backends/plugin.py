@@ -173,6 +173,8 @@ class PluginBackend:
         self._ops: Any = None
         self._grouped: set[int] = set()
         self._hits: list[Hit] = []
+        self._ip_text: dict[int, str] = {}     # a probed address -> its %pS text (one run)
+        self._facts: dict[int, tuple[ProbeSpec, Any]] = {}     # id(spec) -> _spec_facts()
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
         self.capture_misses = 0
         self.dropped = 0
@@ -362,6 +364,7 @@ class PluginBackend:
         self._hits.clear()
         self._nhit.clear()
         self._comm_changes.clear()
+        self._ip_text.clear()
         self._watch_comms()
         if self.alone and not self._stubs and self.layer is not None:
             self._stubs = sorted({s.symbol for s in self.layer.table.specs() if s.is_tprobe})
@@ -497,7 +500,9 @@ class PluginBackend:
             ret_from = hit[0].name if hit else f"0x{rec.func:x}"
         else:
             ip = rec.func + INT3_INSN_SIZE
-            ip_text = syms.format(rec.func)
+            ip_text = self._ip_text.get(rec.func)
+            if ip_text is None:     # a probe's address prints the same at every hit
+                ip_text = self._ip_text[rec.func] = syms.format(rec.func)
             ret_from = None
         ctx = _RecordCtx(self, rec, ip, up)
         why: dict[int, str] = {}
@@ -506,23 +511,34 @@ class PluginBackend:
             values = evaluate(spec, ctx, why, failed)
         finally:
             self.capture_misses += ctx.mem.misses
-        if spec.args:
+        kind, ret_ip_args, slot_args, flags_at = self._spec_facts(spec)
+        if flags_at:
             # TCG computes the arithmetic flags lazily and the plugin API cannot make it
             # (qemu_plugin_read_register gives eflags without ZF/SF/CF ...): a %flags the
             # host cannot know is (unknown), never a wrong value; the diff's "flags" rule
             # matches it, for that argument only. Flags from an exception or interrupt
             # frame are exact but are not what a probe's %flags reads.
-            values = tuple(_unknown_like(v) if _is_flags(a) else v
-                           for a, v in zip(spec.args, values))
-            why.update({i: "flags" for i, a in enumerate(spec.args) if _is_flags(a)})
+            values = tuple(_unknown_like(v) if i in flags_at else v for i, v in enumerate(values))
+            why.update({i: "flags" for i in flags_at})
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
-        return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
+        return Hit(side=self.side, probe=name, kind=kind, seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
                    irq="" if up is not None else hit_context(rec.flags),
-                   ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
-                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
-                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
+                   ret_ip_args=ret_ip_args, slot_args=slot_args,
+                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
+                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
+
+    def _spec_facts(self, spec: ProbeSpec) -> tuple[str, tuple[str, ...], tuple[str, ...],
+                                                    frozenset[int]]:
+        """What every hit of ``spec`` carries alike: its kind, ``ret_ip_args``,
+        ``slot_args`` and which arguments read ``%flags`` (worked out once a spec)."""
+        got = self._facts.get(id(spec))
+        if got is None or got[0] is not spec:
+            got = self._facts[id(spec)] = (spec, (
+                "r" if spec.is_return else "p", spec.ret_ip_args, spec.slot_args,
+                frozenset(i for i, a in enumerate(spec.args) if _is_flags(a))))
+        return got[1]
 
     def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,
                     event_id: int, targs: tuple) -> Hit | None:

@@ -30,12 +30,13 @@ the modules after vmlinux.
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import errno as _errno
 import fnmatch
 import logging
 import shlex
 import weakref
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -666,16 +667,38 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     rename takes effect at the first hit of its pid from then on that shows the new comm,
     and comes after every hit of that pid before it."""
     last: dict[int, str] = {0: "<idle>"}
-    for h in hits:
+    mine: dict[int, list[int]] = {}             # pid -> its hits' indexes, in order
+    for i, h in enumerate(hits):
         if h.pid:
             last[h.pid] = h.comm
-    effect = [next((k for k in range(j, len(hits)) if hits[k].pid == pid and hits[k].comm == c),
-                   len(hits)) for j, pid, c in comm_changes]
+        if h.pid is not None:
+            mine.setdefault(h.pid, []).append(i)
+    effect = []
+    for j, pid, c in comm_changes:
+        idx = mine.get(pid, [])
+        at = bisect.bisect_left(idx, j)
+        effect.append(next((k for k in idx[at:] if hits[k].comm == c), len(hits)))
+    # per pid, the renames in their order with where each takes effect; a hit's later
+    # comms change only where one does (memoized per pid and how many took effect)
+    renames: dict[int, list[tuple[int, str]]] = {}
+    for (_, pid, c), k in zip(comm_changes, effect):
+        renames.setdefault(pid, []).append((k, c))
+    bounds = {pid: sorted({k for k, _ in rs}) for pid, rs in renames.items()}
+    memo: dict[tuple[int, int], tuple[str, ...]] = {}
     out = []
     for i, h in enumerate(hits):
         if h.pid is None:
             out.append(h)
             continue
-        later = tuple(c for (j, pid, c), k in zip(comm_changes, effect) if pid == h.pid and k > i)
-        out.append(dataclasses.replace(h, comm=last.get(h.pid, h.comm), comm_alts=later))
+        later: tuple[str, ...] = ()
+        if h.pid in renames:
+            key = (h.pid, bisect.bisect_right(bounds[h.pid], i))
+            if key not in memo:
+                memo[key] = tuple(c for k, c in renames[h.pid] if k > i)
+            later = memo[key]
+        comm = last.get(h.pid, h.comm)
+        if comm == h.comm and later == h.comm_alts:
+            out.append(h)
+        else:
+            out.append(h.changed(comm=comm, comm_alts=later))
     return out

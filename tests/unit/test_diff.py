@@ -382,6 +382,60 @@ def test_a_rename_seen_at_its_entry_comes_after_the_hits_that_still_show_the_old
     assert [x.comm_alts for x in saved_cmdlines(hits[:3], [(1, 73, "ls")])] == [(), ("ls",), ("ls",)]
 
 
+def test_a_hit_changed_is_the_hit_replace_makes_and_hits_unchanged_stay_themselves():
+    """Hit.changed() is dataclasses.replace() without __init__; saved_cmdlines() hands
+    back a hit nothing changes as that very object; JSON's hit_doc() is asdict()'s."""
+    import json
+
+    import pytest
+
+    from harness.backends.tracelayer import saved_cmdlines
+    from harness.diff.report import hit_doc
+    h = dataclasses.replace(hit("host", 3, comm="sh", dfd=1), unknown=(("dfd", "stale"),))
+    c = h.changed(comm="ls", comm_alts=("cat",))
+    assert c == dataclasses.replace(h, comm="ls", comm_alts=("cat",)) and h.comm == "sh"
+    with pytest.raises(TypeError, match="no field 'bogus'"):
+        h.changed(bogus=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.comm = "x"
+    other = h.changed(pid=8, comm="ls")
+    out = saved_cmdlines([h, other], [])
+    assert out[0] is h and out[1] is other
+    renamed = saved_cmdlines([h, dataclasses.replace(h, seq=4, comm="dd")], [])
+    assert renamed[0] is not h and renamed[0].comm == "dd"
+    assert json.dumps(hit_doc(c)) == json.dumps(dataclasses.asdict(c))
+
+
+def test_saved_cmdlines_gives_what_the_plain_scan_gives_on_random_runs():
+    """saved_cmdlines() finds each rename's effect and a hit's later comms through
+    per-pid indexes; the plain quadratic scan it replaced is the reference here."""
+    import random
+
+    from harness.backends.tracelayer import saved_cmdlines
+
+    def reference(hits, changes):
+        last = {0: "<idle>"}
+        for h in hits:
+            if h.pid:
+                last[h.pid] = h.comm
+        effect = [next((k for k in range(j, len(hits)) if hits[k].pid == pid and hits[k].comm == c),
+                       len(hits)) for j, pid, c in changes]
+        return [h if h.pid is None else dataclasses.replace(
+            h, comm=last.get(h.pid, h.comm),
+            comm_alts=tuple(c for (j, pid, c), k in zip(changes, effect) if pid == h.pid and k > i))
+            for i, h in enumerate(hits)]
+
+    rng = random.Random(39)
+    for _ in range(300):
+        n = rng.randint(0, 40)
+        hits = [dataclasses.replace(hit("host", i, comm=rng.choice(["sh", "ls", "dd"])),
+                                    pid=rng.choice([None, 0, 7, 8, 9]))
+                for i in range(n)]
+        changes = sorted((rng.randint(0, n), rng.choice([0, 7, 8]), rng.choice(["sh", "ls", "dd"]))
+                         for _ in range(rng.randint(0, 5)))
+        assert saved_cmdlines(hits, changes) == reference(hits, changes), (hits, changes)
+
+
 def test_comm_change_takes_only_a_comm_the_pid_took_later():
     h = dataclasses.replace(hit("host", 0, comm="sh", dfd=1), comm_alts=("cat",))
     g = dataclasses.replace(hit("events", 0, comm="cat", dfd=1), comm_alts=("cat",))

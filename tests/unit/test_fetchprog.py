@@ -348,3 +348,39 @@ def test_c_takes_the_hit_context_as_the_reference_does(driver, name, code):
         assert blocks[0].kind == fetchprog.EDATA
     if name.startswith("this_cpu"):
         assert blocks[0].kind == fetchprog.PERCPU
+
+
+def test_a_registers_only_spec_evaluates_as_the_interpreter_does():
+    """evaluate()'s registers-only path (a spec whose every argument is one register-like
+    fetch and its st_raw store) gives what process_fetch_insn()'s interpreter gives for
+    each argument alone, for every non-string type and random register values; a spec
+    with one memory or string argument takes the interpreter whole."""
+    from harness.kernel.grammar.fetch import _PLANS, FETCH_TYPES
+
+    class Regs(_Ctx):
+        def __init__(self, regs):
+            super().__init__(_direct(Memory(1)))
+            self.regs = regs
+
+        def reg(self, name):
+            return self.regs[name]
+
+        def retval(self):
+            return self.regs["ax"]
+
+    rng = random.Random(36)
+    types = [t for t, ft in FETCH_TYPES.items() if not ft.is_string and t != "char"]  # 6.12+
+    fetches = ["%di", "%si", "%dx", "%cx", "%ax", "%sp", "%r9", "$stack", "$arg1", "$arg6",
+               "%flags"]
+    for i in range(200):
+        line = f"p:g/e{i} vfs_read " + " ".join(
+            f"a{j}={rng.choice(fetches)}:{rng.choice(types)}" for j in range(rng.randint(1, 5)))
+        r = "r:g/ret vfs_read v=$retval:" + rng.choice(types)
+        for spec in (parse(line), parse(r)):
+            ctx = Regs({n: rng.getrandbits(64) for n in REGS})
+            got = evaluate(spec, ctx)
+            assert _PLANS[id(spec.args)][1] is not None, line       # took the fast path
+            assert got == tuple(evaluate(a, ctx) for a in spec.args), line
+    mixed = parse("p:g/m vfs_read a=%di:u32 b=+0(%si):u8")
+    evaluate(mixed, _Ctx(_direct(Memory(1))))
+    assert _PLANS[id(mixed.args)][1] is None
