@@ -266,8 +266,9 @@ class EventsBackend:
         #: of each rename, the evidence the diff's ``comm-change`` rule needs
         self._rename_fmt: tuple[int, Any, Any] | None = None
         self._trigger_files: dict[str, int] = {}
-        self._nhit_ptrs: list[tuple[str, int]] | None | bool = False    # False: not looked
-        self._nhit_marks: list[dict[str, int] | None] = []
+        #: (event, counter, address): its per-cpu nhit words and its nmissed words
+        self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
+        self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -393,8 +394,10 @@ class EventsBackend:
         7.3), and the addresses of its per-cpu words: ``dyn_event_list`` walked as
         ``for_each_trace_kprobe()`` does (``dyn_event.ops == &trace_kprobe_ops``), the
         event named by ``tp.event->class.system`` and ``tp.event->call.name``, each
-        possible CPU's word at ``nhit + __per_cpu_offset[cpu]``. Offsets from the kernel's
-        BTF. ``None`` when the kernel's symbols or types do not allow it (logged)."""
+        possible CPU's word at ``nhit + __per_cpu_offset[cpu]``; and the words the
+        profile's ``nmissed`` sums (``probes_profile_seq_show()``: ``rp.kp.nmissed``,
+        and ``rp.nmissed`` for a return probe). Offsets from the kernel's BTF. ``None``
+        when the kernel's symbols or types do not allow it (logged)."""
         self._nhit_ptrs = None
         btf, syms, read = self.vm.btf, self.vm.symbols, self.vm.host.read
         head_s, ops_s = syms.get("dyn_event_list"), syms.get("trace_kprobe_ops")
@@ -412,6 +415,12 @@ class EventsBackend:
         except KeyError as exc:
             log.info("nhit not counted over the window: %s", exc)
             return
+        try:
+            miss = {k: btf.offset(*k.split(":")) for k in (
+                "trace_kprobe:rp", "kretprobe:kp", "kretprobe:nmissed", "kprobe:nmissed")}
+        except KeyError as exc:
+            log.info("nmissed not counted over the window: %s", exc)
+            miss = None
 
         def word(addr: int) -> int:
             return int.from_bytes(read(addr, 8), "little")
@@ -420,7 +429,7 @@ class EventsBackend:
             return read(addr, 64).split(b"\0", 1)[0].decode("utf-8", "replace")
         mask = word(mask_s.addr)
         offsets = [word(pco.addr + 8 * cpu) for cpu in range(64) if mask >> cpu & 1]
-        found: list[tuple[str, int]] = []
+        found: list[tuple[str, str, int]] = []
         head = head_s.addr
         node, seen = word(head), 0
         while node and node != head and seen < 100000:
@@ -434,7 +443,15 @@ class EventsBackend:
                 name = f"{group}/{event}"
                 if name in self.specs:
                     ptr = word(tk + off["trace_kprobe:nhit"])
-                    found += [(name, (ptr + o) & ((1 << 64) - 1)) for o in offsets]
+                    found += [(name, "nhit", (ptr + o) & ((1 << 64) - 1)) for o in offsets]
+                    # probes_profile_seq_show(): nmissed is rp.kp.nmissed, plus rp.nmissed
+                    # for a return probe (kernel/trace/trace_kprobe.c, 6.1 to 7.3)
+                    if miss is not None:
+                        rp = tk + miss["trace_kprobe:rp"]
+                        found.append((name, "nmissed",
+                                      rp + miss["kretprobe:kp"] + miss["kprobe:nmissed"]))
+                        if self.specs[name].is_return:
+                            found.append((name, "nmissed", rp + miss["kretprobe:nmissed"]))
             node = word(node)
             seen += 1
         if len(found) > self.NHIT_READS:
@@ -449,7 +466,7 @@ class EventsBackend:
         ``window(reads=)``); [] when they cannot be known."""
         if self._nhit_ptrs is False:
             self._find_nhits()
-        return [addr for _, addr in self._nhit_ptrs or ()]
+        return [addr for _, _, addr in self._nhit_ptrs or ()]
 
     def add_nhit_mark(self, values: Sequence[int] | None) -> None:
         """One edge of the window: the words of :meth:`nhit_words` read there (None: not
@@ -457,9 +474,9 @@ class EventsBackend:
         if values is None or not self._nhit_ptrs or len(values) != len(self._nhit_ptrs):
             self._nhit_marks.append(None)
             return
-        marks: dict[str, int] = {}
-        for (name, _), v in zip(self._nhit_ptrs, values, strict=True):
-            marks[name] = marks.get(name, 0) + v
+        marks: dict[tuple[str, str], int] = {}
+        for (name, what, _), v in zip(self._nhit_ptrs, values, strict=True):
+            marks[(name, what)] = marks.get((name, what), 0) + v
         self._nhit_marks.append(marks)
 
     def mark_nhits(self) -> None:
@@ -797,9 +814,12 @@ class EventsBackend:
         and eprobe events have no profile line) is left absent, and so is an event whose
         lines cannot be told apart from another group's (logged).
 
-        ``window``: a kprobe event's ``nhit`` is what it counted between the two
-        :meth:`mark_nhits` of the window's halts (``Counters.window``), when both were
-        read; the profile's count from the event's enabling otherwise."""
+        ``window``: a kprobe event's ``nhit`` and ``nmissed`` are what it counted between
+        the two :meth:`mark_nhits` of the window's halts (``Counters.window``), when both
+        were read; the profile's counts from the event's enabling otherwise. (A host side
+        counts misses while its probes are armed, over the window: a miss of the guest's
+        before it, say a kfree() in an interrupt while a kprobe handler ran as the harness
+        set up, is not the run's.)"""
         text = self._sh(f"cd {TRACING}; cat dynamic_events; echo @k; cat kprobe_profile; "
                         "echo @u; cat uprobe_profile")
         dyn, _, rest = text.partition("@k\n")
@@ -813,9 +833,13 @@ class EventsBackend:
                for name, (nhit, nmissed) in sums.items() if name in self.specs}
         if window and len(self._nhit_marks) == 2 and None not in self._nhit_marks:
             start, end = self._nhit_marks
-            for name, n in end.items():
+            for (name, what), n in end.items():
+                if what != "nhit":
+                    continue
                 missed = out[name].nmissed if name in out else 0
-                out[name] = Counters(name, n - start.get(name, 0), missed, window=True)
+                if (name, "nmissed") in end:        # else the profile's, from the enabling
+                    missed = end[(name, "nmissed")] - start.get((name, "nmissed"), 0)
+                out[name] = Counters(name, n - start.get((name, "nhit"), 0), missed, window=True)
         return out
 
     def close(self) -> None:

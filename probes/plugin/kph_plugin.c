@@ -808,7 +808,7 @@ static void on_site(unsigned int vcpu, void *ud)
 
         for (i = 0; i < l->n; i++) {
             if (atomic_load(&l->p[i]->enabled) && !atomic_load(&l->p[i]->dead)) {
-                atomic_fetch_add(&l->p[i]->nmissed, 1);
+                count_miss(l->p[i]);
                 if (l->p[i]->kind >= PK_KPROBE) {
                     ids[n++] = l->p[i]->id;
                 }
@@ -843,7 +843,7 @@ static void on_site(unsigned int vcpu, void *ud)
             continue;               /* another program at this user address */
         }
         if ((p->flags & ADD_KPROBE_RUNNING) && guest_kprobe_running(v, &running)) {
-            atomic_fetch_add(&p->nmissed, 1);
+            count_miss(p);
             continue;
         }
         if (p->kind == PK_SPEC_P) {

@@ -199,6 +199,16 @@ int window_switch(int on, int now, int nw, const uint8_t *w, int nr, const uint8
 size_t window_marks(uint8_t *out);
 extern atomic_int g_window;
 
+/* A miss (kprobes_inc_nmissed_count(), rp->nmissed), counted while the recording window
+ * is open: a run compares the guest's nmissed over the same window (its counters read at
+ * the switch's instant), as it does nhit. Open by default: outside a run, every miss. */
+static inline void count_miss(probe *p)
+{
+    if (atomic_load_explicit(&g_window, memory_order_relaxed)) {
+        atomic_fetch_add(&p->nmissed, 1);
+    }
+}
+
 /* returns.c */
 unsigned int live_bucket(uint64_t slot);
 int filter_ok(vcpu_t *v, probe *p);

@@ -84,7 +84,7 @@ void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     pthread_mutex_lock(&rp_lock);
     if (p->nfree == 0) {
         pthread_mutex_unlock(&rp_lock);
-        atomic_fetch_add(&p->nmissed, 1);
+        count_miss(p);
         if (p->kind == PK_KRET) {   /* the harness keeps rp->nmissed as the kernel does */
             round_trip(v, vcpu, EV_MISS, p->addr, &p->id, 1, 0, 0, 0, 0);
         }
@@ -107,7 +107,7 @@ void kret_entry(unsigned int vcpu, vcpu_t *v, probe *p)
     if (mem_read(v, slot, &ret, 8) != 0 || mem_write(v, slot, &p->tramp, 8) != 0) {
         p->freelist[p->nfree++] = ri;
         pthread_mutex_unlock(&rp_lock);
-        atomic_fetch_add(&p->nmissed, 1);
+        count_miss(p);
         return;
     }
     ri->slot = slot;
@@ -157,7 +157,7 @@ void user_fork(vcpu_t *v)
         inst *c;
 
         if (p->nfree == 0) {
-            atomic_fetch_add(&p->nmissed, 1);
+            count_miss(p);
             continue;
         }
         c = p->freelist[--p->nfree];

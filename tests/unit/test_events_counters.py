@@ -1,0 +1,57 @@
+"""harness.backends.events: nhit and nmissed over the recording window, from the words
+read at its two edges (probes_profile_seq_show(): nhit the per-cpu sum, nmissed
+rp.kp.nmissed plus rp.nmissed for a return probe), the profile's otherwise."""
+from __future__ import annotations
+
+from harness.backends.events import EventsBackend
+from harness.kernel.grammar import parse
+
+PROFILE = """p:kprobes/kf kfree
+r16:kprobes/kfr kfree
+p:kprobes/old vfs_read
+@k
+  kf                                                          40              7
+  kfr                                                         30              9
+  old                                                         11              4
+@u
+"""
+
+
+def _backend(ptrs, marks):
+    be = object.__new__(EventsBackend)
+    be.specs = {"kprobes/kf": parse("p:kf kfree"), "kprobes/kfr": parse("r16:kfr kfree"),
+                "kprobes/old": parse("p:old vfs_read")}
+    be._nhit_ptrs, be._nhit_marks = ptrs, []
+    be._sh = lambda *a, **k: PROFILE
+    for m in marks:
+        be.add_nhit_mark(m)
+    return be
+
+
+def test_nhit_and_nmissed_are_the_window_s_where_their_words_were_read():
+    ptrs = [("kprobes/kf", "nhit", 0x10), ("kprobes/kf", "nhit", 0x18),
+            ("kprobes/kf", "nmissed", 0x20),
+            ("kprobes/kfr", "nhit", 0x30), ("kprobes/kfr", "nmissed", 0x38),
+            ("kprobes/kfr", "nmissed", 0x40)]
+    be = _backend(ptrs, [[10, 20, 3, 5, 1, 0], [15, 22, 3, 9, 2, 4]])
+    c = be.counters(window=True)
+    assert (c["kprobes/kf"].nhit, c["kprobes/kf"].nmissed, c["kprobes/kf"].window) == (7, 0, True)
+    assert (c["kprobes/kfr"].nhit, c["kprobes/kfr"].nmissed) == (4, 5)   # both misses summed
+    # an event none of whose words were read keeps the profile's counts, not windowed
+    assert (c["kprobes/old"].nhit, c["kprobes/old"].nmissed, c["kprobes/old"].window) == \
+        (11, 4, False)
+    # not asked for the window: the profile's, from the enabling
+    c = be.counters()
+    assert (c["kprobes/kf"].nhit, c["kprobes/kf"].nmissed, c["kprobes/kf"].window) == (40, 7, False)
+
+
+def test_without_its_nmissed_words_an_event_keeps_the_profile_s_nmissed():
+    """A kernel whose BTF lacks the nmissed members: nhit over the window, nmissed as
+    kprobe_profile prints it (never a windowed 0 that was not measured)."""
+    be = _backend([("kprobes/kf", "nhit", 0x10)], [[10], [12]])
+    c = be.counters(window=True)["kprobes/kf"]
+    assert (c.nhit, c.nmissed, c.window) == (2, 7, True)
+    # an edge not read: nothing is windowed
+    be = _backend([("kprobes/kf", "nhit", 0x10)], [[10], None])
+    c = be.counters(window=True)["kprobes/kf"]
+    assert (c.nhit, c.nmissed, c.window) == (40, 7, False)
