@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,15 @@ def parse(text: str) -> Any:
     import kunit_printer
     if "printer" in inspect.signature(kp.parse_run_tests).parameters:   # 7.3's
         return kp.parse_run_tests(text.splitlines(), kunit_printer.null_printer)
-    return kp.parse_run_tests(text.splitlines())                        # 6.12's: it prints
+    # 6.12's prints to kunit_printer.stdout, a Printer bound to the sys.stdout of the
+    # moment it was imported: under pytest, maybe a test's capture closed since (seen:
+    # "I/O operation on closed file" in a later test of the same worker)
+    printer = kunit_printer.stdout
+    saved, printer._output = printer._output, io.StringIO()
+    try:
+        return kp.parse_run_tests(text.splitlines())
+    finally:
+        printer._output = saved
 
 
 def leaves(test: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:

@@ -445,7 +445,8 @@ class EventsBackend:
                     ptr = word(tk + off["trace_kprobe:nhit"])
                     found += [(name, "nhit", (ptr + o) & ((1 << 64) - 1)) for o in offsets]
                     # probes_profile_seq_show(): nmissed is rp.kp.nmissed, plus rp.nmissed
-                    # for a return probe (kernel/trace/trace_kprobe.c, 6.1 to 7.3)
+                    # for a return probe (kernel/trace/trace_kprobe.c of 6.1 and 6.12, read;
+                    # 7.3's BTF has the same members, its text was not available here)
                     if miss is not None:
                         rp = tk + miss["trace_kprobe:rp"]
                         found.append((name, "nmissed",

@@ -291,13 +291,18 @@ def test_a_signal_while_the_cli_is_imported_exits_130_in_one_line():
     assert (r.returncode, r.stderr.strip()) == (130, "interrupted (SIGTERM)"), r
 
 
-def test_a_result_is_built_only_when_json_or_a_file_asks_for_it(tmp_path, capsys):
+def test_a_result_is_built_only_when_json_or_a_file_asks_for_it(tmp_path, capsys, monkeypatch):
     """Output.result(fn): fn is called only for --json or -o (a run's every hit as JSON
     cost seconds that a text report did not need); a plain document works as before."""
     import argparse
     import json
 
+    from harness.cli import output
     from harness.cli.output import Output
+
+    # each Output registers itself in output.current (log records clear its line): these
+    # must not outlive the test's captured streams
+    monkeypatch.setattr(output, "current", [])
 
     calls = []
 
