@@ -45,7 +45,7 @@ MUTANTS: tuple[CMutant, ...] = (
             "kret_entry() counts a miss when one instance is left, not none (== 0 -> <= 1)",
             "kph_plugin.c",
             r"(pthread_mutex_lock\(&rp_lock\);\s*if \(p->nfree) == 0(\) \{\s*"
-            r"pthread_mutex_unlock\(&rp_lock\);\s*atomic_fetch_add\(&p->nmissed, 1\);)",
+            r"pthread_mutex_unlock\(&rp_lock\);\s*count_miss\(p\);)",
             r"\1 <= 1\2", "pool"),
     CMutant("c-pool-size-off-by-one", "boundary",
             "a return probe's pool holds maxactive - 1 free instances",
