@@ -388,3 +388,34 @@ def test_plugin_engine_return_probes(series, newer_image):
         res = DiffHelper(vm, "events")(["r1:a/b do_sys_openat2 ret=$retval"], OPEN)
         res.assert_equivalent()
         assert res.matched.get("a/b", 0) >= 1
+
+
+@pytest.mark.parametrize("series", ["6.1", "6.12", "7.3"])
+def test_the_nmissed_words_read_are_what_kprobe_profile_prints(series, newer_image):
+    """The guest's nmissed over the window comes from the words probes_profile_seq_show()
+    sums (rp.kp.nmissed, plus rp.nmissed for a return probe), read by the host: checked
+    against the kernel's own kprobe_profile on each booted kernel, with misses on it (an
+    r1: line, two sleepers in do_nanosleep at once: the second finds no instance)."""
+    from harness.backends.events import EventsBackend
+    from harness.kernel.grammar import parse
+    from harness.vmctl import Machine
+
+    with Machine.boot(newer_image(series), smp=2) as vm:
+        be = EventsBackend(vm)
+        try:
+            out = be.register([parse("r1:kphnm/ns do_nanosleep"), parse("p:kphnm/nsp do_nanosleep")])
+            assert all(o.accepted for o in out), out
+            be.enable()
+            be.mark_nhits()
+            vm.run("taskset 1 sleep 1 & taskset 2 sleep 1; wait", timeout=60)
+            be.mark_nhits()
+            be.disable()
+            window, profile = be.counters(window=True), be.counters()
+        finally:
+            be.close()
+    ns, nsp = window["kphnm/ns"], window["kphnm/nsp"]
+    assert ns.window and profile["kphnm/ns"].nmissed >= 1, (window, profile)
+    # no miss before the window's start here: the window's count is the profile's
+    assert ns.nmissed == profile["kphnm/ns"].nmissed, (window, profile)
+    assert nsp.nmissed == profile["kphnm/nsp"].nmissed == 0, (window, profile)
+    assert ns.nhit == profile["kphnm/ns"].nhit and nsp.nhit >= 2, (window, profile)
