@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from ..errors import GuestAgentError, GuestLossError, HarnessError
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
+from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
@@ -729,16 +730,10 @@ class EventsBackend:
         comms = self._cmdlines()
         table = self.vm.symbols
 
-        seen: dict[int, str | None] = {}
-
-        def symbolize(addr: int) -> str | None:     # remembered: addresses repeat
-            if addr not in seen:
-                seen[addr] = table.format(addr) if table.symbolize(addr) is not None else None
-            return seen[addr]
+        symbolize = remembered_symbolizer(table)
         ktramp = kernel_rethook_trampoline(table)
 
         modes = {o.probe: o.mode for o in self.outcomes}
-        ip_text: dict[int, str] = {}
         hits: list[Hit] = []
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
         for rec in recs:
@@ -766,11 +761,7 @@ class EventsBackend:
                                  rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)
                 ip, _, ret_from = text.partition(" <- ")
             else:
-                at = rec.u64(fields["__probe_ip"])
-                ip = ip_text.get(at)
-                if ip is None:          # a probe's address prints the same at every hit
-                    ip = ip_text[at] = format_ip(at, symbolize)
-                ret_from = None
+                ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
             gargs = self._args.get(rec.type, spec.args)
             values = decode_args(rec, fmt, gargs)
             args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))

@@ -39,6 +39,7 @@ from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
 from ..kernel.kprobes import kernel_rethook_trampoline
+from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeArg, ProbeSpec
 from ..records import Counters, Hit, Outcome
 from .tracelayer import GuestWrite, TraceLayer, refused, write_switch
@@ -355,18 +356,6 @@ def decode_args(args: Sequence[ProbeArg], items: Sequence[Sequence[Item]],
             vals[i] = FAULT if left == 0 else (
                 UNKNOWN if end < 0 or b"\0" in known[at:end + 1] else bytes(area[at:end]))
     return vals
-
-
-def _symbolizer(table: Any) -> Callable[[int], str | None]:
-    """``%pS`` of an address, remembered (one collect: the probed addresses repeat at
-    every hit, and the table does not change under it)."""
-    seen: dict[int, str | None] = {}
-
-    def symbolize(addr: int) -> str | None:
-        if addr not in seen:
-            seen[addr] = table.format(addr) if table.symbolize(addr) is not None else None
-        return seen[addr]
-    return symbolize
 
 
 def buffer_stats(text: str) -> dict[str, int]:
@@ -738,7 +727,7 @@ class ModuleBackend:
 
         :raise GuestLossError: when the module dropped records (:meth:`check_dropped`).
         """
-        symbolize = _symbolizer(self.vm.symbols)
+        symbolize = remembered_symbolizer(self.vm.symbols)
         recs = self.records()
         self.check_dropped()
         for rec in recs:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from ..errors import (EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError,
                       SetupError)
-from ..kernel.grammar.fetch import (UNKNOWN, FaultError, Reg, below_sp, evaluate, format_ip,
+from ..kernel.grammar.fetch import (UNKNOWN, FaultError, below_sp, evaluate, format_ip,
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline, preempt_context
@@ -43,10 +43,6 @@ EINVAL = 22
 
 def _unknown_like(v: Any) -> Any:
     return [UNKNOWN] * len(v) if isinstance(v, list) else UNKNOWN
-
-
-def _is_flags(a: Any) -> bool:
-    return isinstance(a.fetch, Reg) and a.fetch.name == "flags"
 
 
 def hit_context(flags: int) -> str:
@@ -174,7 +170,6 @@ class PluginBackend:
         self._grouped: set[int] = set()
         self._hits: list[Hit] = []
         self._ip_text: dict[int, str] = {}     # a probed address -> its %pS text (one run)
-        self._facts: dict[int, tuple[ProbeSpec, Any]] = {}     # id(spec) -> _spec_facts()
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
         self.capture_misses = 0
         self.dropped = 0
@@ -511,7 +506,7 @@ class PluginBackend:
             values = evaluate(spec, ctx, why, failed)
         finally:
             self.capture_misses += ctx.mem.misses
-        kind, ret_ip_args, slot_args, flags_at = self._spec_facts(spec)
+        flags_at = spec.flags_args
         if flags_at:
             # TCG computes the arithmetic flags lazily and the plugin API cannot make it
             # (qemu_plugin_read_register gives eflags without ZF/SF/CF ...): a %flags the
@@ -521,24 +516,13 @@ class PluginBackend:
             values = tuple(_unknown_like(v) if i in flags_at else v for i, v in enumerate(values))
             why.update({i: "flags" for i in flags_at})
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
-        return Hit(side=self.side, probe=name, kind=kind, seq=seq,
+        return Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=seq,
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
                    irq="" if up is not None else hit_context(rec.flags),
-                   ret_ip_args=ret_ip_args, slot_args=slot_args,
+                   ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
-
-    def _spec_facts(self, spec: ProbeSpec) -> tuple[str, tuple[str, ...], tuple[str, ...],
-                                                    frozenset[int]]:
-        """What every hit of ``spec`` carries alike: its kind, ``ret_ip_args``,
-        ``slot_args`` and which arguments read ``%flags`` (worked out once a spec)."""
-        got = self._facts.get(id(spec))
-        if got is None or got[0] is not spec:
-            got = self._facts[id(spec)] = (spec, (
-                "r" if spec.is_return else "p", spec.ret_ip_args, spec.slot_args,
-                frozenset(i for i, a in enumerate(spec.args) if _is_flags(a))))
-        return got[1]
 
     def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,
                     event_id: int, targs: tuple) -> Hit | None:

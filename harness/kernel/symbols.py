@@ -474,6 +474,19 @@ def _parse_elf(path: Path) -> list[_Row]:
     return rows
 
 
+def remembered_symbolizer(table: SymbolTable) -> Callable[[int], str | None]:
+    """``%pS`` of an address (``table.format``), or None where the table has no symbol
+    for it; each answer remembered. For one collect of hits: the probed addresses come
+    back at every hit, and the table does not change under it."""
+    seen: dict[int, str | None] = {}
+
+    def symbolize(addr: int) -> str | None:
+        if addr not in seen:
+            seen[addr] = table.format(addr) if table.symbolize(addr) is not None else None
+        return seen[addr]
+    return symbolize
+
+
 def load_kallsyms_cached(path: str | os.PathLike[str]) -> SymbolTable:
     """``SymbolTable.from_kallsyms(path)``, parsed once per (path, mtime); each caller
     gets its own copy, so one's ``add_module()`` never shows up in another's."""

@@ -355,7 +355,7 @@ def test_a_registers_only_spec_evaluates_as_the_interpreter_does():
     fetch and its st_raw store) gives what process_fetch_insn()'s interpreter gives for
     each argument alone, for every non-string type and random register values; a spec
     with one memory or string argument takes the interpreter whole."""
-    from harness.kernel.grammar.fetch import _PLANS, FETCH_TYPES
+    from harness.kernel.grammar.fetch import FETCH_TYPES
 
     class Regs(_Ctx):
         def __init__(self, regs):
@@ -379,8 +379,8 @@ def test_a_registers_only_spec_evaluates_as_the_interpreter_does():
         for spec in (parse(line), parse(r)):
             ctx = Regs({n: rng.getrandbits(64) for n in REGS})
             got = evaluate(spec, ctx)
-            assert _PLANS[id(spec.args)][1] is not None, line       # took the fast path
+            assert spec.register_plan is not None, line             # took the fast path
             assert got == tuple(evaluate(a, ctx) for a in spec.args), line
     mixed = parse("p:g/m vfs_read a=%di:u32 b=+0(%si):u8")
     evaluate(mixed, _Ctx(_direct(Memory(1))))
-    assert _PLANS[id(mixed.args)][1] is None
+    assert mixed.register_plan is None

@@ -7,12 +7,12 @@ import errno
 import pytest
 
 from harness.backends.module import (FLAG_POST, REG_OFFSET, Item, ModuleBackend, ModuleError,
-                                     UnsupportedFetchArgError, _Placed, _symbolizer, add_line,
+                                     UnsupportedFetchArgError, _Placed, add_line,
                                      compile_arg, decode_arg, parse_events_line)
 from harness.errors import SymbolNotFoundError
 from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
 from harness.kernel.grammar import parse, parse_arg
-from harness.kernel.symbols import SymbolTable
+from harness.kernel.symbols import SymbolTable, remembered_symbolizer
 
 KALLSYMS = """\
 ffffffff81000000 T _stext
@@ -164,7 +164,7 @@ def test_parse_events_line_rejects(bad):
 ])
 def test_decode_and_format(text, items, shown):
     table = SymbolTable.from_kallsyms(KALLSYMS)
-    sym = _symbolizer(table)
+    sym = remembered_symbolizer(table)
     a = arg(text)
     assert format_value(a, decode_arg(a, items, sym), sym) == shown
 
@@ -197,7 +197,7 @@ def test_hits_from_records():
     pre = parse("p:kph/open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32 "
                 "c=$comm")
     ret = parse("r:kph/ret do_sys_openat2 ret=$retval:s64")
-    sym = _symbolizer(be.vm.symbols)
+    sym = remembered_symbolizer(be.vm.symbols)
     h = be._hit(parse_events_line(LINE_PRE), _Placed(1, "kph/open", pre, 0xffffffff8134a350, "p"),
                 sym)
     assert (h.side, h.probe, h.kind, h.seq, h.cpu, h.pid, h.comm, h.mode) == \

@@ -21,6 +21,7 @@ evaluation and the trace-file side already live in :mod:`harness.kernel.grammar.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import posixpath
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from ..rules import KernelRules, rules_for
 from . import args as argp
 from .fetch import (FETCH_TYPES, REGISTERS, THREAD_SIZE, Bitfield, Comm, Deref, FetchArg, FetchType,
                     FileOffset, FuncArg, Imm, ImmString, Insn, MemAddr, MemSymbol, Reg, RetVal,
-                    StackEntry, StackPointer, render_fetch)
+                    StackEntry, StackPointer, register_plan, render_fetch)
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class ProbeSpec:
             return None
         return f"{self.module}:{self.symbol}" if self.module is not None else self.symbol
 
-    @property
+    @functools.cached_property
     def ret_ip_args(self) -> tuple[str, ...]:
         """A return probe's arguments whose value starts from ``%ip``: the return address
         (``__kretprobe_trampoline_handler()`` / ``handle_trampoline()`` set ``regs->ip``
@@ -195,7 +196,7 @@ class ProbeSpec:
             return ()
         return tuple(a.name for a in self.args if a.code and a.code[0] == ("reg", "ip"))
 
-    @property
+    @functools.cached_property
     def slot_args(self) -> tuple[str, ...]:
         """An entry probe's arguments that read the word at the probed sp: ``$stack0``,
         ``+0($stack)``, ``+0(%sp)``. At a function's entry that word is the return-address
@@ -206,6 +207,20 @@ class ProbeSpec:
         return tuple(a.name for a in self.args if len(a.code) >= 2 and (
             a.code[0] == ("stack", 0)
             or (a.code[0] in (("stackp",), ("reg", "sp")) and a.code[1][:2] == ("st_mem", 0))))
+
+    @functools.cached_property
+    def flags_args(self) -> frozenset[int]:
+        """The indexes of the arguments that fetch ``%flags`` (the plugin engine cannot
+        know them: ``harness.backends.plugin``)."""
+        return frozenset(i for i, a in enumerate(self.args)
+                         if isinstance(a.fetch, Reg) and a.fetch.name == "flags")
+
+    @functools.cached_property
+    def register_plan(self) -> Any:
+        """``harness.kernel.grammar.fetch.register_plan`` of the arguments (None: one of
+        them reads memory or is not a plain register fetch), worked out once a spec
+        (these properties are computed at the first hit and kept: the spec is frozen)."""
+        return register_plan(self.args)
 
 
 

@@ -652,34 +652,27 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
 UNKNOWN_WHY = ("below-sp", "stale", "kernel-data")
 
 
-#: Registers only: a program that is one register-like fetch and its ``st_raw`` store
-#: (``%dx:u64``, ``$arg2``, ``$retval``, ``$stack``) reads no memory, so the whole of
-#: ``process_fetch_insn()`` is ``val & mask``, typed. :func:`evaluate` takes this path
-#: for a spec whose every argument is one (id of its args -> (args, plan or None)).
-_PLANS: dict[int, tuple[Any, tuple[tuple[str, Any, int, FetchType], ...] | None]] = {}
 _REG_FETCH = ("reg", "stackp", "retval", "arg")
 
 
-def _register_plan(args: Any) -> tuple[tuple[str, Any, int, FetchType], ...] | None:
-    got = _PLANS.get(id(args))
-    if got is not None and got[0] is args:
-        return got[1]
+def register_plan(args: Sequence[Any]) -> tuple[tuple[str, Any, int, FetchType], ...] | None:
+    """Registers only: when every argument is one register-like fetch and its ``st_raw``
+    store (``%dx:u64``, ``$arg2``, ``$retval``, ``$stack``), it reads no memory and the
+    whole of ``process_fetch_insn()`` is ``val & mask``, typed: per argument (fetch kind,
+    register, mask, type), which :func:`evaluate` runs without the interpreter (a spec
+    keeps its plan: ``ProbeSpec.register_plan``). None otherwise."""
     plan = []
     for a in args:
         code, t = a.code, FETCH_TYPES[a.type]
         if (a.count or t.is_string or len(code) != 3 or code[0][0] not in _REG_FETCH
                 or code[1][0] != "st_raw" or code[2][0] != "end"
                 or (code[0][0] == "arg" and code[0][1] >= 6)):
-            plan = None
-            break
+            return None
         op = code[0]
         reg = "sp" if op[0] == "stackp" else _ARG_REGS[op[1]] if op[0] == "arg" else \
             op[1] if op[0] == "reg" else None
         plan.append((op[0], reg, (1 << 8 * code[1][2]) - 1, t))
-    if len(_PLANS) > 4096:
-        _PLANS.clear()
-    _PLANS[id(args)] = (args, tuple(plan) if plan is not None else None)
-    return _PLANS[id(args)][1]
+    return tuple(plan)
 
 
 def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
@@ -697,11 +690,10 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
         (without the NUL), :data:`FAULT`, :data:`UNKNOWN`, or a list of those for arrays.
     :raise KeyError: from ``ctx.symbol_addr`` for an ``@SYM`` the kernel could not resolve.
     """
-    if hasattr(target, "args"):
-        plan = _register_plan(target.args)
-        if plan is not None:
-            return tuple(_typed(t, ((ctx.retval() if kind == "retval" else ctx.reg(reg)) & _M)
-                                & mask) for kind, reg, mask, t in plan)
+    plan = getattr(target, "register_plan", None)
+    if plan is not None:
+        return tuple(_typed(t, ((ctx.retval() if kind == "retval" else ctx.reg(reg)) & _M) & mask)
+                     for kind, reg, mask, t in plan)
     args = tuple(target.args) if hasattr(target, "args") else (target,)
     ctx = _Cached(ctx)                              # the same Protocol, reads memoized
     dsize = 0
