@@ -8,10 +8,13 @@ image (``build_image.build_tree_image``: the kernel's own kph_kprobes.ko, facts,
 snapshot), boots it once and runs the scenario (``harness.apps.repro.run``):
 
 - MET (the bug shows): the commit is **bad**, exit 1;
-- NOT MET: **good**, exit 0;
-- the kernel does not build: **skip**, exit 125 (``git bisect skip``: a commit in the
-  middle of a series may not build; the log names the build error);
-- anything else (the VM lost, a setup error): exit 255, which makes ``git bisect run``
+- NOT MET, the trigger run through (outcome ``ok`` or ``refused``): **good**, exit 0;
+- the kernel does not build, or its run ended in a crash, hang or loss the scenario does
+  not describe (:func:`step_verdict`): **skip**, exit 125 (``git bisect skip``: a commit
+  in the middle of a series may not build, or may fail in another way; the step's cause
+  names it);
+- anything else (a setup error; a run whose hits or counters could not be read, which
+  ``repro.run`` raises rather than call NOT MET): exit 255, which makes ``git bisect run``
   stop; the error line is in the step's log and is the run's error.
 
 Before the search the two ends are run the same way (unless ``check_ends=False``): the
@@ -168,8 +171,11 @@ def judge(scenario: str | os.PathLike[str], tree: Path, out: Path, role: str, *,
         res = repro.run(scn, out_dir=out / f"{role.replace(' ', '-')}-{commit[:12]}",
                         qemu=qemu, progress=say, image=img)
         st.run_s = time.monotonic() - t1
-        st.verdict = "bad" if res.met else "good"
+        st.verdict = step_verdict(res.met, res.observed.outcome)
         st.cause, st.bundle = res.cause, str(res.bundle)
+        if st.verdict == "skip":
+            st.cause = (f"the run ended in {res.observed.outcome}, which the scenario does not "
+                        f"expect, so the commit cannot be judged: {res.cause}")
         return st
     except HarnessError as exc:
         st.cause = str(exc)
@@ -179,6 +185,21 @@ def judge(scenario: str | os.PathLike[str], tree: Path, out: Path, role: str, *,
             st.build_s = time.monotonic() - t0
         with open(out / STEPS_FILE, "a") as f:
             f.write(json.dumps(asdict(st)) + "\n")
+
+
+#: The outcomes of a run that went through: a kernel without the bug gives one of them.
+JUDGED_OUTCOMES = frozenset({"ok", "refused"})
+
+
+def step_verdict(met: bool, outcome: str) -> str:
+    """A commit's verdict from its scenario run: ``bad`` when MET; ``good`` when NOT MET
+    and the kernel ran the trigger through (the outcome ``ok`` or ``refused``); else
+    ``skip``, git bisect's "this commit cannot be tested": a kernel that oopsed, panicked,
+    hung or was lost in a way the scenario does not describe shows another failure, not
+    the absence of this one."""
+    if met:
+        return "bad"
+    return "good" if outcome in JUDGED_OUTCOMES else "skip"
 
 
 def read_steps(out: Path) -> list[Step]:
@@ -252,7 +273,8 @@ def run(scenario: str | os.PathLike[str], tree: str | os.PathLike[str], good: st
                 st = judge(scenario, t, o, role, qemu=qemu, progress=say)
                 say(f"bisect: {st.line()}")
                 if st.verdict != want:
-                    what = {"good": "NOT MET", "bad": "MET", "skip": "did not build"}[st.verdict]
+                    what = {"good": "NOT MET", "bad": "MET",
+                            "skip": "not judged (no build, or another failure)"}[st.verdict]
                     raise SetupError(f"the {role} ({rev[:12]}) is {what}: {st.cause}",
                                      "give a --bad on which the scenario is MET and a --good "
                                      "on which it is NOT MET (or check the scenario)")
@@ -309,8 +331,9 @@ def _bisect_run(t: Path, scenario: str | os.PathLike[str], o: Path, qemu: str | 
     if errors:
         raise SetupError(f"the bisect stopped: {errors[-1]}", f"see {o / 'git-bisect-run.log'}")
     if "only skipped commits left" in text:
-        raise SetupError("the bisect could not name one commit: the commits left did not "
-                         "build", f"see {o / STEPS_FILE} for each build error")
+        raise SetupError("the bisect could not name one commit: the commits left could not "
+                         "be judged (no build, or another failure)",
+                         f"see {o / STEPS_FILE} for each one's cause")
     raise SetupError(f"git bisect run ended without a first bad commit (exit {p.returncode})",
                      f"see {o / 'git-bisect-run.log'}")
 

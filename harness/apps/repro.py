@@ -71,6 +71,9 @@ class Observed:
     trampoline: str | None = None        # how the host trampoline prints in the guest
     #: what the kernel printed from the probes' placing on (``harness.kernel.splat``)
     splats: tuple[Any, ...] = ()
+    #: the sides whose hits or counters could not be read, and why: a check that needs
+    #: them was not measured, so NOT MET cannot be said (:func:`run` raises instead)
+    unmeasured: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,6 +196,7 @@ class _Run:
                     obs.counters[side] = be.counters()
                 except HarnessError as exc:
                     log.warning("collecting %s failed: %s", side, exc)
+                    obs.unmeasured[side] = str(exc)
         if obs.outcome in ("panic", "hang", "lost") or obs.oops:
             obs.stack = self._crash_state()
         if obs.outcome == "panic":
@@ -442,7 +446,22 @@ def run(scn: Scenario, *, out_dir: Path | None = None, qemu: str | None = None,
     _write_bundle(bundle, scn, r, met, reasons, cause, host_list, manifest)
     if r.obs.splats:
         (bundle / "kernel.txt").write_text(findings_text(r.obs.splats))
+    check_measured(scn, r.obs, met, bundle)
     return ReproResult(scn, r.obs, met, reasons, cause, bundle)
+
+
+def check_measured(scn: Scenario, obs: Observed, met: bool, bundle: Path) -> None:
+    """NOT MET says every check ran and one failed. A side whose hits or counters could
+    not be read (a ring-buffer loss, a failed read) leaves its checks unrun, so a NOT MET
+    then is an error, never a verdict (``kph bisect`` would call the commit good). MET
+    stands: the checks that passed were measured.
+
+    :raise HarnessError: naming the side, why, and the bundle."""
+    if met or not obs.unmeasured:
+        return
+    side, why = next(iter(obs.unmeasured.items()))
+    raise HarnessError(f"{scn.path.name}: not measured: collecting {side} failed: {why}; "
+                       f"the evidence is in {bundle}")
 
 
 @dataclass

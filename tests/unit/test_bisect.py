@@ -10,7 +10,7 @@ import pytest
 
 from harness.apps import bisect
 from harness.cli.main import main
-from harness.errors import SetupError
+from harness.errors import HarnessError, SetupError
 
 SCENARIO = str(Path(__file__).resolve().parents[2] / "probes/scenarios/upstream/btf-char-ptr.toml")
 
@@ -86,3 +86,51 @@ def test_the_cli_refuses_bad_ends_in_one_line_before_building(history, good, bad
 def test_a_fixes_line_has_twelve_hex_digits_and_the_title():
     r = bisect.BisectResult("0123456789abcdef0123456789abcdef01234567", "kprobes: Do a thing")
     assert r.fixes_line == 'Fixes: 0123456789ab ("kprobes: Do a thing")'
+
+
+@pytest.mark.parametrize("met,outcome,verdict", [
+    (True, "ok", "bad"), (True, "oops", "bad"), (True, "refused", "bad"),
+    (False, "ok", "good"), (False, "refused", "good"),
+    (False, "oops", "skip"), (False, "panic", "skip"), (False, "hang", "skip"),
+    (False, "lost", "skip")])
+def test_a_commit_is_good_only_when_its_run_went_through(met, outcome, verdict):
+    """A kernel that crashed or hung in a way the scenario does not describe has not
+    shown the bug absent: git bisect's skip, never good."""
+    assert bisect.step_verdict(met, outcome) == verdict
+
+
+def test_a_run_that_could_not_read_a_side_is_an_error_not_a_not_met(tmp_path):
+    """The CI run of df5c4ce named the wrong commit: a step judged good had a NOT MET
+    that nothing shows was measured. A side whose collection failed (a ring-buffer loss,
+    a failed read) makes NOT MET an error naming it; MET still stands."""
+    from harness.apps import repro
+    from harness.apps.scenario import load
+    scn = load(SCENARIO)
+    obs = repro.Observed(unmeasured={"events": "the guest's ring buffer lost 3 event(s)"})
+    with pytest.raises(HarnessError, match=r"btf-char-ptr.toml: not measured: collecting events "
+                       r"failed: the guest's ring buffer lost 3 event\(s\); the evidence is in"):
+        repro.check_measured(scn, obs, False, tmp_path)
+    repro.check_measured(scn, obs, True, tmp_path)
+    repro.check_measured(scn, repro.Observed(), False, tmp_path)
+
+
+def test_a_failed_collection_is_kept_as_unmeasured():
+    from types import SimpleNamespace
+    from harness.apps import repro
+    from harness.apps.scenario import load
+    from harness.errors import GuestLossError
+
+    class Side:
+        def disable(self): pass
+
+        def collect(self):
+            raise GuestLossError("events", 3, "the guest's ring buffer lost 3 event(s)")
+
+        def counters(self): return {}
+    vm = SimpleNamespace(run=lambda cmd, **kw: SimpleNamespace(stdout=""))
+    r = repro._Run(load(SCENARIO), vm)
+    r.backends["events"] = Side()
+    r.collect()
+    assert r.obs.unmeasured == {"events": "events: the guest's ring buffer lost 3 event(s); "
+                                          "the run is not compared"}
+    assert "events" not in r.obs.counters

@@ -61,7 +61,8 @@ def test_kph_bisect_names_the_planted_commit_as_the_fixes_line(planted, tmp_path
                        capture_output=True, text=True, timeout=2600)
     assert r.returncode == 0, r.stderr[-4000:]
     doc = json.loads(r.stdout)
-    assert doc["first_bad"] == h.planted, doc
+    assert doc["first_bad"] == h.planted, [(s["role"], s["commit"][:12], s["verdict"], s["cause"])
+                                           for s in doc["steps"]]
     title = "tracing/probes: Trust the BTF type of a string argument"
     assert doc["fixes"] == f'Fixes: {h.planted[:12]} ("{title}")'
     roles = [s["role"] for s in doc["steps"]]
