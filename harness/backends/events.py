@@ -270,15 +270,55 @@ class EventsBackend:
         #: (event, counter, address): its per-cpu nhit words and its nmissed words
         self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
         self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
+        #: what :meth:`collect` read in one guest command after its drain (name -> bytes:
+        #: ``stats<CPU>``, ``saved_cmdlines``, ``dynamic_events``, the two profiles,
+        #: ``preempt``), for :meth:`counters`, :meth:`events_listed` and
+        #: :meth:`preempt_text` of the same run; None outside a run's collection
+        self._after: dict[str, bytes] | None = None
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
+
+    #: the files read after a run's drain (name -> path; relative paths are tracefs's)
+    _AFTER = (("saved_cmdlines", "saved_cmdlines"), ("dynamic_events", "dynamic_events"),
+              ("kprobe_profile", "kprobe_profile"), ("uprobe_profile", "uprobe_profile"),
+              ("preempt", "/sys/kernel/debug/sched/preempt"))
+    _OPTIONAL = frozenset({"uprobe_profile", "preempt"})
+
+    def _read_after(self, cpus: Sequence[int]) -> dict[str, bytes]:
+        """Every text the run's end needs, through the agent's file API: each CPU's
+        ``stats`` (read after the drain, as :meth:`check_losses` needs),
+        ``saved_cmdlines``, ``dynamic_events``, ``kprobe_profile``, ``uprobe_profile`` and
+        the preemption model. No guest process: a ``cat`` is a fork and an exec, ~15 ms
+        each under TCG, where a file read is ~4 ms (issue 39's fuzzing rate). A file the
+        kernel may lack (``uprobe_profile`` without uprobe events, ``preempt`` without
+        debugfs or PREEMPT_DYNAMIC) is left out; any other failed read is raised.
+
+        :raise GuestAgentError: a stats, saved_cmdlines, dynamic_events or kprobe_profile
+            read failed."""
+        files = [(f"stats{c}", f"per_cpu/cpu{c}/stats") for c in cpus] + list(self._AFTER)
+        out: dict[str, bytes] = {}
+        for name, path in files:
+            full = path if path.startswith("/") else f"{TRACING}/{path}"
+            try:
+                out[name] = self.vm.pull(full, timeout=_scaled(60, len(self.specs)))
+            except GuestAgentError:
+                if name not in self._OPTIONAL:
+                    raise
+        return out
+
+    def after_text(self, name: str) -> str | None:
+        """A text of this run's :meth:`_read_after`, or None outside a run's collection."""
+        if self._after is None or name not in self._after:
+            return None
+        return self._after[name].decode("utf-8", "replace")
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
         """All specs in one guest script (one agent round trip), each line's fate reported.
 
         ``error_log`` is emptied before each line, so a refusal's text is that line's (or
         none: some refusals, -ECANCELED for one, log nothing)."""
+        self._after = None
         TraceLayer(self.vm).sync_modules(specs)     # module addresses of this boot
         kb = int(self.buffer_kb)
         script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
@@ -596,6 +636,7 @@ class EventsBackend:
         events are enabled. (register() enables each event once to see it can be, then
         disables it again, as kprobe_events leaves a new event.)"""
         self._nhit_marks = []
+        self._after = None
         for name in self.specs:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
         self._enable_renames(True)
@@ -611,6 +652,7 @@ class EventsBackend:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
         self._enable_renames(False)
 
+    _after: dict[str, bytes] | None = None      # set per run by collect(); see __init__
     _RENAME = f"{TRACING}/events/task/task_rename"
     _rename_fmt: tuple[int, Any, Any] | None = None     # set by __init__; None: not read
 
@@ -662,14 +704,13 @@ class EventsBackend:
         return pages, True
 
     def _stats(self, cpus: Sequence[int]) -> dict[int, dict[str, int]]:
-        """Each CPU's ``per_cpu/cpuN/stats`` (:func:`harness.kernel.ringbuf.parse_stats`)."""
-        text = self._sh("; ".join(f"echo @{c}; cat {TRACING}/per_cpu/cpu{c}/stats"
-                                  for c in cpus), timeout=60)
+        """Each CPU's ``per_cpu/cpuN/stats`` (:func:`harness.kernel.ringbuf.parse_stats`),
+        as :meth:`_read_after` read them."""
         out: dict[int, dict[str, int]] = {}
-        for chunk in text.split("@")[1:]:
-            head, _, body = chunk.partition("\n")
-            if head.strip().isdigit():
-                out[int(head)] = parse_stats(body)
+        for c in cpus:
+            text = self.after_text(f"stats{c}")
+            if text is not None:
+                out[c] = parse_stats(text)
         return out
 
     def check_losses(self, losses: Sequence[RingLoss], unread: dict[int, int]) -> None:
@@ -696,9 +737,13 @@ class EventsBackend:
                                  f"unread (per_cpu/cpuN/stats entries: {where})")
 
     def _cmdlines(self) -> dict[int, str]:
-        """``saved_cmdlines``: pid -> comm, escaped as every side escapes bytes."""
+        """``saved_cmdlines`` (as :meth:`_read_after` read it): pid -> comm, escaped as
+        every side escapes bytes."""
         out = {}
-        for line in self.vm.run(f"cat {TRACING}/saved_cmdlines", timeout=60).out.split(b"\n"):
+        raw = (self._after or {}).get("saved_cmdlines")
+        if raw is None:
+            raw = self.vm.run(f"cat {TRACING}/saved_cmdlines", timeout=60).out
+        for line in raw.split(b"\n"):
             pid, _, comm = line.partition(b" ")
             if pid.strip().isdigit():
                 out[int(pid)] = escape_bytes(comm)
@@ -707,10 +752,11 @@ class EventsBackend:
     def collect(self) -> list[Hit]:
         """Every record of our events, in time order across CPUs, as the trace would show
         it (``print_kprobe_event()``, ``print_kretprobe_event()``, ``print_uprobe_event()``)."""
+        cpus = getattr(self, "_cpus", None) or [0]
         if not self._formats:
+            self._after = self._read_after(cpus)
             return []
         per_cpu, pages, truncated = [], {}, []
-        cpus = getattr(self, "_cpus", None) or [0]
         for cpu in cpus:
             pages[cpu], complete = self._raw_pages(cpu)
             if not complete:
@@ -720,6 +766,7 @@ class EventsBackend:
             rename_id = self._rename_fmt[0] if self._rename_fmt is not None else -1
             per_cpu.append([r for r in got if r.type in self._formats
                             or r.type in (stack_id, rename_id)])
+        self._after = self._read_after(cpus)
         stats = self._stats(cpus)
         self.check_losses([ring_loss(c, stats.get(c, {}), pages[c]) for c in cpus],
                           {c: max(1, stats.get(c, {}).get("entries", 0)) for c in truncated})
@@ -812,10 +859,14 @@ class EventsBackend:
         counts misses while its probes are armed, over the window: a miss of the guest's
         before it, say a kfree() in an interrupt while a kprobe handler ran as the harness
         set up, is not the run's.)"""
-        text = self._sh(f"cd {TRACING}; cat dynamic_events; echo @k; cat kprobe_profile; "
-                        "echo @u; cat uprobe_profile")
-        dyn, _, rest = text.partition("@k\n")
-        kprobes, _, uprobes = rest.partition("@u\n")
+        if self._after is not None:     # read with this run's collection
+            dyn, kprobes, uprobes = (self.after_text(n) or "" for n in
+                                     ("dynamic_events", "kprobe_profile", "uprobe_profile"))
+        else:
+            text = self._sh(f"cd {TRACING}; cat dynamic_events; echo @k; cat kprobe_profile; "
+                            "echo @u; cat uprobe_profile")
+            dyn, _, rest = text.partition("@k\n")
+            kprobes, _, uprobes = rest.partition("@u\n")
         sums, unclear = profile_counters(dyn, kprobes, uprobes)
         for name in sorted(n for n in unclear if n in self.specs):
             log.warning("%s: no counters: its kprobe_profile/uprobe_profile lines name the "
@@ -836,6 +887,7 @@ class EventsBackend:
 
     def close(self) -> None:
         """Disable and delete our events; tracing is left on, the buffer empty."""
+        self._after = None
         if self.vm.aborting:  # interrupted: the guest is about to vanish
             self.specs.clear()
             return

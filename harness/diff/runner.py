@@ -97,9 +97,12 @@ def _single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str
             r = vm.run(workload, timeout=timeout)
         be.disable()
         say(progress, f"collecting the hits ({be.side})")
-        return SideResult(be.side, outcomes, be.collect(), be.counters(), r.status,
+        hits, counters = be.collect(), be.counters()
+        after = getattr(be, "after_text", lambda name: None)
+        return SideResult(be.side, outcomes, hits, counters, r.status,
                          r.stdout + r.stderr, r.stderr,
-                         preempt=preempt_model(vm) if be.side in GUEST_SIDES else None)
+                         preempt=preempt_model(vm, after("preempt"))
+                         if be.side in GUEST_SIDES else None)
     finally:
         be.close()
 
@@ -131,11 +134,14 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
             dataclasses.replace(guest_res, splats=splats))
 
 
-def events_listed(vm: Machine, specs: Sequence[ProbeSpec]) -> tuple[str, ...]:
-    """The guest's ``dynamic_events`` now, as ``GROUP/EVENT`` per line (sorted), of the
-    groups ``specs`` name (other groups' events are not this run's)."""
+def events_listed(vm: Machine, specs: Sequence[ProbeSpec], text: str | None = None
+                  ) -> tuple[str, ...]:
+    """The guest's ``dynamic_events`` now (or ``text``, read with the run's collection:
+    ``EventsBackend.after_text``), as ``GROUP/EVENT`` per line (sorted), of the groups
+    ``specs`` name (other groups' events are not this run's)."""
     groups = {s.group for s in specs if s.group}
-    text = vm.run("cat /sys/kernel/tracing/dynamic_events", timeout=60).stdout
+    if text is None:
+        text = vm.run("cat /sys/kernel/tracing/dynamic_events", timeout=60).stdout
     names = []
     for line in text.splitlines():
         head = line.split(" ", 1)[0]
@@ -238,13 +244,14 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         settled = h.engine.stats.get("unsettled", 0) == unsettled
         g_hits = g.collect()
         g_counters = g.counters(window=settled) if marks else g.counters()
-        g_left = events_listed(vm, specs) if guest == "events" else None
+        after = getattr(g, "after_text", lambda name: None)
+        g_left = events_listed(vm, specs, after("dynamic_events")) if guest == "events" else None
         h.disarm()
         host = SideResult(h.side, h_out, h.collect(), h.counters(), r.status, r.stdout + r.stderr,
                          r.stderr, events_left=events_modelled(h) if g_left is not None else None)
         guest_res = SideResult(g.side, g_out, g_hits, g_counters, r.status,
                               r.stdout + r.stderr, r.stderr, events_left=g_left,
-                              preempt=preempt_model(vm))
+                              preempt=preempt_model(vm, after("preempt")))
         return host, guest_res
     finally:
         if h is not None:
@@ -252,14 +259,16 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         g.close()
 
 
-def preempt_model(vm: Machine) -> str | None:
+def preempt_model(vm: Machine, text: str | None = None) -> str | None:
     """The guest kernel's preemption model now: the mode in parentheses of
     ``/sys/kernel/debug/sched/preempt`` (PREEMPT_DYNAMIC: kernel/sched/debug.c:
     sched_dynamic_show(); "none (voluntary) full" on Debian's 6.1 and 6.12, "full (lazy)"
     on 7.3), else the model the image's config builds (CONFIG_PREEMPT: full,
     CONFIG_PREEMPT_LAZY: lazy, else voluntary or none); None when neither is known."""
-    r = vm.run("cat /sys/kernel/debug/sched/preempt 2>/dev/null", timeout=30)
-    m = re.search(r"\((\w+)\)", r.stdout) if r.ok else None
+    if text is None:        # else read with the run's collection (EventsBackend.after_text)
+        r = vm.run("cat /sys/kernel/debug/sched/preempt 2>/dev/null", timeout=30)
+        text = r.stdout if r.ok else ""
+    m = re.search(r"\((\w+)\)", text)
     if m:
         return m[1]
     facts = getattr(getattr(vm, "image", None), "facts", None)

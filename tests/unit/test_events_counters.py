@@ -55,3 +55,37 @@ def test_without_its_nmissed_words_an_event_keeps_the_profile_s_nmissed():
     be = _backend([("kprobes/kf", "nhit", 0x10)], [[10], None])
     c = be.counters(window=True)["kprobes/kf"]
     assert (c.nhit, c.nmissed, c.window) == (40, 7, False)
+
+
+def test_the_run_s_end_is_read_without_a_guest_process():
+    """collect() reads the stats, saved_cmdlines, dynamic_events, both profiles and the
+    preemption model through the agent's file API (issue 39: no fork and exec each);
+    counters() and the comm lookup use them. A file the kernel may lack is left out; any
+    other failed read fails the run."""
+    import pytest
+    from types import SimpleNamespace
+    from harness.errors import GuestAgentError
+    dyn, rest = PROFILE.split("@k\n")
+    files = {"/sys/kernel/tracing/per_cpu/cpu0/stats": b"entries: 3\noverrun: 0\n",
+             "/sys/kernel/tracing/saved_cmdlines": b"12 sh\n77 x y\n",
+             "/sys/kernel/tracing/dynamic_events": dyn.encode(),
+             "/sys/kernel/tracing/kprobe_profile": rest.split("@u\n")[0].encode()}
+    pulled = []
+
+    def pull(path, **kw):
+        pulled.append(path)
+        if path not in files:
+            raise GuestAgentError("guest-file-open: No such file or directory")
+        return files[path]
+    be = _backend([], [])
+    be.vm = SimpleNamespace(pull=pull, run=None)     # no guest command at all
+    be._sh = None
+    be._after = be._read_after([0])
+    assert be._stats([0]) == {0: {"entries": 3, "overrun": 0}}
+    assert be._cmdlines() == {12: "sh", 77: "x y"}
+    c = be.counters()
+    assert (c["kprobes/kf"].nhit, c["kprobes/kfr"].nmissed) == (40, 9)
+    assert be.after_text("preempt") is None and be.after_text("uprobe_profile") is None
+    del files["/sys/kernel/tracing/kprobe_profile"]
+    with pytest.raises(GuestAgentError):
+        be._read_after([0])

@@ -86,7 +86,7 @@ def test_collect_counts_a_truncated_drain(monkeypatch):
     be._cpus = [0]
     be._stack_fmt = None
     be._raw_pages = lambda cpu: ([page()] * 3, False)
-    be._stats = lambda cpus: {0: {"entries": 40, "overrun": 0}}
+    be._read_after = lambda cpus: {"stats0": b"entries: 40\noverrun: 0\n"}
     with pytest.raises(GuestLossError) as ei:
         be.collect()
     assert ei.value.count == 40

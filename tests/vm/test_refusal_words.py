@@ -33,6 +33,8 @@ LINES = [
     ("e:kph/e2 sched.nosuch", "event_probe"),
     ("e:kph/e3 sched.sched_switch if prev_pid ===", "event filter parse error"),
     ("e:kph/e4 sched.sched_switch x=@nosuchsym", ""),
+    # the name of an event available_events leaves out (ftrace's own): EVENT_EXIST
+    ("p:ftrace/function do_sys_openat2", "trace_kprobe"),
 ]
 
 #: a line of each kind that parses, for writing a refused line as already parsed
@@ -104,3 +106,23 @@ def test_refusals_are_predicted_in_the_kernels_words(machine):
                                             "This event field is not found.")
     assert g_out[0].column == len("p:kph/k1 do_sys_openat2 x=")
     assert machine.run("cat /sys/kernel/tracing/dynamic_events").stdout == ""
+
+
+def test_the_guest_s_event_names_are_its_event_directories(machine):
+    """harness.backends.tracelayer.guest_event_names (issue 39: a file read, not an exec
+    per run) gives what ``ls -d events/*/*/`` lists: available_events plus the events it
+    leaves out, read once per machine; a dynamic event added later is in the next read."""
+    from harness.backends.tracelayer import guest_event_names
+    from harness.kernel.dynevent import other_event_names
+
+    def listed():
+        return other_event_names(machine.run("cd /sys/kernel/tracing/events && ls -d */*/",
+                                             timeout=60, check=True).stdout)
+    names = guest_event_names(machine)
+    assert names == listed() and "ftrace/function" in names and "sched/sched_switch" in names
+    machine.run("echo 'p:kph/late vfs_write' >> /sys/kernel/tracing/kprobe_events", check=True)
+    try:
+        assert "kph/late" in guest_event_names(machine)
+        assert guest_event_names(machine) == listed()
+    finally:
+        machine.run("echo '-:kph/late' >> /sys/kernel/tracing/kprobe_events", check=True)
