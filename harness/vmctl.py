@@ -975,12 +975,13 @@ class Machine:
                            tuple(sorted(sections.get(mod, {}).items())))
                           for mod, (size, addr) in listed.items())
         seen = self._module_kallsyms
-        kept = self._kept_module_kallsyms(state) if addrs_known else None
-        if addrs_known and state not in seen and kept is not None:
-            try:
-                seen[state] = json.loads(kept.read_text())
-            except (OSError, ValueError):
-                pass                    # not kept yet (or a torn copy): read below
+        if addrs_known and state not in seen:
+            kept = self.kept("module-kallsyms", sorted(state))
+            if kept is not None:
+                try:
+                    seen[state] = json.loads(kept)
+                except ValueError:
+                    pass                # a torn copy: read below
         if addrs_known and state in seen:
             per = seen[state]
         else:
@@ -993,25 +994,44 @@ class Machine:
             per = {mod: "\n".join(ls) for mod, ls in lines.items()}
             if addrs_known:
                 seen[state] = per
-                if kept is not None:
-                    try:
-                        kept.parent.mkdir(parents=True, exist_ok=True)
-                        F.write_whole(kept, json.dumps(per).encode())
-                    except OSError as exc:       # only not kept
-                        log.debug("not kept: %s: %s", kept, exc)
+                self.keep("module-kallsyms", sorted(state), json.dumps(per).encode())
         table.set_modules(per, sections, key=("guest modules", mods, tuple(sorted(per))))
         return sorted(per)
 
-    def _kept_module_kallsyms(self, state: frozenset[Any]) -> Path | None:
-        """Where the modules' kallsyms lines of ``state`` are kept for every machine
-        restored from this machine's snapshot (the same kernel, so the same modules laid
-        out the same way: each state is read once per snapshot, not once per process);
-        None without a snapshot."""
+    def _kept_path(self, kind: str, state: Any) -> Path | None:
+        """``<snapshot>/<kind>/<digest of state>``, or None without a snapshot."""
         snap = self.snapshot
         if snap is None:
             return None
-        digest = hashlib.sha256(repr(sorted(state)).encode()).hexdigest()[:24]
-        return Path(snap.dir) / "module-kallsyms" / f"{digest}.json"
+        digest = hashlib.sha256(repr(state).encode()).hexdigest()[:24]
+        return Path(snap.dir) / kind / digest
+
+    def kept(self, kind: str, state: Any) -> bytes | None:
+        """What :meth:`keep` kept of ``kind`` for ``state``, or None. A text the guest
+        gives in a state (the modules' kallsyms lines for their layout, a tracefs file for
+        the loaded modules) is the same for every machine restored from this machine's
+        snapshot, the same kernel: read once per snapshot and state, not once per process.
+        Kept in the snapshot's directory, and removed with it. ``state`` must be ordered
+        (a sorted tuple, not a set): its ``repr`` is hashed."""
+        path = self._kept_path(kind, state)
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError:
+            return None
+
+    def keep(self, kind: str, state: Any, data: bytes) -> None:
+        """Keep ``data`` for :meth:`kept` (whole or not at all; a cache that cannot be
+        written is only not kept)."""
+        path = self._kept_path(kind, state)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            F.write_whole(path, data)
+        except OSError as exc:
+            log.debug("not kept: %s: %s", path, exc)
 
     @property
     def pid(self) -> int | None:

@@ -101,7 +101,8 @@ def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> l
     loaded modules stay the same: vmlinux's ftrace locations are fixed at boot, a module's
     come and go with it (kernel/trace/ftrace.c: ftrace_module_init()). Machines restored
     from one snapshot share one read per set of loaded modules (0.4-0.7 s a read of
-    6.1's or 6.12's 40,000 lines through the agent, once per test before)."""
+    6.1's or 6.12's 40,000 lines through the agent, once per test before), kept in the
+    snapshot for later processes (``Machine.kept``: 0.25 s a ``kph`` command)."""
     cache = _FTRACE_FILES.setdefault(vm, {})
     got = cache.get(name)
     if got is not None and got[0] == modules:
@@ -109,14 +110,21 @@ def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> l
     snap = getattr(vm, "snapshot", None) if getattr(vm, "start_mode", "") == "snapshot" else None
     key = (str(snap.dir), name, modules) if snap is not None else None
     lines = _SNAPSHOT_FTRACE_FILES.get(key) if key is not None else None
+    state = (name, tuple(sorted(modules)))
+    if lines is None and snap is not None:      # kept by an earlier process (Machine.kept)
+        kept = vm.kept("tracefs", state)
+        if kept is not None:
+            lines = [ln for ln in kept.decode("utf-8", "replace").splitlines() if ln]
     if lines is None:
         r = vm.run(f"cat /sys/kernel/tracing/{name}", timeout=60)
         if r.status != 0:
             raise SetupError(f"cannot read {name} in the guest: "
                              f"{r.stderr.strip() or r.status}", fix)
         lines = [ln for ln in r.stdout.splitlines() if ln]
-        if key is not None:
-            _SNAPSHOT_FTRACE_FILES[key] = lines
+        if snap is not None:
+            vm.keep("tracefs", state, "\n".join(lines).encode())
+    if key is not None:
+        _SNAPSHOT_FTRACE_FILES[key] = lines
     cache[name] = (modules, lines)
     return lines
 
@@ -301,19 +309,25 @@ def guest_event_names(vm: Machine) -> set[str]:
     ``TRACE_EVENT_FL_IGNORE_ENABLE``: ftrace's own entries, kernel/trace/trace_export.c,
     built in). It is read through the agent's file API each time (~5 ms, where listing
     the directories is an exec, ~55 ms under TCG: issue 39's fuzzing rate); the events
-    it leaves out are listed once per machine (and per snapshot), with ``ls``."""
+    it leaves out (built in, so the same in every machine of one snapshot) are listed with
+    ``ls`` once per machine, or once per snapshot (``Machine.kept``)."""
     text = vm.pull("/sys/kernel/tracing/available_events").decode("utf-8", "replace")
     listed = {ln.strip().replace(":", "/", 1) for ln in text.splitlines() if ":" in ln}
     snap = getattr(vm, "snapshot", None) if getattr(vm, "start_mode", "") == "snapshot" else None
     unlisted = _UNLISTED.get(vm)
     if unlisted is None and snap is not None:
         unlisted = _SNAPSHOT_UNLISTED.get(str(snap.dir))
+        kept = vm.kept("tracefs", "unlisted events") if unlisted is None else None
+        if kept is not None:
+            unlisted = frozenset(kept.decode("utf-8", "replace").split())
     if unlisted is None:
         listing = vm.run(f"cd {TRACING_EVENTS} && ls -d */*/ 2>/dev/null || true",
                          timeout=60).stdout
         unlisted = frozenset(other_event_names(listing) - listed)
         if snap is not None:
-            _SNAPSHOT_UNLISTED[str(snap.dir)] = unlisted
+            vm.keep("tracefs", "unlisted events", "\n".join(sorted(unlisted)).encode())
+    if snap is not None:
+        _SNAPSHOT_UNLISTED[str(snap.dir)] = unlisted
     _UNLISTED[vm] = unlisted
     return listed | unlisted
 

@@ -24,11 +24,16 @@ So the snapshot is split the way QEMU's VM templating splits it:
     A restore is ``-incoming defer`` then ``migrate-incoming file:``.
 ``snapshot.json``
     The key the snapshot was built for, sizes and hashes.
-``module-kallsyms/``
-    Added by the machines restored from it: the modules' kallsyms lines for each state
-    of the loaded modules seen (``harness.vmctl.Machine.refresh_module_symbols``), so the
-    kernel's walk of every symbol to list them (4 to 10 s under TCG) is made once per
-    state and snapshot, not once per process. Removed with the snapshot.
+``module-kallsyms/``, ``tracefs/``
+    Added by the machines restored from it (``harness.vmctl.Machine.keep``): texts the
+    guest gives in a state, the same in every machine of the snapshot. The modules'
+    kallsyms lines for each layout of the loaded modules
+    (``harness.vmctl.Machine.refresh_module_symbols``), so the kernel's walk of every
+    symbol to list them (4 to 10 s under TCG) is made once per state and snapshot, not
+    once per process; tracefs's lists of ftrace locations for each set of loaded modules,
+    and the built-in events ``available_events`` leaves out
+    (``harness.backends.tracelayer``: 0.25-0.3 s a ``kph`` command). Removed with the
+    snapshot.
 
 Key and invalidation. Snapshots of an image live in ``<image dir>/snapshots/<slot>/``,
 where the slot is a hash of the machine options (kernel and initrd paths, append line,

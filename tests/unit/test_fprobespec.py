@@ -192,7 +192,7 @@ def test_ftrace_files_are_read_once_per_snapshot_and_set_of_modules():
 
     from harness.backends import tracelayer
 
-    reads = []
+    reads, kept = [], {}
 
     class VM:
         def __init__(self, mode, snap):
@@ -203,6 +203,12 @@ def test_ftrace_files_are_read_once_per_snapshot_and_set_of_modules():
             return SimpleNamespace(status=0, stdout="vfs_read\ndo_sys_openat2 [kph]\n",
                                    stderr="")
 
+        def kept(self, kind, state):        # harness.vmctl.Machine.kept, in memory
+            return kept.get((self.snapshot.dir, kind, state))
+
+        def keep(self, kind, state, data):
+            kept[(self.snapshot.dir, kind, state)] = data
+
     none, kph = frozenset(), frozenset({"kph"})
     a, b = VM("snapshot", "/c/snap1"), VM("snapshot", "/c/snap1")
     assert tracelayer.filter_functions(a, none) == {"vfs_read", "do_sys_openat2"}
@@ -210,4 +216,9 @@ def test_ftrace_files_are_read_once_per_snapshot_and_set_of_modules():
     tracelayer.filter_functions(b, kph)                 # a module loaded since
     tracelayer.filter_functions(VM("snapshot", "/c/snap2"), none)
     tracelayer.filter_functions(VM("cold", "/c/snap1"), none)
+    assert len(reads) == 4
+    # a later process: its in-process cache is empty, what a machine kept is not
+    tracelayer._SNAPSHOT_FTRACE_FILES.clear()
+    assert tracelayer.filter_functions(VM("snapshot", "/c/snap1"), kph) == \
+        {"vfs_read", "do_sys_openat2"}
     assert len(reads) == 4

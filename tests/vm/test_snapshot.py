@@ -225,3 +225,39 @@ def test_module_kallsyms_are_kept_per_snapshot(default_image):
             assert got and set(got) <= listed, sorted(set(got) - listed)[:5]
     assert lines[1][0] == [], lines[1][0]
     assert lines[0][1] == lines[1][1]
+
+
+def test_tracefs_texts_are_kept_per_snapshot(default_image):
+    """The ftrace locations of a set of loaded modules and the events available_events
+    leaves out (harness.backends.tracelayer), kept in the snapshot (``tracefs/``): a
+    machine of a later process (the in-process caches emptied) reads neither from the
+    guest, and gets what the guest lists."""
+    from harness.backends import tracelayer as TL
+
+    import shutil
+
+    got = []
+    for i in range(2):
+        TL._SNAPSHOT_FTRACE_FILES.clear()
+        TL._SNAPSHOT_UNLISTED.clear()
+        with Machine.boot(default_image) as m:
+            if i == 0:          # as on a new snapshot: nothing kept yet
+                shutil.rmtree(m.snapshot.dir / "tracefs", ignore_errors=True)
+            real, reads = m.run, []
+
+            def run(cmd, *a, real=real, reads=reads, **kw):
+                if "available_filter_functions" in cmd or "ls -d" in cmd:
+                    reads.append(cmd)
+                return real(cmd, *a, **kw)
+            m.run = run
+            mods = frozenset(m.refresh_module_symbols())
+            funcs = TL.filter_functions(m, mods)
+            names = TL.guest_event_names(m)
+            assert (m.snapshot.dir / "tracefs").is_dir()
+            assert funcs == {ln.split(" ", 1)[0] for ln in real(
+                "cat /sys/kernel/tracing/available_filter_functions", check=True,
+                timeout=60).stdout.splitlines() if ln}
+            assert names == TL.other_event_names(real(
+                "cd /sys/kernel/tracing/events && ls -d */*/", check=True, timeout=60).stdout)
+            got.append(reads)
+    assert len(got[0]) == 2 and got[1] == [], got
