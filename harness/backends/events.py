@@ -270,11 +270,6 @@ class EventsBackend:
         #: (event, counter, address): its per-cpu nhit words and its nmissed words
         self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
         self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
-        #: what :meth:`collect` read in one guest command after its drain (name -> bytes:
-        #: ``stats<CPU>``, ``saved_cmdlines``, ``dynamic_events``, the two profiles,
-        #: ``preempt``), for :meth:`counters`, :meth:`events_listed` and
-        #: :meth:`preempt_text` of the same run; None outside a run's collection
-        self._after: dict[str, bytes] | None = None
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -659,7 +654,10 @@ class EventsBackend:
             self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
         self._enable_renames(False)
 
-    _after: dict[str, bytes] | None = None      # set per run by collect(); see __init__
+    #: what :meth:`collect` read after its drain (:meth:`_read_after`: name -> bytes),
+    #: for :meth:`counters`, :meth:`after_text` and the comm lookup of the same run; None
+    #: outside a run's collection (reset by register(), enable() and close())
+    _after: dict[str, bytes] | None = None
     _RENAME = f"{TRACING}/events/task/task_rename"
     _rename_fmt: tuple[int, Any, Any] | None = None     # set by __init__; None: not read
 
@@ -747,10 +745,7 @@ class EventsBackend:
         """``saved_cmdlines`` (as :meth:`_read_after` read it): pid -> comm, escaped as
         every side escapes bytes."""
         out = {}
-        raw = (self._after or {}).get("saved_cmdlines")
-        if raw is None:
-            raw = self.vm.run(f"cat {TRACING}/saved_cmdlines", timeout=60).out
-        for line in raw.split(b"\n"):
+        for line in (self._after or {}).get("saved_cmdlines", b"").split(b"\n"):
             pid, _, comm = line.partition(b" ")
             if pid.strip().isdigit():
                 out[int(pid)] = escape_bytes(comm)
