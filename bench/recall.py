@@ -14,7 +14,7 @@ build too is a false alarm, as are the stock builds' own new findings.
 Nothing here tells the hunt which entry is planted: the hunt gets only the image.
 
     python bench/recall.py [--minutes 15] [--series 6.12,7.3] [--entries NAME,...]
-                           [--seed 0] [-o recall.json]
+                           [--seed 0] [--stop-at-first] [-o recall.json]
 
 One line per entry (found or not, by which phase and oracle, after how many seconds of
 the hunt, the reproducer's verdicts), then ``recall: K/N`` and the false alarms.
@@ -59,11 +59,11 @@ def selector(series: str, patch: Path | None) -> str:
     return f"tree:{series}" + (f"+{patch}" if patch else "")
 
 
-def hunt(sel: str, minutes: float, seed: int) -> dict:
+def hunt(sel: str, minutes: float, seed: int, stop_at_first: bool = False) -> dict:
     """``kph hunt`` on ``sel`` in a process of its own: its JSON, and when (seconds into
     the hunt) each new finding was first printed."""
     argv = [PY, "-m", "harness.cli", "hunt", "--image", sel, "--minutes", str(minutes),
-            "--seed", str(seed), "--json"]
+            "--seed", str(seed), "--json"] + (["--stop-at-first"] if stop_at_first else [])
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT)
@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stock", action="store_true",
                     help="skip the stock builds' hunts (no false-alarm count, and an entry "
                          "is found on any new finding)")
+    ap.add_argument("--stop-at-first", action="store_true",
+                    help="end each planted build's hunt at its first new finding (the "
+                         "stock builds' hunts always run their whole budget); a found "
+                         "entry then costs its time to the finding, not the budget")
     ap.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     series = tuple(s for s in args.series.split(",") if s)
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             continue
         row["build_s"] = round(time.monotonic() - t0)
-        doc = hunt(selector(s, patch), args.minutes, args.seed)
+        doc = hunt(selector(s, patch), args.minutes, args.seed, args.stop_at_first)
         seen = {key(f) for f in stock.get(s, {}).get("findings", []) if f.get("new")}
         cands = [f for f in doc.get("findings", []) if f.get("new") and key(f) not in seen]
         row.update(found=False, hunt_exit=doc["exit"], error=doc.get("error", ""),
