@@ -59,6 +59,20 @@ DEFAULT_WORKLOAD = ("cat /proc/version > /dev/null; head -c 20 /proc/cpuinfo > /
 EXAMPLE_TIMEOUT = 30.0
 #: uprobe places the strategies draw (PATH:SYMBOL of the image's test programs)
 UPROBE_PLACES = ("/usr/bin/kph-loop:kph_add", "/usr/bin/kph-loop:main")
+#: File offsets a uprobe's ``@+FOFFS`` reads at (kph-loop's ELF header, its program
+#: headers, the start of its text): each is mapped while the probe hits.
+FILE_OFFSETS = (0x4, 0x18, 0x40, 0x78, 0x1000, 0x1010)
+#: Fetch args the grammar has for some probe kinds and not for this one
+#: (kernel/trace/trace_probe.c: parse_probe_vars(), parse_probe_arg(): registers and stack
+#: slots need pt_regs, which an event probe has not; ``$argN`` needs a function entry or
+#: BTF; ``$retval`` a return; ``@SYM`` a kernel address): drawn as arguments of that kind
+#: so its refusals (and their error_log entries) are checked against the kernel's.
+FOREIGN = {
+    "eprobe": ("$stack", "$stack0", "$stack3", "%ax", "%di", "%sp", "$arg1", "$retval",
+               "@+0x40"),
+    "fprobe": ("%ax", "%di", "%sp", "@+0x40"),
+    "uprobe": ("$arg1", "$retval", "@linux_proc_banner", "@jiffies+8", "$current"),
+}
 MAX_POOL = 400
 #: Names that are not functions, or not probeable: the misses a pool must also hold.
 MISSES = ("no_such_function_kph", "init_task", "linux_proc_banner", "kprobe_int3_handler",
@@ -239,7 +253,11 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
     def uleaf(rs: list[str]) -> Any:
         return st.one_of(st.sampled_from(rs).map(lambda x: f"%{x}"),
                          st.integers(0, 8).map(lambda n: f"$stack{n}"),
-                         st.sampled_from(["$stack", "$comm", "\\7"]))
+                         st.sampled_from(["$stack", "$comm", "\\7"]),
+                         # memory at a file offset of the probed binary (@+FOFFS: its ELF
+                         # header, program headers, text), and what only other kinds take
+                         st.sampled_from(FILE_OFFSETS).map(lambda n: f"@+0x{n:x}"),
+                         st.sampled_from(FOREIGN["uprobe"]))
 
     def ufetches(rs: list[str]) -> Any:
         return st.recursive(uleaf(rs), lambda i: st.tuples(st.sampled_from(["+", "-"]),
@@ -268,6 +286,7 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                 st.tuples(st.sampled_from(["linux_proc_banner", "init_uts_ns", "_sdata"]),
                           st.sampled_from(["", "+4", "-8"])).map(lambda t: f"@{t[0]}{t[1]}"),
                 st.integers(-5, 300).map(lambda n: f"\\{n}"),
+                st.sampled_from(FOREIGN["fprobe"]),
                 *([st.sampled_from(newer)] if newer else []))
         f_entry = st.tuples(aname, st.recursive(fleaves(True), deref, max_leaves=4),
                             tname).map(argtext)
@@ -310,6 +329,7 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
                 *([st.sampled_from(fields)] if bare else []),
                 st.sampled_from(["$comm", "$comm", '\\"kph\\"', "\\7", "@linux_proc_banner",
                                  "@init_uts_ns+4"]),
+                st.sampled_from(FOREIGN["eprobe"]),
                 *([st.sampled_from(fields).map(lambda f: f"(task_struct)${f}->pid")]
                   if r.typecasts else []))
 
@@ -351,6 +371,10 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events") -> 
     bad_place = st.one_of(
         st.sampled_from(["no_such_function_kph", "init_task", "linux_proc_banner",
                          *(["a.", ".b", "sched.", "sched/no_event_kph"] if r.eprobe else []),
+                         # a tracepoint named as a trace event is (SYSTEM:NAME, SYSTEM/NAME)
+                         # or with a character a C identifier does not have
+                         *(["sched:sched_process_fork", "sched/kfree", "kfree-x", "kfree.1"]
+                           if r.fprobe else []),
                          "kprobe_int3_handler", "do_int3", "asm_exc_int3",
                          "virtio_console:port_fops_open", "port_fops_open", "no_mod:vfs_read",
                          "0xffffffff81000000", "0x1234", ""]),
@@ -617,7 +641,8 @@ def _where(exc: BaseException) -> str:
 def repro_line(f: Finding, *, image: str | None = None, guest: str = "events",
                workload: str = DEFAULT_WORKLOAD) -> str:
     """The ``kph diff`` one-liner that shows ``f`` again."""
-    opts = (f" --image {image}" if image else "") + (f" --guest {guest}" if guest != "events" else "")
+    opts = (f" --image {image}" if image else "") + (f" --guest {guest}" if guest != "events" else "") \
+        + (" --refusals" if f.kind == "parse" else "")     # the host refuses the line
     # "--" first: a -: line would read as an option
     return "kph diff" + opts + f" --run {shlex.quote(workload)} -- " + \
         " ".join(shlex.quote(ln) for ln in f.lines)

@@ -343,8 +343,8 @@ class Hunt:
                 self.stopped = True
                 self.say("hunt: stopping at the first new finding (--stop-at-first)")
 
-    def _repro(self, lines: tuple[str, ...], workload: str, guest: str) -> str:
-        return fuzz.repro_line(fuzz.Finding(lines, "", "", ""), image=self.image_arg,
+    def _repro(self, lines: tuple[str, ...], workload: str, guest: str, kind: str = "") -> str:
+        return fuzz.repro_line(fuzz.Finding(lines, kind, "", ""), image=self.image_arg,
                                guest=guest, workload=workload)
 
     def run(self) -> HuntResult:
@@ -410,13 +410,13 @@ class Hunt:
                 return g is not None and \
                     self._finding(g, cand, work, guest, source, phase).key == f.key
             short = shrink_lines(lines, same, self.budget.phase_end(phase))
-            f.lines, f.reproduce = short, self._repro(short, work, guest)
+            f.lines, f.reproduce = short, self._repro(short, work, guest, got.kind)
         self._add(f)
 
     def _finding(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
                  source: str, phase: str) -> Finding:
         return Finding(phase, got.kind, probe_kind(lines), what_of(got), tuple(lines),
-                       got.detail, self._repro(tuple(lines), work, guest), source)
+                       got.detail, self._repro(tuple(lines), work, guest, got.kind), source)
 
     # phase 2
     def scenario_files(self) -> list[Path]:

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any, TYPE_CHECKING
 
-from ..errors import SetupError
+from ..errors import ProbeSpecError, SetupError
 from .output import EXIT_DIVERGED, EXIT_EMPTY, EXIT_KERNEL, EXIT_OK, Output, output_options
 
 if TYPE_CHECKING:   # the CLI and the pytest plugin load the machine only when used
@@ -161,11 +161,22 @@ def spec_file_lines(path: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def load_specs(args: argparse.Namespace) -> list[Any]:
+def load_specs(args: argparse.Namespace, refused: list[str] | None = None) -> list[Any]:
     """Parse every spec, with the image's symbols where the kernel's parser uses them
     (``kprobe_on_func_entry()``, ``number_of_same_symbols()``), before booting: what the
-    kernel refuses while parsing a line is refused here, in its order and words."""
+    kernel refuses while parsing a line is refused here, in its order and words. With
+    ``refused`` (a list), such a line is put there instead, for the caller to ask the
+    guest (``kph diff --refusals``)."""
     from ..kernel.grammar import parse
+
+    def parsed(ln: str, **kw: Any) -> Any:
+        try:
+            return parse(ln, **kw)
+        except ProbeSpecError:
+            if refused is None:
+                raise
+            refused.append(ln)
+            return None
 
     lines = list(args.specs)
     if args.spec_file:
@@ -182,13 +193,13 @@ def load_specs(args: argparse.Namespace) -> list[Any]:
         from ..kernel.rules import SERIES
         from ..kernel.grammar import KernelView
         newest = KernelView(list(SERIES.values())[-1])
-        return [parse(ln, kernel=newest) for ln in lines]
+        return [x for ln in lines if (x := parsed(ln, kernel=newest)) is not None]
     from ..machine.image.facts import kernel_view
     from ..machine.image.store import default_image
 
     # the image's kernel: its series' rules, its BTF, its symbols
     view = kernel_view(default_image(args.image).facts)
-    return [parse(ln, kernel=view) for ln in lines]
+    return [x for ln in lines if (x := parsed(ln, kernel=view)) is not None]
 
 
 def workload_ran(r: Any, workload: str) -> None:

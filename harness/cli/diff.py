@@ -46,6 +46,13 @@ def add_parser(subparsers: Any) -> None:
                     "host takes regs.stack_trace() at the hit, and the two are compared "
                     "frame for frame from the probed function down (docs/diff.md). "
                     "Repeatable; the gdbstub engine and --guest events")
+    df.add_argument("--refusals", action="store_true",
+                    help="a line the host's parser refuses is asked of the guest too, not "
+                    "stopped at with exit 2: written to its tracefs, the guest's errno, "
+                    "error_log message and caret are compared with the host's (exit 0 "
+                    "when both refuse alike, 1 when the guest accepts it or refuses "
+                    "otherwise). How kph fuzz and kph hunt judge a refusal; their "
+                    "reproducers of one pass it")
     verdict_group(df)
     kernel_group(df)
     qemu_group(df)
@@ -63,7 +70,14 @@ def run(args: argparse.Namespace, out: Output) -> int:
     from ..backends.triggers import check_counts, parse_triggers
 
     verdict = verdict_opts(args)
-    specs = load_specs(args)
+    refused: list[str] | None = [] if args.refusals else None
+    specs = load_specs(args, refused)
+    if refused:
+        if specs:
+            raise SetupError(f"--refusals: {refused[0]!r} is refused by the host's parser and "
+                             f"{len(specs)} other line(s) are not",
+                             "run the refused lines and the others as two kph diff commands")
+        return run_refusals(args, refused, out)
     triggers = parse_triggers(args.trigger)
     check_counts(triggers, specs)
     if triggers and (args.host != "gdbstub" or args.guest != "events"):
@@ -133,3 +147,40 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
         with open(args.html, "w") as f:
             f.write(report.to_html(three.pairs[k], (three.runs[i], three.runs[j]), workload=args.run))
     return exit_for(first or three.pairs[0], three.runs[0].splats)
+
+
+def run_refusals(args: argparse.Namespace, lines: list[str], out: Output) -> int:
+    """``kph diff --refusals`` with lines the host's parser refuses: each is written to
+    the guest's tracefs by the fuzzer's oracle (harness.apps.fuzz.Oracle: the kernel's
+    text of a uprobe place, the errno, the last error_log entry and its caret), which
+    reports where the two refusals differ."""
+    from ..apps.fuzz import Oracle
+    from ..diff.ktap import Case
+    from .output import EXIT_DIVERGED, EXIT_HANG, EXIT_KERNEL, EXIT_OK
+
+    out.progress("booting" + (" cold (--cold)" if args.cold else ""))
+    rows = []
+    with machine(args) as vm:
+        booted(vm, args, out)
+        oracle = Oracle(vm, guest=args.guest, workload=args.run, timeout=args.timeout)
+        kernel = ci.kernel_of(vm)
+        for ln in lines:
+            out.progress(f"asking the guest: {ln[:60]}")
+            got = oracle.judge((ln,))
+            rows.append((ln, got))
+    out.progress.clear()
+    for ln, got in rows:
+        out.text(f"  {ln}\n    " + ("both refused alike (errno, error_log message, caret)"
+                                     if got is None else f"DIVERGENT ({got.kind}): {got.detail}"))
+    bad = [r for r in rows if r[1] is not None]
+    out.text(f"result: {'divergent' if bad else 'both refused'}: {len(rows) - len(bad)} of "
+             f"{len(rows)} line(s) refused alike")
+    out.result(lambda: {"equivalent": not bad, "refusals": [
+        {"line": ln, "agrees": got is None, "kind": got.kind if got else "",
+         "detail": got.detail if got else ""} for ln, got in rows]})
+    ci.emit(args, [Case.parent("refusals", [
+        Case(ln, "pass" if got is None else "fail", got.detail if got else "")
+        for ln, got in rows], kernel=kernel)], verb=NAME, kernel=kernel)
+    kinds = {got.kind for _, got in bad}
+    return EXIT_HANG if "hang" in kinds else EXIT_KERNEL if "kernel" in kinds else \
+        EXIT_DIVERGED if bad else EXIT_OK

@@ -106,3 +106,30 @@ def test_examples_not_mirrored_are_counted_by_reason():
                              {"not_mirrored_why": {"not mirrored by the plugin engine: btf": 2}}]) \
         == ("not mirrored by the plugin engine: btf: 3; "
             "not mirrored host-side: synthetic events (s:) on 6.12: 2")
+
+
+def test_each_kind_is_drawn_with_what_only_other_kinds_take_and_uprobe_file_offsets():
+    """The cross-kind constructs (fuzz.FOREIGN: registers and stack slots on an event
+    probe, registers on an fprobe, kernel symbols on a uprobe) and a uprobe's @+FOFFS are
+    drawn, so a kernel accepting one where its parser must refuse is met by the fuzzer."""
+    from harness.kernel.rules import SERIES
+
+    pool = ["vfs_read", "do_sys_openat2"]
+    exs = [ex for seed in range(3) for ex in
+           fuzz.list_examples(pool, examples=150, seed=seed, rules=SERIES["6.12"])]
+    lines = [ln for ex in exs for ln in ex]
+    eprobe = " ".join(ln for ln in lines if ln.startswith("e"))
+    uprobe = " ".join(ln for ln in lines if "kph-loop" in ln)
+    fprobe = " ".join(ln for ln in lines if ln.startswith("f"))
+    assert any(t in eprobe.split() or f"={t}" in eprobe for t in ("$stack0", "%ax", "%di"))
+    assert "@+0x" in uprobe
+    assert any(f"{t}" in fprobe for t in ("%ax", "%di", "%sp"))
+
+
+def test_a_refusal_s_reproducer_asks_the_guest():
+    """A parse finding (the host refuses the line) replays with kph diff --refusals: plain
+    kph diff would stop at the host's refusal with exit 2 on every kernel."""
+    line = fuzz.repro_line(fuzz.Finding(("t sched:kfree",), "parse", "x", "parse:x"),
+                           image="tree:6.12")
+    assert line.startswith("kph diff --image tree:6.12 --refusals --run ")
+    assert "--refusals" not in fuzz.repro_line(fuzz.Finding(("p vfs_read",), "events", "x", "e"))

@@ -79,6 +79,24 @@ def test_malformed_specs_exit_2_with_the_position(spec, column, message):
     assert caret_line.index("^") - (len(command_line) - len(spec)) == column
 
 
+def test_refusals_asks_the_guest_about_the_lines_the_host_refuses(tmp_path):
+    """--refusals: the same lines, each written to the guest's kprobe_events too, whose
+    errno, error_log message and caret must be the host's (how kph hunt's reproducer of
+    a wrong acceptance shows it: the kernel that accepts one is the divergence)."""
+    specs = ["p:bad do_sys_openat2 x=%zz", "p:t name_show", "p hoge-fuga"]
+    out = tmp_path / "r.json"
+    r = kph("diff", "--refusals", "--run", "true", "-o", str(out), "--", *specs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["equivalent"] and [x["line"] for x in doc["refusals"]] == specs
+    assert all(x["agrees"] for x in doc["refusals"]), doc
+    assert r.stderr.strip().splitlines()[-1].startswith("result: both refused: 3 of 3")
+    # a refused line with one the host takes: two questions, said so before booting
+    r = kph("diff", "--refusals", "--run", "true", "--", specs[0], "p:ok do_sys_openat2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--refusals" in r.stderr and "two kph diff commands" in r.stderr
+
+
 def test_refused_probe_is_refused_on_both_sides(vm):
     specs = [parse("p:bl kprobe_int3_handler"), parse("p:mid do_sys_openat2+1")]
     host, guest = run_differential(vm, specs, "true")
