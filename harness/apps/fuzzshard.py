@@ -49,7 +49,8 @@ def test_shard(shard: int) -> None:
     try:
         st = fuzz.run(vm, examples=mine, seed=cfg["seed"] * 1000 + shard, guest=cfg["guest"],
                       workload=cfg["workload"], time_budget=budget, tick=tick,
-                      reboot=lambda: Machine.boot(cfg.get("image"), host=cfg["host"]))
+                      reboot=lambda: Machine.boot(cfg.get("image"), host=cfg["host"]),
+                      mix=cfg.get("mix", "all"))
         vm = st.vm
     finally:
         vm.close()

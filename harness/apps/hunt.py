@@ -40,7 +40,7 @@ from ..diff.ktap import Case
 from ..errors import HarnessError, SetupError
 from ..machine.image.kbuild import missing_options
 from ..vmctl import Machine
-from . import fuzz, selftests, selftests_newer
+from . import fuzz, fuzzdraw, selftests, selftests_newer
 from .scenario import load
 from .selftests import fill
 
@@ -513,8 +513,12 @@ class Hunt:
             n = FUZZ_ROUND if self.max_cases is None else min(FUZZ_ROUND, self.max_cases - c["run"])
             if rnd == 0:
                 self.say(f"hunt: fuzz: rounds of {n} example(s), {left:.0f} s left")
-            st = fuzz.run(self.vm, examples=n, seed=self.seed * 1000 + rnd, time_budget=left,
-                          database=False, reboot=self._boot, workload=fuzz.DEFAULT_WORKLOAD)
+            # every other round draws defects only: refusals are judged by one write
+            # each, so a wrong acceptance or a wrong error_log entry is met far sooner
+            mix = fuzzdraw.MIXES[rnd % 2]
+            st = fuzz.run(self.vm, examples=n * (4 if mix == "defects" and self.max_cases is None else 1),
+                          seed=self.seed * 1000 + rnd, time_budget=left, database=False,
+                          reboot=self._boot, workload=fuzz.DEFAULT_WORKLOAD, mix=mix)
             self.vm = st.vm
             rnd += 1
             c["run"] += st.examples

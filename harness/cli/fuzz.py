@@ -47,6 +47,11 @@ def add_parser(subparsers: Any) -> None:
                     help="workers (pytest-xdist), each with its own machine (default 1)")
     fz.add_argument("--workload", metavar="CMD", help="the guest workload (default: opens, "
                     "reads, a fork and a sleep)")
+    fz.add_argument("--mix", choices=("all", "defects"), default="all",
+                    help="what is drawn: all (well-formed lines run on both sides, lines "
+                    "with one defect, duplicates, deletions; default) or defects only "
+                    "(the parser's refusals, each judged by one write to the guest: about "
+                    "ten times as many a minute)")
     fz.add_argument("--list", action="store_true", help="show the examples the seed draws; run nothing")
     fz.add_argument("--out", metavar="DIR", help="where findings go (default kph-runs/fuzz-TIME)")
     ci_group(fz)
@@ -54,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
 
 @ci.reported(NAME)
 def run(args: argparse.Namespace, out: Output) -> int:
-    from ..apps import fuzz
+    from ..apps import fuzz, fuzzdraw
 
     if args.examples < 1:
         raise SetupError(f"--examples {args.examples}: nothing to run", "give 1 or more")
@@ -74,10 +79,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         say(f"fuzz: booting {img.version} to list the functions the workload calls")
         with Machine.boot(img) as vm:
             pool = fuzz.symbol_pool(vm, workload)
-        listed = [list(ex) for ex in fuzz.list_examples(pool, examples=args.examples,
+        listed = [list(ex) for ex in fuzzdraw.list_examples(pool, examples=args.examples,
                                                          seed=args.seed * 1000,
                                                          rules=img.facts.rules,
-                                                         guest=args.guest)]
+                                                         guest=args.guest, mix=args.mix)]
         out.progress.clear()
         for ex in listed:
             out.text("  |  ".join(ex))
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     cfg = {"image": str(img.dir), "host": args.host, "guest": args.guest, "seed": args.seed,
            "examples": args.examples, "workers": args.workers, "workload": workload,
-           "time_budget": args.time_budget, "out": str(runs.resolve())}
+           "time_budget": args.time_budget, "out": str(runs.resolve()), "mix": args.mix}
     t0 = time.monotonic()
     say(f"fuzz: {args.examples} examples on {img.version}, seed {args.seed}, "
         f"{args.workers} worker(s), host {args.host}, guest {args.guest}; findings in {runs}")
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         try:
             st = fuzz.run(vm, examples=args.examples, seed=args.seed * 1000, guest=args.guest,
                           workload=workload, time_budget=args.time_budget, progress=say,
-                          reboot=lambda: Machine.boot(img, host=args.host))
+                          reboot=lambda: Machine.boot(img, host=args.host), mix=args.mix)
             vm = st.vm
         finally:
             vm.close()

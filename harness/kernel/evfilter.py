@@ -363,6 +363,7 @@ def _placed(exc: FilterError) -> FilterError:
 class _Parser:
     def __init__(self, text: str, fields: Mapping[str, Any] | None) -> None:
         self.s, self.i, self.fields, self.depth = text, 0, fields, 0
+        self.n = 0      # predicate_parse()'s N: the predicates parsed so far
 
     def skip(self) -> None:
         while self.i < len(self.s) and self.s[self.i].isspace():
@@ -402,7 +403,9 @@ class _Parser:
             self.i += 1
             return node
         try:
-            return ("pred", self.pred())
+            node = ("pred", self.pred())
+            self.n += 1
+            return node
         except FilterError as exc:
             # predicate_parse() hands parse_pred() the position one past the
             # predicate's first character (ptr - str after ptr++): its errors sit one right
@@ -418,8 +421,16 @@ class _Parser:
         while i < len(s) and (s[i].isalnum() or s[i] == "_"):
             i += 1
         name = s[start:i]
+        if not name and s[start:].strip():
+            # a character no field name has: parse_pred() returns -1 without
+            # parse_error(), and append_filter_err() logs FILT_ERR_ERRNO ("Error") at 0
+            raise _placed(FilterError("Error", 0))
         if not name:
-            raise FilterError("Meaningless filter expression", start)
+            # nothing left: predicate_parse()'s first pass ends with a predicate still
+            # wanted, FILT_ERR_INVALID_FILTER at ptr - str (the end of the text), or with
+            # none at all (N == 0: "!" alone), FILT_ERR_NO_FILTER there
+            raise _placed(FilterError("Meaningless filter expression" if self.n else
+                                      "No filter found", len(s)))
         f = self.fields.get(name) if self.fields is not None else None
         generic = _GENERIC.get(name) if f is None else None
         if self.fields is not None and f is None and generic is None:

@@ -184,6 +184,22 @@ def test_filters_match_as_filter_match_preds_does():
         parse_filter("CPU & {1-2}", fields)
 
 
+@pytest.mark.parametrize("text,msg,pos", [
+    # parse_pred() returns -1 on no field name, with no parse_error(): "Error" at 0
+    ("%rax prev_pid == 0", "Error", 0),
+    ("prev_pid == 1 || @x", "Error", 0),
+    # the first pass ends wanting a predicate: at the end, "Meaningless" after one, and
+    # "No filter found" with none (seen in 6.12's guest, kph fuzz --mix defects)
+    ("prev_pid == 0 &&", "Meaningless filter expression", 16),
+    ("prev_pid == 1 && !", "Meaningless filter expression", 18),
+    ("!", "No filter found", 1),
+])
+def test_a_predicate_with_no_field_name_is_refused_where_predicate_parse_says(text, msg, pos):
+    with pytest.raises(FilterError) as e:
+        parse_filter(text, FORMATS[("sched", "sched_switch")].fields)
+    assert (str(e.value), e.value.pos) == (msg, pos)
+
+
 def test_a_glob_on_a_fixed_size_field_matches_as_the_kernel_does_on_all_its_bytes():
     """The length a string predicate passes is the field's, not the string's: a
     ``char comm[16]`` gives 16 (filter_pred_string(): field_len = field->size), the generic

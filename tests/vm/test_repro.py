@@ -13,6 +13,7 @@ SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 CAUSES = {
     "blacklisted": ["refused kprobes/bl: EINVAL", "blacklist"],
     "maxactive-too-low": ["nmissed 1"],
+    "maxactive-default": ["nhit 3, nmissed 0"],
     "change-path": ["Permission denied"],
     "null-deref-handler": ["NULL pointer dereference", "kph_null_deref_handler"],
     "do-exit-kretprobe": ["exitret: nhit 0"],
