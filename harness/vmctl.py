@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import enum
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -593,6 +594,16 @@ class Machine:
         self.aborting = True
         self.log.debug("aborting")
 
+    def _call_quietly(self, coro: Any) -> None:
+        """Run a QMP coroutine on the machine's loop for a second at most, on the way
+        out: a failure is ignored, and a coroutine the loop never started is closed
+        (else Python warns that it was never awaited)."""
+        try:
+            self._loop.call(coro, 1.0)
+        except Exception:  # noqa: BLE001 - what follows ends QEMU whatever this did
+            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()
+
     def close(self) -> None:
         """End QEMU by its pid, stop the QMP loop and remove the run directory. Idempotent.
 
@@ -634,17 +645,11 @@ class Machine:
                     pass
             if proc is not None and proc.poll() is None:
                 if self._qmp is not None and self._loop is not None:
-                    try:
-                        self._loop.call(self._qmp.execute("quit"), 1.0)
-                    except Exception:  # noqa: BLE001 - signals follow
-                        pass
+                    self._call_quietly(self._qmp.execute("quit"))     # signals follow
                 stop_process(proc, ((None, C.QUIT_TIMEOUT), (signal.SIGTERM, 2.0),
                                     (signal.SIGKILL, 5.0)))
             if self._qmp is not None and self._loop is not None:
-                try:
-                    self._loop.call(self._qmp.disconnect(), 1.0)
-                except Exception:  # noqa: BLE001
-                    pass
+                self._call_quietly(self._qmp.disconnect())
             if self._loop is not None:
                 self._loop.close()
             for s in self._socks.values():

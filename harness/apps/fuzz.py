@@ -174,13 +174,23 @@ class Oracle:
 
     def __init__(self, vm: Machine, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
                  timeout: float = EXAMPLE_TIMEOUT) -> None:
-        self.vm, self.guest, self.workload, self.timeout = vm, guest, workload, timeout
-        # The booted kernel's grammar (harness.kernel.rules), BTF and symbols: the host
-        # parses each line as that kernel does.
-
-        # and the trace events an event probe attaches to (TraceLayer.event_format)
-        self._parse_kw = {"kernel": TraceLayer(vm).view()}
+        self.guest, self.workload, self.timeout = guest, workload, timeout
+        self.vm = vm
         self.stats = FuzzStats()
+
+    @property
+    def vm(self) -> Machine:
+        return self._vm
+
+    @vm.setter
+    def vm(self, vm: Machine) -> None:
+        """The machine examples run on; a new one (after a crash or a hang) gets its own
+        view: the old one's reads (event formats, BTF) would go to a closed machine."""
+        self._vm = vm
+        # The booted kernel's grammar (harness.kernel.rules), BTF and symbols, and the
+        # trace events an event probe attaches to (TraceLayer.event_format): the host
+        # parses each line as that kernel does.
+        self._parse_kw = {"kernel": TraceLayer(vm).view()}
         self._places: dict[str, str] = {}
 
     def kernel_form(self, line: str) -> str:

@@ -335,7 +335,9 @@ class EventsBackend:
                             for n in (f"{s.group}/{s.event}", s.event))
         for spec in specs:
             line = shlex.quote(guest_line(spec))
-            enable = f"events/{spec.group}/{spec.event}/enable"
+            # quoted: an event name the kernel made from a symbol keeps any character
+            # sanitize_event_name() leaves (only ':', '.' and '*' become '_')
+            enable = shlex.quote(f"events/{spec.group}/{spec.event}/enable")
             if spec.kind == "-":        # dyn_event_release(): nothing to enable after it
                 script.append(
                     f": > error_log; if echo {line} >> {_events_file(spec, fprobes)} "
@@ -552,8 +554,9 @@ class EventsBackend:
         # a cat per event (bench/scale.py, 1,000 events: registered in 34.4 s, from 37.1).
         script = [f"cd {TRACING}", "echo @cpus $(ls per_cpu)", "set --"]
         for name in self.specs:     # an event a later -: line freed has no format left
-            script.append(f"if [ -e events/{name}/format ]; then set -- \"$@\" "
-                          f"events/{name}/format; else echo '@gone {name}'; fi")
+            fmt = shlex.quote(f"events/{name}/format")
+            script.append(f"if [ -e {fmt} ]; then set -- \"$@\" {fmt}; "
+                          f"else echo {shlex.quote(f'@gone {name}')}; fi")
         script.append("[ $# -eq 0 ] || grep -H '' \"$@\"")
         text = self._sh("\n".join(script), timeout=_scaled(60, len(self.specs)))
         bodies: dict[str, list[str]] = {}
@@ -896,10 +899,10 @@ class EventsBackend:
         cmds = []
         for name in self.triggers:
             if name in self.specs:      # an event with a trigger cannot be removed
-                cmds.append(f"echo '!stacktrace' > {TRACING}/events/{name}/trigger")
+                cmds.append(f"echo '!stacktrace' > {shlex.quote(f'{TRACING}/events/{name}/trigger')}")
         for spec in self.specs.values():
-            cmds.append(f"echo 0 > {TRACING}/events/{spec.group}/{spec.event}/enable")
-            cmds.append(f"echo '-:{spec.group}/{spec.event}' >> {TRACING}/{_events_file(spec)}")
+            cmds.append(f"echo 0 > {shlex.quote(f'{TRACING}/events/{spec.group}/{spec.event}/enable')}")
+            cmds.append(f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {TRACING}/{_events_file(spec)}")
         cmds.append(f"echo > {TRACING}/trace; echo 1 > {TRACING}/tracing_on")
         self.vm.run("; ".join(cmds), timeout=_scaled(60, len(self.specs)))
         self.specs.clear()

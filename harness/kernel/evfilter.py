@@ -335,8 +335,10 @@ def _calc_stack(s: str) -> None:
     if quote:
         raise _placed(FilterError("Missing matching quote", last_quote))
     if opened != 1:
+        # the kernel's forward loop ends with i at the NUL, so "for (i--; i; i--)" starts
+        # at the last character (kph fuzz on 6.12: a closing quote there, 2026-11-29)
         level, q = opened, ""
-        for j in range(i - 1, 0, -1):
+        for j in range(len(s) - 1, 0, -1):
             c = s[j]
             if q:
                 if c == q:

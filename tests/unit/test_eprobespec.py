@@ -193,6 +193,8 @@ def test_filters_match_as_filter_match_preds_does():
     ("prev_pid == 0 &&", "Meaningless filter expression", 16),
     ("prev_pid == 1 && !", "Meaningless filter expression", 18),
     ("!", "No filter found", 1),
+    # calc_stack()'s backward scan starts at the last character, here a closing quote
+    ('f(lename == "sh"', "Too many '('", 1),
 ])
 def test_a_predicate_with_no_field_name_is_refused_where_predicate_parse_says(text, msg, pos):
     with pytest.raises(FilterError) as e:

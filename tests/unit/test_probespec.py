@@ -24,7 +24,7 @@ CANONICAL = [
     "p:grp/ do_sys_openat2",
     "p:ev ext4:ext4_sync_fs+0x10",
     "p:ev 0xffffffff8134a350",
-    "r:ev 0xffffffff8134a350 ret=$retval",
+    "r:ev 0xffffffff8134a350 ret=%ax",
     "p:ev do_sys_openat2%return ret=$retval",
     "p:ev do_sys_openat2 a=$arg1 b=$arg7 c=$stack d=$stack3 e=$comm",
     "p:ev do_sys_openat2 %di %si:u32 +8(%sp)",
@@ -629,3 +629,17 @@ def test_host_text_reads_back_as_guest_text():
     assert rec.raw_fields == {a.name: format_value(a, v, ctx.symbolize)
                               for a, v in zip(spec.args, values)}
     assert rec.fields["path"] == "my file = x.txt"
+
+
+def test_a_return_probe_on_a_raw_address_has_no_retval():
+    """__trace_kprobe_create() sets TPARG_FL_RETURN in its symbol branch only: the
+    guests of 6.1, 6.12 and 7.3 refuse ``r 0xADDR $retval`` with RETVAL_ON_PROBE at the
+    argument (kph fuzz --mix defects met it on 6.12, 2026-11-29)."""
+    from harness.kernel.rules import SERIES
+    from harness.kernel.grammar import KernelView
+    for series in ("6.1", "6.12", "7.3"):
+        with pytest.raises(ProbeSpecError, match=r"\$retval is not available on probe") as e:
+            parse("r 0xffffffff81000000 $retval", kernel=KernelView(SERIES[series]))
+        assert e.value.column == 21, series
+    assert parse("r do_sys_openat2 $retval").args[0].comm == "$retval"
+

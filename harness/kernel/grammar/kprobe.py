@@ -99,13 +99,16 @@ def parse_kprobe(toks: list[tuple[int, str]], text: str,
     if not exp_event:
         event = default_event_name(is_return, None if symbol is None else name, offset, addr)
 
+    # __trace_kprobe_create() sets TPARG_FL_RETURN in its symbol branch only: on a raw
+    # address a return probe's $retval is RETVAL_ON_PROBE (seen on 6.1, 6.12 and 7.3)
+    ret_flag = is_return and symbol is not None
     if rules.arg_parser == "context":
-        flags = FL_KERNEL | (FL_RETURN if is_return else 0) | (FL_FENTRY if fentry else 0)
+        flags = FL_KERNEL | (FL_RETURN if ret_flag else 0) | (FL_FENTRY if fentry else 0)
         args = context_args(toks, text, kernel, rules, flags,
                              None if symbol is None else name)
         return ProbeSpec(kind, group, event, module, symbol, offset, addr, maxactive,
                          tuple(args), suffix, exp_group, exp_event, fentry=fentry, text=text)
-    flags = arg_flags(is_return, fentry)
+    flags = arg_flags(ret_flag, fentry)
     args = []
     size = [0]
     if len(toks) - 2 > MAX_TRACE_ARGS:
