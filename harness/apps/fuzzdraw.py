@@ -110,8 +110,20 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
     depth = r.max_nested or 8
     nested = st.tuples(st.integers(1, depth + 1), st.sampled_from(["%di", "%sp", "$stack"])).map(
         lambda t: "+0(" * t[0] + t[1] + ")" * t[0])
+    # arrays of strings over memory that is mostly not strings (stack words, a struct):
+    # their elements fault or hold bytes, and each element's length and data_loc take
+    # the fetch's error paths (trace_probe_tmpl.h: process_fetch_insn_bottom(), the
+    # string array loop)
+    str_types = [t for t in ("string", "ustring", "symstr") if t in types]
+
+    def str_array(bases: list[str]) -> Any:
+        return st.tuples(aname, st.sampled_from(bases),
+                         st.tuples(st.sampled_from(str_types), st.integers(2, 4))
+                         .map(lambda t: f"{t[0]}[{t[1]}]")).map(argtext)
     arg = st.one_of(st.tuples(aname, fetch, tname), st.tuples(aname, fetch, tname),
-                    st.tuples(aname, nested, tname)).map(argtext)
+                    st.tuples(aname, nested, tname),
+                    str_array(["+0(%sp)", "+8(%sp)", "+0(%di)", "+0(%si)", "+0($stack)"])
+                    ).map(lambda a: a if isinstance(a, str) else argtext(a))
     entry_arg = st.tuples(aname, entry_fetch, tname).map(argtext)
     ret_arg = st.tuples(aname, st.one_of(st.just("$retval"), fetch), tname).map(argtext)
     args = st.lists(arg, max_size=3)
@@ -170,8 +182,9 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
                 st.integers(-5, 300).map(lambda n: f"\\{n}"),
                 st.sampled_from(FOREIGN["fprobe"]),
                 *([st.sampled_from(newer)] if newer else []))
-        f_entry = st.tuples(aname, st.recursive(fleaves(True), deref, max_leaves=4),
-                            tname).map(argtext)
+        f_entry = st.one_of(st.tuples(aname, st.recursive(fleaves(True), deref, max_leaves=4),
+                                      tname).map(argtext),
+                            str_array(["+0($stack)", "+8($stack)", "+0($stack1)"]))
         f_ret = st.tuples(aname, st.one_of(st.just("$retval"),
                                            st.recursive(fleaves(True), deref, max_leaves=4)),
                           tname).map(argtext)
