@@ -57,6 +57,10 @@ class Hit:
     #: functions of the stack trace taken after the hit, innermost first (the ``=>``
     #: lines of the trace); None without one
     stack: tuple[str, ...] | None = None
+    #: In-guest side: bytes the ring-buffer record holds beyond its fields and the strings
+    #: its data_locs describe (``harness.kernel.ringbuf.record_excess``; 0 on a sound
+    #: kernel, and host-side, which has no record)
+    excess: int = 0
 
     def changed(self, **changes: Any) -> "Hit":
         """``dataclasses.replace(self, **changes)`` without re-running ``__init__`` (a

@@ -34,7 +34,7 @@ from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
-                              parse_format, parse_stats, read_pages, ring_loss)
+                              parse_format, parse_stats, read_pages, record_excess, ring_loss)
 from .tracelayer import GuestWrite, TraceLayer, write_switch
 from ..vmctl import Machine
 
@@ -816,13 +816,15 @@ class EventsBackend:
                 ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
             gargs = self._args.get(rec.type, spec.args)
             values = decode_args(rec, fmt, gargs)
+            excess = record_excess(rec, fmt, gargs)
             args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
             pid = rec.pid
             comm = "<idle>" if pid == 0 else comms.get(pid, "<...>")
             hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                             seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
                             ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
-                            irq="" if spec.is_uprobe else _context(rec.data[2])))
+                            irq="" if spec.is_uprobe else _context(rec.data[2]),
+                            excess=excess))
         out = []
         for i, h in enumerate(hits):
             later = tuple(c for n, c in renames[h.pid] if n > i) if h.pid in renames else ()

@@ -46,6 +46,10 @@ class _Ctx:
         self.entry = entry
         self.record = record
 
+    @property
+    def empty_user_string_len(self) -> int:
+        return self.engine.vm.facts.rules.empty_user_string_len
+
     def event_record(self) -> int:
         """An event probe's attached record (``rec`` of ``eprobe_trigger_func()``)."""
         return self.record

@@ -66,6 +66,10 @@ class _RecordCtx:
         self.mem = CaptureContext(parse_blocks(rec.body, rec.nblocks))
         self._regs = dict(zip(REGS, rec.regs))
 
+    @property
+    def empty_user_string_len(self) -> int:
+        return self.backend.vm.facts.rules.empty_user_string_len
+
     def reg(self, name: str) -> int:
         if name == "ip":
             return self.ip

@@ -208,7 +208,8 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
 
 def _same(h: Hit) -> tuple[object, ...]:
     """What :func:`_fields` is made of, raw: two hits equal here have equal fields."""
-    return (h.kind, h.cpu, h.comm, h.ip, h.ret_from or "", h.pid, h.irq, h.args, h.stack)
+    return (h.kind, h.cpu, h.comm, h.ip, h.ret_from or "", h.pid, h.irq, h.args, h.stack,
+            h.excess)
 
 
 def _fields(h: Hit) -> dict[str, str]:
@@ -221,6 +222,8 @@ def _fields(h: Hit) -> dict[str, str]:
     out.update({f"arg:{k}": v for k, v in h.args})
     if h.stack is not None:
         out["stack"] = " ".join(h.stack)
+    if h.excess:        # the record's length is not its data's (no side may differ here)
+        out["record-size"] = f"{h.excess:+d} bytes beyond its fields and strings"
     return out
 
 

@@ -327,3 +327,42 @@ def decode_args(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> list[A
                 vals.append(raw)
         out.append(vals if a.count else vals[0])
     return out
+
+
+def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> int:
+    """Bytes ``rec`` holds beyond its fixed fields and the dynamic data its ``__data_loc``
+    words describe, after the ring buffer's rounding: 0 on a kernel whose two passes
+    agree. A probe handler reserves ``sizeof(head) + tp->size + __get_data_size()``
+    (kernel/trace/trace_kprobe.c: __kprobe_trace_func(), and the uprobe, fprobe and eprobe
+    ones alike), the first pass over the fetch args counting each string's length, and
+    ``store_trace_args()`` writes the strings and their data_locs in the second;
+    kernel/trace/ring_buffer.c: rb_calculate_event_length() rounds the record up to 4
+    bytes (RB_ALIGNMENT on x86_64), and a whole event of 12 bytes to 16 (an 8-byte record,
+    an event probe with no argument, reads back as 12). More than that is space reserved
+    for data that was not written (a length counted twice); less is data written past the
+    reservation, or a data_loc that claims more than was written (a stale one)."""
+    fixed = max((f.offset + f.size for f in fmt.fields.values()), default=0)
+    dyn = 0
+    for a in args:
+        t = FETCH_TYPES[a.type]
+        f = fmt.fields.get(a.name)
+        if not t.is_string or f is None:
+            continue
+        for i in range(a.count or 1):
+            off = f.offset + i * t.size
+            dyn += int.from_bytes(rec.data[off:off + 4], "little") >> 16
+    return len(rec.data) - rb_data_len(fixed + dyn)
+
+
+def rb_data_len(size: int) -> int:
+    """The data bytes a record of ``size`` reads back as (``rb_calculate_event_length()``
+    and ``rb_update_event()``: the length rounded up to RB_ALIGNMENT, a whole event of
+    RB_LEN_TIME_EXTEND + RB_ALIGNMENT made one RB_ALIGNMENT longer; a record over
+    RB_MAX_SMALL_DATA keeps its length in array[0], which :func:`parse_page` leaves out)."""
+    n = max(size, 1)
+    big = n > 112                       # RB_MAX_SMALL_DATA: 4 * 28
+    n = ((n + (4 if big else 0) + 4) + 3) & ~3
+    if n == 12:                         # RB_LEN_TIME_EXTEND + RB_ALIGNMENT
+        n += 4
+    return n - (8 if big else 4)
+

@@ -230,6 +230,11 @@ class KernelRules:
     #: an ``f``, ``t`` or ``e`` head alone) is EINVAL; 7.3 logs "No matching dynamic
     #: event type" against it at 0, 6.12 logs nothing
     dynevent_no_match_logged: bool = False
+    #: the data_loc length an empty user string stores through
+    #: ``strncpy_from_user_nofault()`` (``ustring``, and ``string`` below TASK_SIZE): 0
+    #: (printed ``(fault)``) up to 6.12, 1 (printed ``""``) in 7.3, which counts the NUL of
+    #: an empty string too
+    empty_user_string_len: int = 0
 
     def message(self, code: str) -> str:
         """The ``error_log`` text of ``code`` on this kernel.
@@ -270,7 +275,7 @@ _7_3 = KernelRules(
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
     fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare",
     fprobe_register_at_enable=True,
-    dynevent_no_match_logged=True)
+    dynevent_no_match_logged=True, empty_user_string_len=1)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
 
@@ -339,6 +344,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                   "handle_typecast() (tparg_is_event_probe())",
         "fprobe_register_errno": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
                                  "(return -EINVAL after register_trace_fprobe_event())",
+        "empty_user_string_len": "mm/maccess.c: strncpy_from_user_nofault() (ret >= 0: "
+                                 "ret++; 6.12's is ret > 0)",
         "fprobe_register_at_enable": "kernel/trace/trace_fprobe.c: enable_trace_fprobe() -> "
                                      "__register_trace_fprobe() -> traceprobe_update_arg()",
         "arg_parser": "kernel/trace/trace_probe.c: parse_probe_arg() (a loop: "

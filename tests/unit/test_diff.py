@@ -884,3 +884,15 @@ def test_the_host_marks_every_line_s_record_of_each_stop_found_in_flight():
     assert [h.in_flight for h in b._hits] == [False, True, True, False, False, True]
     b._mark_in_flight([(2, kf)])            # nothing recorded there: nothing marked
     assert sum(h.in_flight for h in b._hits) == 3
+
+
+def test_a_guest_record_longer_or_shorter_than_its_data_diverges_on_record_size():
+    """harness.kernel.ringbuf.record_excess: a record holding bytes its fields and
+    data_locs do not account for (a string length counted twice, an error code added to
+    a length) is no equivalent run, whatever its printed values."""
+    a = run("host", [hit("host", 0, s='"x"')])
+    b = run("events", [dataclasses.replace(hit("events", 0, s='"x"'), excess=60)])
+    res = compare(a, b)
+    assert not res.equivalent
+    assert (res.first.field, res.first.a_value) == ("record-size", "<none>")
+    assert res.first.b_value.startswith("+60 bytes")

@@ -127,3 +127,32 @@ def test_arguments_after_a_string_array_are_read():
 
     got = [(a.name, a.type, a.count) for a in format_args(parse_format(STRING_ARRAY))]
     assert got == [("arg1", "x64", 0), ("arg2", "string", 2), ("x", "u32", 0)]
+
+
+def test_record_excess_is_what_the_record_holds_beyond_its_fields_and_strings():
+    """A record is its fixed fields, then the strings its data_locs describe, rounded up
+    to 4 bytes (rb_calculate_event_length()); anything else is an excess."""
+    from harness.kernel.ringbuf import RawRecord, record_excess
+    fmt = parse_format(FORMAT)
+    args = parse("p:b do_sys_openat2 s=+0(%si):string x=%di:u64 c=$comm").args
+    fixed = 32                                      # c's data_loc ends the fixed part
+    s, c = b"/etc\0", b"cat\0"
+    head = struct.pack("<HBBiQ", 1392, 0, 0, 7, 0)
+    body = struct.pack("<IQI", (len(s) << 16) | fixed, 5, (len(c) << 16) | (fixed + len(s)))
+    data = head + body + s + c
+    pad = (-len(data)) % 4
+    assert record_excess(RawRecord(0, 0, data + bytes(pad)), fmt, args) == 0
+    assert record_excess(RawRecord(0, 0, data + bytes(pad + 8)), fmt, args) == 8
+    short = head + struct.pack("<IQI", (len(s) << 16) | fixed, 5, (40 << 16) | (fixed + len(s)))
+    assert record_excess(RawRecord(0, 0, short + s + c + bytes(pad)), fmt, args) < 0
+
+
+def test_an_eight_byte_record_reads_back_as_twelve():
+    """rb_calculate_event_length(): a whole event of 12 bytes is made 16, so an event probe
+    with no argument (its 8-byte trace_entry alone) holds 12 bytes of data (7.3's guest,
+    kph fuzz, 2026-11-29), and is no excess."""
+    from harness.kernel.ringbuf import RawRecord, rb_data_len, record_excess
+    assert [rb_data_len(n) for n in (8, 16, 17, 112, 113)] == [12, 16, 20, 112, 116]
+    fmt = parse_format(FORMAT.split("\n\n")[0] + "\n\nprint fmt: \"\"\n")
+    assert record_excess(RawRecord(0, 0, struct.pack("<HBBi", 1392, 0, 0, 7) + bytes(4)),
+                         fmt, ()) == 0

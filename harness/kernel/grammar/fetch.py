@@ -464,8 +464,10 @@ def _store_string(op: str, ctx: FetchContext, addr: Any, st: _Store) -> int:
         got = _cstr(ctx, addr, maxlen, user)
         if got is None:
             ret = _EFAULT
-        elif user:            # strncpy_from_user_nofault(): "" gives 0, printed (fault)
-            ret = maxlen if not got[1] else (len(got[0]) + 1 if got[0] else 0)
+        elif user:            # strncpy_from_user_nofault(): "" gives 0, printed (fault),
+            # up to 6.12, and 1 in 7.3 (KernelRules.empty_user_string_len)
+            ret = maxlen if not got[1] else (len(got[0]) + 1 if got[0] else
+                                             getattr(ctx, "empty_user_string_len", 0))
         else:                 # strncpy_from_kernel_nofault()
             ret = len(got[0]) + 1 if got[1] else maxlen
         data = got[0][:ret - 1] + b"\0" if got is not None and ret > 0 else b""
