@@ -300,8 +300,8 @@ def parse_filter(text: str, fields: Mapping[str, Any] | None) -> EventFilter:
     p = _Parser(text, fields)
     tree = p.expr()
     p.skip()
-    if p.i < len(text):
-        raise FilterError("Meaningless filter expression", p.i)
+    if p.i < len(text):     # predicate_parse() #5: after a predicate only ), &&, || or the end
+        raise _placed(FilterError(_TOO_MANY_PREDS, p.i))
     return EventFilter(text, tree if fields is not None else None)
 
 
@@ -357,6 +357,9 @@ def _calc_stack(s: str) -> None:
         raise _placed(FilterError("Error", 0))
 
 
+_TOO_MANY_PREDS = "Too many terms in predicate expression"
+
+
 def _placed(exc: FilterError) -> FilterError:
     exc.placed = True       # a position of the whole filter, not one past a predicate's
     return exc
@@ -401,6 +404,8 @@ class _Parser:
             node = self.expr()
             self.skip()
             if self.s[self.i:self.i + 1] != ")":
+                if self.i < len(self.s):        # predicate_parse() #5, as at the top
+                    raise _placed(FilterError(_TOO_MANY_PREDS, self.i))
                 raise FilterError("Too many '('", self.i)
             self.i += 1
             return node

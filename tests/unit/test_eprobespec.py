@@ -195,6 +195,10 @@ def test_filters_match_as_filter_match_preds_does():
     ("!", "No filter found", 1),
     # calc_stack()'s backward scan starts at the last character, here a closing quote
     ('f(lename == "sh"', "Too many '('", 1),
+    # predicate_parse() #5: after a predicate only ")", "&&", "||" or the end (the stock
+    # 6.12 hunt's false alarm, bench/recall.py 2026-11-29)
+    ("prev_pid == 0:", "Too many terms in predicate expression", 13),
+    ("(prev_pid == 0 x)", "Too many terms in predicate expression", 15),
 ])
 def test_a_predicate_with_no_field_name_is_refused_where_predicate_parse_says(text, msg, pos):
     with pytest.raises(FilterError) as e:
