@@ -253,3 +253,24 @@ def test_a_scenario_this_kernel_cannot_run_is_not_a_finding_and_a_hang_is(tmp_pa
     assert (hang.kind, hang.what) == ("hang", "HANG") and hang.reproduce.startswith("kph repro ")
     assert unmet.kind == "scenario" and "expected ok, saw refused" in unmet.detail
     assert h.findings.status == 6
+
+
+def test_the_fuzz_phase_alternates_the_whole_mix_with_rounds_of_defects(monkeypatch):
+    """Every other round draws defects only (fuzzdraw.MIXES), four times as many examples:
+    refusals are judged by one write each."""
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.budget, h.max_cases, h.seed, h.stopped = hunt.Budget(600.0), None, 0, False
+    h.findings, h.say, h.vm = hunt.Findings(), lambda s: None, object()
+    h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
+    calls = []
+
+    def run(vm, *, examples, seed, mix, **kw):
+        calls.append((mix, examples, seed))
+        if len(calls) == 4:
+            h.stopped = True                        # end the phase after four rounds
+        return fuzz.FuzzStats(examples=examples, agreed_runs=examples, vm=vm)
+    monkeypatch.setattr(fuzz, "run", run)
+    h.fuzz_phase()
+    assert [(m, n) for m, n, _ in calls] == [("all", 25), ("defects", 100), ("all", 25),
+                                            ("defects", 100)]
+    assert len({s for _, _, s in calls}) == 4 and h.counts["fuzz"]["run"] == 250
