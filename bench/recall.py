@@ -42,8 +42,9 @@ BUGS = ROOT / "probes" / "bugs"
 PY = sys.executable
 
 
-def entries(names: set[str], series: tuple[str, ...]) -> list[tuple[dict, str]]:
-    """(entry, the series it is built on): the first of ``series`` the entry lists."""
+def entries(names: list[str], series: tuple[str, ...]) -> list[tuple[dict, str]]:
+    """(entry, the series it is built on): the first of ``series`` the entry lists; in
+    the order ``names`` gives them (all, by name, when it is empty)."""
     out = []
     for f in sorted(BUGS.glob("*.toml")):
         e = tomllib.loads(f.read_text())
@@ -52,7 +53,7 @@ def entries(names: set[str], series: tuple[str, ...]) -> list[tuple[dict, str]]:
         s = next((s for s in series if s in e["series"]), None)
         if s is not None:
             out.append((e, s))
-    return out
+    return sorted(out, key=lambda t: names.index(t[0]["name"])) if names else out
 
 
 def selector(series: str, patch: Path | None) -> str:
@@ -95,10 +96,12 @@ def replay(reproduce: str, sel: str) -> int:
     if argv[:1] != ["kph"]:
         return -1
     argv = argv[1:]
-    if "--image" in argv:
-        argv[argv.index("--image") + 1] = sel
+    # the kernel is --image's (kph diff), or --kernels' (a scenario's kph repro line)
+    opt = "--kernels" if argv[:1] == ["repro"] else "--image"
+    if opt in argv:
+        argv[argv.index(opt) + 1] = sel
     else:
-        argv[1:1] = ["--image", sel]
+        argv[1:1] = [opt, sel]
     r = subprocess.run([PY, "-m", "harness.cli", "-q", *argv], capture_output=True, text=True,
                        timeout=900, cwd=ROOT)
     return r.returncode
@@ -109,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=15.0, help="each hunt's budget")
     ap.add_argument("--series", default="6.12,7.3", help="the series to build on, in order "
                     "of preference (an entry is built on the first it lists)")
-    ap.add_argument("--entries", default="", help="only these entries (names)")
+    ap.add_argument("--entries", default="", help="only these entries (names), in this order")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-stock", action="store_true",
                     help="skip the stock builds' hunts (no false-alarm count, and an entry "
                          "is found on any new finding)")
+    ap.add_argument("--no-stock-hunt", action="store_true",
+                    help="skip the stock builds' hunts but still replay each candidate's "
+                         "reproducer on the stock build (a finding that shows there too is "
+                         "a false alarm); the stock hunts' own false alarms are not counted")
     ap.add_argument("--stop-at-first", action="store_true",
                     help="end each planted build's hunt at its first new finding (the "
                          "stock builds' hunts always run their whole budget); a found "
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     series = tuple(s for s in args.series.split(",") if s)
-    todo = entries({n for n in args.entries.split(",") if n}, series)
+    todo = entries([n for n in args.entries.split(",") if n], series)
     if not todo:
         print("error: no corpus entry matches", file=sys.stderr)
         return 2
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         (lambda s: None)
     t_all = time.monotonic()
     stock: dict[str, dict] = {}
-    if not args.no_stock:
+    if not args.no_stock and not args.no_stock_hunt:
         for s in sorted({s for _, s in todo}):
             t0 = time.monotonic()
             build_tree_image(s, progress=say)

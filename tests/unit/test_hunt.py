@@ -90,6 +90,9 @@ def test_the_known_findings_are_matched_by_what_they_look_like():
         assert hunt.known_of(accepted) == "", accepted
     # the same kinds of text elsewhere are new
     assert hunt.known_of(_f(detail="hit #1, field arg:x: host '(fault)' vs events '0x0'")) == ""
+    # a string the kernel could not read where the host reads one is not #1 either
+    assert hunt.known_of(_f(lines=("e:e syscalls/sys_enter_chdir f=+0($filename):ustring",),
+                            detail="hit #1, field arg:f: host '\"/\"' vs events '(fault)'")) == ""
     assert hunt.known_of(_f(kind="parse", what="error_log", detail="guest 'Invalid type' at 9, "
                             "host 'Invalid type' at 10")) == ""
     # the table names no entry of probes/bugs/: it is the three of docs/upstream.md
