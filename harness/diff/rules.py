@@ -96,14 +96,34 @@ def _unknown_rule(reason: str) -> Callable[..., bool]:
     """A host ``(unknown)`` of argument ``k`` matches when its record gives ``reason``
     and the value is (unknown) where the other side has a value."""
     def check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+        if k == "record-size":
+            return _unstable_record(ha, hb, reason)
         return ((_why(ha, k) == reason and unknown_match(va, vb)) or
                 (_why(hb, k) == reason and unknown_match(vb, va)))
     return check
 
 
+def _unstable_record(ha: Hit, hb: Hit, reason: str, proven: bool = False) -> bool:
+    """A record whose length is not its data's (``record-size``, a field only the
+    in-guest side has) where the host's record of the same hit says an argument read
+    memory for ``reason``: the kernel's two passes over an argument (its length, then
+    its store: kernel/trace/trace_probe_tmpl.h: __get_data_size(), store_trace_args())
+    read memory that may differ between them or keep a stale data_loc, and the record's
+    length follows. With ``proven``, that argument's failed read must be in the record
+    (``Hit.failed``, the ``stale`` rule's evidence)."""
+    for h in (ha, hb):
+        failed = dict(h.failed)
+        if any(w == reason and (not proven or n in failed) for n, w in h.unknown):
+            return True
+    return False
+
+
 def _stale_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     """:func:`_unknown_rule` ``stale``, where the record also holds its evidence: the
     address whose read failed in that argument's fetch (``Hit.failed``)."""
+    if k == "record-size":
+        return _unstable_record(ha, hb, "stale", proven=True)
+
     def proven(h: Hit) -> bool:
         return k.startswith("arg:") and k[4:] in dict(h.failed)
     return ((_why(ha, k) == "stale" and proven(ha) and unknown_match(va, vb)) or
@@ -358,7 +378,8 @@ REGISTRY: tuple[Rule, ...] = (
          "is the trampoline)"),
     Rule("stale", "field",
          "a host (unknown) where the fetch took a real fault (the kernel keeps stale "
-         "ring-buffer bytes) matches any value, that argument only",
+         "ring-buffer bytes) matches any value, that argument only, and the record's "
+         "length (record-size) of that hit",
          "kernel/trace/trace_probe_tmpl.h: process_fetch_insn() stores nothing on a fault "
          "(store_trace_args())",
          "the host's record gives the reason for that argument with its evidence, the "
@@ -367,7 +388,8 @@ REGISTRY: tuple[Rule, ...] = (
          _stale_check),
     Rule("below-sp", "field",
          "a host (unknown) where the fetch read the stack below the probed sp (the guest "
-         "probe's own frames) matches any value, that argument only",
+         "probe's own frames) matches any value, that argument only, and the record's "
+         "length (record-size) of that hit",
          "the guest's handler frames overwrite the stack below the probed context's sp",
          "the host's record gives the reason for that argument",
          _unknown_rule("below-sp")),

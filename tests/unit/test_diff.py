@@ -896,3 +896,17 @@ def test_a_guest_record_longer_or_shorter_than_its_data_diverges_on_record_size(
     assert not res.equivalent
     assert (res.first.field, res.first.a_value) == ("record-size", "<none>")
     assert res.first.b_value.startswith("+60 bytes")
+
+
+def test_a_record_size_is_left_to_the_rule_of_an_unstable_argument_of_that_hit():
+    """record-size where the host says an argument of the same hit read the stack below
+    the probed sp: the kernel's two passes over it may see other bytes (below-sp); the
+    same record with no such argument diverges (stale needs its failed read too)."""
+    base = dataclasses.replace(hit("host", 0, s='(unknown)'), unknown=(("s", "below-sp"),))
+    guest = dataclasses.replace(hit("events", 0, s='"x"'), excess=-8)
+    res = compare(run("host", [base]), run("events", [guest]))
+    assert res.equivalent and res.applied["below-sp"] == 2          # s, and the record
+    stale = dataclasses.replace(base, unknown=(("s", "stale"),))
+    assert not compare(run("host", [stale]), run("events", [guest])).equivalent
+    proven = dataclasses.replace(stale, failed=(("s", 0x10),))
+    assert compare(run("host", [proven]), run("events", [guest])).equivalent
