@@ -57,9 +57,9 @@ class Hit:
     #: functions of the stack trace taken after the hit, innermost first (the ``=>``
     #: lines of the trace); None without one
     stack: tuple[str, ...] | None = None
-    #: In-guest side: bytes the ring-buffer record holds beyond its fields and the strings
-    #: its data_locs describe (``harness.kernel.ringbuf.record_excess``; 0 on a sound
-    #: kernel, and host-side, which has no record)
+    #: In-guest side: bytes the ring-buffer record holds beyond its fields and the data
+    #: its data_locs reach (``harness.kernel.ringbuf.record_excess``; 0 on a sound kernel,
+    #: and host-side, which has no record)
     excess: int = 0
 
     def changed(self, **changes: Any) -> "Hit":

@@ -331,18 +331,23 @@ def decode_args(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> list[A
 
 def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> int:
     """Bytes ``rec`` holds beyond its fixed fields and the dynamic data its ``__data_loc``
-    words describe, after the ring buffer's rounding: 0 on a kernel whose two passes
-    agree. A probe handler reserves ``sizeof(head) + tp->size + __get_data_size()``
+    words reach, after the ring buffer's rounding: 0 on a kernel whose two passes agree.
+    A probe handler reserves ``sizeof(head) + tp->size + __get_data_size()``
     (kernel/trace/trace_kprobe.c: __kprobe_trace_func(), and the uprobe, fprobe and eprobe
-    ones alike), the first pass over the fetch args counting each string's length, and
-    ``store_trace_args()`` writes the strings and their data_locs in the second;
+    ones alike), the first pass counting each string's length, and ``store_trace_args()``
+    writes the strings and their data_locs in the second, each one after the last.
     kernel/trace/ring_buffer.c: rb_calculate_event_length() rounds the record up to 4
     bytes (RB_ALIGNMENT on x86_64), and a whole event of 12 bytes to 16 (an 8-byte record,
-    an event probe with no argument, reads back as 12). More than that is space reserved
-    for data that was not written (a length counted twice); less is data written past the
-    reservation, or a data_loc that claims more than was written (a stale one)."""
+    an event probe with no argument, reads back as 12).
+
+    The data reaches as far as its farthest data_loc (offset + length): a fetch that
+    failed before its store keeps the data_loc store_trace_args() preset, the rest of the
+    area (kernel/trace/trace_probe_tmpl.h: process_fetch_insn_bottom()), and the next
+    strings are stored inside it. A data_loc outside the record (one never written) is not
+    counted. More bytes than the data reaches is space reserved for data that was never
+    written (a string length counted twice in the first pass)."""
     fixed = max((f.offset + f.size for f in fmt.fields.values()), default=0)
-    dyn = 0
+    reach = fixed
     for a in args:
         t = FETCH_TYPES[a.type]
         f = fmt.fields.get(a.name)
@@ -350,8 +355,11 @@ def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> int:
             continue
         for i in range(a.count or 1):
             off = f.offset + i * t.size
-            dyn += int.from_bytes(rec.data[off:off + 4], "little") >> 16
-    return len(rec.data) - rb_data_len(fixed + dyn)
+            loc = int.from_bytes(rec.data[off:off + 4], "little")
+            start, end = loc & 0xFFFF, (loc & 0xFFFF) + (loc >> 16)
+            if fixed <= start and end <= len(rec.data):
+                reach = max(reach, end)
+    return len(rec.data) - rb_data_len(reach)
 
 
 def rb_data_len(size: int) -> int:
