@@ -647,3 +647,13 @@ def test_a_return_probe_on_a_raw_address_has_no_retval():
         assert e.value.column == 21, series
     assert parse("r do_sys_openat2 $retval").args[0].comm == "$retval"
 
+
+
+def test_a_string_array_element_after_a_base_that_is_no_dereference_prints_its_data_loc():
+    """process_fetch_insn_bottom() writes the second element's data_loc before going back
+    to the op before the store; an immediate there is no dereference, stage 3 meets it
+    and returns -EILSEQ: the element prints that data_loc, (fault) for an empty one."""
+    from harness.kernel.grammar import fetch as F
+    why = {}
+    assert F.evaluate(parse("p:k do_sys_openat2 \\0:ustring[2]"), FakeCtx(), why) == \
+        ([FAULT, FAULT],) and why == {}

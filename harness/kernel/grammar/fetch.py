@@ -590,12 +590,14 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
             lval = val
             data = _read(ctx, (val + code[pc][1]) & _M, 8, code[pc][0] == "uderef")
             if data is None:
+                _unstored(st, i)
                 return _EFAULT
             val, pc = int.from_bytes(data, "little"), pc + 1
         s3 = pc
         while True:
             op = code[pc]                                   # stage 3
             if op[0] not in _STRINGS + ("st_raw", "st_mem", "st_umem"):
+                _unstored(st, i)
                 return _EILSEQ
             addr = val if isinstance(val, _Blob) else (val + op[1]) & _M
             if st is None:
@@ -640,6 +642,16 @@ def _run(code: Sequence[Insn], ctx: FetchContext, st: _Store | None) -> int:
             if st is not None:                              # update_data_loc()
                 st.loc = (loc[0] - ret, loc[1] + ret)
             break
+
+
+def _unstored(st: "_Store | None", i: int) -> None:
+    """A string array's element ``i`` > 0 that ends the fetch before its store (a failed
+    dereference, or a base that is no dereference, ``\\0:ustring[2]``: stage 3 meets a
+    non-store op, -EILSEQ): process_fetch_insn_bottom() wrote its data_loc when it went
+    back for it (``update_data_loc(loc, ret)``: the rest of the area after the element
+    before), so it prints what that data_loc says."""
+    if st is not None and i > 0:
+        st.elems.append(st.loc)
 
 
 #: Why a value is :data:`UNKNOWN` host-side (``evaluate(..., why=...)``), each a case the
