@@ -324,6 +324,14 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
         .map(lambda t: t[0][:t[1] % (len(t[0]) + 1)] + t[2] + t[0][t[1] % (len(t[0]) + 1) + 1:])
     too_many = st.tuples(p_line, st.just(max_args + 1)).map(
         lambda t: line((t[0][0], t[0][1], t[0][2], [f"a{i}=%di" for i in range(t[1])])))
+    # a kernel limit and one past it: a return probe's arguments saved at entry (one word
+    # each: 7.3's fprobe keeps 15, MAX_FPROBE_DATA_SIZE; a kretprobe's data up to 4 KiB)
+    if r.entry_args_on_return:
+        saved = st.tuples(st.sampled_from(["f", "r"] if f_lines else ["r"]), name, syms,
+                          st.integers(14, 17)).map(lambda t: line((
+                              t[0], t[1], t[2] + ("%return" if t[0] == "f" else ""),
+                              [f"$arg{i}" for i in range(1, t[3] + 1)])))
+        too_many = st.one_of(too_many, saved)
     defective = st.one_of(one_bad, mutated, too_many)
     kinds = ["p", "r"] + (["f", "t"] if f_lines else [])
     same_event = st.tuples(

@@ -216,6 +216,11 @@ class KernelRules:
     #: fails the enable with -ENOENT and logs nothing; 6.12 resolves it at the write
     #: (``register_trace_fprobe()``), logging BAD_PROBE_ADDR at the target
     fprobe_register_at_enable: bool = False
+    #: the most entry data an ``f ...%return`` line's entry arguments may need (one
+    #: ``unsigned long`` per argument saved at entry, ``traceprobe_get_entry_data_size()``):
+    #: more is TOO_MANY_EARGS at the first argument, -E2BIG (7.3: MAX_FPROBE_DATA_SIZE,
+    #: 15 words); None: no limit at parse time (6.12's rethook takes any size)
+    fprobe_max_entry_data: int | None = None
     #: a tracepoint probe on a tracepoint another ``t`` event already probes fails with
     #: -EEXIST and no error_log entry (6.12: ``__regsiter_tracepoint_fprobe()`` puts the
     #: same stub on the tracepoint again, ``tracepoint_probe_register_prio_may_exist()``
@@ -274,7 +279,7 @@ _7_3 = KernelRules(
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
     fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare",
-    fprobe_register_at_enable=True,
+    fprobe_register_at_enable=True, fprobe_max_entry_data=15 * 8,
     dynevent_no_match_logged=True, empty_user_string_len=1)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
@@ -348,6 +353,10 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                                  "ret++; 6.12's is ret > 0)",
         "fprobe_register_at_enable": "kernel/trace/trace_fprobe.c: enable_trace_fprobe() -> "
                                      "__register_trace_fprobe() -> traceprobe_update_arg()",
+        "fprobe_max_entry_data": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
+                                 "(ALIGN(entry_data_size) > MAX_FPROBE_DATA_SIZE, "
+                                 "include/linux/fprobe.h); trace_probe.c: "
+                                 "traceprobe_get_entry_data_size()",
         "arg_parser": "kernel/trace/trace_probe.c: parse_probe_arg() (a loop: "
                       "parse_probe_arg_nested(), parse_probe_arg_leaf(), unwind_parse_states())",
         "maxact_on_kprobe": "kernel/trace/trace_kprobe.c: trace_kprobe_create_internal()",

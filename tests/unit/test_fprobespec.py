@@ -91,6 +91,22 @@ def test_other_refusals(series):
     assert _refusal("f:foo/bar.1 vfs_read", series)[1] == 6
 
 
+def test_entry_arguments_must_fit_the_fprobe_data():
+    """7.3's trace_fprobe_create_internal(): the entry data of a return fprobe (8 bytes per
+    distinct argument saved at entry) over MAX_FPROBE_DATA_SIZE (15 words) is
+    TOO_MANY_EARGS at the first argument, E2BIG; 6.12's rethook takes any size."""
+    args = lambda n: " ".join(f"$arg{i}" for i in range(1, n + 1))  # noqa: E731
+    line = "f:g/e vfs_read%return "
+    assert len(_parse(line + args(15), "7.3").args) == 15
+    assert _refusal(line + args(16), "7.3") == \
+        ("Too many entry arguments specified", len(line), errno.E2BIG)
+    assert len(_parse(line + args(16), "6.12").args) == 16
+    # the same argument is saved once
+    assert len(_parse(line + " ".join(f"$arg{i % 3 + 1}" for i in range(40)), "7.3").args) == 40
+    # an entry probe saves nothing
+    assert len(_parse("f:g/e vfs_read " + args(16), "7.3").args) == 16
+
+
 def test_6_1_has_no_fprobe_events():
     with pytest.raises(ProbeSpecError, match="Unknown probe type"):
         parse("f:x kernel_clone")

@@ -663,6 +663,13 @@ def context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | No
         comm = tok[tok.find("=") + 1:] if written else tok
         args.append(ProbeArg(name, fetch, tname, count, bf, written, explicit, comm, code,
                              written=True))
+    # trace_fprobe.c: trace_fprobe_create_internal() (7.3), after the arguments: the entry
+    # handler's data, one unsigned long per argument saved at entry
+    # (traceprobe_get_entry_data_size()), must fit MAX_FPROBE_DATA_SIZE
+    limit = rules.fprobe_max_entry_data
+    if limit is not None and flags & argp.FL_FPROBE and flags & argp.FL_RETURN \
+            and 8 * len(lc.entry_args) > limit:
+        raise ParseFail(rules.message("TOO_MANY_EARGS"), column(2, 0), 7)
     return args
 
 
