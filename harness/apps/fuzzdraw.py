@@ -160,7 +160,15 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
     ufetch = ufetches(regs)
     utype = st.one_of(st.none(), st.sampled_from(["u32", "s64", "x64", "string", "ustring",
                                                   "u8[4]", "b4@0/32"]))
-    u_args = st.lists(st.tuples(aname, ufetch, utype).map(argtext), max_size=3)
+    # arrays of user strings: at a C main %si and %dx are argv and envp, arrays of
+    # string pointers the length pass and the store pass both walk
+    # (trace_probe_tmpl.h: process_fetch_insn_bottom(), FETCH_OP_ST_USTRING in the loop)
+    u_strs = st.tuples(aname, st.sampled_from(["+0(%si)", "+0(%dx)", "+8(%si)", "+0(%sp)"]),
+                       st.tuples(st.sampled_from(["string", "ustring"]), st.integers(2, 4))
+                       .map(lambda t: f"{t[0]}[{t[1]}]")).map(argtext)
+    u_args = st.lists(st.one_of(st.tuples(aname, ufetch, utype).map(argtext),
+                                st.tuples(aname, ufetch, utype).map(argtext), u_strs),
+                      max_size=3)
     u_line = st.one_of(
         st.tuples(st.just("p"), name, st.sampled_from(UPROBE_PLACES), u_args),
         st.tuples(st.just("r"), name, st.sampled_from(UPROBE_PLACES),
