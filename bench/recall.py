@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             for f in new:
                 print(f"  false alarm: {key(f)} {f['lines'][:2]}", flush=True)
     rows = []
+    hidden = [e for e, _ in todo if not e.get("visible", True)]
+    for e in hidden:        # no probe line shows it: not a miss, not counted (docs/recall.md)
+        print(f"{e['name']:42s} not counted: no probe line can show it "
+              f"({e['invisible_why'][:100]}...)", flush=True)
+    todo = [(e, s) for e, s in todo if e.get("visible", True)]
     for e, s in todo:
         patch = BUGS / e["patch"]
         t0 = time.monotonic()

@@ -53,6 +53,8 @@ def tree(series: str) -> Path:
 
 def test_the_corpus_has_enough_entries_across_enough_kinds():
     assert len(ENTRIES) >= 12, [n for n, _ in ENTRIES]
+    # an entry no probe line can show (visible = false, with why) is kept, not counted
+    assert len([n for n, m in ENTRIES if m.get("visible", True)]) >= 12
     assert len({m["kind"] for _, m in ENTRIES}) >= 4
     # every toml has its patch and every patch its toml
     assert {p.stem for p in BUGS.glob("*.patch")} == {n for n, _ in ENTRIES}
@@ -69,6 +71,8 @@ def test_an_entry_has_its_metadata(name, meta):
     assert meta["effect"] in EFFECTS, meta["effect"]
     assert len(meta["effect_detail"]) > 40
     assert isinstance(meta["needs"], str)
+    assert isinstance(meta.get("visible", True), bool)
+    assert meta.get("visible", True) or len(meta.get("invisible_why", "")) > 80
     fix = meta["fix"]
     assert HEX.fullmatch(fix["commit"]), fix["commit"]
     assert fix["title"] and fix["date"][:4].isdigit()
