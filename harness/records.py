@@ -61,6 +61,13 @@ class Hit:
     #: its data_locs reach (``harness.kernel.ringbuf.record_excess``; 0 on a sound kernel,
     #: and host-side, which has no record)
     excess: int = 0
+    #: Host side: ``irq`` was measured for a caller in a hardirq alone (no softirq
+    #: served), which a guest probe run from int3 records as ``task`` (rule ``int3-nmi``)
+    hardirq: bool = False
+    #: Module side, with post_handlers: where the post_handler's ``regs->ip`` is not where
+    #: the probed instruction goes (``ModuleBackend._post_ip``: an emulated branch that
+    #: went the wrong way), what differs; "" when they agree or nothing was checked
+    post_ip: str = ""
 
     def changed(self, **changes: Any) -> "Hit":
         """``dataclasses.replace(self, **changes)`` without re-running ``__init__`` (a

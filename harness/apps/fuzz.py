@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import constants as C
-from ..errors import GuestAgentError, HarnessError, NotMirroredError, ProbeSpecError, VMError
+from ..errors import (GuestAgentError, HarnessError, NotMirroredError, ProbeSpecError, SetupError,
+                      VMError)
 from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
@@ -110,22 +111,47 @@ class FuzzStats:
 def symbol_pool(vm: Machine, workload: str) -> list[str]:
     """Functions ``workload`` calls on this image, probeable by the kernel's rules
     (cached per image and workload): an in-guest function-tracer pass."""
+    return list(_traced(vm, workload)["pool"])
+
+
+def symbol_calls(vm: Machine, workload: str) -> dict[str, int]:
+    """How many calls of each function of :func:`symbol_pool` the same pass saw: what
+    a probe on it costs (each hit traps under TCG)."""
+    return dict(_traced(vm, workload)["calls"])
+
+
+def symbol_irq(vm: Machine, workload: str) -> frozenset[str]:
+    """The functions of :func:`symbol_pool` the same pass saw called in interrupt
+    context (a timer tick's work: a probe there is hit whatever the workload does)."""
+    return frozenset(_traced(vm, workload).get("irq", ()))
+
+
+def _traced(vm: Machine, workload: str) -> dict[str, Any]:
     key = hashlib.sha256(f"{vm.kernel}\0{workload}".encode()).hexdigest()[:16]
     d = C.cache_dir() / "fuzz" / "pools"
     f = d / f"{key}.json"
     if f.exists():
-        return list(json.loads(f.read_text()))
+        doc = json.loads(f.read_text())
+        if isinstance(doc, dict) and doc.get("pool"):
+            return doc
     t = "/sys/kernel/tracing"
     script = (f"cd {t}; echo 0 > tracing_on; echo > trace; echo function > current_tracer; "
-              f"echo 1 > tracing_on; ({workload}) >/dev/null 2>&1; echo 0 > tracing_on; "
-              f"echo nop > current_tracer")
+              f"echo 1 > tracing_on; ({workload}) >/dev/null 2>&1; echo 0 > tracing_on")
     vm.run(script, timeout=120)
-    text = vm.run(f"cat {t}/trace; echo > {t}/trace", timeout=120).stdout
-    names: dict[str, None] = {}
+    # read before the tracer goes back to nop: changing current_tracer empties the ring
+    # buffer (kernel/trace/trace.c: tracing_set_tracer() -> tracing_reset_online_cpus())
+    text = vm.run(f"cat {t}/trace", timeout=120).stdout
+    vm.run(f"echo nop > {t}/current_tracer; echo > {t}/trace", timeout=120)
+    names: dict[str, int] = {}
+    irq: set[str] = set()
     for line in text.splitlines():
-        m = re.search(r":\s+([\w.]+) <-", line)
+        m = re.search(r"\]\s+(\S+)\s+[\d.]+:\s+([\w.]+) <-", line)
         if m:
-            names.setdefault(m[1], None)
+            names[m[2]] = names.get(m[2], 0) + 1
+            # the irq-info column: h/H a hardirq, s a softirq (kernel/trace/
+            # trace_output.c: trace_print_lat_fmt())
+            if len(m[1]) > 2 and m[1][2] in "hHsz":
+                irq.add(m[2])
     syms, bl = vm.symbols, vm.blacklist
     pool = []
     for n in names:
@@ -133,10 +159,18 @@ def symbol_pool(vm: Machine, workload: str) -> list[str]:
         if s is None or s.module or not s.is_text or bl.find(s.addr) is not None:
             continue
         pool.append(n)
-    pool = sorted(pool)[:MAX_POOL] if len(pool) > MAX_POOL else sorted(pool)
+    pool = sorted(pool)
+    if len(pool) > MAX_POOL:        # every k-th by name: all of the alphabet, not its start
+        pool = [pool[i * len(pool) // MAX_POOL] for i in range(MAX_POOL)]
+    if not pool:        # never cached: every kprobe would be drawn on one fallback name
+        raise SetupError(f"the function tracer saw no probeable function during {workload!r} "
+                         f"({len(names)} traced)", "check that the kernel has "
+                         "CONFIG_FUNCTION_TRACER and that tracefs works in the guest")
+    doc = {"pool": pool, "calls": {n: names[n] for n in pool},
+           "irq": sorted(n for n in pool if n in irq)}
     d.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(pool))
-    return pool
+    f.write_text(json.dumps(doc))
+    return doc
 
 
 # -- strategies -------------------------------------------------------------------------
@@ -173,8 +207,9 @@ class Oracle:
     checked empty before the next)."""
 
     def __init__(self, vm: Machine, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
-                 timeout: float = EXAMPLE_TIMEOUT) -> None:
+                 timeout: float = EXAMPLE_TIMEOUT, post_handler: bool = False) -> None:
         self.guest, self.workload, self.timeout = guest, workload, timeout
+        self.post_handler = post_handler        # the module's kprobes get post_handlers
         self.vm = vm
         self.stats = FuzzStats()
 
@@ -278,7 +313,7 @@ class Oracle:
     def _differential(self, lines: tuple[str, ...], specs: list[Any]) -> Finding | None:
         vm = self.vm
         host, guest = run_differential(vm, specs, self.workload, guest=self.guest,
-                                       timeout=self.timeout)
+                                       timeout=self.timeout, post_handler=self.post_handler)
         res = compare(host, guest, trampoline=trampoline_text(vm))
         left = _events_left(vm)
         if left.strip():
@@ -346,9 +381,10 @@ def _where(exc: BaseException) -> str:
 
 
 def repro_line(f: Finding, *, image: str | None = None, guest: str = "events",
-               workload: str = DEFAULT_WORKLOAD) -> str:
+               workload: str = DEFAULT_WORKLOAD, post_handler: bool = False) -> str:
     """The ``kph diff`` one-liner that shows ``f`` again."""
     opts = (f" --image {image}" if image else "") + (f" --guest {guest}" if guest != "events" else "") \
+        + (" --post-handler" if post_handler else "") \
         + (" --refusals" if f.kind == "parse" else "")     # the host refuses the line
     # "--" first: a -: line would read as an option
     return "kph diff" + opts + f" --run {shlex.quote(workload)} -- " + \

@@ -1,7 +1,7 @@
 """``kph hunt``: run what the harness has against one kernel, told nothing about where a
 bug might be, and report each finding once.
 
-Three phases share one time budget (:class:`Budget`), each ending at its share of it
+Four phases share one time budget (:class:`Budget`), each ending at its share of it
 (time a phase leaves unused goes to the next):
 
 1. **selftests**: the booted kernel's own ftrace selftest cases
@@ -13,7 +13,14 @@ Three phases share one time budget (:class:`Budget`), each ending at its share o
 2. **scenarios**: the generic ``probes/scenarios/*.toml`` (not ``upstream/``, whose
    expectations are known bugs; none with a ``[kernels]`` table), each through ``kph
    repro``'s runner on this image: a scenario NOT MET is a finding;
-3. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
+3. **insns**: kprobes on the instructions of the functions the workload calls (the
+   fuzzer's symbol pool, in a seeded order), each with a post_handler (``kph diff --guest
+   module --post-handler``): where the kernel handed each post_handler (after emulating a
+   Jcc, jmp or call, or single-stepping anything else out of line) against where the
+   instruction goes (:func:`harness.kernel.emulate.next_ip`), with every other check of a
+   run. The kernel itself says where the instructions are (the module registers a kprobe
+   at every byte, ``ModuleBackend.instructions``); the branches go first;
+4. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
    series has, until the budget ends.
 
 The kernel-side oracles are in every run (a splat is a ``kernel`` finding, a hang a
@@ -27,6 +34,7 @@ known and does not count.
 from __future__ import annotations
 
 import json
+import random
 import re
 import shlex
 import subprocess
@@ -37,7 +45,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from ..diff.ktap import Case
+from ..backends.module import ModuleBackend
 from ..errors import HarnessError, SetupError
+from ..kernel.emulate import next_ip
 from ..machine.image.kbuild import missing_options
 from ..vmctl import Machine
 from . import fuzz, fuzzdraw, selftests, selftests_newer
@@ -46,13 +56,18 @@ from .selftests import fill
 
 #: Each phase's share of the budget, in order; a phase ends at the sum of the shares so
 #: far (the last at the budget's end).
-SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.4), ("scenarios", 0.25), ("fuzz", 0.35))
+SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.35), ("scenarios", 0.2),
+                                          ("insns", 0.12), ("fuzz", 0.33))
 PHASES = tuple(p for p, _ in SHARES)
 SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 #: the options a kernel needs for a hunt (its config, as the image keeps it)
 NEEDS = {"CONFIG_KPROBES": "the guest's kprobes", "CONFIG_KPROBE_EVENTS": "kprobe_events",
          "CONFIG_FTRACE": "tracefs"}
 FUZZ_ROUND = 25
+#: the insns phase: kprobes per run, and the bytes of a function swept for instructions
+INSN_PROBES, INSN_SWEEP = 16, 1024
+#: the insns phase leaves out functions the workload's tracer pass saw called more often
+INSN_MAX_CALLS = 100
 #: a scenario's run may go this far past its phase's end before it is ended
 SCENARIO_GRACE = 60.0
 
@@ -346,9 +361,10 @@ class Hunt:
                 self.stopped = True
                 self.say("hunt: stopping at the first new finding (--stop-at-first)")
 
-    def _repro(self, lines: tuple[str, ...], workload: str, guest: str, kind: str = "") -> str:
+    def _repro(self, lines: tuple[str, ...], workload: str, guest: str, kind: str = "",
+               post: bool = False) -> str:
         return fuzz.repro_line(fuzz.Finding(lines, kind, "", ""), image=self.image_arg,
-                               guest=guest, workload=workload)
+                               guest=guest, workload=workload, post_handler=post)
 
     def run(self) -> HuntResult:
         t0 = time.monotonic()
@@ -359,6 +375,7 @@ class Hunt:
             self.vm = self._boot()
             self.selftests()
             self.scenario_phase()
+            self.insn_phase()
             self.fuzz_phase()
         finally:
             if self.vm is not None:
@@ -403,7 +420,8 @@ class Hunt:
 
     def _judged(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
                 source: str, o: fuzz.Oracle, phase: str) -> None:
-        f = self._finding(got, lines, work, guest, source, phase)
+        post = o.post_handler
+        f = self._finding(got, lines, work, guest, source, phase, post)
         if got.kind in ("kernel", "hang", "crash", "timeout"):
             self._fresh()
             o.vm = self.vm
@@ -411,15 +429,16 @@ class Hunt:
             def same(cand: tuple[str, ...]) -> bool:
                 g = o.judge(cand)
                 return g is not None and \
-                    self._finding(g, cand, work, guest, source, phase).key == f.key
+                    self._finding(g, cand, work, guest, source, phase, post).key == f.key
             short = shrink_lines(lines, same, self.budget.phase_end(phase))
-            f.lines, f.reproduce = short, self._repro(short, work, guest, got.kind)
+            f.lines, f.reproduce = short, self._repro(short, work, guest, got.kind, post)
         self._add(f)
 
     def _finding(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
-                 source: str, phase: str) -> Finding:
+                 source: str, phase: str, post: bool = False) -> Finding:
         return Finding(phase, got.kind, probe_kind(lines), what_of(got), tuple(lines),
-                       got.detail, self._repro(tuple(lines), work, guest, got.kind), source)
+                       got.detail, self._repro(tuple(lines), work, guest, got.kind, post),
+                       source)
 
     # phase 2
     def scenario_files(self) -> list[Path]:
@@ -508,6 +527,48 @@ class Hunt:
 
 
     # phase 3
+    def insn_phase(self) -> None:
+        c = self.counts["insns"]
+        work = fuzz.DEFAULT_WORKLOAD
+        try:
+            pool = fuzz.symbol_pool(self.vm, work)
+            calls, irq = fuzz.symbol_calls(self.vm, work), fuzz.symbol_irq(self.vm, work)
+        except HarnessError as exc:
+            self.say(f"hunt: insns: no symbol pool ({exc})")
+            return
+        # not what interrupts run (a timer tick's work, hit whatever the workload does:
+        # with a trap at each instruction under TCG the ticks outgrow the workload), nor
+        # the hottest
+        order = [fn for fn in random.Random(self.seed).sample(pool, len(pool))
+                 if fn not in irq and calls.get(fn, 0) <= INSN_MAX_CALLS]
+        self.say(f"hunt: insns: {len(order)} function(s) the workload calls outside "
+                 f"interrupts, {INSN_PROBES} kprobes with post_handlers a run")
+        o: fuzz.Oracle | None = None
+        for fn in order:
+            if not self._room("insns", c["run"]):
+                break
+            sym = self.vm.symbols.get(fn)
+            if sym is None or not sym.size:
+                continue
+            sweep = ModuleBackend(self.vm)
+            try:
+                sites = sweep.instructions(sym.addr, min(sym.size, INSN_SWEEP))
+            finally:
+                sweep.close()
+            lines = insn_lines(fn, sym.addr, sites, random.Random(f"{self.seed}:{fn}"))
+            if not lines:
+                continue
+            if o is None or o.vm is not self.vm:
+                o = fuzz.Oracle(self.vm, guest="module", workload=work, post_handler=True)
+            c["run"] += 1
+            got = o.judge(lines)
+            if got is None:
+                c["agreed"] += 1
+                continue
+            self._judged(got, lines, work, "module", f"insns:{fn}", o, "insns")
+        self.say(f"hunt: insns: {c['run']} function(s) run, {c['agreed']} agreed")
+
+    # phase 4
     def fuzz_phase(self) -> None:
         c = self.counts["fuzz"]
         rnd = 0
@@ -534,6 +595,20 @@ class Hunt:
                      f"finding(s), {self.budget.left('fuzz'):.0f} s left")
             if st.examples == 0:
                 break
+
+
+def insn_lines(fn: str, addr: int, sites: list[tuple[int, bytes]], rnd: random.Random,
+               n: int = INSN_PROBES) -> tuple[str, ...]:
+    """Up to ``n`` probe lines on the instructions ``sites`` (offset, bytes) of ``fn``:
+    its branches first (what x86 kprobes emulate: Jcc, jmp, call; arch/x86/kernel/kprobes/
+    core.c: prepare_emulation()), then other instructions whose next address the bytes
+    tell, drawn with ``rnd``; in address order."""
+    told = [(off, next_ip(code, addr + off, 0)) for off, code in sites]
+    branches = [off for off, k in told if k is not None and k[0] != "insn"]
+    straight = [off for off, k in told if k is not None and k[0] == "insn"]
+    pick = rnd.sample(branches, min(n, len(branches)))
+    pick += rnd.sample(straight, min(n - len(pick), len(straight)))
+    return tuple(f"p:kph/i{off:x} {fn}+{off:#x}" for off in sorted(pick))
 
 
 def report_lines(res: HuntResult) -> Iterator[str]:

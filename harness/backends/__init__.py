@@ -48,15 +48,17 @@ class ProbeBackend(Protocol):
         """Unregister everything; the guest is left as it was."""
 
 
-def make_backend(name: str, vm: Machine) -> ProbeBackend:
+def make_backend(name: str, vm: Machine, *, post_handler: bool = False) -> ProbeBackend:
     """The backend called ``name`` (host, events, module) on ``vm``; a host engine's as
-    in a host-only run (``alone``: it puts tracepoint probes' stubs on itself)."""
+    in a host-only run (``alone``: it puts tracepoint probes' stubs on itself).
+    ``post_handler``: the module's kprobes get a post_handler each (checked where the
+    probed instruction went: ``ModuleBackend._post_ip``)."""
     if name == "host":        # alone: a host-only run (run_single)
         return HostBackend(vm, alone=True)
     if name == "events":
         return EventsBackend(vm)
     if name == "module":
-        return ModuleBackend(vm)
+        return ModuleBackend(vm, post_handler=post_handler)
     if name == "plugin":
         return PluginBackend(vm, alone=True)
     raise ValueError(f"unknown backend {name!r}: use host, plugin, events or module")

@@ -544,14 +544,14 @@ class HostBackend:
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
-        irq = eng.hit_context(regs) if up is None else ""
+        irq, hard = eng.hit_contexts(regs) if up is None else ("", False)
         if up is None and not spec.is_return and not spec.is_eprobe:
             self._hit_at[len(self._hits)] = (regs.cpu, what.addr, eng.stats["hits"])
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
                               seq=len(self._hits), cpu=regs.cpu, pid=pid,
                               comm=comm, ip=ip_text,
                               ret_from=ret_from, args=args,
-                              mode="host", irq=irq,
+                              mode="host", irq=irq, hardirq=hard,
                               ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                               unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                               failed=tuple((spec.args[i].name, a) for i, a in failed.items()),

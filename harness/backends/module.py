@@ -38,6 +38,7 @@ from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
                          StackEntry, StackPointer, format_ip, format_value)
+from ..kernel.emulate import next_ip
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeArg, ProbeSpec
@@ -226,7 +227,8 @@ class Item:
 @dataclass(frozen=True)
 class ModuleRecord:
     """One line of ``events``. ``kind`` is ``pre``, ``post`` or ``ret``; ``addr`` the probed
-    address, ``ip`` the raw ``regs->ip`` the handler saw, ``ret_addr`` a return's address."""
+    address, ``ip`` the raw ``regs->ip`` the handler saw, ``ret_addr`` a return's address
+    (a post record's: ``regs->flags``, what an emulated Jcc decided on)."""
 
     seq: int
     id: int
@@ -452,6 +454,10 @@ class ModuleBackend:
         self.outcomes: list[Outcome] = []
         self.hits: list[Hit] = []
         self.post_records: list[ModuleRecord] = []
+        #: probe id -> its instruction as the kprobe's slot holds it (``list``)
+        self.insns: dict[int, bytes] = {}
+        #: post records whose regs->ip was checked against the instruction's outcome
+        self.posts_checked = 0
         self._placed: dict[int, _Placed] = {}
         self._next_id = 1
         self._loaded = False
@@ -484,6 +490,24 @@ class ModuleBackend:
             raise ModuleError(f"insmod {GUEST_KO} failed: {(r.stderr or r.stdout).strip()}; "
                               "rebuild the image with `kph image build`")
         self._loaded = True
+
+    def instructions(self, addr: int, size: int, *, first_id: int = 1 << 24
+                     ) -> list[tuple[int, bytes]]:
+        """The instructions in ``[addr, addr + size)`` the kernel puts a kprobe on, as
+        (offset, bytes), asked of the kernel itself: a kprobe at every byte, those
+        registered read back with their instructions (``list``), then all removed.
+        register_kprobe() refuses a place inside an instruction (arch/x86/kernel/kprobes/
+        core.c: can_probe() decodes from the function's start: -EILSEQ) and one it does
+        not probe (-EINVAL, -EBUSY...); the host needs no x86 decoder."""
+        self.load()
+        ids = range(first_id, first_id + size)
+        self.control("".join(add_line(i, "p", addr + i - first_id, ()) + "\n" for i in ids))
+        try:
+            listing = self.list()
+        finally:
+            self.control("".join(f"del {i}\n" for i in ids if i in listing))
+        return [(i - first_id, self.insns.pop(i)) for i in ids
+                if listing.get(i, ("",))[0] == "registered" and i in self.insns]
 
     def control(self, text: str) -> None:
         """Write control lines; :raise ModuleError: with the module's reason on refusal."""
@@ -626,11 +650,15 @@ class ModuleBackend:
         return out
 
     def list(self) -> dict[int, tuple[str, int, str]]:
-        """id -> (registered|rejected, errno as the kernel returned it, mode)."""
+        """id -> (registered|rejected, errno as the kernel returned it, mode). Each
+        registered probe's instruction as its slot holds it (``insn HEX``) is kept in
+        :attr:`insns`."""
         out = {}
         for line in self._sh(f"cat {KPH_DIR}/list").splitlines():
             p = line.split()
             out[int(p[0])] = (p[3], int(p[4]), p[5])
+            if "insn" in p[:-1] and p[p.index("insn") + 1] != "-":
+                self.insns[int(p[0])] = bytes.fromhex(p[p.index("insn") + 1])
         return out
 
     def enable(self, *, recording: bool = True) -> None:
@@ -730,15 +758,43 @@ class ModuleBackend:
         symbolize = remembered_symbolizer(self.vm.symbols)
         recs = self.records()
         self.check_dropped()
+        last_pre: dict[tuple[int, int], int] = {}    # (probe, cpu) -> its last pre hit
         for rec in recs:
             placed = self._placed.get(rec.id)
             if placed is None:
                 log.debug("record of unknown probe %d dropped", rec.id)
             elif rec.kind == "post":
                 self.post_records.append(rec)
+                at = last_pre.pop((rec.id, rec.cpu), None)
+                wrong = self._post_ip(rec)
+                if wrong and at is not None:
+                    self.hits[at] = self.hits[at].changed(post_ip=wrong)
             else:
+                if rec.kind == "pre":
+                    last_pre[(rec.id, rec.cpu)] = len(self.hits)
                 self.hits.append(self._hit(rec, placed, symbolize))
         return list(self.hits)
+
+    def _post_ip(self, rec: ModuleRecord) -> str:
+        """The post_handler's ``regs->ip`` against where the probed instruction goes
+        (:func:`harness.kernel.emulate.next_ip` from its bytes and the flags the record
+        carries): "" when they agree or the bytes do not tell, else what differs. The
+        kernel emulates a probed Jcc, jmp or call (arch/x86/kernel/kprobes/core.c:
+        prepare_emulation()) and single-steps the rest out of line; either way
+        kprobe_post_process() hands the post_handler the address the instruction went
+        to."""
+        code = self.insns.get(rec.id)
+        if code is None:
+            return ""
+        want = next_ip(code, rec.addr, rec.ret_addr)
+        if want is None:
+            return ""
+        self.posts_checked += 1
+        what, to = want
+        if rec.ip == to:
+            return ""
+        return (f"{what} ({code.hex()}) at {rec.addr:#x} with flags {rec.ret_addr:#x}: the "
+                f"post_handler saw ip {rec.ip:#x}, the instruction goes to {to:#x}")
 
     def _hit(self, rec: ModuleRecord, placed: _Placed,
              symbolize: Callable[[int], str | None]) -> Hit:

@@ -57,6 +57,13 @@ def hit_context(flags: int) -> str:
                            (0x100000 if flags & RF_NMI else 0))
 
 
+def hit_hardirq(flags: int) -> bool:
+    """Whether :func:`hit_context` is ``irq`` for a hardirq alone
+    (``harness.kernel.kprobes.preempt_hardirq_only``)."""
+    return bool(flags & RF_CTX) and bool(flags & RF_HARDIRQ) and \
+        not flags & (RF_SOFTIRQ | RF_NMI)
+
+
 class _RecordCtx:
     """``harness.kernel.grammar.fetch.FetchContext`` over one plugin record."""
 
@@ -524,6 +531,7 @@ class PluginBackend:
                    cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip=ip_text, ret_from=ret_from, args=args, mode="plugin",
                    irq="" if up is not None else hit_context(rec.flags),
+                   hardirq=up is None and hit_hardirq(rec.flags),
                    ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
@@ -548,7 +556,8 @@ class PluginBackend:
         return Hit(side=self.side, probe=name, kind="p", seq=seq, cpu=rec.vcpu,
                    pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
                    ip="{}.{}".format(*(spec.attach or ("", ""))), ret_from=None, args=args,
-                   mode="plugin", irq=hit_context(rec.flags), unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
+                   mode="plugin", irq=hit_context(rec.flags), hardirq=hit_hardirq(rec.flags),
+                   unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
 
     def collect(self) -> list[Hit]:

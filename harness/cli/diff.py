@@ -38,6 +38,12 @@ def add_parser(subparsers: Any) -> None:
     df.add_argument("--host", choices=("gdbstub", "plugin", "both"), default="gdbstub",
                     help="the host-side engine: gdbstub (default), plugin, or both (three "
                     "worlds on one execution, every pair compared)")
+    df.add_argument("--post-handler", action="store_true",
+                    help="with --guest module: give each kprobe a post_handler (as "
+                    "register_kprobe() takes one; it is then never optimized) and check "
+                    "where it saw the probed instruction go against the instruction's own "
+                    "outcome (its bytes, and the flags for a Jcc the kernel emulates): a "
+                    "difference is field post-ip (docs/diff.md)")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     df.add_argument("--trigger", metavar="EVENT=stacktrace[:N]", action="append", default=[],
                     help="put a stacktrace trigger on an event of the lines (GROUP/EVENT or "
@@ -87,13 +93,20 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.guest == "module" and any(s.is_uprobe for s in specs):
         raise SetupError("the module backend has kprobes only; these specs include uprobes",
                          "use --guest events (uprobe_events) for uprobe lines")
+    if args.post_handler and args.guest != "module":
+        raise SetupError("--post-handler is the module backend's (a kprobe_events probe has "
+                         "no post_handler)", "add --guest module")
+    if args.post_handler and args.host == "both":
+        raise SetupError("--post-handler with --host both is not supported",
+                         "use --host gdbstub or --host plugin")
     if args.host == "both":
         return run_three(args, specs, out, verdict)
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     with machine(args) as vm:
         booted(vm, args, out)
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
-                                progress=out.progress, triggers=triggers)
+                                progress=out.progress, triggers=triggers,
+                                post_handler=args.post_handler)
         tramp = trampoline_text(vm)
         kernel = ci.kernel_of(vm)
     workload_ran(runs[0], args.run)

@@ -152,6 +152,14 @@ def _trampoline(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     return k[4:] in slot_args(ha) and is_trampoline(vb, tr)
 
 
+def _int3_nmi(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """The context: side a (a host engine) measured ``irq`` for a caller in a hardirq
+    alone (``Hit.hardirq``), side b's probe ran its handler from int3 (its mode), and
+    side b says ``task``."""
+    return k == "irq" and va == "irq" and vb == "task" and ha.hardirq and \
+        hb.mode == "int3"
+
+
 def _comm_change(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     """Both sides saw the pid take that comm after the hit: the host through its hidden
     probe on ``__set_task_comm()``, the guest in its own ``task:task_rename`` records
@@ -406,6 +414,17 @@ REGISTRY: tuple[Rule, ...] = (
          "kernel/trace/trace_probe.c: parse_probe_arg() keeps the string in the kernel",
          "the host's record gives the reason for that argument",
          _unknown_rule("kernel-data")),
+    Rule("int3-nmi", "field",
+         "a host irq (a caller in a hardirq, no softirq served) compares equal to a guest "
+         "task where the guest's probe ran its handler from int3",
+         "arch/x86/kernel/traps.c: exc_int3() runs a kernel-mode int3 in "
+         "irqentry_nmi_enter(), which sets NMI and HARDIRQ in preempt_count for every "
+         "caller; kernel/trace/trace.c: tracing_gen_ctx_irq_test() records both, and an "
+         "NMI hides the caller's hardirq (the module's in_hardirq() && !in_nmi() alike)",
+         "the host read the caller's preempt_count: HARDIRQ set, SOFTIRQ and NMI clear "
+         "(Hit.hardirq); the guest's mode of the probe is int3 (kprobes/list, the "
+         "module's list)",
+         _int3_nmi),
     Rule("comm-change", "field",
          "a guest comm the same pid took after the hit (an exec renamed it before "
          "saved_cmdlines recorded it) compares equal",

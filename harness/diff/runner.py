@@ -110,12 +110,14 @@ def _single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str
 def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
                      timeout: float = 120.0, progress: ProgressFn | None = None,
-                     triggers: Mapping[str, int] | None = None
+                     triggers: Mapping[str, int] | None = None, post_handler: bool = False
                      ) -> tuple[SideResult, SideResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
         while the workload runs when it can show live lines.
+    :param post_handler: with ``guest="module"``: each kprobe gets a post_handler, and
+        where it saw the probed instruction go is checked (``Hit.post_ip``)
     :param triggers: ``{EVENT: count}`` of ``stacktrace`` triggers
         (``harness.backends.triggers.parse_triggers``; -1: no count): the guest's events
         get them, the host takes ``regs.stack_trace()`` at the same hits.
@@ -128,7 +130,8 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     watch = KernelWatch(vm)
     with watch.watching():
         host, guest_res = _differential(vm, specs, workload, guest=guest, hook=hook,
-                                        timeout=timeout, progress=progress, triggers=triggers)
+                                        timeout=timeout, progress=progress, triggers=triggers,
+                                        post_handler=post_handler)
         splats = watch.finish()
     return (dataclasses.replace(host, splats=splats),
             dataclasses.replace(guest_res, splats=splats))
@@ -163,8 +166,8 @@ def events_modelled(backend: Any) -> tuple[str, ...] | None:
 
 def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                   guest: str, hook: FetchHook | None, timeout: float,
-                  progress: ProgressFn | None, triggers: Mapping[str, int] | None
-                  ) -> tuple[SideResult, SideResult]:
+                  progress: ProgressFn | None, triggers: Mapping[str, int] | None,
+                  post_handler: bool = False) -> tuple[SideResult, SideResult]:
     specs = resolve_uprobes(vm, specs)
     trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
                                              if s.kind != "-"])
@@ -176,7 +179,10 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         raise NotMirroredError("stacktrace triggers are mirrored by the gdbstub engine "
                                "(the plugin's records hold no stack)", "", 0,
                                hint="use --host gdbstub")
-    g = make_backend(guest, vm)
+    if post_handler and guest != "module":
+        raise SetupError("post_handlers are the module's (a kprobe_events probe has none)",
+                         "use --guest module with --post-handler")
+    g = make_backend(guest, vm, post_handler=post_handler)
     if trig:
         g.triggers = trig
     h: Any = None

@@ -209,7 +209,7 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
 def _same(h: Hit) -> tuple[object, ...]:
     """What :func:`_fields` is made of, raw: two hits equal here have equal fields."""
     return (h.kind, h.cpu, h.comm, h.ip, h.ret_from or "", h.pid, h.irq, h.args, h.stack,
-            h.excess)
+            h.excess, h.post_ip)
 
 
 def _fields(h: Hit) -> dict[str, str]:
@@ -224,6 +224,8 @@ def _fields(h: Hit) -> dict[str, str]:
         out["stack"] = " ".join(h.stack)
     if h.excess:        # the record's length is not its data's (no side may differ here)
         out["record-size"] = f"{h.excess:+d} bytes beyond its fields and strings"
+    if h.post_ip:       # the post_handler's ip is not where the instruction goes
+        out["post-ip"] = h.post_ip
     return out
 
 

@@ -61,7 +61,7 @@ from ..gdbstub import GdbStub, Stop, readable
 from ..machine.image.facts import percpu_current_task, percpu_offset
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
-                              ProbeFlags, PtRegs, preempt_context)
+                              ProbeFlags, PtRegs, preempt_context, preempt_hardirq_only)
 from ..kernel.unwind import stack_trace
 from ..kernel.symbols import ReservedText, is_ftrace_site
 from ..vmctl import register_host_engine
@@ -516,9 +516,14 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         guest's trace entry flags tell it (``tracing_gen_ctx()``), from ``preempt_count()``;
         "" when it cannot be read (``harness.kernel.kprobes.preempt_context``). Where the
         count lives: ``facts.percpu_preempt_count``."""
+        return self.hit_contexts(regs)[0]
+
+    def hit_contexts(self, regs: PtRegs) -> tuple[str, bool]:
+        """(:meth:`hit_context`, whether it is ``irq`` for a hardirq alone:
+        ``harness.kernel.kprobes.preempt_hardirq_only``), from one read of the count."""
         off = self._percpu_off("__preempt_count", "preempt_count")
         pc = self.percpu_read_at(regs, off) if off is not None else None
-        return "" if pc is None else preempt_context(pc)
+        return ("", False) if pc is None else (preempt_context(pc), preempt_hardirq_only(pc))
 
     def _percpu_off(self, var: str, hot: str) -> int | None:
         """The per-cpu offset of ``var`` (``facts.percpu_offset``: its own per-cpu

@@ -141,3 +141,78 @@ def _modrm_len(code: bytes, j: int) -> int | None:
     elif mod == 2:
         n += 4
     return n
+
+
+# -- where an instruction hands control (the post_handler's regs->ip) -------------------
+
+#: Legacy prefixes (Intel SDM Vol. 2A, 2.1.1): lock/rep, segment overrides and branch
+#: hints, operand and address size
+PREFIXES = frozenset({0xF0, 0xF2, 0xF3, 0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65, 0x66, 0x67})
+#: One-byte opcodes that transfer control somewhere the flags and the bytes do not tell
+#: (ret, far and indirect branches, interrupts, loop/jcxz on rcx, xbegin's group, hlt)
+_ELSEWHERE = frozenset({0xC2, 0xC3, 0xCA, 0xCB, 0xCF, 0xCC, 0xCD, 0xCE, 0xF1, 0xE0, 0xE1,
+                        0xE2, 0xE3, 0xEA, 0x9A, 0xF4, 0xFF, 0xC7})
+#: Two-byte (0x0f) ones: sysenter/syscall/sysret/sysexit, the 0f 00 and 0f 01 system
+#: groups, the undefined-instruction traps BUG() and WARN() use (ud2, ud1, ud0)
+_ELSEWHERE_0F = frozenset({0x00, 0x01, 0x05, 0x07, 0x0B, 0x34, 0x35, 0xB9, 0xFF})
+#: Jcc's conditions by the opcode's low nibble >> 1 (Intel SDM Vol. 2A "Jcc"; an odd
+#: nibble is the negation): O, B/C, E/Z, BE, S, P, L (SF != OF), LE (ZF or SF != OF)
+_CC_NAMES = ("o", "b", "e", "be", "s", "p", "l", "le")
+CF, PF, ZF, SF, OF = 1 << 0, 1 << 2, 1 << 6, 1 << 7, 1 << 11
+
+
+def jcc_taken(cc: int, flags: int) -> bool:
+    """Whether Jcc with condition ``cc`` (0-15, the opcode's low nibble) jumps under
+    ``flags`` (RFLAGS): the CPU's rule, Intel SDM Vol. 2A "Jcc" (the kernel's
+    ``int3_emulate_jcc()``, arch/x86/include/asm/text-patching.h, emulates it for a
+    kprobe on a Jcc: arch/x86/kernel/kprobes/core.c: kprobe_emulate_jcc())."""
+    cf, pf, zf = bool(flags & CF), bool(flags & PF), bool(flags & ZF)
+    sf, of = bool(flags & SF), bool(flags & OF)
+    cond = (of, cf, zf, cf or zf, sf, pf, sf != of, zf or sf != of)[(cc >> 1) & 7]
+    return cond != bool(cc & 1)
+
+
+def jcc_name(cc: int) -> str:
+    return "j" + ("n" if cc & 1 else "") + _CC_NAMES[(cc >> 1) & 7]
+
+
+def next_ip(code: bytes, addr: int, flags: int) -> tuple[str, int] | None:
+    """Where the whole instruction ``code`` (exactly its bytes) at ``addr`` goes next, as
+    the CPU runs it with ``flags`` (RFLAGS; a Jcc reads them and changes none): (what it
+    is, the address). A Jcc goes to its target or falls through, jmp and call rel go to
+    theirs, any other instruction that is not a transfer of control to the next one.
+    None for those whose target the bytes and flags do not tell (ret, indirect and far
+    branches, interrupts, loop/jcxz, system instructions, ud2) and for a 16-bit
+    branch. Where the instruction was probed, a kprobe's post_handler sees this address
+    in ``regs->ip`` (kernel/kprobes.c, arch/x86/kernel/kprobes/core.c:
+    kprobe_post_process(), after the emulation or the single-step)."""
+    i, n = 0, len(code)
+    while i < n and code[i] in PREFIXES:
+        i += 1
+    opsize16 = 0x66 in code[:i]
+    if i < n and 0x40 <= code[i] <= 0x4F:      # REX
+        i += 1
+    if i >= n:
+        return None
+    op, end = code[i], (addr + n) & MASK64
+
+    def rel(at: int, size: int) -> int | None:
+        if at + size != n:          # the displacement must end the instruction
+            return None
+        return int.from_bytes(code[at:at + size], "little", signed=True)
+
+    if 0x70 <= op <= 0x7F or (op == 0x0F and i + 1 < n and 0x80 <= code[i + 1] <= 0x8F):
+        short = op != 0x0F
+        cc = (op if short else code[i + 1]) & 0xF
+        d = rel(i + 1, 1) if short else (None if opsize16 else rel(i + 2, 4))
+        if d is None:
+            return None
+        return jcc_name(cc), ((end + d) & MASK64) if jcc_taken(cc, flags) else end
+    if op in (0xEB, 0xE9, 0xE8):
+        d = rel(i + 1, 1) if op == 0xEB else (None if opsize16 else rel(i + 1, 4))
+        if d is None:
+            return None
+        return ("jmp" if op != 0xE8 else "call"), (end + d) & MASK64
+    if op in _ELSEWHERE or (op == 0x0F and (i + 1 >= n or code[i + 1] in _ELSEWHERE_0F)):
+        return None
+    return "insn", end

@@ -274,6 +274,16 @@ def preempt_context(pc: int) -> str:
     return "task"
 
 
+def preempt_hardirq_only(pc: int) -> bool:
+    """Whether :func:`preempt_context` says ``irq`` for ``pc`` only because the caller is
+    in a hardirq (no softirq served, no NMI): what the trace entry of a guest kprobe whose
+    handler ran from int3 cannot show, since ``irqentry_nmi_enter()`` (arch/x86/kernel/
+    traps.c: exc_int3() -> do_int3_user()/kernel mode) sets NMI and HARDIRQ for every
+    caller alike (rule ``int3-nmi``, harness.diff.rules)."""
+    pc &= 0x7FFFFFFF
+    return bool(pc & 0x000F0000) and not pc & 0x100 and not pc & 0x00F00000
+
+
 def kernel_rethook_trampoline(symbols: Any) -> int:
     """The guest kernel's own kretprobe trampoline: ``arch_rethook_trampoline`` where
     kretprobes run on rethook (x86 since 5.19: CONFIG_KRETPROBE_ON_RETHOOK, so 6.1, 6.12

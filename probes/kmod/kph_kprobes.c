@@ -19,7 +19,9 @@
  *   stats    (read) recording, buffer use, drops, then "probe ID KIND nhit N nmissed N
  *            nentry N npost N mode MODE" per registered probe
  *   list     (read) "ID KIND ADDR registered|rejected ERR MODE maxactive N flags N nargs N
- *                    slot ADDR opcode XX" (the instruction slot and the byte int3 replaced)
+ *                    slot ADDR opcode XX insn HEX" (the instruction slot, the byte int3
+ *                    replaced, and the probed instruction as the slot holds it,
+ *                    p->ainsn.size bytes; "-" without a slot: an ftrace probe)
  *
  * A PROG is a postfix program over a stack of u64, ops separated by ',', operands by ':':
  *   reg:OFF   push the pt_regs field at byte OFF      imm:V     push V
@@ -51,8 +53,9 @@
  *   the probed call as a trace entry's flags tell it (tracing_gen_ctx(): a softirq being
  *   served, or a hardirq that is not the NMI context an int3 handler runs in); COMM hex ("-" if empty); ADDR the
  *   probed address (p->addr); IP the raw regs->ip the handler saw; RETADDR the return
- *   address of a ret record (get_kretprobe_retaddr()), else 0; each ARG its items joined
- *   by ',' ("-" for none). post records carry no args.
+ *   address of a ret record (get_kretprobe_retaddr()), regs->flags in a post record
+ *   (what an emulated Jcc decided on), else 0; each ARG its items joined by ',' ("-" for
+ *   none). post records carry no args.
  */
 #include <linux/module.h>
 #include <linux/kernel.h>
@@ -481,7 +484,7 @@ static void kph_post(struct kprobe *p, struct pt_regs *regs, unsigned long flags
 
 	if (READ_ONCE(recording)) {
 		atomic64_inc(&pr->npost);
-		kph_record(pr, 's', p, regs, 0, false, NULL);
+		kph_record(pr, 's', p, regs, regs->flags, false, NULL);
 	}
 }
 NOKPROBE_SYMBOL(kph_post);
@@ -1114,8 +1117,16 @@ static int kph_list_show(struct seq_file *m, void *v)
 		/* slot/opcode: the out-of-line copy of the probed instruction and the byte the
 		 * int3 replaced (kph demo trap-flow shows them; an ftrace probe has no slot). */
 		struct kprobe *k = pr->kind == 'r' ? &pr->rp.kp : &pr->kp;
+		u8 insn[MAX_INSN_SIZE];
+		int n = 0;
 
-		seq_printf(m, "%u %c %lx %s %d %s maxactive %d flags %u nargs %d slot %px opcode %02x\n",
+		/* arch_copy_kprobe(): the copy of the instruction (a RIP-relative
+		 * displacement adjusted to the slot; branches' rel8/rel32 as they are) */
+		if (pr->registered && k->ainsn.insn && k->ainsn.size <= MAX_INSN_SIZE &&
+		    !copy_from_kernel_nofault(insn, k->ainsn.insn, k->ainsn.size))
+			n = k->ainsn.size;
+
+		seq_printf(m, "%u %c %lx %s %d %s maxactive %d flags %u nargs %d slot %px opcode %02x insn ",
 			   pr->id, pr->kind, pr->addr,
 			   pr->registered ? "registered" : "rejected", pr->err,
 			   kph_mode_name(pr),
@@ -1123,6 +1134,10 @@ static int kph_list_show(struct seq_file *m, void *v)
 			   pr->flags, pr->nargs,
 			   pr->registered ? (void *)k->ainsn.insn : NULL,
 			   pr->registered ? k->opcode : 0);
+		if (n)
+			seq_printf(m, "%*phN\n", n, insn);
+		else
+			seq_puts(m, "-\n");
 	}
 	mutex_unlock(&ctl_mutex);
 	return 0;

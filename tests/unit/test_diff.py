@@ -448,6 +448,23 @@ def test_comm_change_takes_only_a_comm_the_pid_took_later():
     assert not res.equivalent and res.first.field == "comm"
 
 
+def test_int3_nmi_takes_only_a_hardirq_caller_under_an_int3_probe():
+    h = dataclasses.replace(hit("host", 0, dfd=1), irq="irq", hardirq=True)
+    g = dataclasses.replace(hit("events", 0, dfd=1), irq="task", mode="int3")
+    res = compare(run("host", [h]), run("events", [g]))
+    assert res.equivalent and res.applied["int3-nmi"] == 1
+    # an optimized or ftrace-based probe runs its handler in the caller's context
+    res = compare(run("host", [h]), run("events", [dataclasses.replace(g, mode="optimized")]))
+    assert not res.equivalent and res.first.field == "irq"
+    # a softirq (or no measured hardirq) shows through the NMI: no evidence
+    res = compare(run("host", [dataclasses.replace(h, hardirq=False)]), run("events", [g]))
+    assert not res.equivalent and res.first.field == "irq"
+    # the other way round (a guest irq, a host task) is no NMI's doing
+    res = compare(run("host", [dataclasses.replace(h, irq="task")]),
+                  run("events", [dataclasses.replace(g, irq="irq")]))
+    assert not res.equivalent and res.first.field == "irq"
+
+
 def test_pid_and_cpu_are_compared_and_a_pid_one_side_lacks_is_counted():
     res = compare(run("host", [hit("host", 0, dfd=1)]),
                   run("events", [dataclasses.replace(hit("events", 0, dfd=1), pid=8)]))
@@ -845,6 +862,7 @@ REFUSED_BY = {
     "flags": test_the_plugin_flags_rule_holds_only_on_the_plugin_engine_side,
     "kernel-data": test_kernel_data_unknown_matches_only_an_unknown_host_value_of_that_argument,
     "comm-change": test_comm_change_takes_only_a_comm_the_pid_took_later,
+    "int3-nmi": test_int3_nmi_takes_only_a_hardirq_caller_under_an_int3_probe,
     "stack-machinery": test_stack_machinery_takes_extra_frames_on_the_guest_side_only,
     "pid": test_a_pid_one_hit_lacks_is_compared_unless_the_side_knows_no_pid_at_all,
     "nhit": test_nhit_is_compared_only_where_both_sides_counted_over_the_window,

@@ -54,6 +54,16 @@ def test_regression_case_agrees(oracles, name, lines):
     assert st.agreed_runs + st.agreed_refusals == before[1] + 1, f"{name}: ran nothing"
 
 
+def test_the_symbol_pool_holds_the_functions_the_workload_calls(oracle, tmp_path, monkeypatch):
+    """A fresh pass (its own cache), not one name: the function tracer's buffer is read
+    before the tracer goes back to nop, which empties it."""
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path))
+    pool = fuzz.symbol_pool(oracle.vm, fuzz.DEFAULT_WORKLOAD)
+    assert len(pool) >= 50, pool
+    assert {"vfs_read", "ksys_read", "do_sys_openat2", "kernel_clone"} & set(pool), pool[-40:]
+    assert fuzz.symbol_pool(oracle.vm, fuzz.DEFAULT_WORKLOAD) == pool    # cached
+
+
 def test_a_seeded_budget_finds_nothing(oracle):
     st = fuzz.run(oracle.vm, examples=30, seed=20261125, database=False)
     assert st.examples >= 30

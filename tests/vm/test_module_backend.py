@@ -312,3 +312,31 @@ def test_writers_sharing_one_control_file_are_serialised(default_image, tmp_path
             assert listed == [w * 1000 + i for w in range(1, 5) for i in range(1, 501)]
         finally:
             be.close()
+
+
+def test_the_kernel_names_the_instructions_and_every_post_handler_ip_is_checked(vm, backend):
+    """ModuleBackend.instructions asks register_kprobe() where the instructions of a
+    function are (it refuses a byte inside one: -EILSEQ); with post_handlers, the
+    post-ip check runs on each post record whose instruction's next address its bytes and
+    flags tell, and a sound kernel agrees with it at every one (docs/diff.md)."""
+    import random
+
+    from harness.apps.hunt import insn_lines
+    from harness.kernel.emulate import next_ip
+
+    sym = vm.symbols.lookup("do_sys_openat2")
+    sweep = backend()
+    sites = sweep.instructions(sym.addr, sym.size)
+    sweep.close()                   # one module: the next backend loads it again
+    offs = [off for off, _ in sites]
+    assert offs == sorted(offs) and len(offs) >= 20 and 0 not in offs   # 0: ftrace, no slot
+    assert all(1 <= len(code) <= 15 for _, code in sites)
+    assert all(b - a >= len(dict(sites)[a]) for a, b in zip(offs, offs[1:]))
+    kinds = {(next_ip(code, sym.addr + off, 0) or ("-",))[0] for off, code in sites}
+    assert "call" in kinds and kinds & {"je", "jne", "js", "jns", "jnbe", "jbe"}, kinds
+    lines = insn_lines("do_sys_openat2", sym.addr, sites, random.Random(0))
+    be = backend(post_handler=True)
+    outs, hits = run(vm, be, list(lines), "cat /proc/version; ls / >/dev/null")
+    assert all(o.accepted and o.mode == "int3" for o in outs), outs
+    assert hits and be.posts_checked >= len(hits) // 2, (len(hits), be.posts_checked)
+    assert not [h.post_ip for h in hits if h.post_ip]
