@@ -91,7 +91,7 @@ def decode(code: bytes, addr: int) -> Emulation | None:
     op = code[i]
     w, r, b = bool(rex & 8), (rex >> 2) & 1, rex & 1
     if op == 0x0F and i + 2 < len(code) and code[i + 1] == 0x1F:
-        n = _modrm_len(code, i + 2)
+        n = modrm_len(code, i + 2)
         if n is None or (code[i + 2] >> 3) & 7 != 0:
             return None
         return Emulation("nop", addr, i + 2 + n)
@@ -120,7 +120,7 @@ def decode(code: bytes, addr: int) -> Emulation | None:
     return None
 
 
-def _modrm_len(code: bytes, j: int) -> int | None:
+def modrm_len(code: bytes, j: int) -> int | None:
     """Bytes taken by a ModRM operand (ModRM, SIB, displacement) starting at ``code[j]``."""
     if j >= len(code):
         return None

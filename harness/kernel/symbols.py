@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ProbeRejectedError, ProbeSpecError, SetupError, SymbolNotFoundError
+from .emulate import modrm_len
 
 if TYPE_CHECKING:
     import capstone
@@ -577,6 +578,8 @@ def instruction_at(code: bytes, addr: int) -> Insn | None:
     pre = next((p for p in ARCH.emulate_prefixes if code.startswith(p)), b"")
     rest = bytes(code[len(pre):len(pre) + ARCH.max_insn_len])
     for _, size, mnemonic, op_str in _capstone().disasm_lite(rest, addr + len(pre), 1):
+        if mnemonic == "ud1":
+            size = _ud1_size(rest) or size
         return Insn(addr, len(pre) + size, mnemonic, op_str, bytes(code[:len(pre) + size]))
     size = _length_fallback(rest)
     if size is None:
@@ -587,6 +590,19 @@ def instruction_at(code: bytes, addr: int) -> Insn | None:
 
 _LEGACY_PREFIXES = frozenset(b"\x26\x2e\x36\x3e\x64\x65\x66\x67\xf0\xf2\xf3")
 _VEX_0F_IMM8 = frozenset((0x70, 0x71, 0x72, 0x73, 0xc2, 0xc4, 0xc5, 0xc6))
+
+
+def _ud1_size(code: bytes) -> int | None:
+    """UD1's length as the kernel's decoder takes it: arch/x86/lib/x86-opcode-map.txt has
+    ``0f b9: Grp10 (1A)``, an opcode with a ModRM; capstone 5 decodes it without one. 7.3's
+    WARN() is ``ud1`` behind an address-size prefix (``67 48 0f b9 3a``: 5 bytes, capstone
+    says 4), so a walk through a function past a WARN went astray (can_probe() does not)."""
+    n = next((i for i, b in enumerate(code) if b not in _LEGACY_PREFIXES), len(code))
+    n += n < len(code) and 0x40 <= code[n] <= 0x4F         # REX
+    if code[n:n + 2] != b"\x0f\xb9":
+        return None
+    m = modrm_len(code, n + 2)
+    return None if m is None or n + 2 + m > ARCH.max_insn_len else n + 2 + m
 
 
 def _length_fallback(code: bytes) -> int | None:

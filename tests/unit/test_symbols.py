@@ -623,3 +623,15 @@ def test_a_frame_in_no_function_has_no_name(table):
     assert table.symbolize(0xFFFFFFFFC0003000)[0].name == "foo_data"
     assert table.frame_name(0xFFFFFFFFC0003000) == "0xffffffffc0003000"
     assert table.frame_name(0xFFFFFFFFC0F00000) == "0xffffffffc0f00000"
+
+
+@pytest.mark.parametrize("code,size", [
+    ("67480fb93a", 5),      # 7.3's WARN(): ud1 (%edx),%rdi behind an address-size prefix
+    ("480fb93a", 4), ("0fb9c8", 3), ("0fb94c2408", 5), ("0fb98800010000", 7),
+    ("0f0b", 2), ("0fff", 2),          # ud2 and ud0 take no ModRM (x86-opcode-map.txt)
+])
+def test_ud1_takes_a_modrm_as_the_kernels_decoder_does(code, size):
+    """arch/x86/lib/x86-opcode-map.txt: 0f b9 Grp10 (1A); capstone 5 gives it none, and a
+    walk to a probe point past a 7.3 WARN() refused a boundary can_probe() accepts."""
+    insn = instruction_at(bytes.fromhex(code) + b"\x90" * 16, 0x1000)
+    assert insn is not None and insn.size == size
