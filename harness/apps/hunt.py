@@ -552,9 +552,16 @@ class Hunt:
                 continue
             sweep = ModuleBackend(self.vm)
             try:
-                sites = sweep.instructions(sym.addr, min(sym.size, INSN_SWEEP))
-            finally:
-                sweep.close()
+                try:
+                    sites = sweep.instructions(sym.addr, min(sym.size, INSN_SWEEP))
+                finally:
+                    sweep.close()
+            except HarnessError as exc:     # the guest died or hung under the sweep
+                c["not_run"] += 1
+                self.say(f"hunt: insns: {fn}: the instruction sweep failed ({exc}); "
+                         "a fresh machine")
+                self._fresh()
+                continue
             lines = insn_lines(fn, sym.addr, sites, random.Random(f"{self.seed}:{fn}"))
             if not lines:
                 continue
