@@ -26,6 +26,7 @@ record hits.
 """
 from __future__ import annotations
 
+import errno as _errno_mod
 import hashlib
 import json
 import logging
@@ -301,9 +302,20 @@ class Oracle:
         if ok:
             return Finding((line,), "parse", f"host refuses ({ours[0]!r} at {ours[1]}), the "
                            "guest accepts", f"parse:host-refuses:{ours[0]}")
+        if code != exc.errno:
+            return Finding((line,), "parse", f"guest refuses with {_errname(code)}, host with "
+                           f"{_errname(exc.errno)} ({ours[0]!r} at {ours[1]})",
+                           f"parse:errno:{_errname(code)}|{_errname(exc.errno)}")
         if msg is None:                 # the kernel refused without a log entry
+            if exc.logged:              # where the host says it logs one
+                return Finding((line,), "parse", f"guest refuses ({_errname(code)}) with "
+                               f"nothing in error_log, host logs {ours[0]!r} at {ours[1]}",
+                               f"parse:unlogged:{ours[0]}")
             self.stats.agreed_refusals += 1
             return None
+        if not exc.logged:
+            return Finding((line,), "parse", f"guest logs {msg!r} at {col}, host refuses "
+                           f"({ours[0]!r}) with nothing in error_log", f"parse:logged:{msg}")
         if (msg, col) != ours:
             return Finding((line,), "parse", f"guest {msg!r} at {col}, host {ours[0]!r} at "
                            f"{ours[1]}", f"parse:{msg}|{ours[0]}|{col == ours[1]}")
@@ -365,6 +377,10 @@ def kernel_finding(lines: tuple[str, ...], verdict: str, splats: Any) -> Finding
     title = now[0].title if now else verdict
     return Finding(lines, "hang" if verdict == "HANG" else "kernel", findings_text(splats),
                    f"kernel:{verdict}:{_shape(title)}")
+
+
+def _errname(n: int) -> str:
+    return _errno_mod.errorcode.get(n, str(n))
 
 
 def _shape(text: str) -> str:

@@ -95,3 +95,23 @@ def test_maps_base_and_elf_offsets():
     assert _maps_base(maps, "/usr/bin/other", 0x16b0) is None
     with pytest.raises(Exception):
         ElfImage(b"not an elf")
+
+
+@pytest.mark.parametrize("series", [None, "6.12", "7.3"])
+@pytest.mark.parametrize("target", ["/usr/bin/kph-loop:=ph_add", "/usr/bin/kph-loop:zz",
+                                    "/usr/bin/kph-loop:%return", "/usr/bin/kph-loop:(1)"])
+def test_no_digit_after_the_colon_is_no_uprobe_and_logs_nothing(series, target):
+    """__trace_uprobe_create(): `if (!arg || !isdigit(arg[1])) return -ECANCELED;` before
+    trace_probe_log_init() (measured on 6.1: EINVAL, error_log empty), in the kernel's
+    PATH:OFFSET form; the harness's PATH:SYMBOL form still takes a name."""
+    from harness.kernel.grammar.common import KernelView
+    from harness.kernel.rules import rules_for
+
+    kw = {"kernel": KernelView(rules_for(series))} if series else {}
+    with pytest.raises(ProbeSpecError) as exc:
+        parse(f"p {target}", uprobe_symbols=False, **kw)
+    assert not exc.value.logged and exc.value.errno == 22
+    # a digit first and not a number: kstrtoul() fails after the log is set up
+    with pytest.raises(ProbeSpecError) as exc:
+        parse("p /usr/bin/kph-loop:1zz", uprobe_symbols=False, **kw)
+    assert exc.value.logged and str(exc.value).startswith("Invalid uprobe offset")

@@ -54,9 +54,15 @@ def parse_uprobe(toks: list[tuple[int, str]], text: str, kernel: Any = None, *,
     event_text = head[2:] if head[1:2] == ":" else None
     t0, target = toks[1]
     colon = target.rfind(":")
-    if colon < 0:
-        raise ParseFail("Invalid uprobe target; use PATH:OFFSET (or PATH:SYMBOL)", t0 + len(target))
+    if colon < 0:       # -ECANCELED before trace_probe_log_init(): nothing is logged
+        raise ParseFail("Invalid uprobe target; use PATH:OFFSET (or PATH:SYMBOL)",
+                        t0 + len(target), logged=False)
     path, rest, r0 = target[:colon], target[colon + 1:], t0 + colon + 1
+    if not symbols and not (rest[:1].isascii() and rest[:1].isdigit()):
+        # __trace_uprobe_create(): `if (!arg || !isdigit(arg[1])) return -ECANCELED;`, a
+        # line that is no uprobe's, before trace_probe_log_init() (6.1 to 7.3): the write
+        # fails with EINVAL and nothing in error_log
+        raise ParseFail("Invalid uprobe offset (no digit after the ':')", r0, logged=False)
     if path == "":
         raise ParseFail("Failed to find the given file", t0)
     ref_ctr = None
