@@ -327,7 +327,8 @@ class Hunt:
         self.scenarios = scenarios
         self.findings = Findings()
         self.counts: dict[str, dict[str, int]] = {p: {"run": 0, "agreed": 0, "findings": 0,
-                                                      "not_run": 0} for p in PHASES}
+                                                      "not_run": 0, "unjudged": 0}
+                                                  for p in PHASES}
         self.vm: Any = None
 
     # machines
@@ -572,8 +573,19 @@ class Hunt:
             if got is None:
                 c["agreed"] += 1
                 continue
+            if got.kind == "events" and not got.signature.startswith("events:post-ip:"):
+                # this phase's oracle is post-ip (and the kernel's reports, hangs, the
+                # registrations); 16 probes on one function's instructions also meet
+                # interleavings of task and interrupt hits the order rules do not cover
+                # (an irq field flipping either way on rcu_report_qs_rdp, 7.3, not
+                # repeatable): counted, shown, not a finding of this phase
+                c["unjudged"] += 1
+                self.say(f"hunt: insns: {fn}: not this phase's oracle, not judged: "
+                         f"{got.detail.splitlines()[0][:160]}")
+                continue
             self._judged(got, lines, work, "module", f"insns:{fn}", o, "insns")
-        self.say(f"hunt: insns: {c['run']} function(s) run, {c['agreed']} agreed")
+        self.say(f"hunt: insns: {c['run']} function(s) run, {c['agreed']} agreed, "
+                 f"{c['unjudged']} with another field's divergence (not judged here)")
 
     # phase 4
     def fuzz_phase(self) -> None:
