@@ -67,7 +67,7 @@ FUZZ_ROUND = 25
 #: the insns phase: kprobes per run, and the bytes of a function swept for instructions
 INSN_PROBES, INSN_SWEEP = 16, 1024
 #: the insns phase leaves out functions the workload's tracer pass saw called more often
-INSN_MAX_CALLS = 100
+INSN_MAX_CALLS = 40
 #: a scenario's run may go this far past its phase's end before it is ended
 SCENARIO_GRACE = 60.0
 

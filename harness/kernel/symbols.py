@@ -613,6 +613,12 @@ def _length_fallback(code: bytes) -> int | None:
     op = code[n:]
     if op[:2] == b"\x0f\x01" and len(op) > 2 and op[2] >= 0xc0:
         return n + 3
+    # 0F 00 (Grp6) always takes a ModRM and nothing after it: 7.3's load_gs_index() is
+    # LKGS, F2 0F 00 /6 (x86-opcode-map.txt, Grp6: "6: LKGS Ew (F2)"), which capstone
+    # 5 does not know
+    if op[:2] == b"\x0f\x00":
+        m = modrm_len(op, 2)
+        return None if m is None or n + 2 + m > min(len(code), ARCH.max_insn_len) else n + 2 + m
     if op[:1] not in (b"\xc4", b"\xc5"):
         return None
     vex = 3 if op[0] == 0xc4 else 2

@@ -629,6 +629,8 @@ def test_a_frame_in_no_function_has_no_name(table):
     ("67480fb93a", 5),      # 7.3's WARN(): ud1 (%edx),%rdi behind an address-size prefix
     ("480fb93a", 4), ("0fb9c8", 3), ("0fb94c2408", 5), ("0fb98800010000", 7),
     ("0f0b", 2), ("0fff", 2),          # ud2 and ud0 take no ModRM (x86-opcode-map.txt)
+    ("f20f00f7", 4), ("f20f003f", 4),  # 7.3's LKGS (Grp6 /6 behind F2), unknown to capstone
+    ("0f00d8", 3),
 ])
 def test_ud1_takes_a_modrm_as_the_kernels_decoder_does(code, size):
     """arch/x86/lib/x86-opcode-map.txt: 0f b9 Grp10 (1A); capstone 5 gives it none, and a
