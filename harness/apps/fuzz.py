@@ -183,7 +183,8 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
     toks = line.split()
-    f = "dynamic_events" if line[:1] in "fte" else \
+    # by the first word, as trace_parse_run_command() splits it (leading blanks skipped)
+    f = "dynamic_events" if line.lstrip()[:1] in "fte" else \
         "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log", timeout=30)

@@ -204,6 +204,8 @@ class HostBackend:
         (``harness.backends.triggers``): each hit of the event while armed uses one
         (-1: no limit), and a recorded one carries ``regs.stack_trace()``."""
         self.vm = vm
+        # where the kernel keeps HARDIRQ in preempt_count (7.3 moved it up 8 bits)
+        self._hardirq_shift = vm.facts.rules.preempt_hardirq_shift
         self._stacks_left = dict(triggers or {})
         self.armed = armed
         self.alone = alone
@@ -544,7 +546,7 @@ class HostBackend:
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
-        irq, hard = eng.hit_contexts(regs) if up is None else ("", False)
+        irq, hard = eng.hit_contexts(regs, self._hardirq_shift) if up is None else ("", False)
         if up is None and not spec.is_return and not spec.is_eprobe:
             self._hit_at[len(self._hits)] = (regs.cpu, what.addr, eng.stats["hits"])
         self._hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",

@@ -518,12 +518,14 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         count lives: ``facts.percpu_preempt_count``."""
         return self.hit_contexts(regs)[0]
 
-    def hit_contexts(self, regs: PtRegs) -> tuple[str, bool]:
+    def hit_contexts(self, regs: PtRegs, hardirq_shift: int = 16) -> tuple[str, bool]:
         """(:meth:`hit_context`, whether it is ``irq`` for a hardirq alone:
-        ``harness.kernel.kprobes.preempt_hardirq_only``), from one read of the count."""
+        ``harness.kernel.kprobes.preempt_hardirq_only``), from one read of the count;
+        ``hardirq_shift`` the kernel's HARDIRQ_SHIFT (``KernelRules.preempt_hardirq_shift``)."""
         off = self._percpu_off("__preempt_count", "preempt_count")
         pc = self.percpu_read_at(regs, off) if off is not None else None
-        return ("", False) if pc is None else (preempt_context(pc), preempt_hardirq_only(pc))
+        return ("", False) if pc is None else (preempt_context(pc, hardirq_shift),
+                                               preempt_hardirq_only(pc, hardirq_shift))
 
     def _percpu_off(self, var: str, hot: str) -> int | None:
         """The per-cpu offset of ``var`` (``facts.percpu_offset``: its own per-cpu

@@ -258,30 +258,35 @@ class Jprobe:
     kp: Kprobe | None = field(default=None, repr=False)
 
 
-def preempt_context(pc: int) -> str:
+def preempt_context(pc: int, hardirq_shift: int = 16) -> str:
     """The context of a probed call from the caller's ``preempt_count()``, as the guest's
     trace entry records it (``tracing_gen_ctx_irq_test()``, kernel/trace/trace.c, 6.1 to
     7.3: TRACE_FLAG_SOFTIRQ from ``in_serving_softirq()``, TRACE_FLAG_HARDIRQ from
     ``hardirq_count()``, TRACE_FLAG_NMI from ``in_nmi()``): ``irq`` in a softirq, or in a
-    hardirq that is not an NMI (include/linux/preempt.h: SOFTIRQ_OFFSET 0x100,
-    HARDIRQ_MASK 0xf0000, NMI_MASK 0xf00000), else ``task``. An NMI counts as ``task``:
-    an int3-based guest kprobe runs its handler in NMI context whatever its caller was,
-    so only the caller's softirq bit tells there (``harness.backends.events._context``).
-    x86 folds PREEMPT_NEED_RESCHED into bit 31, inverted: ignored."""
-    pc &= 0x7FFFFFFF
-    if pc & 0x100 or (pc & 0x000F0000 and not pc & 0x00F00000):
+    hardirq that is not an NMI, else ``task``. include/linux/preempt.h: SOFTIRQ_OFFSET
+    0x100; HARDIRQ 4 bits at ``hardirq_shift`` and NMI above them (16 up to 6.x:
+    HARDIRQ_MASK 0xf0000, NMI_MASK 0xf00000; 24 in 7.3, after the 8 new HARDIRQ_DISABLE
+    bits: ``KernelRules.preempt_hardirq_shift``). An NMI counts as ``task``: an int3-based
+    guest kprobe runs its handler in NMI context whatever its caller was, so only the
+    caller's softirq bit tells there (``harness.backends.events._context``). The
+    PREEMPT_NEED_RESCHED bit x86 folds in (inverted: bit 31 of 6.x's int, bit 63 of
+    7.3's unsigned long) and anything above the NMI bits is ignored."""
+    pc &= (1 << (hardirq_shift + 8)) - 1
+    hard, nmi = 0xF << hardirq_shift, 0xF << (hardirq_shift + 4)
+    if pc & 0x100 or (pc & hard and not pc & nmi):
         return "irq"
     return "task"
 
 
-def preempt_hardirq_only(pc: int) -> bool:
+def preempt_hardirq_only(pc: int, hardirq_shift: int = 16) -> bool:
     """Whether :func:`preempt_context` says ``irq`` for ``pc`` only because the caller is
     in a hardirq (no softirq served, no NMI): what the trace entry of a guest kprobe whose
     handler ran from int3 cannot show, since ``irqentry_nmi_enter()`` (arch/x86/kernel/
-    traps.c: exc_int3() -> do_int3_user()/kernel mode) sets NMI and HARDIRQ for every
-    caller alike (rule ``int3-nmi``, harness.diff.rules)."""
-    pc &= 0x7FFFFFFF
-    return bool(pc & 0x000F0000) and not pc & 0x100 and not pc & 0x00F00000
+    traps.c: exc_int3()) sets NMI and HARDIRQ for every caller alike (rule ``int3-nmi``,
+    harness.diff.rules)."""
+    pc &= (1 << (hardirq_shift + 8)) - 1
+    return bool(pc & (0xF << hardirq_shift)) and not pc & 0x100 and \
+        not pc & (0xF << (hardirq_shift + 4))
 
 
 def kernel_rethook_trampoline(symbols: Any) -> int:

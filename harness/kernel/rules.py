@@ -221,6 +221,10 @@ class KernelRules:
     #: more is TOO_MANY_EARGS at the first argument, -E2BIG (7.3: MAX_FPROBE_DATA_SIZE,
     #: 15 words); None: no limit at parse time (6.12's rethook takes any size)
     fprobe_max_entry_data: int | None = None
+    #: include/linux/preempt.h: HARDIRQ_SHIFT, where the 4 hardirq bits of
+    #: preempt_count() start (NMI's follow): 16 up to 6.x; 24 in 7.3, whose 8
+    #: HARDIRQ_DISABLE bits come first (and whose x86 preempt_count is an unsigned long)
+    preempt_hardirq_shift: int = 16
     #: a tracepoint probe on a tracepoint another ``t`` event already probes fails with
     #: -EEXIST and no error_log entry (6.12: ``__regsiter_tracepoint_fprobe()`` puts the
     #: same stub on the tracepoint again, ``tracepoint_probe_register_prio_may_exist()``
@@ -279,7 +283,7 @@ _7_3 = KernelRules(
     max_nested=8, uprobe_no_symbol_types=True, dynevent_kinds=("f", "t"),
     uretprobe_syscall=True, fprobe="fgraph", fprobe_reg_error="BAD_VAR",
     fprobe_no_match="BAD_PROBE_ADDR", fprobe_register_errno=22, eprobe="bare",
-    fprobe_register_at_enable=True, fprobe_max_entry_data=15 * 8,
+    fprobe_register_at_enable=True, fprobe_max_entry_data=15 * 8, preempt_hardirq_shift=24,
     dynevent_no_match_logged=True, empty_user_string_len=1)
 
 SERIES: Mapping[str, KernelRules] = {"6.1": _6_1, "6.12": _6_12, "7.3": _7_3}
@@ -353,6 +357,8 @@ SOURCES: Mapping[str, Mapping[str, str]] = {
                                  "ret++; 6.12's is ret > 0)",
         "fprobe_register_at_enable": "kernel/trace/trace_fprobe.c: enable_trace_fprobe() -> "
                                      "__register_trace_fprobe() -> traceprobe_update_arg()",
+        "preempt_hardirq_shift": "include/linux/preempt.h: HARDIRQ_SHIFT (7.3: "
+                                 "HARDIRQ_DISABLE_SHIFT + HARDIRQ_DISABLE_BITS)",
         "fprobe_max_entry_data": "kernel/trace/trace_fprobe.c: trace_fprobe_create_internal() "
                                  "(ALIGN(entry_data_size) > MAX_FPROBE_DATA_SIZE, "
                                  "include/linux/fprobe.h); trace_probe.c: "

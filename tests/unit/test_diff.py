@@ -928,3 +928,22 @@ def test_a_record_size_is_left_to_the_rule_of_an_unstable_argument_of_that_hit()
     assert not compare(run("host", [stale]), run("events", [guest])).equivalent
     proven = dataclasses.replace(stale, failed=(("s", 0x10),))
     assert compare(run("host", [proven]), run("events", [guest])).equivalent
+
+
+def test_the_preempt_count_layout_of_each_series():
+    """include/linux/preempt.h: HARDIRQ at bit 16 up to 6.x (NMI at 20), at bit 24 in 7.3
+    (after HARDIRQ_DISABLE; NMI at 28); x86's PREEMPT_NEED_RESCHED is the top bit of an
+    int (6.x) or an unsigned long (7.3). Values read on the 7.3 guest in fast_mix (hardirq)
+    and a softirq."""
+    from harness.kernel.kprobes import preempt_context, preempt_hardirq_only
+    from harness.kernel.rules import rules_for
+
+    s73 = rules_for("7.3").preempt_hardirq_shift
+    assert (s73, rules_for("6.12").preempt_hardirq_shift) == (24, 16)
+    assert preempt_context(0x8000000001000001, s73) == "irq"       # hardirq
+    assert preempt_hardirq_only(0x8000000001000001, s73)
+    assert preempt_context(0x8000000001000100, s73) == "irq"       # a softirq served
+    assert not preempt_hardirq_only(0x1000100, s73)
+    assert preempt_context(0x10001, s73) == "task"                 # 7.3: HARDIRQ_DISABLE
+    assert preempt_context(0x11000001, s73) == "task"              # an NMI
+    assert preempt_context(0x80010001) == "irq" and preempt_context(0x110001) == "task"
