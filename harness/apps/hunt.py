@@ -597,11 +597,9 @@ class Hunt:
             if rnd == 0:
                 self.say(f"hunt: fuzz: rounds of {n} example(s), {left:.0f} s left")
             # every other round draws defects only: refusals are judged by one write
-            # each, so a wrong acceptance or a wrong error_log entry is met far sooner;
-            # every other of those registers the kprobe lines through the module
-            # (register_kprobe() itself, without trace_kprobe's checks in front of it)
+            # each, so a wrong acceptance or a wrong error_log entry is met far sooner
             mix = fuzzdraw.MIXES[rnd % 2]
-            guest = "module" if rnd % 4 == 3 else "events"
+            guest = "events"
             st = fuzz.run(self.vm, examples=n * (4 if mix == "defects" and self.max_cases is None else 1),
                           seed=self.seed * 1000 + rnd, time_budget=left, database=False,
                           reboot=self._boot, workload=fuzz.DEFAULT_WORKLOAD, mix=mix,
