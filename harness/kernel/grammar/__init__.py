@@ -140,16 +140,18 @@ def _argv_column(toks: list[tuple[int, str]], pos: int) -> int:
 
 
 def _parse_delete(toks: list[tuple[int, str]], text: str) -> ProbeSpec:
-    """``dyn_event_release()``: ``-:[GRP/]EVENT`` plus optional literal match tokens."""
+    """``dyn_event_release()``: ``-:[GRP/]EVENT`` plus optional literal match tokens.
+    It refuses with -EINVAL and writes nothing to error_log (kernel/trace/trace_dynevent.c,
+    6.1 to 7.3: no trace_probe_log there)."""
     start, head = toks[0]
     if head[1:2] != ":":
-        raise ParseFail("A probe is deleted with -:[GRP/]EVENT", start + 1)
+        raise ParseFail("A probe is deleted with -:[GRP/]EVENT", start + 1, logged=False)
     name = head[2:]
     group, slash = "", name.find("/")
     if slash >= 0:
         group, name = name[:slash], name[slash + 1:]
     if slash < 0 and name == "":
-        raise ParseFail("Event name is not specified", start + 2)
+        raise ParseFail("Event name is not specified", start + 2, logged=False)
     return ProbeSpec("-", group, name, explicit_group=slash >= 0, explicit_event=name != "",
                      match=tuple(t for _, t in toks[1:]), text=text)
 
