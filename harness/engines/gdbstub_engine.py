@@ -511,16 +511,12 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         raw = self.task_comm_bytes(task)
         return None if raw is None else raw.decode("utf-8", "replace")
 
-    def hit_context(self, regs: PtRegs) -> str:
-        """``irq`` (the probed call runs in a softirq or a hardirq) or ``task``, as the
-        guest's trace entry flags tell it (``tracing_gen_ctx()``), from ``preempt_count()``;
-        "" when it cannot be read (``harness.kernel.kprobes.preempt_context``). Where the
-        count lives: ``facts.percpu_preempt_count``."""
-        return self.hit_contexts(regs)[0]
-
-    def hit_contexts(self, regs: PtRegs, hardirq_shift: int = 16) -> tuple[str, bool]:
-        """(:meth:`hit_context`, whether it is ``irq`` for a hardirq alone:
-        ``harness.kernel.kprobes.preempt_hardirq_only``), from one read of the count;
+    def hit_contexts(self, regs: PtRegs, hardirq_shift: int) -> tuple[str, bool]:
+        """(``irq`` (the probed call runs in a softirq or a hardirq) or ``task``, as the
+        guest's trace entry flags tell it (``tracing_gen_ctx()``), "" when the count
+        cannot be read; whether it is ``irq`` for a hardirq alone), from one read of
+        ``preempt_count()`` (``harness.kernel.kprobes.preempt_context``,
+        ``preempt_hardirq_only``; where the count lives: ``facts.percpu_preempt_count``);
         ``hardirq_shift`` the kernel's HARDIRQ_SHIFT (``KernelRules.preempt_hardirq_shift``)."""
         off = self._percpu_off("__preempt_count", "preempt_count")
         pc = self.percpu_read_at(regs, off) if off is not None else None

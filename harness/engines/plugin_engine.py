@@ -144,7 +144,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         # gdbstub engine's guest_kprobe_running(), the same per-cpu read)
         ckp = self.symbols.get("current_kprobe")
         # and preempt_count()'s: each hit's context, irq or task (the gdbstub engine's
-        # hit_context(), the same per-cpu read)
+        # hit_contexts(), the same per-cpu read)
         pco = percpu_preempt_count(self.symbols, vm.btf)
         self.link.request(CMD_CONFIG, struct.pack("<10Q", *self.task_offsets, self.trampoline,
                                                   flags, kernel_rethook_trampoline(self.symbols),
