@@ -40,6 +40,10 @@ class Hit:
     #: (``ProbeSpec.slot_args``: at a function's entry, the return-address slot), the
     #: only ones ``harness.diff.rules``' ``trampoline`` rule looks at in an entry hit.
     slot_args: tuple[str, ...] = ()
+    #: Host side: the arguments whose value was read from memory at the hit
+    #: (``ProbeSpec.mem_args``), the only ones ``harness.diff.rules``' ``raced`` rule
+    #: looks at.
+    mem_args: tuple[str, ...] = ()
     #: Host side: the arguments whose value holds ``(unknown)``, each with the kernel's
     #: reason (``harness.kernel.grammar.fetch.UNKNOWN_WHY``, or ``flags`` for the plugin engine's
     #: lazily kept flags). Only these may match any guest value in ``harness.diff.verdict``.

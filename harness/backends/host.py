@@ -555,6 +555,7 @@ class HostBackend:
                               ret_from=ret_from, args=args,
                               mode="host", irq=irq, hardirq=hard,
                               ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
+                              mem_args=spec.mem_args,
                               unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                               failed=tuple((spec.args[i].name, a) for i, a in failed.items()),
                               stack=self._stack(regs, what) if stack else None))

@@ -533,6 +533,7 @@ class PluginBackend:
                    irq="" if up is not None else hit_context(rec.flags),
                    hardirq=up is None and hit_hardirq(rec.flags),
                    ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args,
+                   mem_args=spec.mem_args,
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
                    failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
 

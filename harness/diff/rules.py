@@ -152,6 +152,26 @@ def _trampoline(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     return k[4:] in slot_args(ha) and is_trampoline(vb, tr)
 
 
+def _raced(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """Side a (a host engine) read an argument from memory at its breakpoint, side b (the
+    guest) in its handler later, and the memory changed once in between: side a's own
+    next read of it (the probe's next pair) already has side b's value, and so has side
+    b's. In time the three reads are host k < guest k < host k + 1, so one write between
+    the first two explains all three. A guest that reads one step late at every hit (a
+    handler run after the probed instruction wrote that memory) has a next pair that
+    differs too; a handler run after its instruction is the ``post-ip`` oracle's."""
+    if not k.startswith("arg:") or ctx.a_side in GUEST_SIDES or ctx.b_side not in GUEST_SIDES:
+        return False
+    name = k[4:]
+    if name not in ha.mem_args or ctx.following is None:
+        return False
+    na, nb = ctx.following
+    if not (na.arg(name) == nb.arg(name) == vb != va and na.pid == ha.pid and na.cpu == ha.cpu
+            and nb.pid == hb.pid and nb.cpu == hb.cpu):
+        return False
+    return True
+
+
 def _int3_nmi(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     """The context: side a (a host engine) measured ``irq`` for a caller in a hardirq
     alone (``Hit.hardirq``), side b's probe ran its handler from int3 (its mode), and
@@ -314,6 +334,8 @@ class Ctx:
     trampolines: tuple[str, ...] = ()
     #: the guest kernel's preemption model (``SideResult.preempt``), None when unread
     preempt: str | None = None
+    #: the next pair of the probe whose pair the field rules judge (``raced``)
+    following: "tuple[Hit, Hit] | None" = None
 
 
 REGISTRY: tuple[Rule, ...] = (
@@ -414,6 +436,20 @@ REGISTRY: tuple[Rule, ...] = (
          "kernel/trace/trace_probe.c: parse_probe_arg() keeps the string in the kernel",
          "the host's record gives the reason for that argument",
          _unknown_rule("kernel-data")),
+    Rule("raced", "field",
+         "an argument read from memory that changed between the host's read and the "
+         "guest's (another context wrote it in between) compares equal",
+         "the host records at its breakpoint, the guest in its handler later "
+         "(kernel/trace/trace_kprobe.c: kprobe_dispatcher(), trace_fprobe.c: "
+         "fentry_dispatcher()); an interrupt taken in between, or the preemption it ends "
+         "in (kernel/entry/common.c: irqentry_exit() -> preempt_schedule_irq()), writes "
+         "memory an argument may read: the switch clears the task's NEED_RESCHED_LAZY "
+         "(kernel/sched/core.c: __schedule()) and sets its TIF_NEED_FPU_LOAD "
+         "(arch/x86/include/asm/fpu/sched.h: switch_fpu())",
+         "the argument reads memory (ProbeSpec.mem_args: never a register); the probe's "
+         "next pair has the guest's value on both sides, the same pid and CPU as this "
+         "pair (the host's own second read saw the memory change)",
+         _raced),
     Rule("int3-nmi", "field",
          "a host irq (a caller in a hardirq, no softirq served) compares equal to a guest "
          "task where the guest's probe ran its handler from int3",

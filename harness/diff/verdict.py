@@ -265,6 +265,7 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
         res.compared[probe] = (la, lb)
         div, matched = None, 0
         for i in range(min(len(la), len(lb))):
+            ctx.following = (la[i + 1], lb[i + 1]) if i + 1 < min(len(la), len(lb)) else None
             bad_field = _compare_pair(res, ctx, probe, i, la[i], lb[i], pidless)
             if bad_field is not None:
                 fld, va, vb = bad_field

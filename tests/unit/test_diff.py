@@ -845,6 +845,52 @@ def test_in_flight_leaves_out_only_the_host_hits_the_last_halt_found_in_flight()
     assert not compare(a, run("events", [hit("events", 0)]), strict=True).equivalent
 
 
+def test_raced_takes_one_memory_change_between_the_two_reads_only():
+    """7.3 stock, ``f ____fput b=+0(+8($stack)):x64``: the host read the task's
+    thread_info flags as 0x1 at its breakpoint, the guest 0x80001 in its handler
+    (TIF_NEED_FPU_LOAD set in between), and from the next hit on both read 0x80001."""
+    def h(side, seq, b, c="0x0"):
+        x = hit(side, seq, b=b, c=c)
+        return dataclasses.replace(x, mem_args=("b",)) if side == "host" else x
+
+    a = run("host", [h("host", 0, "0x1"), h("host", 1, "0x1"), h("host", 2, "0x80001")])
+    g = run("events", [h("events", 0, "0x1"), h("events", 1, "0x80001"),
+                       h("events", 2, "0x80001")])
+    res = compare(a, g)
+    assert res.equivalent and res.applied["raced"] == 1
+    assert [(n.index, n.rule, n.a_value, n.b_value) for n in res.normalized] == \
+        [(1, "raced", "0x1", "0x80001")]
+    assert not compare(a, g, strict=True).equivalent
+    # a register argument never races
+    reg = run("host", [dataclasses.replace(x, mem_args=()) for x in a.hits])
+    assert not compare(reg, g).equivalent
+    # the host's next read did not see the guest's value: no change measured
+    stay = run("host", [h("host", 0, "0x1"), h("host", 1, "0x1"), h("host", 2, "0x1")])
+    assert not compare(stay, g).equivalent
+    # no next pair (the last hit): nothing measured
+    assert not compare(run("host", a.hits[:2]), run("events", g.hits[:2])).equivalent
+    # a guest one step late at every hit (it read after the probed store): its next
+    # pair differs too, so nothing is measured
+    late_a = run("host", [h("host", i, str(i)) for i in range(4)])
+    late_g = run("events", [h("events", i, str(i + 1)) for i in range(4)])
+    res = compare(late_a, late_g)
+    assert not res.equivalent and res.first.index == 0 and "raced" not in res.applied
+    # each change is measured on its own (the flag set, then cleared: 7.3, seen both ways)
+    twice_a = run("host", [h("host", i, v) for i, v in enumerate("001100")])
+    twice_g = run("events", [h("events", i, v) for i, v in enumerate("011000")])
+    res = compare(twice_a, twice_g)
+    assert res.equivalent and res.applied["raced"] == 2
+    # a guest value the next pair does not bear out diverges, after an excused one
+    bad_g = run("events", [h("events", i, v) for i, v in enumerate("011020")])
+    res = compare(twice_a, bad_g)
+    assert not res.equivalent and res.first.index == 3
+    # the next pair of another task is no evidence
+    other = run("host", [h("host", 0, "0x1"), h("host", 1, "0x1"),
+                         dataclasses.replace(h("host", 2, "0x80001"), pid=8)])
+    og = run("events", [*g.hits[:2], dataclasses.replace(g.hits[2], pid=8)])
+    assert not compare(other, og).equivalent
+
+
 # -- the registry -----------------------------------------------------------------------------
 
 #: Each rule, with the test above that shows it refusing a real difference.
@@ -862,6 +908,7 @@ REFUSED_BY = {
     "flags": test_the_plugin_flags_rule_holds_only_on_the_plugin_engine_side,
     "kernel-data": test_kernel_data_unknown_matches_only_an_unknown_host_value_of_that_argument,
     "comm-change": test_comm_change_takes_only_a_comm_the_pid_took_later,
+    "raced": test_raced_takes_one_memory_change_between_the_two_reads_only,
     "int3-nmi": test_int3_nmi_takes_only_a_hardirq_caller_under_an_int3_probe,
     "stack-machinery": test_stack_machinery_takes_extra_frames_on_the_guest_side_only,
     "pid": test_a_pid_one_hit_lacks_is_compared_unless_the_side_knows_no_pid_at_all,

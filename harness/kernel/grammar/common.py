@@ -209,6 +209,18 @@ class ProbeSpec:
             or (a.code[0] in (("stackp",), ("reg", "sp")) and a.code[1][:2] == ("st_mem", 0))))
 
     @functools.cached_property
+    def mem_args(self) -> tuple[str, ...]:
+        """The arguments whose value comes from memory, read at the hit: a dereference,
+        a store from memory or a string, ``$stackN``, ``$argN`` past the sixth, ``$comm``.
+        Memory another context writes can change between the host's read (at its
+        breakpoint) and the guest's (in its handler, later): ``harness.diff.rules``'
+        ``raced`` rule looks at these only, never at a register."""
+        mem = {"stack", "ustack", "comm", "deref", "uderef", "cpu_ptr", "st_mem", "st_umem",
+               "st_string", "st_ustring", "st_string_uprobe"}
+        return tuple(a.name for a in self.args if any(
+            op[0] in mem or (op[0] == "arg" and op[1] >= 6) for op in a.code))
+
+    @functools.cached_property
     def flags_args(self) -> frozenset[int]:
         """The indexes of the arguments that fetch ``%flags`` (the plugin engine cannot
         know them: ``harness.backends.plugin``)."""
