@@ -209,9 +209,13 @@ class Oracle:
     checked empty before the next)."""
 
     def __init__(self, vm: Machine, *, guest: str = "events", workload: str = DEFAULT_WORKLOAD,
-                 timeout: float = EXAMPLE_TIMEOUT, post_handler: bool = False) -> None:
+                 timeout: float = EXAMPLE_TIMEOUT, post_handler: bool = False,
+                 raw_kprobes: bool = False, registrations_only: bool = False) -> None:
         self.guest, self.workload, self.timeout = guest, workload, timeout
+        #: judge registrations alone: no workload, no hit (``run_differential``)
+        self.registrations_only = registrations_only
         self.post_handler = post_handler        # the module's kprobes get post_handlers
+        self.raw_kprobes = raw_kprobes          # ... registered as a module does
         self.vm = vm
         self.stats = FuzzStats()
 
@@ -326,7 +330,9 @@ class Oracle:
     def _differential(self, lines: tuple[str, ...], specs: list[Any]) -> Finding | None:
         vm = self.vm
         host, guest = run_differential(vm, specs, self.workload, guest=self.guest,
-                                       timeout=self.timeout, post_handler=self.post_handler)
+                                       timeout=self.timeout, post_handler=self.post_handler,
+                                       raw_kprobes=self.raw_kprobes,
+                                       registrations_only=self.registrations_only)
         res = compare(host, guest, trampoline=trampoline_text(vm))
         left = _events_left(vm)
         if left.strip():
@@ -398,10 +404,12 @@ def _where(exc: BaseException) -> str:
 
 
 def repro_line(f: Finding, *, image: str | None = None, guest: str = "events",
-               workload: str = DEFAULT_WORKLOAD, post_handler: bool = False) -> str:
+               workload: str = DEFAULT_WORKLOAD, post_handler: bool = False,
+               raw_kprobes: bool = False) -> str:
     """The ``kph diff`` one-liner that shows ``f`` again."""
     opts = (f" --image {image}" if image else "") + (f" --guest {guest}" if guest != "events" else "") \
         + (" --post-handler" if post_handler else "") \
+        + (" --raw-kprobes" if raw_kprobes else "") \
         + (" --refusals" if f.kind == "parse" else "")     # the host refuses the line
     # "--" first: a -: line would read as an option
     return "kph diff" + opts + f" --run {shlex.quote(workload)} -- " + \

@@ -1,7 +1,7 @@
 """``kph hunt``: run what the harness has against one kernel, told nothing about where a
 bug might be, and report each finding once.
 
-Four phases share one time budget (:class:`Budget`), each ending at its share of it
+Five phases share one time budget (:class:`Budget`), each ending at its share of it
 (time a phase leaves unused goes to the next):
 
 1. **selftests**: the booted kernel's own ftrace selftest cases
@@ -13,14 +13,20 @@ Four phases share one time budget (:class:`Budget`), each ending at its share of
 2. **scenarios**: the generic ``probes/scenarios/*.toml`` (not ``upstream/``, whose
    expectations are known bugs; none with a ``[kernels]`` table), each through ``kph
    repro``'s runner on this image: a scenario NOT MET is a finding;
-3. **insns**: kprobes on the instructions of the functions the workload calls (the
+3. **kprobes**: kprobes registered as a kernel module registers them (``kph diff --guest
+   module --raw-kprobes``: ``register_kprobe()`` alone, without ``trace_kprobe``'s checks)
+   at the entry of text symbols drawn from all of vmlinux's (seeded), registrations
+   only: what ``register_kprobe()`` refuses and with which errno (the blacklist, text
+   ranges, reserved sites, CFI preambles, instruction boundaries) against the host's
+   model of it;
+4. **insns**: kprobes on the instructions of the functions the workload calls (the
    fuzzer's symbol pool, in a seeded order), each with a post_handler (``kph diff --guest
    module --post-handler``): where the kernel handed each post_handler (after emulating a
    Jcc, jmp or call, or single-stepping anything else out of line) against where the
    instruction goes (:func:`harness.kernel.emulate.next_ip`), with every other check of a
    run. The kernel itself says where the instructions are (the module registers a kprobe
    at every byte, ``ModuleBackend.instructions``); the branches go first;
-4. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
+5. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
    series has, until the budget ends.
 
 The kernel-side oracles are in every run (a splat is a ``kernel`` finding, a hang a
@@ -56,8 +62,8 @@ from .selftests import fill
 
 #: Each phase's share of the budget, in order; a phase ends at the sum of the shares so
 #: far (the last at the budget's end).
-SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.35), ("scenarios", 0.2),
-                                          ("insns", 0.12), ("fuzz", 0.33))
+SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.33), ("scenarios", 0.18),
+                                          ("kprobes", 0.04), ("insns", 0.12), ("fuzz", 0.33))
 PHASES = tuple(p for p, _ in SHARES)
 SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 #: the options a kernel needs for a hunt (its config, as the image keeps it)
@@ -68,9 +74,15 @@ FUZZ_ROUND = 25
 INSN_PROBES, INSN_SWEEP = 16, 1024
 #: the insns phase leaves out functions the workload's tracer pass saw called more often
 INSN_MAX_CALLS = 40
+#: the kprobes phase: raw kprobes registered a run
+RAW_PROBES = 16
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 #: a scenario's run may go this far past its phase's end before it is ended
 SCENARIO_GRACE = 60.0
 
+#: the kinds of finding that are a comparison of the two sides (the others are the kernel's
+#: own reports, hangs and crashes)
+COMPARISONS = ("parse", "registration", "events")
 #: exit statuses (harness.cli.output's)
 EXIT_OK, EXIT_DIVERGED, EXIT_KERNEL, EXIT_HANG = 0, 1, 5, 6
 
@@ -128,6 +140,16 @@ class Finding:
     reproduce: str
     source: str = ""     # the selftest file, the scenario, "fuzz"
     known: str = ""      # the KNOWN entry it matches ("" for a new one)
+    #: run again with the same lines, the sides agreed (or differed otherwise): the
+    #: guest's execution was not the same twice (a value read at two instants that another
+    #: context changed in between), so no reproducer shows it
+    flaky: bool = False
+
+    @property
+    def unconfirmed(self) -> bool:
+        """A comparison that did not repeat: listed, not counted as a finding (a kernel
+        report, a hang or a crash counts however often it repeats)."""
+        return self.flaky and self.kind in COMPARISONS
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -139,7 +161,9 @@ class Finding:
             else EXIT_DIVERGED
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "lines": list(self.lines), "new": not self.known}
+        return {**asdict(self), "lines": list(self.lines),
+                "new": not self.known and not self.unconfirmed,
+                "unconfirmed": self.unconfirmed}
 
 
 def check_image(img: Any) -> None:
@@ -240,7 +264,11 @@ class Findings:
 
     @property
     def new(self) -> list[Finding]:
-        return [f for f in self.items if not f.known]
+        return [f for f in self.items if not f.known and not f.unconfirmed]
+
+    @property
+    def unconfirmed(self) -> list[Finding]:
+        return [f for f in self.items if not f.known and f.unconfirmed]
 
     @property
     def status(self) -> int:
@@ -268,7 +296,9 @@ class HuntResult:
                 "stopped_early": self.stopped_early,
                 "findings": [f.as_dict() for f in self.findings.items],
                 "new": len(self.findings.new),
-                "known": len(self.findings.items) - len(self.findings.new)}
+                "unconfirmed": len(self.findings.unconfirmed),
+                "known": len(self.findings.items) - len(self.findings.new)
+                - len(self.findings.unconfirmed)}
 
 
 # -- the selftest cases -----------------------------------------------------------------
@@ -355,17 +385,19 @@ class Hunt:
     def _add(self, f: Finding) -> None:
         self.counts[f.phase]["findings"] += 1
         if self.findings.add(f):
-            tag = f"known: {f.known}" if f.known else "NEW"
+            tag = f"known: {f.known}" if f.known else \
+                "did not repeat: not counted" if f.unconfirmed else "NEW"
             self.say(f"hunt: {f.phase}: finding ({f.kind}, {f.probe_kind}, {f.what}) [{tag}]: "
                      f"{f.lines[0][:100] if f.lines else f.source}")
-            if self.stop_at_first and not f.known and not self.stopped:
+            if self.stop_at_first and not f.known and not f.unconfirmed and not self.stopped:
                 self.stopped = True
                 self.say("hunt: stopping at the first new finding (--stop-at-first)")
 
     def _repro(self, lines: tuple[str, ...], workload: str, guest: str, kind: str = "",
-               post: bool = False) -> str:
+               post: bool = False, raw: bool = False) -> str:
         return fuzz.repro_line(fuzz.Finding(lines, kind, "", ""), image=self.image_arg,
-                               guest=guest, workload=workload, post_handler=post)
+                               guest=guest, workload=workload, post_handler=post,
+                               raw_kprobes=raw)
 
     def run(self) -> HuntResult:
         t0 = time.monotonic()
@@ -376,6 +408,7 @@ class Hunt:
             self.vm = self._boot()
             self.selftests()
             self.scenario_phase()
+            self.kprobe_phase()
             self.insn_phase()
             self.fuzz_phase()
         finally:
@@ -421,8 +454,8 @@ class Hunt:
 
     def _judged(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
                 source: str, o: fuzz.Oracle, phase: str) -> None:
-        post = o.post_handler
-        f = self._finding(got, lines, work, guest, source, phase, post)
+        post, raw = o.post_handler, o.raw_kprobes
+        f = self._finding(got, lines, work, guest, source, phase, post, raw)
         if got.kind in ("kernel", "hang", "crash", "timeout"):
             self._fresh()
             o.vm = self.vm
@@ -430,15 +463,20 @@ class Hunt:
             def same(cand: tuple[str, ...]) -> bool:
                 g = o.judge(cand)
                 return g is not None and \
-                    self._finding(g, cand, work, guest, source, phase, post).key == f.key
+                    self._finding(g, cand, work, guest, source, phase, post, raw).key == f.key
             short = shrink_lines(lines, same, self.budget.phase_end(phase))
-            f.lines, f.reproduce = short, self._repro(short, work, guest, got.kind, post)
+            f.lines, f.reproduce = short, self._repro(short, work, guest, got.kind, post, raw)
+        if got.kind in COMPARISONS and not self.findings.seen(f.key):
+            # a comparison counts where it repeats: the same lines once more
+            again = o.judge(f.lines)
+            f.flaky = again is None or \
+                self._finding(again, f.lines, work, guest, source, phase, post, raw).key != f.key
         self._add(f)
 
     def _finding(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
-                 source: str, phase: str, post: bool = False) -> Finding:
+                 source: str, phase: str, post: bool = False, raw: bool = False) -> Finding:
         return Finding(phase, got.kind, probe_kind(lines), what_of(got), tuple(lines),
-                       got.detail, self._repro(tuple(lines), work, guest, got.kind, post),
+                       got.detail, self._repro(tuple(lines), work, guest, got.kind, post, raw),
                        source)
 
     # phase 2
@@ -528,6 +566,29 @@ class Hunt:
 
 
     # phase 3
+    def kprobe_phase(self) -> None:
+        c = self.counts["kprobes"]
+        names = raw_pool(self.vm.symbols)
+        order = random.Random(self.seed).sample(names, len(names))
+        self.say(f"hunt: kprobes: {len(order)} text symbol(s) of vmlinux, {RAW_PROBES} "
+                 "kprobes registered as a module registers them a run (registrations only)")
+        o: fuzz.Oracle | None = None
+        for start in range(0, len(order), RAW_PROBES):
+            if not self._room("kprobes", c["run"]):
+                break
+            lines = tuple(f"p:kph/k{i} {n}" for i, n in enumerate(order[start:start + RAW_PROBES]))
+            if o is None or o.vm is not self.vm:
+                o = fuzz.Oracle(self.vm, guest="module", workload="true", raw_kprobes=True,
+                                registrations_only=True)
+            c["run"] += 1
+            got = o.judge(lines)
+            if got is None:
+                c["agreed"] += 1
+                continue
+            self._judged(got, lines, "true", "module", "kprobes", o, "kprobes")
+        self.say(f"hunt: kprobes: {c['run']} run(s) of {RAW_PROBES}, {c['agreed']} agreed")
+
+    # phase 4
     def insn_phase(self) -> None:
         c = self.counts["insns"]
         work = fuzz.DEFAULT_WORKLOAD
@@ -587,7 +648,7 @@ class Hunt:
         self.say(f"hunt: insns: {c['run']} function(s) run, {c['agreed']} agreed, "
                  f"{c['unjudged']} with another field's divergence (not judged here)")
 
-    # phase 4
+    # phase 5
     def fuzz_phase(self) -> None:
         c = self.counts["fuzz"]
         rnd = 0
@@ -611,11 +672,22 @@ class Hunt:
             c["not_run"] += st.not_mirrored
             for g in st.findings:
                 f = self._finding(g, g.lines, fuzz.DEFAULT_WORKLOAD, guest, "fuzz", "fuzz")
+                f.flaky = g.flaky       # Hypothesis replayed it and the verdict changed
                 self._add(f)
             self.say(f"hunt: fuzz: {c['run']} example(s), {len(self.findings.items)} "
                      f"finding(s), {self.budget.left('fuzz'):.0f} s left")
             if st.examples == 0:
                 break
+
+
+def raw_pool(symbols: Any) -> list[str]:
+    """The kprobes phase's draw: vmlinux's text symbols (``t``/``T``, no module's) whose
+    name is unique and plain, by name: each one a ``register_kprobe()`` at its entry."""
+    seen: dict[str, int] = {}
+    for sym in symbols:
+        if sym.module is None and sym.is_text and _PLAIN_NAME.match(sym.name):
+            seen[sym.name] = seen.get(sym.name, 0) + 1
+    return sorted(n for n, k in seen.items() if k == 1)
 
 
 def insn_lines(fn: str, addr: int, sites: list[tuple[int, bytes]], rnd: random.Random,
@@ -637,10 +709,13 @@ def report_lines(res: HuntResult) -> Iterator[str]:
     fs = res.findings
     runs = "; ".join(f"{p} {c['run']} run, {c['agreed']} agreed" for p, c in res.counts.items())
     yield (f"kph hunt: {res.kernel}: {res.seconds:.0f} s; {runs}; "
-           f"{len(fs.new)} new finding(s), {len(fs.items) - len(fs.new)} known"
+           f"{len(fs.new)} new finding(s), {len(fs.items) - len(fs.new) - len(fs.unconfirmed)} "
+           f"known" + (f", {len(fs.unconfirmed)} that did not repeat (not counted)"
+                       if fs.unconfirmed else "")
            + ("; stopped at the first new finding (--stop-at-first)" if res.stopped_early else ""))
-    for f in sorted(fs.items, key=lambda f: bool(f.known)):
-        tag = f"known: {f.known}" if f.known else "NEW"
+    for f in sorted(fs.items, key=lambda f: (bool(f.known), f.unconfirmed)):
+        tag = f"known: {f.known}" if f.known else \
+            "did not repeat: not counted" if f.unconfirmed else "NEW"
         yield f"- [{tag}] {f.kind} / {f.probe_kind} / {f.what} ({f.phase}: {f.source})"
         yield f"  {f.detail.splitlines()[0][:300] if f.detail else ''}"
         for ln in f.lines:
@@ -655,8 +730,10 @@ def ktap_cases(res: HuntResult) -> list[Any]:
     cases = [Case(f"phase-{p}", "pass", f"{c['run']} run, {c['agreed']} agreed", kernel=k)
              for p, c in res.counts.items()]
     for i, f in enumerate(res.findings.items, 1):
-        cases.append(Case(f"finding-{i}-{f.kind}-{f.probe_kind}", "xfail" if f.known else "fail",
-                          f.known, kernel=k, issue=f.known,
+        cases.append(Case(f"finding-{i}-{f.kind}-{f.probe_kind}",
+                          "xfail" if f.known else "skip" if f.unconfirmed else "fail",
+                          f.known or ("did not repeat" if f.unconfirmed else ""),
+                          kernel=k, issue=f.known,
                           diagnostics=[(f.detail.splitlines() or ["finding"])[0][:200],
                                        *(f"line: {ln}" for ln in f.lines), f.reproduce]))
     return cases

@@ -180,6 +180,10 @@ def entry_args(spec: ProbeSpec) -> tuple[int, ...]:
 class HostBackend:
     """kprobe_events specs as host-side kprobes on ``vm.host``."""
 
+    #: kprobes as a kernel module registers them: ``register_kprobe()`` alone, without
+    #: ``trace_kprobe``'s checks around it (``TraceLayer.raw``; set before ``register()``)
+    raw_kprobes = False
+
     side = "host"
 
     def __init__(self, vm: Machine, *, hook: FetchHook | None = None,
@@ -246,7 +250,7 @@ class HostBackend:
         ``register_kprobe()`` rules; one Outcome per line, refusals with the kernel's
         errno and ``error_log`` text."""
         if self.layer is None:
-            self.layer = TraceLayer(self.vm)
+            self.layer = TraceLayer(self.vm, raw=self.raw_kprobes)
             self._ops = FprobeOps(self.layer.rules)
         out = register_lines(self.layer, specs, self._place_line, self._release, "host")
         self._arrange()

@@ -434,6 +434,10 @@ class ModuleBackend:
     then); its records are kept in :attr:`post_records`, not returned as hits.
     """
 
+    #: kprobes as a kernel module registers them: ``register_kprobe()`` alone, without
+    #: ``trace_kprobe``'s checks around it (``TraceLayer.raw``; set before ``register()``)
+    raw_kprobes = False
+
     side = "module"
 
     def __init__(self, vm: Machine, *, post_handler: bool = False,
@@ -558,7 +562,7 @@ class ModuleBackend:
         except ModuleError as exc:
             log.debug("%s", exc)
         if self.layer is None:
-            self.layer = TraceLayer(self.vm)
+            self.layer = TraceLayer(self.vm, raw=self.raw_kprobes)
         self.layer.prepare(specs)
         out: list[Outcome] = []
         batch: list[tuple[int, ProbeSpec]] = []

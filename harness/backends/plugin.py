@@ -156,6 +156,10 @@ def _undecodable(rec: PluginRecord, name: str, exc: BaseException) -> EngineRead
 class PluginBackend:
     """kprobe_events specs as compiled probes in the QEMU plugin of ``vm.host``."""
 
+    #: kprobes as a kernel module registers them: ``register_kprobe()`` alone, without
+    #: ``trace_kprobe``'s checks around it (``TraceLayer.raw``; set before ``register()``)
+    raw_kprobes = False
+
     side = "plugin"
 
     def __init__(self, vm: Machine, *, comm_rule: str = "saved_cmdlines",
@@ -198,7 +202,7 @@ class PluginBackend:
         kernel's order (``harness.backends.tracelayer``, as the gdbstub backend), then the
         plugin's ``register_kprobe()`` rules; one Outcome per line."""
         if self.layer is None:
-            self.layer = TraceLayer(self.vm)
+            self.layer = TraceLayer(self.vm, raw=self.raw_kprobes)
             self._ops = FprobeOps(self.layer.rules)
         out = register_lines(self.layer, specs, self._place_line, self._release, "plugin")
         self._arrange()

@@ -335,8 +335,12 @@ def guest_event_names(vm: Machine) -> set[str]:
 class TraceLayer:
     """One side's dynamic events on one Machine (``dyn_event_list`` and friends)."""
 
-    def __init__(self, vm: Machine) -> None:
+    def __init__(self, vm: Machine, *, raw: bool = False) -> None:
         self.vm = vm
+        #: kprobes registered as a kernel module registers them (``register_kprobe()``
+        #: called directly, samples/kprobes/kprobe_example.c): none of ``trace_kprobe``'s
+        #: own checks around that call (step 4, ``within_notrace_func()``), on both sides
+        self.raw = raw
         self.table = EventTable(identity=self._inode)
         self._events_read = False
         self._inodes: dict[str, object] = {}
@@ -424,7 +428,7 @@ class TraceLayer:
 
     def notrace(self, spec: ProbeSpec) -> bool:
         """``within_notrace_func()`` (kernel/trace/trace_kprobe.c) for a kprobe line."""
-        if not self._notrace_applies():
+        if self.raw or not self._notrace_applies():
             return False
         fn = self._function_of(spec)
         if fn is None:

@@ -44,6 +44,13 @@ def add_parser(subparsers: Any) -> None:
                     "where it saw the probed instruction go against the instruction's own "
                     "outcome (its bytes, and the flags for a Jcc the kernel emulates): a "
                     "difference is field post-ip (docs/diff.md)")
+    df.add_argument("--raw-kprobes", action="store_true",
+                    help="with --guest module: register each kprobe line as a kernel module "
+                    "does, register_kprobe() alone (samples/kprobes/kprobe_example.c), on "
+                    "both sides: none of trace_kprobe's own checks around it (a function "
+                    "without an ftrace location is not refused), so register_kprobe()'s "
+                    "own refusals (blacklist, CFI preamble, instruction boundary) are what "
+                    "is compared (docs/diff.md)")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     df.add_argument("--trigger", metavar="EVENT=stacktrace[:N]", action="append", default=[],
                     help="put a stacktrace trigger on an event of the lines (GROUP/EVENT or "
@@ -96,8 +103,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.post_handler and args.guest != "module":
         raise SetupError("--post-handler is the module backend's (a kprobe_events probe has "
                          "no post_handler)", "add --guest module")
-    if args.post_handler and args.host == "both":
-        raise SetupError("--post-handler with --host both is not supported",
+    if args.raw_kprobes and args.guest != "module":
+        raise SetupError("--raw-kprobes is the module backend's (kprobe_events always runs "
+                         "trace_kprobe's checks)", "add --guest module")
+    if (args.post_handler or args.raw_kprobes) and args.host == "both":
+        raise SetupError("--post-handler and --raw-kprobes with --host both are not "
+                         "supported",
                          "use --host gdbstub or --host plugin")
     if args.host == "both":
         return run_three(args, specs, out, verdict)
@@ -106,7 +117,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
         booted(vm, args, out)
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
                                 progress=out.progress, triggers=triggers,
-                                post_handler=args.post_handler)
+                                post_handler=args.post_handler,
+                                raw_kprobes=args.raw_kprobes)
         tramp = trampoline_text(vm)
         kernel = ci.kernel_of(vm)
     workload_ran(runs[0], args.run)

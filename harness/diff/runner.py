@@ -110,7 +110,8 @@ def _single(vm: Machine, backend: str, specs: Sequence[ProbeSpec], workload: str
 def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
                      timeout: float = 120.0, progress: ProgressFn | None = None,
-                     triggers: Mapping[str, int] | None = None, post_handler: bool = False
+                     triggers: Mapping[str, int] | None = None, post_handler: bool = False,
+                     raw_kprobes: bool = False, registrations_only: bool = False
                      ) -> tuple[SideResult, SideResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
 
@@ -118,6 +119,11 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         while the workload runs when it can show live lines.
     :param post_handler: with ``guest="module"``: each kprobe gets a post_handler, and
         where it saw the probed instruction go is checked (``Hit.post_ip``)
+    :param raw_kprobes: with ``guest="module"``: the kprobes are registered as a kernel
+        module registers them, ``register_kprobe()`` alone, on both sides: none of
+        ``trace_kprobe``'s own checks around it (``TraceLayer.raw``)
+    :param registrations_only: register on both sides and unregister, with no workload
+        and no hit: the sides' outcomes alone (the host arms nothing)
     :param triggers: ``{EVENT: count}`` of ``stacktrace`` triggers
         (``harness.backends.triggers.parse_triggers``; -1: no count): the guest's events
         get them, the host takes ``regs.stack_trace()`` at the same hits.
@@ -131,7 +137,8 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     with watch.watching():
         host, guest_res = _differential(vm, specs, workload, guest=guest, hook=hook,
                                         timeout=timeout, progress=progress, triggers=triggers,
-                                        post_handler=post_handler)
+                                        post_handler=post_handler, raw_kprobes=raw_kprobes,
+                                        registrations_only=registrations_only)
         splats = watch.finish()
     return (dataclasses.replace(host, splats=splats),
             dataclasses.replace(guest_res, splats=splats))
@@ -167,7 +174,8 @@ def events_modelled(backend: Any) -> tuple[str, ...] | None:
 def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                   guest: str, hook: FetchHook | None, timeout: float,
                   progress: ProgressFn | None, triggers: Mapping[str, int] | None,
-                  post_handler: bool = False) -> tuple[SideResult, SideResult]:
+                  post_handler: bool = False, raw_kprobes: bool = False,
+                  registrations_only: bool = False) -> tuple[SideResult, SideResult]:
     specs = resolve_uprobes(vm, specs)
     trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
                                              if s.kind != "-"])
@@ -182,7 +190,11 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     if post_handler and guest != "module":
         raise SetupError("post_handlers are the module's (a kprobe_events probe has none)",
                          "use --guest module with --post-handler")
+    if raw_kprobes and guest != "module":
+        raise SetupError("raw kprobes are the module's (kprobe_events always runs "
+                         "trace_kprobe's checks)", "use --guest module with --raw-kprobes")
     g = make_backend(guest, vm, post_handler=post_handler)
+    g.raw_kprobes = raw_kprobes
     if trig:
         g.triggers = trig
     h: Any = None
@@ -195,9 +207,12 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
             h = PluginBackend(vm, comm_rule=comm_rule)
         else:
             h = HostBackend(vm, hook=hook, comm_rule=comm_rule, triggers=trig)
+        h.raw_kprobes = raw_kprobes
         say(progress, f"registering {len(specs)} probe line(s): {h.side} and {guest}")
         h_out = h.register(specs)
         g_out = g.register(specs)
+        if registrations_only:
+            return SideResult(h.side, h_out), SideResult(g.side, g_out)
         vm.host.invalidate_code()
         # Both sides' probes are live over the same window, so that return-probe pools
         # (and their nmissed) see the same calls: events and host probes are enabled

@@ -222,8 +222,10 @@ class EngineCore:
         the engine's own trampoline, which no probe may take."""
         if self._reserved is None:
             self._reserved = ReservedText.from_memory(self.symbols, self._read_now)
+        rules = getattr(getattr(self.vm, "facts", None), "rules", None)
         check_probe_address(addr, symbols=self.symbols, blacklist=self.blacklist,
-                            read=self._read_now, kretprobe=kretprobe, reserved=self._reserved)
+                            read=self._read_now, kretprobe=kretprobe, reserved=self._reserved,
+                            exception_insns=getattr(rules, "can_probe_exception_insns", False))
         if addr == self.trampoline:
             raise ProbeRejectedError(f"{addr:#x} is {self.TRAMPOLINE_NAME} (-EINVAL)",
                                      EINVAL, addr)

@@ -724,7 +724,8 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
                         read: ReadFn, kretprobe: bool = False,
                         symbol_offset: int | None = None, recover: RecoverFn | None = None,
                         arch: X86_64 = ARCH, max_prefix: int = MAX_FUNC_PREFIX,
-                        reserved: ReservedText | None = None) -> None:
+                        reserved: ReservedText | None = None,
+                        exception_insns: bool = False) -> None:
     """Refuse ``addr`` as Linux 6.1 ``register_k[ret]probe()`` would, with its errno.
 
     In the kernel's order: ``_kprobe_addr()``, ENOENT if no symbol holds ``addr``; for a
@@ -742,7 +743,9 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
     ``read`` is called once, for ``sym.addr`` to ``addr+15``. INT3s of armed probes decode
     as 1-byte ``int3`` unless ``recover`` gives back the original bytes, as
     ``recover_probed_instruction()`` does. With ``reserved``, jump label, static call and
-    BUG() sites of vmlinux are refused with EINVAL too (:class:`ReservedText`).
+    BUG() sites of vmlinux are refused with EINVAL too (:class:`ReservedText`). With
+    ``exception_insns`` (``KernelRules.can_probe_exception_insns``: 6.12, 7.3), ``can_probe()``
+    refuses INT3, INT n, INTO, INT1 and UD0/1/2 at ``addr`` with EILSEQ first.
 
     :param symbol_offset: OFFS of a ``SYM+OFFS`` probe, for messages only: the kernel
         re-derives the offset from the address (``foo+0x140`` past ``foo`` is ``bar+0x0``).
@@ -798,11 +801,25 @@ def check_probe_address(addr: int, *, symbols: SymbolTable, blacklist: Blacklist
         raise ProbeRejectedError(f"{where} is a CFI/padding preamble, not a function "
                                  "(is_cfi_preamble_symbol)", errno.EINVAL, addr,
                                  reason=f"CFI preamble: {where}")
-    _check_insn(addr, sym, where, prefix(), recover, arch)
+    _check_insn(addr, sym, where, prefix(), recover, arch, exception_insns)
+
+
+#: arch/x86/kernel/kprobes/core.c: is_exception_insn() (6.12, 7.3): INT3, INT n, INTO,
+#: INT1; after 0F: UD0, UD1, UD2
+_EXCEPTION_OPCODES = (b"\xcc", b"\xcd", b"\xce", b"\xf1", b"\x0f\xff", b"\x0f\xb9", b"\x0f\x0b")
+_PREFIXES = frozenset(b"\x66\x67\xf2\xf3\x2e\x36\x3e\x26\x64\x65\xf0") | frozenset(range(0x40, 0x50))
+
+
+def _opcode(raw: bytes) -> bytes:
+    """The opcode bytes of an instruction, past its legacy and REX prefixes."""
+    i = 0
+    while i < len(raw) - 1 and raw[i] in _PREFIXES:
+        i += 1
+    return raw[i:]
 
 
 def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
-                recover: RecoverFn | None, arch: X86_64) -> None:
+                recover: RecoverFn | None, arch: X86_64, exception_insns: bool = False) -> None:
     # can_probe(): walk instruction by instruction from the symbol start to addr.
     pos, last = sym.addr, None
     while True:
@@ -827,6 +844,12 @@ def _check_insn(addr: int, sym: Symbol, where: str, code: bytearray,
             f"({last.size} bytes); the nearest boundaries are {sym.name}+{start:#x} and "
             f"{sym.name}+{pos - sym.addr:#x}", errno.EILSEQ, addr,
             reason=f"not an instruction boundary: {where}")
+    if exception_insns and insn is not None and \
+            _opcode(bytes(insn.bytes)).startswith(_EXCEPTION_OPCODES):
+        raise ProbeRejectedError(
+            f"the instruction at {where} is '{insn}', an INT or UD that can_probe() refuses "
+            "(is_exception_insn)", errno.EILSEQ, addr,
+            reason=f"an INT or UD instruction: {where}")
     # __copy_instruction(): what arch_copy_kprobe() refuses with EINVAL.
     if insn is None:
         why = "cannot be decoded"

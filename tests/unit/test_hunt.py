@@ -25,7 +25,7 @@ def test_the_budget_is_split_across_the_phases_in_order():
     now = [100.0]
     b = hunt.Budget(600.0, start=100.0, clock=lambda: now[0])
     ends = [b.phase_end(p) - 100.0 for p in hunt.PHASES]
-    assert hunt.PHASES == ("selftests", "scenarios", "insns", "fuzz")
+    assert hunt.PHASES == ("selftests", "scenarios", "kprobes", "insns", "fuzz")
     assert ends == sorted(ends) and ends[-1] == 600.0
     assert ends[0] == pytest.approx(600 * hunt.SHARES[0][1])
     # a phase that ends early leaves its time to the next: the deadlines are cumulative
@@ -194,7 +194,7 @@ def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
 
     class Oracle:
         judged = []
-        post_handler = False
+        post_handler = raw_kprobes = False
 
         def judge(self, lines):
             self.judged.append(lines)
@@ -215,6 +215,50 @@ def test_a_selftest_finding_is_shrunk_reported_once_with_its_command():
     text = "\n".join(hunt.report_lines(hunt.HuntResult("d", "6.12.x", 1.0, h.findings,
                                                       h.counts)))
     assert "1 new finding(s), 0 known" in text and "[NEW] events / kprobe / arg:u32" in text
+
+
+def test_a_comparison_that_does_not_repeat_is_listed_not_counted_and_stops_nothing():
+    """7.3's hunt: ``f up_read +0($stack5)`` read current's thread flags, which a timer
+    tick changed between the host's read and the guest's; run again, the sides agreed.
+    Listed as not repeated, not a new finding: no reproducer shows it. A kernel report
+    counts however often it repeats."""
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.budget, h.max_cases, h.stop_at_first = hunt.Budget(60.0), None, True
+    h.image_arg, h.findings, h.said = "7.3", hunt.Findings(), []
+    h.say = h.said.append
+    h.counts = {p: {"run": 0, "agreed": 0, "findings": 0, "not_run": 0} for p in hunt.PHASES}
+    line = "f up_read +0($stack5)"
+
+    class Oracle:
+        post_handler = raw_kprobes = False
+        answers = [fuzz.Finding((line,), "events", "hit #7, field arg:arg1: host '0x80001' "
+                                "vs events '0x80021'", "events:arg:+N($stackN):xN:N|N"), None]
+
+        def judge(self, lines):
+            return self.answers.pop(0) if self.answers else None
+
+    o = Oracle()
+    h._judged(o.answers.pop(0), (line,), "true", "events", "fuzz", o, "selftests")
+    (f,) = h.findings.items
+    assert f.flaky and f.unconfirmed and not h.findings.new and h.findings.status == 0
+    assert not h.stopped and "did not repeat: not counted" in h.said[-1]
+    assert f.as_dict()["new"] is False
+    text = "\n".join(hunt.report_lines(hunt.HuntResult("d", "7.3.x", 1.0, h.findings,
+                                                      h.counts)))
+    assert "0 new finding(s), 0 known, 1 that did not repeat (not counted)" in text
+    # the same comparison repeating is a finding
+    h2 = hunt.Hunt.__new__(hunt.Hunt)
+    h2.__dict__.update(h.__dict__, findings=hunt.Findings(), stopped=False)
+    o2 = Oracle()
+    o2.answers = [o.answers[0] if o.answers else None]
+    first = fuzz.Finding((line,), "events", "x", "events:arg:+N($stackN):xN:N|N")
+    o2.answers = [first]
+    h2._judged(first, (line,), "true", "events", "fuzz", o2, "selftests")
+    assert h2.findings.new and not h2.findings.items[0].flaky and h2.stopped
+    # a kernel report is counted even when flaky
+    k = hunt.Finding("fuzz", "kernel", "kprobe", "WARNING", ("p:a x",), "", "kph diff",
+                     flaky=True)
+    assert not k.unconfirmed
 
 
 def test_stop_at_first_ends_every_phase_at_the_first_new_finding_not_a_known_one():
@@ -278,3 +322,21 @@ def test_the_fuzz_phase_alternates_the_whole_mix_with_rounds_of_defects(monkeypa
     assert [(m, n) for m, n, _ in calls] == [("all", 25), ("defects", 100), ("all", 25),
                                             ("defects", 100)]
     assert len({s for _, _, s in calls}) == 4 and h.counts["fuzz"]["run"] == 250
+
+
+def test_the_kprobes_phase_draws_unique_plain_text_symbols_of_vmlinux():
+    from harness.kernel.symbols import Symbol
+
+    syms = [Symbol("vfs_read", 1, "T"), Symbol("__pfx_vfs_read", 0, "t"),
+            Symbol("twice", 2, "t"), Symbol("twice", 3, "t"), Symbol("jiffies", 4, "D"),
+            Symbol("mod_fn", 5, "t", module="ext4"), Symbol("foo.cold", 6, "t"),
+            Symbol("bad$name", 7, "t")]
+    assert hunt.raw_pool(syms) == ["__pfx_vfs_read", "foo.cold", "vfs_read"]
+
+
+def test_raw_kprobes_skip_trace_kprobe_s_notrace_check_only():
+    from harness.backends.tracelayer import TraceLayer
+
+    layer = object.__new__(TraceLayer)
+    layer.raw = True
+    assert layer.notrace(object()) is False     # never looked at: register_kprobe() alone

@@ -462,6 +462,21 @@ def test_int3_instruction_is_einval(table, blacklist, mem):
     assert err.errno == errno.EINVAL and "INT3" in str(err)
 
 
+def test_int_and_ud_are_eilseq_where_can_probe_refuses_them(table, blacklist, mem):
+    """6.12 and 7.3's can_probe() refuses INT and UD first (is_exception_insn()); a raw
+    kprobe on __softirqentry_text_end, an INT3 of padding, showed it (6.1: EINVAL)."""
+    err = rejected(table, blacklist, mem, PROBE_ME + 0x12, exception_insns=True)
+    assert err.errno == errno.EILSEQ and "is_exception_insn" in str(err)
+    # UD2 (0f 0b), with a REX prefix too: 6.1 takes it, 6.12 refuses it
+    for code in (b"\x0f\x0b", b"\x48\x0f\x0b"):
+        mem.poke(PROBE_ME + 6, code)
+        check(table, blacklist, mem, PROBE_ME + 6)
+        assert rejected(table, blacklist, mem, PROBE_ME + 6,
+                        exception_insns=True).errno == errno.EILSEQ
+    # any other instruction passes as before
+    check(table, blacklist, mem, PROBE_ME, exception_insns=True)
+
+
 def test_armed_kprobe_bytes_are_recovered(table, blacklist, mem):
     mem.poke(PROBE_ME + 6, b"\xcc")                        # a kprobe on "mov rbp, rsp"
     # unrecovered, the INT3 shifts the decode: +7 looks like a boundary (cc | 89 e5)

@@ -340,3 +340,25 @@ def test_the_kernel_names_the_instructions_and_every_post_handler_ip_is_checked(
     assert all(o.accepted and o.mode == "int3" for o in outs), outs
     assert hits and be.posts_checked >= len(hits) // 2, (len(hits), be.posts_checked)
     assert not [h.post_ip for h in hits if h.post_ip]
+
+
+def test_raw_kprobes_reach_register_kprobe_without_trace_kprobe_s_checks(vm):
+    """``--raw-kprobes``: a function kprobe_events refuses for having no ftrace location
+    (kernel/trace/ is built without -pg: within_notrace_func()) is one a module may
+    probe; the host, told the same, agrees on each line, and register_kprobe()'s own
+    refusal (the blacklist) stays. Registrations only: no workload, nothing armed."""
+    from harness.diff.runner import run_differential
+    from harness.diff.verdict import compare
+
+    lines = ["p:kph/t tracing_is_on", "p:kph/b do_int3"]
+    specs = [parse(ln) for ln in lines]
+    by_mode = {}
+    for raw in (False, True):
+        host, mod = run_differential(vm, specs, "true", guest="module", raw_kprobes=raw,
+                                     registrations_only=True)
+        res = compare(host, mod)
+        assert not [d for d in res.divergences if d.field == "registration"], res.divergences
+        by_mode[raw] = [(o.accepted, o.errno) for o in mod.outcomes]
+    assert by_mode[False] == [(False, errno.EINVAL), (False, errno.EINVAL)]
+    assert by_mode[True] == [(True, 0), (False, errno.EINVAL)], by_mode
+    assert vm.run(f"cat {KPROBES_LIST}", check=True).stdout == ""
