@@ -115,6 +115,17 @@ def symbol_pool(vm: Machine, workload: str) -> list[str]:
     return list(_traced(vm, workload)["pool"])
 
 
+def unbounded_functions(vm: Machine, pool: list[str]) -> list[str]:
+    """The functions of ``pool`` without a BTF prototype on this kernel (compiler-made
+    pieces such as ``iput.part.0``, ``mm_init.isra.0``: pahole leaves them out), where
+    ``$argN`` is not bounded by the function's parameters; none where the kernel has no
+    BTF arguments (6.1)."""
+    btf = getattr(vm, "btf", None)
+    if btf is None or not getattr(vm.facts.rules, "btf_args", False):
+        return []
+    return [fn for fn in pool if btf.func_proto(fn) is None]
+
+
 def symbol_calls(vm: Machine, workload: str) -> dict[str, int]:
     """How many calls of each function of :func:`symbol_pool` the same pass saw: what
     a probe on it costs (each hit traps under TCG)."""
@@ -449,7 +460,9 @@ def run(vm: Machine, *, examples: int, seed: int, guest: str = "events",
     # Examples past MAX_TRACE_ARGS are generated on purpose; the parser's warning about
     # them (one per example) is not news here.
     logging.getLogger("harness.kernel.grammar").setLevel(logging.ERROR)
-    strat = strategies(symbol_pool(vm, workload), rules=vm.facts.rules, guest=guest, mix=mix)
+    pool = symbol_pool(vm, workload)
+    strat = strategies(pool, rules=vm.facts.rules, guest=guest, mix=mix,
+                       unbounded=unbounded_functions(vm, pool))
     known: set[str] = set()
     t0 = time.monotonic()
     say = progress or (lambda s: None)

@@ -40,7 +40,7 @@ MIXES = ("all", "defects")
 
 
 def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
-               mix: str = "all") -> Any:
+               mix: str = "all", unbounded: list[str] | None = None) -> Any:
     """A Hypothesis strategy of examples: tuples of one (mostly) or two lines.
 
     Three of five examples are well formed from end to end (they reach registration and,
@@ -53,6 +53,10 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
     ``$arg*``, ``%pd``/``%pD``, ``$current``, ``this_cpu_*()``, typecasts) are drawn where it
     has them, and offered as defects where it does not. With ``guest="module"`` no uprobe
     and no ``-:`` line is drawn: the module registers kprobes and has neither.
+    ``unbounded``: the functions of ``pool`` without a BTF prototype, where ``$argN`` is
+    not bounded by the function's parameters (kernel/trace/trace_probe.c: with a
+    prototype, an ``$argN`` past its parameters is BAD_VAR): where a return probe's
+    entry-argument limit can be met, so the lines that draw it are on them.
     """
     from hypothesis import strategies as st
 
@@ -335,7 +339,8 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
     # a kernel limit and one past it: a return probe's arguments saved at entry (one word
     # each: 7.3's fprobe keeps 15, MAX_FPROBE_DATA_SIZE; a kretprobe's data up to 4 KiB)
     if r.entry_args_on_return:
-        saved = st.tuples(st.sampled_from(["f", "r"] if f_lines else ["r"]), name, syms,
+        saved = st.tuples(st.sampled_from(["f", "r"] if f_lines else ["r"]), name,
+                          st.sampled_from(unbounded) if unbounded else syms,
                           st.integers(14, 17)).map(lambda t: line((
                               t[0], t[1], t[2] + ("%return" if t[0] == "f" else ""),
                               [f"$arg{i}" for i in range(1, t[3] + 1)])))
@@ -369,7 +374,8 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
 
 
 def list_examples(pool: list[str], *, examples: int, seed: int,
-                  rules: Any = None, guest: str = "events", mix: str = "all") -> list[tuple[str, ...]]:
+                  rules: Any = None, guest: str = "events", mix: str = "all",
+                  unbounded: list[str] | None = None) -> list[tuple[str, ...]]:
     """The examples a run with ``seed`` draws first on a kernel of ``rules`` (no database,
     nothing judged): the same list every time."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -382,7 +388,7 @@ def list_examples(pool: list[str], *, examples: int, seed: int,
 
     test = settings(max_examples=examples, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck), phases=[Phase.generate])(
-        given(strategies(pool, rules=rules, guest=guest, mix=mix))(body))
+        given(strategies(pool, rules=rules, guest=guest, mix=mix, unbounded=unbounded))(body))
     with grammar_only():
         hseed(seed)(test)()
     return out[:examples]

@@ -135,3 +135,17 @@ def test_a_refusal_s_reproducer_asks_the_guest():
                            image="tree:6.12")
     assert line.startswith("kph diff --image tree:6.12 --refusals --run ")
     assert "--refusals" not in fuzz.repro_line(fuzz.Finding(("p vfs_read",), "events", "x", "e"))
+
+
+def test_the_entry_argument_limit_is_drawn_on_functions_without_a_prototype():
+    """7.3's fprobe keeps 15 entry words; with a BTF prototype an $argN past the
+    function's parameters is BAD_VAR first, so the limit is met only on a function BTF
+    does not describe (iput.part.0): the lines that draw 14 to 17 saved $argN use those."""
+    from harness.kernel.rules import SERIES
+
+    exs = fuzzdraw.list_examples(["vfs_read", "do_sys_openat2"], examples=400, seed=3,
+                                 rules=SERIES["7.3"], mix="defects",
+                                 unbounded=["iput.part.0"])
+    saved = [ln for (ln,) in exs if "$arg14" in ln]
+    assert saved and all(" iput.part.0" in ln for ln in saved), saved[:3]
+    assert any(ln.startswith("f") and "%return" in ln and "$arg16" in ln for ln in saved)
