@@ -135,6 +135,10 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self.link = PluginLink(vm.rundir / "plugin.sock")
         facts = getattr(vm, "facts", None)
         flags = CFG_URET_SYSCALL if facts is not None and facts.rules.uretprobe_syscall else 0
+        # where preempt_count()'s hardirq bits start on this kernel (kph_proto.h:
+        # CFG_HARDIRQ_SHIFT; KernelRules.preempt_hardirq_shift: 16, 24 on 7.3)
+        if facts is not None:
+            flags |= facts.rules.preempt_hardirq_shift << 8
         # what the guest kernel writes in a return-address slot it hooks: a program
         # reading a slot the plugin hooked sees that (kph_plugin.c: prog_read())
         rth = self.symbols.get("return_to_handler")

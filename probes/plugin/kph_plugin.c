@@ -483,9 +483,14 @@ void read_context(vcpu_t *v, uint64_t pc)
     if (g_preempt_off) {
         uint32_t pc;
 
+        /* the low 32 bits (7.3's x86 preempt_count is an unsigned long): SOFTIRQ at 8,
+         * HARDIRQ at HARDIRQ_SHIFT, NMI after it (CFG_HARDIRQ_SHIFT) */
+        unsigned shift = CFG_HARDIRQ_SHIFT(atomic_load(&g_cfg_flags));
+
         if (mem_read(v, base + g_preempt_off, &pc, 4) == 0) {
             v->tflags |= RF_CTX | (pc & 0x100 ? RF_SOFTIRQ : 0) |
-                         (pc & 0x000F0000 ? RF_HARDIRQ : 0) | (pc & 0x00F00000 ? RF_NMI : 0);
+                         (pc & (0xFu << shift) ? RF_HARDIRQ : 0) |
+                         (pc & (0xFu << (shift + 4)) ? RF_NMI : 0);
         }
     }
     if (!g_cur_task_off) {

@@ -61,6 +61,9 @@ enum { KPH_FULL_SITE = 1, KPH_FULL_PROBES = 2, KPH_FULL_TABLE = 3 };
 /* CMD_CONFIG flags: the kernel's 64-bit uretprobe trampoline pushes rax, rcx and r11
  * (6.11+, arch/x86/kernel/uprobes.c: uretprobe_trampoline_entry) */
 #define CFG_URET_SYSCALL 1u
+/* CMD_CONFIG flags, bits 8-15: where preempt_count()'s 4 hardirq bits start (its NMI bits
+ * follow): include/linux/preempt.h HARDIRQ_SHIFT, 16 up to 6.x (0 here means 16), 24 in 7.3 */
+#define CFG_HARDIRQ_SHIFT(f) ((((f) >> 8) & 0xffu) ? (unsigned)(((f) >> 8) & 0xffu) : 16u)
 /* CMD_GSTATS: u64 counters, in this order (plugin_engine.py names them) */
 #define KPH_NGSTATS 17
 

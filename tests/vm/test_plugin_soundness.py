@@ -208,3 +208,17 @@ def test_a_window_switch_on_a_guest_that_never_idles_is_made_and_counted_unsettl
     finally:
         pvm.run("kill $(cat /tmp/busy.pid); rm /tmp/busy.pid", check=True)
     eng.window(True, now=True)
+
+
+def test_a_hardirq_caller_on_7_3_is_irq_by_7_3_s_preempt_count_layout():
+    """7.3 moved HARDIRQ up 8 bits in preempt_count() (HARDIRQ_SHIFT 24): the plugin read
+    a hardirq caller of fast_mix() with 6.x's masks and called it a task (plugin 'task'
+    vs events 'irq'); it takes the shift from CMD_CONFIG (kph_proto.h: CFG_HARDIRQ_SHIFT)."""
+    from harness.machine.image.store import default_image as image_of
+
+    with Machine.boot(image_of("7.3"), host="plugin") as vm:
+        host, guest = run_differential(vm, [parse("p fast_mix")],
+                                       "cat /proc/version >/dev/null; ls / >/dev/null")
+        res = compare(host, guest, trampoline=trampoline_text(vm))
+    assert res.equivalent, res.first
+    assert any(h.irq == "irq" for h in host.hits) and any(h.irq == "irq" for h in guest.hits)
