@@ -46,6 +46,7 @@ from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
 from ..diff.report import findings_text
 from ..kernel.splat import KernelFinding, during, headline
+from ..machine.kwatch import KernelWatch
 from ..backends.tracelayer import TraceLayer
 from .fuzzdraw import UPROBE_PLACES, grammar_only, strategies
 from ..vmctl import Machine
@@ -215,6 +216,75 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     return False, code, msg, caret
 
 
+#: one error_log entry: "[ts] SUBSYSTEM: error: MSG", "  Command: CMD", the caret line
+_LOG_ENTRY = re.compile(r"^\[[ \d.]+\] (\S+): error: (.*)\n  Command: (.*)\n( *)\^", re.M)
+#: concurrent refusals: rounds, and the writes of each writer in a round
+WRITER_ROUNDS, WRITER_WRITES = 10, 40
+
+
+def _events_file(line: str) -> str:
+    toks = line.split()
+    return "dynamic_events" if line.lstrip()[:1] in "fte" else \
+        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+
+
+def concurrent_refusals(vm: Machine, lines: tuple[str, ...], *, writers: int,
+                        rounds: int = WRITER_ROUNDS, writes: int = WRITER_WRITES
+                        ) -> Finding | None:
+    """Refused ``lines``, each first written alone (its ``error_log`` entry: subsystem,
+    message, command, caret), then by ``writers`` writers at once for each line, in
+    ``rounds`` rounds of ``writes`` writes each: every entry ``error_log`` keeps must be
+    one of the lines' own. The kernel keeps one ``trace_probe_log`` (the command being
+    parsed) for every probe kind and parses under ``dyn_event_ops_mutex``
+    (kernel/trace/trace_dynevent.c: ``dyn_event_create()``, 6.12.y and 7.3;
+    trace_probe.c: ``trace_probe_log_init()`` asserts it held); two writers parsing at
+    once would log one's message against the other's command. A finding of kind
+    ``error_log``; None when every entry is a line's own (the kernel's reports are the
+    run's kernel watch's)."""
+    alone: dict[tuple[str, ...], str] = {}
+    for ln in lines:
+        r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(ln)} >> "
+                   f"{_events_file(ln)}; cat error_log", timeout=30)
+        got = _LOG_ENTRY.findall(r.stdout)
+        if got:
+            alone[got[-1]] = ln
+    if not alone:
+        return None
+    mine = list(alone.values())
+    loops = " ".join(
+        f"(i=0; while [ $i -lt {writes} ]; do echo {shlex.quote(ln)} >> {_events_file(ln)} "
+        "2>/dev/null; i=$((i+1)); done) &"
+        for ln in (mine[k % len(mine)] for k in range(max(writers, len(mine)))))
+    for rnd in range(rounds):
+        r = vm.run(f"cd /sys/kernel/tracing; : > error_log; {loops} wait; cat error_log",
+                   timeout=120)
+        entries = _LOG_ENTRY.findall(r.stdout)
+        odd = [e for e in entries if e not in alone]
+        if odd:
+            sub, msg, cmd, pad = odd[0]
+            return Finding(tuple(alone.values()), "error_log",
+                           f"round {rnd + 1}: {len(odd)} of {len(entries)} error_log "
+                           f"entries are no line's own, first: {sub}: {msg!r} against "
+                           f"{cmd!r} at {len(pad) - len('  Command: ')}",
+                           f"error_log:concurrent:{_shape(msg)}")
+    return None
+
+
+def concurrent_writers(vm: Machine, lines: tuple[str, ...], writers: int) -> Finding | None:
+    """:func:`concurrent_refusals` with the kernel watched (a splat, a panic or a hang of
+    the guest under the writers is a ``kernel`` or ``hang`` finding)."""
+    watch = KernelWatch(vm)
+    try:
+        with watch.watching():
+            got = concurrent_refusals(vm, lines, writers=writers)
+            splats = watch.finish()
+    except KernelFinding as exc:
+        return kernel_finding(lines, exc.verdict, exc.splats)
+    if headline(splats) is not None:
+        return kernel_finding(lines, str(headline(splats)), splats)
+    return got
+
+
 class Oracle:
     """Judges examples on one machine (probes removed after each; the guest's tracefs is
     checked empty before the next)."""
@@ -244,6 +314,11 @@ class Oracle:
         # parses each line as that kernel does.
         self._parse_kw = {"kernel": TraceLayer(vm).view()}
         self._places: dict[str, str] = {}
+
+    @property
+    def parse_kw(self) -> dict[str, Any]:
+        """What :func:`harness.kernel.grammar.parse` takes to parse as the booted kernel."""
+        return self._parse_kw
 
     def kernel_form(self, line: str) -> str:
         """``line`` with the harness's ``PATH:SYMBOL`` uprobe places (UPROBE_PLACES) as the

@@ -52,7 +52,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..diff.ktap import Case
 from ..backends.module import ModuleBackend
-from ..errors import HarnessError, SetupError
+from ..errors import HarnessError, ProbeSpecError, SetupError
+from ..kernel.grammar import parse
 from ..kernel.emulate import next_ip
 from ..machine.image.kbuild import missing_options
 from ..vmctl import Machine
@@ -63,7 +64,8 @@ from .selftests import fill
 #: Each phase's share of the budget, in order; a phase ends at the sum of the shares so
 #: far (the last at the budget's end).
 SHARES: tuple[tuple[str, float], ...] = (("selftests", 0.33), ("scenarios", 0.18),
-                                          ("kprobes", 0.04), ("insns", 0.12), ("fuzz", 0.33))
+                                          ("kprobes", 0.04), ("insns", 0.12),
+                                          ("writers", 0.03), ("fuzz", 0.30))
 PHASES = tuple(p for p, _ in SHARES)
 SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 #: the options a kernel needs for a hunt (its config, as the image keeps it)
@@ -76,6 +78,8 @@ INSN_PROBES, INSN_SWEEP = 16, 1024
 INSN_MAX_CALLS = 40
 #: the kprobes phase: raw kprobes registered a run
 RAW_PROBES = 16
+#: the writers phase: its machine's CPUs, writers at once, refused lines a run
+WRITER_CPUS, WRITERS, WRITER_LINES = 2, 4, 4
 _PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*\Z")
 #: a scenario's run may go this far past its phase's end before it is ended
 SCENARIO_GRACE = 60.0
@@ -410,6 +414,7 @@ class Hunt:
             self.scenario_phase()
             self.kprobe_phase()
             self.insn_phase()
+            self.writers_phase()
             self.fuzz_phase()
         finally:
             if self.vm is not None:
@@ -649,6 +654,64 @@ class Hunt:
                  f"{c['unjudged']} with another field's divergence (not judged here)")
 
     # phase 5
+    def writers_phase(self) -> None:
+        c = self.counts["writers"]
+        try:
+            pool = fuzz.symbol_pool(self.vm, fuzz.DEFAULT_WORKLOAD)
+        except HarnessError as exc:
+            self.say(f"hunt: writers: no symbol pool ({exc})")
+            return
+        rules = self.img.facts.rules
+        drawn = [ln for (ln,) in fuzzdraw.list_examples(pool, examples=400, seed=self.seed,
+                                                         rules=rules, mix="defects")]
+        try:
+            vm = Machine.boot(self.img, smp=WRITER_CPUS)
+        except HarnessError as exc:
+            c["not_run"] += 1
+            self.say(f"hunt: writers: no {WRITER_CPUS}-CPU machine ({exc})")
+            return
+        cpus = vm.run("nproc", timeout=30).stdout.strip()
+        # a kernel that finds no second CPU (a tree build: no ACPI, no MP table) runs the
+        # writers interleaved only where one sleeps
+        self.say(f"hunt: writers: refused lines from {WRITERS} writers at once on "
+                 f"{cpus} CPU(s) of {WRITER_CPUS}, {WRITER_LINES} lines a run")
+        try:
+            o = fuzz.Oracle(vm, guest="events", workload="true")
+            start = 0
+            while self._room("writers", c["run"]) and start < len(drawn):
+                # lines the host refuses with a logged error, each refused alike alone
+                lines: list[str] = []
+                while len(lines) < WRITER_LINES and start < len(drawn):
+                    ln, start = drawn[start], start + 1
+                    if ln.lstrip().startswith("-") or not refused_logged(ln, o):
+                        continue
+                    if o.judge((ln,)) is None:
+                        lines.append(ln)
+                if not lines:
+                    break
+                c["run"] += 1
+                got = fuzz.concurrent_writers(vm, tuple(lines), WRITERS)
+                if got is None:
+                    c["agreed"] += 1
+                    continue
+                f = Finding("writers", got.kind, probe_kind(lines), what_of(got), tuple(lines),
+                            got.detail, self._writers_repro(tuple(lines)), "writers")
+                self._add(f)
+                if got.kind in ("kernel", "hang"):
+                    break
+        finally:
+            try:
+                vm.close()
+            except HarnessError:
+                pass
+        self.say(f"hunt: writers: {c['run']} run(s), {c['agreed']} agreed")
+
+    def _writers_repro(self, lines: tuple[str, ...]) -> str:
+        return ("kph diff --refusals" + (f" --image {self.image_arg}" if self.image_arg else "")
+                + f" --smp {WRITER_CPUS} --writers {WRITERS} --run true -- "
+                + " ".join(shlex.quote(ln) for ln in lines))
+
+    # phase 6
     def fuzz_phase(self) -> None:
         c = self.counts["fuzz"]
         rnd = 0
@@ -678,6 +741,18 @@ class Hunt:
                      f"finding(s), {self.budget.left('fuzz'):.0f} s left")
             if st.examples == 0:
                 break
+
+
+def refused_logged(line: str, o: fuzz.Oracle) -> bool:
+    """The host's parser (the booted kernel's grammar) refuses ``line`` with an
+    ``error_log`` entry."""
+    try:
+        parse(o.kernel_form(line), uprobe_symbols=False, **o.parse_kw)
+    except ProbeSpecError as exc:
+        return exc.logged
+    except HarnessError:
+        return False
+    return False
 
 
 def raw_pool(symbols: Any) -> list[str]:

@@ -66,6 +66,13 @@ def add_parser(subparsers: Any) -> None:
                     "when both refuse alike, 1 when the guest accepts it or refuses "
                     "otherwise). How kph fuzz and kph hunt judge a refusal; their "
                     "reproducers of one pass it")
+    df.add_argument("--writers", type=int, default=1, metavar="N",
+                    help="with --refusals: then write the lines refused alike from N "
+                    "writers at once (a shell loop each, over rounds), and check that "
+                    "every error_log entry is one line's own, as each logged it alone; "
+                    "the kernel parses one command at a time (dyn_event_ops_mutex), so "
+                    "a message against another writer's command is a finding (exit 1). "
+                    "Give --smp 2 for writers on two CPUs (docs/diff.md)")
     verdict_group(df)
     kernel_group(df)
     qemu_group(df)
@@ -83,6 +90,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
     from ..backends.triggers import check_counts, parse_triggers
 
     verdict = verdict_opts(args)
+    if args.writers != 1 and not args.refusals:
+        raise SetupError(f"--writers {args.writers} without --refusals: the writers write "
+                         "refused lines", "add --refusals")
+    if args.writers < 1:
+        raise SetupError(f"--writers {args.writers}: no writer", "give 1 or more")
     refused: list[str] | None = [] if args.refusals else None
     specs = load_specs(args, refused)
     if refused:
@@ -179,7 +191,7 @@ def run_refusals(args: argparse.Namespace, lines: list[str], out: Output) -> int
     the guest's tracefs by the fuzzer's oracle (harness.apps.fuzz.Oracle: the kernel's
     text of a uprobe place, the errno, the last error_log entry and its caret), which
     reports where the two refusals differ."""
-    from ..apps.fuzz import Oracle
+    from ..apps.fuzz import WRITER_ROUNDS, Oracle, concurrent_writers
     from ..diff.ktap import Case
     from .output import EXIT_DIVERGED, EXIT_HANG, EXIT_KERNEL, EXIT_OK
 
@@ -193,6 +205,12 @@ def run_refusals(args: argparse.Namespace, lines: list[str], out: Output) -> int
             out.progress(f"asking the guest: {ln[:60]}")
             got = oracle.judge((ln,))
             rows.append((ln, got))
+        alike = tuple(ln for ln, got in rows if got is None)
+        if args.writers > 1 and alike:
+            out.progress(f"{args.writers} writers at once, {len(alike)} line(s), "
+                         f"{WRITER_ROUNDS} rounds")
+            rows.append((f"(the {len(alike)} line(s) above from {args.writers} writers at "
+                         "once)", concurrent_writers(vm, alike, args.writers)))
     out.progress.clear()
     for ln, got in rows:
         out.text(f"  {ln}\n    " + ("both refused alike (errno, error_log message, caret)"

@@ -25,7 +25,7 @@ def test_the_budget_is_split_across_the_phases_in_order():
     now = [100.0]
     b = hunt.Budget(600.0, start=100.0, clock=lambda: now[0])
     ends = [b.phase_end(p) - 100.0 for p in hunt.PHASES]
-    assert hunt.PHASES == ("selftests", "scenarios", "kprobes", "insns", "fuzz")
+    assert hunt.PHASES == ("selftests", "scenarios", "kprobes", "insns", "writers", "fuzz")
     assert ends == sorted(ends) and ends[-1] == 600.0
     assert ends[0] == pytest.approx(600 * hunt.SHARES[0][1])
     # a phase that ends early leaves its time to the next: the deadlines are cumulative
