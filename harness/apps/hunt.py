@@ -1,7 +1,7 @@
 """``kph hunt``: run what the harness has against one kernel, told nothing about where a
 bug might be, and report each finding once.
 
-Five phases share one time budget (:class:`Budget`), each ending at its share of it
+Six phases share one time budget (:class:`Budget`), each ending at its share of it
 (time a phase leaves unused goes to the next):
 
 1. **selftests**: the booted kernel's own ftrace selftest cases
@@ -26,7 +26,11 @@ Five phases share one time budget (:class:`Budget`), each ending at its share of
    instruction goes (:func:`harness.kernel.emulate.next_ip`), with every other check of a
    run. The kernel itself says where the instructions are (the module registers a kprobe
    at every byte, ``ModuleBackend.instructions``); the branches go first;
-5. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
+5. **writers**: on a second machine with two CPUs, lines the host refuses with a logged
+   error, each refused alike alone, then written by four writers at once
+   (:func:`harness.apps.fuzz.concurrent_writers`, ``kph diff --refusals --writers``):
+   every ``error_log`` entry must be one line's own;
+6. **fuzz**: :func:`harness.apps.fuzz.run` in seeded rounds, over every probe kind the
    series has, until the budget ends.
 
 The kernel-side oracles are in every run (a splat is a ``kernel`` finding, a hang a

@@ -18,14 +18,19 @@ EXAMPLES = ["kph hunt --minutes 0.2 --max-cases 1"]
 
 def add_parser(subparsers: Any) -> None:
     hp = sub(subparsers, NAME, help="Hunt for bugs on one kernel, told nothing about where: its "
-             "own selftests, the scenarios, its instructions and the fuzzer, host against guest",
+             "own selftests, the scenarios, raw kprobes, its instructions, writers at once and "
+             "the fuzzer, host against guest",
              description="Run what kph has against one image within a time budget: the "
              "kernel's own ftrace selftest cases (differentially), the generic scenarios "
-             "(probes/scenarios/*.toml), kprobes with post_handlers on the instructions of "
+             "(probes/scenarios/*.toml), kprobes registered as a module registers them at "
+             "the entry of text symbols drawn from all of vmlinux's (register_kprobe()'s "
+             "refusals and errnos), kprobes with post_handlers on the instructions of "
              "the functions the workload calls (where the kernel's emulation or single-step "
-             "sent each, against where it goes), then the fuzzer over every probe kind the "
+             "sent each, against where it goes), refused lines from four writers at once on "
+             "two CPUs (error_log), then the fuzzer over every probe kind the "
              "series has, until the budget ends; the kernel-side oracles (splats, hangs, stale "
-             "events) in every run. Each finding is printed once (by kind, probe kind and "
+             "events) in every run. A comparison that does not repeat when run again is "
+             "listed, not counted. Each finding is printed once (by kind, probe kind and "
              "field or verdict), at its fewest lines, with the command that shows it "
              "again. Findings docs/upstream.md reports for Debian's kernels are listed as "
              "known and not counted. Exit 0 with nothing new, 1 a divergence, 5 a kernel "
@@ -37,8 +42,8 @@ def add_parser(subparsers: Any) -> None:
                     help="the budget, split across the phases (default 10)")
     hp.add_argument("--seed", type=int, default=0, metavar="S", help="the fuzzer's seed (default 0)")
     hp.add_argument("--max-cases", type=int, metavar="N",
-                    help="at most N cases per phase (selftest cases, scenarios, functions, fuzz "
-                    "examples)")
+                    help="at most N cases per phase (selftest cases, scenarios, runs of raw "
+                    "kprobes, functions, runs of writers, fuzz examples)")
     hp.add_argument("--stop-at-first", action="store_true",
                     help="end the hunt at its first new finding (one docs/upstream.md does "
                     "not list), e.g. to ask a built kernel 'is anything wrong?' quickly; the "
