@@ -72,6 +72,9 @@ def test_an_entry_has_its_metadata(name, meta):
     assert len(meta["effect_detail"]) > 40
     assert isinstance(meta["needs"], str)
     assert isinstance(meta.get("visible", True), bool)
+    for req in meta.get("requires", []):      # what bench/recall.py checks on the build
+        what, _, arg = req.partition(":")
+        assert (what, bool(arg)) in {("config", True), ("cpus", True), ("cmdline", True)}, req
     assert meta.get("visible", True) or len(meta.get("invisible_why", "")) > 80
     fix = meta["fix"]
     assert HEX.fullmatch(fix["commit"]), fix["commit"]
@@ -106,3 +109,23 @@ def test_a_patch_applies_to_each_series_it_names(name, series):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "LC_ALL": "C"})
     assert proc.returncode == 0, f"{name}.patch on {src.name}:\n{proc.stdout}{proc.stderr}"
+
+
+def test_the_recall_bench_says_which_requirement_a_build_cannot_meet(tmp_path):
+    """bench/recall.py: an entry whose build lacks what the hunt needs to show it is "not
+    run" with the reason (and counted as not found), checked on the built image."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location(
+        "recall_bench", Path(__file__).resolve().parents[2] / "bench" / "recall.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "config").write_text("CONFIG_SMP=y\n# CONFIG_SECURITY is not set\n")
+    img = SimpleNamespace(dir=tmp_path)
+    lockdown = {"requires": ["config:CONFIG_SECURITY_LOCKDOWN_LSM", "cmdline:lockdown="]}
+    assert bench.unmet(lockdown, img) == "the build has no CONFIG_SECURITY_LOCKDOWN_LSM=y"
+    (tmp_path / "config").write_text("CONFIG_SECURITY_LOCKDOWN_LSM=y\n")
+    assert "lockdown=" in bench.unmet(lockdown, img)
+    assert bench.unmet({"requires": ["config:CONFIG_SECURITY_LOCKDOWN_LSM"]}, img) == ""
+    assert bench.unmet({}, img) == ""
