@@ -40,6 +40,10 @@ def add_parser(subparsers: Any) -> None:
                    "building; repeatable, in order; the image records each")
     b.add_argument("--out", "-O", metavar="DIR", help="with --tree: the build directory "
                    "(default: $KPH_CACHE/kbuild/<tree>-<hash>)")
+    b.add_argument("--debug", action="store_true", help="with --tree: build it with the "
+                   "debug options (images/kernel-debug.config: lockdep with PROVE_RCU, "
+                   "DEBUG_ATOMIC_SLEEP, KASAN) in a build directory of its own; an image "
+                   "of its own (its config keys it)")
     b.add_argument("-j", "--jobs", type=int, metavar="N", help="with --tree: parallel jobs "
                    "(default: the host's CPUs)")
     b.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
     if args.image_cmd == "build":
         if args.tree is None:
-            for opt, val in (("--patch", args.patch), ("--out", args.out), ("-j", args.jobs)):
+            for opt, val in (("--patch", args.patch), ("--out", args.out), ("-j", args.jobs),
+                             ("--debug", args.debug)):
                 if val:
                     raise SetupError(f"{opt} is for an image of a kernel tree",
                                      "add --tree TREE (a source tree, a series, a build directory)")
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             if args.jobs is not None and args.jobs < 1:
                 raise SetupError(f"-j {args.jobs}: the jobs must be 1 or more", "pass -j 2")
             img = build_tree_image(args.tree, patches=args.patch, out=args.out, jobs=args.jobs,
-                                   force=args.force, qemu=args.qemu,
+                                   force=args.force, qemu=args.qemu, debug=args.debug,
                                    snapshot=not args.no_snapshot, progress=out.progress)
         out.progress.clear()
         out.result(image_doc(img))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from ..errors import SetupError
@@ -33,6 +34,11 @@ def add_parser(subparsers: Any) -> None:
                    "$KPH_CACHE/kbuild/<tree>-<hash>); an existing one is built incrementally")
     b.add_argument("-j", "--jobs", type=int, metavar="N", help="parallel jobs (default: the "
                    "host's CPUs)")
+    b.add_argument("--debug", action="store_true", help="add the debug options that make a "
+                   "probe bug loud (images/kernel-debug.config: lockdep with PROVE_RCU, "
+                   "DEBUG_ATOMIC_SLEEP, KASAN), in a build directory of its own "
+                   "(SRC/.kph-build-debug); their reports are the kernel watch's findings "
+                   "(docs/kernel.md)")
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
@@ -51,7 +57,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
         src = args.src
         if ksource.is_series(src):
             src = ksource.fetch_source(src, progress=out.progress)
-        kb = kbuild.build(src, args.out, jobs=args.jobs, progress=out.progress)
+        kb = kbuild.build(Path(src), args.out if args.out is not None else
+                          kbuild.default_out(kbuild.check_tree(Path(src)), args.debug),
+                          jobs=args.jobs, progress=out.progress,
+                          fragment=kbuild.fragment_for(args.debug))
         out.progress.clear()
         out.result({"version": kb.version, "src": str(kb.src), "out": str(kb.out),
                     "bzImage": str(kb.bzimage), "vmlinux": str(kb.vmlinux),

@@ -355,3 +355,26 @@ def test_debian_s_sources_are_not_kph_s_patched_copies_or_variant_trees(tmp_path
             (d / name / stamp).write_text("")
     assert [p.name for p in ksource.unpacked_sources("6.12")] == ["linux-source-6.12.117-1"]
     assert [p.name for p in ksource.unpacked_sources("7.3")] == ["linux-source-7.3.4-1~bpo13+1"]
+
+
+def test_a_debug_build_merges_the_debug_options_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """--debug: kernel.config then kernel-debug.config as one fragment (every `=y` of
+    both checked after olddefconfig), built in TREE/.kph-build-debug beside the plain
+    build's TREE/.kph-build; the debug fragment does not key the Debian images."""
+    from harness.machine.image import store
+
+    monkeypatch.setenv("KPH_CACHE", str(tmp_path / "cache"))
+    assert kbuild.fragment_for(False) == kbuild.FRAGMENT
+    f = kbuild.fragment_for(True)
+    want = kbuild.required_options(f)
+    assert {k: want[k] for k in ("CONFIG_PROVE_LOCKING", "CONFIG_PROVE_RCU",
+                                 "CONFIG_DEBUG_ATOMIC_SLEEP", "CONFIG_KASAN")} == \
+        dict.fromkeys(("CONFIG_PROVE_LOCKING", "CONFIG_PROVE_RCU",
+                       "CONFIG_DEBUG_ATOMIC_SLEEP", "CONFIG_KASAN"), "y")
+    assert set(kbuild.required_options()) <= set(want)      # the plain fragment's too
+    assert kbuild.fragment_for(True) == f and f.read_text().startswith(kbuild.FRAGMENT.read_text())
+    src = tmp_path / "linux"
+    src.mkdir()
+    assert kbuild.default_out(src) == src / ".kph-build"
+    assert kbuild.default_out(src, True) == src / ".kph-build-debug"
+    assert "kernel-debug.config" in store.FRAGMENTS

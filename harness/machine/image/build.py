@@ -175,7 +175,7 @@ def image_for(selector: str | None, *, qemu: str | None = None, progress: Progre
 def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os.PathLike[str]] = (),
                      out: str | os.PathLike[str] | None = None, jobs: int | None = None,
                      force: bool = False, progress: Progress = print, qemu: str | None = None,
-                     snapshot: bool = True) -> Image:
+                     snapshot: bool = True, debug: bool = False) -> Image:
     """The image of a kernel tree (``kph image build --tree``): ``tree`` built
     (``kbuild.prepare_tree``: a series, a source tree with ``patches`` applied in its
     variant tree, or a build directory built already), then its bzImage, its vmlinux (symbols, BTF and ORC;
@@ -186,10 +186,13 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
     git commit, the config, the patches and the image recipe. A cached image is current
     while its bzImage is the build's (a rebuilt tree makes a new image in place).
 
+    With ``debug``, the tree's debug build (``kbuild.DEBUG_FRAGMENT``), an image of its own.
+
     :raise SetupError: every bad input and failed step, in one line.
     """
     pats = ksource.check_patches(list(patches))
-    with kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress) as kb:
+    with kbuild.prepare_tree(tree, pats, out=out, jobs=jobs, progress=progress,
+                             debug=debug) as kb:
         # held until the image is made: the build directory of a tree's patched
         # variants is shared, and the next variant would rebuild it
         release = kbuild.kernel_release(kb.out)
@@ -204,7 +207,8 @@ def build_tree_image(tree: str | os.PathLike[str], *, patches: Sequence[str | os
         keyed = dict(info, patches=[p["sha256"] for p in info["patches"]])
         key = hashlib.sha256(json.dumps([keyed, recipe_hash()], sort_keys=True).encode()).hexdigest()[:12]
         name = f"tree-{release}-{key}"
-        info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage))
+        info.update(src=str(origin), build=str(kb.out), bzimage_sha256=sha256_file(kb.bzimage),
+                    debug=debug)
         cache_dir().mkdir(parents=True, exist_ok=True)
         fd = lock_file(cache_dir() / f".build-{name}.lock", C.IMAGE_LOCK_TIMEOUT,
                        f"another kph makes the {name} image; let it finish, or end it")

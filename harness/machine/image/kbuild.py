@@ -52,6 +52,11 @@ Progress = Callable[[str], None]
 
 #: The config fragment merged over tinyconfig.
 FRAGMENT = RECIPE_DIR / "kernel.config"
+#: the debug options ``--debug`` merges after :data:`FRAGMENT` (lockdep, PROVE_RCU,
+#: DEBUG_ATOMIC_SLEEP, KASAN)
+DEBUG_FRAGMENT = RECIPE_DIR / "kernel-debug.config"
+#: a debug build's directory in a tree, beside :data:`BUILD_SUBDIR`
+DEBUG_SUFFIX = "-debug"
 #: Host programs a kernel build runs (and the package that brings each).
 BUILD_TOOLS = {"gcc": "gcc", "make": "make", "flex": "flex", "bison": "bison", "bc": "bc",
                "pahole": "dwarves"}
@@ -253,7 +258,7 @@ def _restore(src: Path, tree: Path, rel: str) -> None:
 
 @contextlib.contextmanager
 def variant(src: Path, patches: list[Path], progress: Progress | None = None,
-            jobs: int | None = None) -> Iterator[KernelBuild]:
+            jobs: int | None = None, debug: bool = False) -> Iterator[KernelBuild]:
     """``src`` with exactly ``patches`` applied, built, in its variant tree
     (:func:`variant_dir`) and that tree's one build directory, held for the caller (who
     makes an image from the build) and released after.
@@ -306,17 +311,37 @@ def variant(src: Path, patches: list[Path], progress: Progress | None = None,
                              + "".join(f"{r}\n" for r in rels))
         else:
             say(f"kernel: {tree.name} holds these patches already")
-        yield build(tree, default_out(tree), jobs=jobs, progress=progress)
+        yield build(tree, default_out(tree, debug), jobs=jobs, progress=progress,
+                    fragment=fragment_for(debug))
     finally:
         os.close(fd)
 
 
-def default_out(src: Path) -> Path:
+def default_out(src: Path, debug: bool = False) -> Path:
     """``SRC/.kph-build`` (:data:`BUILD_SUBDIR`), or for a tree kph cannot write to
-    ``$KPH_CACHE/kbuild/<tree name>-<hash of its path>``: one build directory a tree."""
+    ``$KPH_CACHE/kbuild/<tree name>-<hash of its path>``: one build directory a tree (and
+    one more for its ``--debug`` build, ``-debug`` after the name: switching one
+    directory between two configs would rebuild the tree each time)."""
+    tail = DEBUG_SUFFIX if debug else ""
     if os.access(src, os.W_OK):
-        return src / BUILD_SUBDIR
-    return builds_dir() / f"{src.name}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}"
+        return src / (BUILD_SUBDIR + tail)
+    return builds_dir() / f"{src.name}-{hashlib.sha256(str(src).encode()).hexdigest()[:8]}{tail}"
+
+
+def fragment_for(debug: bool) -> Path:
+    """The fragment a build merges: :data:`FRAGMENT`, or with ``debug`` it and
+    :data:`DEBUG_FRAGMENT` in one file (``$KPH_CACHE/kbuild/kernel+debug.config``, written
+    when its text changes)."""
+    if not debug:
+        return FRAGMENT
+    text = FRAGMENT.read_text() + "\n" + DEBUG_FRAGMENT.read_text()
+    f = builds_dir() / "kernel+debug.config"
+    if not f.is_file() or f.read_text() != text:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".{f.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(f)
+    return f
 
 
 def ccache_env() -> dict[str, str]:
@@ -464,9 +489,10 @@ def _build_locked(src: Path, out: Path, jobs: int | None, fragment: Path, say: P
 @contextlib.contextmanager
 def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[str]] = (),  # type: ignore[assignment]
                  *, out: str | os.PathLike[str] | None = None, jobs: int | None = None,
-                 progress: Progress | None = None) -> Iterator[KernelBuild]:
+                 progress: Progress | None = None, debug: bool = False) -> Iterator[KernelBuild]:
     """The built kernel of ``tree`` (``kph image build --tree``), held while the caller
-    uses its build directory:
+    uses its build directory (with ``debug``, its debug build: :data:`DEBUG_FRAGMENT`,
+    in a build directory of its own):
 
     - a series (``6.12``): Debian's source of it, fetched when missing, then as a tree;
     - a source tree: built (``build``; incremental when built before); with ``patches``,
@@ -484,6 +510,9 @@ def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[s
     else:
         p = Path(text).expanduser().resolve()
         if p.is_dir() and is_build_dir(p):
+            if debug:
+                raise SetupError(f"--debug configures a build, and {p} is a build directory "
+                                 "(built already)", "pass its source tree")
             if pats:
                 raise SetupError(f"--patch needs a source tree, and {p} is a build directory "
                                  "(built already)", f"pass its source tree: --tree {(p / 'source').resolve()}"
@@ -492,9 +521,10 @@ def prepare_tree(tree: str | os.PathLike[str], patches: list[str | os.PathLike[s
             return
         src = check_tree(p)
     if pats and out is None:
-        with variant(src, pats, progress, jobs) as kb:
+        with variant(src, pats, progress, jobs, debug) as kb:
             yield kb
         return
     if pats:
         src = apply_patches(src, pats, progress)
-    yield build(src, out, jobs=jobs, progress=progress)
+    yield build(src, out if out is not None else default_out(src, debug), jobs=jobs,
+                progress=progress, fragment=fragment_for(debug))

@@ -106,13 +106,18 @@ def kmod_sources() -> list[Path]:
                   if f.is_file() and (f.suffix in (".c", ".h") or f.name in ("Makefile", "Kbuild")))
 
 
+#: the config fragments of kernels built from source (harness.machine.image.kbuild)
+FRAGMENTS = ("kernel.config", "kernel-debug.config")
+
+
 def recipe_hash() -> str:
     h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
     for d in (RECIPE_DIR, PROGS_DIR):
         for f in sorted(d.rglob("*")):
-            # kernel.config is the fragment of kernels built from source (kbuild): it keys
-            # those builds, not the Debian kernels' images
-            if f.is_file() and f.suffix != ".md" and f.name != "kernel.config":
+            # kernel.config (and kernel-debug.config, kph kernel build --debug) are the
+            # fragments of kernels built from source (kbuild): they key those builds
+            # (their config's sha256), not the Debian kernels' images
+            if f.is_file() and f.suffix != ".md" and f.name not in FRAGMENTS:
                 h.update(f.relative_to(d.parent).as_posix().encode() + b"\0" + f.read_bytes())
     for f in kmod_sources():
         h.update(f.relative_to(KMOD_DIR.parent).as_posix().encode() + b"\0" + f.read_bytes())
