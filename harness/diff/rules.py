@@ -163,7 +163,9 @@ def _raced(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
     if not k.startswith("arg:") or ctx.a_side in GUEST_SIDES or ctx.b_side not in GUEST_SIDES:
         return False
     name = k[4:]
-    if name not in ha.mem_args or ctx.following is None:
+    # both reads measured a value: an (unknown) is no value that changed (the (unknown)
+    # rules judge it, each by its own evidence)
+    if name not in ha.mem_args or ctx.following is None or UNKNOWN_TEXT in va + vb:
         return False
     na, nb = ctx.following
     if not (na.arg(name) == nb.arg(name) == vb != va and na.pid == ha.pid and na.cpu == ha.cpu
@@ -446,7 +448,8 @@ REGISTRY: tuple[Rule, ...] = (
          "memory an argument may read: the switch clears the task's NEED_RESCHED_LAZY "
          "(kernel/sched/core.c: __schedule()) and sets its TIF_NEED_FPU_LOAD "
          "(arch/x86/include/asm/fpu/sched.h: switch_fpu())",
-         "the argument reads memory (ProbeSpec.mem_args: never a register); the probe's "
+         "the argument reads memory (ProbeSpec.mem_args: never a register) and both "
+         "sides read a value (no (unknown)); the probe's "
          "next pair has the guest's value on both sides, the same pid and CPU as this "
          "pair (the host's own second read saw the memory change)",
          _raced),

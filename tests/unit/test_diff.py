@@ -867,6 +867,11 @@ def test_raced_takes_one_memory_change_between_the_two_reads_only():
     # the host's next read did not see the guest's value: no change measured
     stay = run("host", [h("host", 0, "0x1"), h("host", 1, "0x1"), h("host", 2, "0x1")])
     assert not compare(stay, g).equivalent
+    # an (unknown) is no value that changed (the oracle mutant stale-spurious: a host
+    # (unknown) "stale" with no fault taken, on a value that did not change)
+    unk = run("host", [h("host", 0, "0x1"), dataclasses.replace(
+        h("host", 1, "(unknown)"), unknown=(("b", "stale"),)), h("host", 2, "0x80001")])
+    assert not compare(unk, g).equivalent
     # no next pair (the last hit): nothing measured
     assert not compare(run("host", a.hits[:2]), run("events", g.hits[:2])).equivalent
     # a guest one step late at every hit (it read after the probed store): its next
