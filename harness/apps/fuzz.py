@@ -194,10 +194,7 @@ def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | No
     """Write ``line`` to the guest's kprobe_events (uprobe_events for a path target):
     (accepted, errno, error_log message or None, caret column or None). An accepted line
     is deleted again."""
-    toks = line.split()
-    # by the first word, as trace_parse_run_command() splits it (leading blanks skipped)
-    f = "dynamic_events" if line.lstrip()[:1] in "fte" else \
-        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+    f = _events_file(line)
     r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
                "echo \"@rc=$?\"; cat error_log", timeout=30)
     if "@rc=0" in r.stdout:
@@ -223,6 +220,8 @@ WRITER_ROUNDS, WRITER_WRITES = 10, 40
 
 
 def _events_file(line: str) -> str:
+    """The tracefs file a line goes to: by its first word, as trace_parse_run_command()
+    splits it (leading blanks skipped)."""
     toks = line.split()
     return "dynamic_events" if line.lstrip()[:1] in "fte" else \
         "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
