@@ -48,6 +48,11 @@ STALL_CHECK_INTERVAL = 0.5
 #: A host-side probe handler holding the guest stopped for longer than this is stuck:
 #: whoever waits on the guest gets an error naming it.
 HANDLER_STUCK_TIMEOUT = 20.0
+#: A guest that the host engine's probe stops held for HOST_BUSY_SHARE of the
+#: HOST_BUSY_WINDOW seconds before a wait ran out is running, slowed by the host's probes:
+#: the command that outlasted its timeout is not hung (``Machine.host_busy``).
+HOST_BUSY_WINDOW = 2.0
+HOST_BUSY_SHARE = 0.25
 #: The calls a host-side engine runs with the guest halted (register, read, close).
 ENGINE_CALL_TIMEOUT = 30.0
 #: A settled halt (HostEngine.halted(settle=True)): tries, the pause between them, and

@@ -11,6 +11,9 @@ refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an e
      │   ├─ GuestPanicError               the guest kernel panicked (pvpanic or console)
      │   ├─ GuestShutdownError            the guest powered off or reset on its own
      │   └─ VMLostError                   no reply from QMP or the guest agent in time
+     │       └─ HostSlowedError           ... while the guest kept taking the host engine's
+     │                                    probe stops: slowed by them, not hung; the run
+     │                                    is not compared
      ├─ StateError(.state, .required)     a call made in the wrong VmState
      │   └─ GuestStoppedError(.reason)    it needs the guest running, and the guest is
      │                                    stopped (in a probe handler, by a debugger)
@@ -35,6 +38,8 @@ refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an e
      └─ ScenarioError(.path, .key)        a repro scenario file that does not validate
 """
 from __future__ import annotations
+
+import time
 
 
 class HarnessError(Exception):
@@ -73,7 +78,27 @@ class GuestShutdownError(VMError):
 
 
 class VMLostError(VMError):
-    """QMP or the guest agent stopped answering within the timeout."""
+    """QMP or the guest agent stopped answering within the timeout; ``at`` is when the
+    wait ran out (``time.monotonic()``), kept by a re-raise: what the guest was doing
+    then (``Machine.host_busy``) is judged at that instant, not after the clean-up."""
+
+    def __init__(self, msg: str, console_tail: str = "", at: float | None = None) -> None:
+        super().__init__(msg, console_tail)
+        self.at = time.monotonic() if at is None else at
+
+
+class HostSlowedError(VMLostError):
+    """A wait on the guest ran out while the guest kept taking a host engine's probe
+    stops (``Machine.host_busy``): each halts the guest for a host round trip, and enough
+    of them (16 probes inside a loop of the workload: tens of thousands of hits) outlast
+    any timeout. The guest runs; nothing is measured of it, so the run is neither a hang
+    nor compared. ``stops`` is how many stops the host handled in the run's machine.
+    Not a hang the kernel made: ``harness.machine.kwatch`` never makes it a finding."""
+
+    def __init__(self, msg: str, console_tail: str = "", stops: int = 0,
+                 at: float | None = None) -> None:
+        super().__init__(msg, console_tail, at)
+        self.stops = stops
 
 
 class StateError(HarnessError):

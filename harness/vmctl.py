@@ -31,6 +31,7 @@ holding it in one handler for ``HANDLER_STUCK_TIMEOUT``). No wait can outlive it
 from __future__ import annotations
 
 import atexit
+import collections
 import enum
 import hashlib
 import inspect
@@ -253,6 +254,11 @@ class Machine:
         #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
         self.aborting = False
         self._stop_holders: list[StopHolder] = []
+        #: probe stops a host engine handled (``note_host_stop``), and when the last was
+        self.host_stops = 0
+        self.last_host_stop: float | None = None
+        #: (when it ended, how long the guest was held) of each recent host probe stop
+        self._host_held: collections.deque[tuple[float, float]] = collections.deque()
         self._stopped_seen: tuple[float, str] | None = None
         self._last_stall_check = 0.0
 
@@ -769,11 +775,40 @@ class Machine:
                 f"so the guest agent cannot answer; {ADVICE}", why)
         return self.agent
 
-    def _stall_check(self) -> None:
+    def note_host_stop(self, held: float) -> None:
+        """A host engine handled a probe stop of the guest (a gdbstub breakpoint or step,
+        a plugin round trip), holding the guest ``held`` seconds, and let it run on."""
+        now = time.monotonic()
+        self.host_stops += 1
+        self.last_host_stop = now
+        q = self._host_held
+        q.append((now, held))
+        while q and now - q[0][0] > 4 * C.HOST_BUSY_WINDOW:
+            q.popleft()
+
+    def host_busy(self, at: float | None = None) -> bool:
+        """Whether the host's probe stops held the guest for at least
+        ``C.HOST_BUSY_SHARE`` of the ``C.HOST_BUSY_WINDOW`` seconds before ``at`` (now by
+        default): a wait on the guest that ran out then was outlasted by a guest slowed
+        by the host's probes, not hung (``harness.machine.kwatch``). A stop now and then
+        (a probe a timer or the harness's own commands hit) is not that."""
+        at = time.monotonic() if at is None else at
+        start = at - C.HOST_BUSY_WINDOW
+        held = sum(min(h, end - start) for end, h in list(self._host_held)
+                   if start < end <= at)
+        return held >= C.HOST_BUSY_SHARE * C.HOST_BUSY_WINDOW
+
+    def _stall_check(self) -> float | None:
         """Called by the agent while a reply is overdue: raise ``GuestStoppedError`` when
-        the guest cannot run, so no wait outlives its cause (see the module docstring)."""
+        the guest cannot run, so no wait outlives its cause (see the module docstring).
+        Returns the time of the last host probe stop (``note_host_stop``), for the agent
+        to wait on a guest slowed by them."""
         if self.state is not VmState.RUNNING or self.aborting:
-            return
+            return None
+        self._stall_check_stopped()
+        return self.last_host_stop
+
+    def _stall_check_stopped(self) -> None:
         now = time.monotonic()
         if self._stop_holders:
             # A host-side engine owns the stub: the guest stops only at its hits, for as
@@ -828,7 +863,7 @@ class Machine:
             status, out, err = agent.exec(argv, stdin=stdin, timeout=timeout)
         except VMLostError as exc:
             self._check()
-            raise VMLostError(str(exc), self.console_tail()) from exc
+            raise VMLostError(str(exc), self.console_tail(), at=exc.at) from exc
         res = RunResult(cmd, status, out, err)
         if check and not res.ok:
             raise GuestExecError(cmd, status, res.stdout, res.stderr)

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import constants as C
-from ..errors import (GuestAgentError, HarnessError, NotMirroredError, ProbeSpecError, SetupError,
-                      VMError)
+from ..errors import (GuestAgentError, HarnessError, HostSlowedError, NotMirroredError,
+                      ProbeSpecError, SetupError, VMError)
 from ..kernel.grammar import parse
 from ..diff.runner import resolve_uprobes, run_differential, trampoline_text
 from ..diff.verdict import compare
@@ -98,6 +98,9 @@ class FuzzStats:
     not_mirrored: int = 0
     #: each reason, as the refusal's first line says it, and how many examples had it
     not_mirrored_why: dict[str, int] = field(default_factory=dict)
+    #: examples not compared: the host's probes slowed the guest past the timeout
+    #: (``harness.errors.HostSlowedError``); neither agreed nor a finding
+    slowed: int = 0
     events: int = 0
     known: dict[str, int] = field(default_factory=dict)
     #: The machine the run ended on (a reboot replaces the first).
@@ -298,6 +301,9 @@ class Oracle:
         self.raw_kprobes = raw_kprobes          # ... registered as a module does
         self.vm = vm
         self.stats = FuzzStats()
+        #: why the last :meth:`judge` that returned None judged nothing (a construct not
+        #: mirrored, a run the host's probes slowed past its timeout); None: it agreed
+        self.unjudged: str | None = None
 
     @property
     def vm(self) -> Machine:
@@ -331,7 +337,9 @@ class Oracle:
         return line
 
     def judge(self, lines: tuple[str, ...]) -> Finding | None:
-        """None when host and guest agree on ``lines``; else the finding."""
+        """None when host and guest agree on ``lines``, or when they could not be
+        compared (:attr:`unjudged` then says why); else the finding."""
+        self.unjudged = None
         try:
             lines = tuple(self.kernel_form(ln) for ln in lines)
         except VMError as exc:          # the guest died (a panic) or hung under the last one
@@ -354,6 +362,12 @@ class Oracle:
             # (harness.kernel.grammar.program: the plugin engine's, 7.3's $current): not a verdict
             self._not_mirrored(exc)
             return None
+        except HostSlowedError as exc:
+            # the guest ran, slowed by the host's own probes past the timeout: nothing
+            # was measured, so neither an agreement nor a finding
+            self.stats.slowed += 1
+            self.unjudged = "slowed: " + str(exc.args[0]).splitlines()[0]
+            return None
         except VMError as exc:
             return self._vm_error(lines, exc)
         except HarnessError as exc:
@@ -367,6 +381,7 @@ class Oracle:
         """Count an example the oracle cannot judge, by its reason (the run's summary
         names them, so a count is never left unexplained)."""
         why = str(exc).splitlines()[0]
+        self.unjudged = "not mirrored: " + why
         self.stats.not_mirrored += 1
         self.stats.not_mirrored_why[why] = self.stats.not_mirrored_why.get(why, 0) + 1
 

@@ -57,5 +57,5 @@ def test_shard(shard: int) -> None:
     Path(cfg["out"], f"shard-{shard}.json").write_text(json.dumps({
         "examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
         "agreed_refusals": st.agreed_refusals, "not_mirrored": st.not_mirrored,
-        "not_mirrored_why": st.not_mirrored_why,
+        "not_mirrored_why": st.not_mirrored_why, "slowed": st.slowed,
         "events": st.events, "findings": [f.as_dict() for f in st.findings]}))

@@ -457,9 +457,20 @@ class Hunt:
                          f"{self.budget.left('selftests'):.0f} s left")
             got = o.judge(lines)
             if got is None:
-                c["agreed"] += 1
+                self._none(o, c, "selftests")
                 continue
             self._judged(got, lines, work, guest, source, o, "selftests")
+
+    def _none(self, o: fuzz.Oracle, c: dict[str, int], phase: str) -> None:
+        """A run the oracle judged None: agreed, or not compared (``o.unjudged``: a
+        construct not mirrored, a guest the host's probes slowed past the timeout), which
+        is counted as not run, never as agreed."""
+        if o.unjudged is None:
+            c["agreed"] += 1
+            return
+        c["not_run"] += 1
+        if o.unjudged.startswith("slowed"):
+            self.say(f"hunt: {phase}: not compared: {o.unjudged.split(': ', 1)[1][:240]}")
 
     def _judged(self, got: fuzz.Finding, lines: tuple[str, ...], work: str, guest: str,
                 source: str, o: fuzz.Oracle, phase: str) -> None:
@@ -592,7 +603,7 @@ class Hunt:
             c["run"] += 1
             got = o.judge(lines)
             if got is None:
-                c["agreed"] += 1
+                self._none(o, c, "kprobes")
                 continue
             self._judged(got, lines, "true", "module", "kprobes", o, "kprobes")
         self.say(f"hunt: kprobes: {c['run']} run(s) of {RAW_PROBES}, {c['agreed']} agreed")
@@ -641,7 +652,7 @@ class Hunt:
             c["run"] += 1
             got = o.judge(lines)
             if got is None:
-                c["agreed"] += 1
+                self._none(o, c, "insns")
                 continue
             if got.kind == "events" and not got.signature.startswith("events:post-ip:"):
                 # this phase's oracle is post-ip (and the kernel's reports, hangs, the
@@ -736,7 +747,7 @@ class Hunt:
             rnd += 1
             c["run"] += st.examples
             c["agreed"] += st.agreed_runs + st.agreed_refusals
-            c["not_run"] += st.not_mirrored
+            c["not_run"] += st.not_mirrored + st.slowed
             for g in st.findings:
                 f = self._finding(g, g.lines, fuzz.DEFAULT_WORKLOAD, guest, "fuzz", "fuzz")
                 f.flaky = g.flaky       # Hypothesis replayed it and the verdict changed

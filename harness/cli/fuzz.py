@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             vm.close()
         shards = [{"examples": st.examples, "seconds": st.seconds, "agreed_runs": st.agreed_runs,
                    "agreed_refusals": st.agreed_refusals, "not_mirrored": st.not_mirrored,
-                   "not_mirrored_why": st.not_mirrored_why,
+                   "not_mirrored_why": st.not_mirrored_why, "slowed": st.slowed,
                    "events": st.events, "findings": [f.as_dict() for f in st.findings]}]
     else:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as tmp:
@@ -176,6 +176,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
              + (f"{unmirrored} not mirrored by this host engine or guest side "
                 f"({not_mirrored_why(shards)}); "
                 if (unmirrored := sum(s.get('not_mirrored', 0) for s in shards)) else "")
+             + (f"{slowed} not compared (the host's probes slowed the guest past the "
+                "timeout); " if (slowed := sum(s.get('slowed', 0) for s in shards)) else "")
              + f"{len(findings)} finding(s); in {runs}")
     for ln in report_lines:
         out.text(ln)

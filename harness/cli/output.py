@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (EngineReadError, GuestLossError, HandlerError, HarnessError,
-                      NotMirroredError, PluginRecordError, ProbeSpecError, ScenarioError,
-                      SetupError, VMError)
+                      HostSlowedError, NotMirroredError, PluginRecordError, ProbeSpecError,
+                      ScenarioError, SetupError, VMError)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_INFRA, EXIT_EMPTY = 0, 1, 2, 3, 4
 #: A kernel finding: a splat during the run (WARNING, BUG, Oops, panic, KASAN, lockdep, an
@@ -226,6 +226,11 @@ def report_error(exc: BaseException) -> int | None:
         where = f" (console kept in {exc.console_log})" if getattr(exc, "console_log", None) else ""
         print(f"result: {exc.verdict}{where}", file=sys.stderr)
         return EXIT_HANG if exc.verdict == "HANG" else EXIT_KERNEL
+    if isinstance(exc, HostSlowedError):
+        # the guest ran, slowed by the host's own probes past --timeout: nothing measured,
+        # no verdict (not HANG); the fix is the user's choice of probes or engine
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return EXIT_USAGE
     if isinstance(exc, VMError):
         first = str(exc.args[0]) if exc.args else str(exc)
         where = f"; console kept in {exc.console_log}" if exc.console_log else ""

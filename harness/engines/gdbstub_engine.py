@@ -172,11 +172,13 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                 self._unresumed = None
                 self.stub.resume(resume_at)
                 stop: Stop | None = None
+                asked = False       # a halt for a call on the engine, not the guest's stop
                 while stop is None:
                     stop = self.stub.wait_stop(timeout=3600, wake_fd=self._wake_r)
                     if stop is None:
                         self._held = (time.monotonic(), "a call on the host-side engine")
                         stop = self.stub.interrupt()
+                        asked = True
                     elif self.stub.running:
                         # A stop queued before GDB resumed the target again (a late
                         # interrupt): handling it would read a running vCPU ("Selected
@@ -184,9 +186,12 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
                         log.debug("dropping a stale stop at %#x", stop.addr)
                         self.stats["stale_stops"] += 1
                         stop = None
+                got_at = time.monotonic()
                 if self._held is None:
-                    self._held = (time.monotonic(), f"the hit at {stop.addr:#x}")
+                    self._held = (got_at, f"the hit at {stop.addr:#x}")
                 resume_at = self._handle(stop)
+                if not asked:
+                    self.vm.note_host_stop(time.monotonic() - got_at)
         except BaseException as exc:  # noqa: BLE001 - reported to every later caller
             self._fatal = exc
             log.debug("dispatcher stopped: %r", exc)

@@ -62,7 +62,8 @@ class HandlerDispatch:
             if ev is None:
                 return
             self._tls.ch, self._tls.ev = ch, ev
-            self._held_by[ch.vcpu] = (time.monotonic(), f"a plugin handler on vCPU {ch.vcpu}")
+            got_at = time.monotonic()
+            self._held_by[ch.vcpu] = (got_at, f"a plugin handler on vCPU {ch.vcpu}")
             try:
                 action, writes = self._dispatch(ch, ev)
             except Exception as exc:  # noqa: BLE001 - the vCPU must go on
@@ -77,6 +78,7 @@ class HandlerDispatch:
                 ch.done(action, writes)
             except OSError:
                 return
+            self.vm.note_host_stop(time.monotonic() - got_at)  # type: ignore[attr-defined]
 
     def _holding(self) -> tuple[float, str] | None:
         """For the machine's stall check: the longest-running handler, if any."""

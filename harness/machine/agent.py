@@ -14,7 +14,11 @@ overdue by ``STALL_AFTER`` seconds, so a guest that cannot run at all (stopped i
 handler or a debugger) surfaces as the Machine's error within a second or two. No
 request waits longer than ``AGENT_REPLY_TIMEOUT`` for its reply, whatever the command's
 own timeout: a live agent answers each request in milliseconds (a long command is
-polled with ``guest-exec-status``), so a longer silence means a stuck agent.
+polled with ``guest-exec-status``), so a longer silence means a stuck agent. Except
+while the guest takes a host engine's probe stops (``stalled`` returns the time of the
+last one): each stop halts the guest for a host round trip, thousands of them can
+starve the agent for longer, and that guest is running; the wait then lasts until
+``AGENT_REPLY_TIMEOUT`` after the last stop, within the command's own timeout.
 
 One request at a time: a lock serialises threads, and a request abandoned half way (an
 exception, Ctrl-C) leaves the stream to be resynchronised by the next one.
@@ -44,7 +48,7 @@ class GuestAgent:
     """Synchronous client for one guest agent socket (QEMU's chardev end)."""
 
     def __init__(self, sock: socket.socket, check: Callable[[], None] = lambda: None,
-                 stalled: Callable[[], None] = lambda: None) -> None:
+                 stalled: Callable[[], float | None] = lambda: None) -> None:
         self._sock = sock
         self._sock.setblocking(False)
         self._buf = b""
@@ -76,13 +80,17 @@ class GuestAgent:
     def _fill(self, deadline: float) -> None:
         """Read more bytes into the buffer, or raise VMLostError at the deadline."""
         t0 = time.monotonic()
-        deadline = min(deadline, t0 + AGENT_REPLY_TIMEOUT)
+        cap = t0 + AGENT_REPLY_TIMEOUT
         while True:
             self._check()
             now = time.monotonic()
             if now - t0 >= STALL_AFTER:
-                self._stalled()
-            left = deadline - now
+                # the time of the guest's last host probe stop: a guest that takes the
+                # host's stops runs, slowed by them, and its agent gets the time it needs
+                busy = self._stalled()
+                if busy is not None:
+                    cap = max(cap, busy + AGENT_REPLY_TIMEOUT)
+            left = min(deadline, cap) - now
             if left <= 0:
                 self._synced = False
                 raise VMLostError(f"guest agent did not answer in time ({now - t0:.0f} s)")
@@ -218,8 +226,10 @@ class GuestAgent:
                     code = 128 + int(st.get("signal", 0))
                 return int(code), out, err
             if time.monotonic() + delay > deadline:
+                # made before the kill: ``at`` is when the wait ran out
+                lost = VMLostError(f"guest command {argv!r} did not finish within {timeout:.0f} s")
                 self._kill(pid)
-                raise VMLostError(f"guest command {argv!r} did not finish within {timeout:.0f} s")
+                raise lost
             self._check()
             time.sleep(delay)
             delay = min(delay * 2, 0.02)

@@ -22,7 +22,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Iterator
 
-from ..errors import GuestPanicError, HarnessError, VMLostError
+from ..errors import GuestPanicError, HarnessError, HostSlowedError, VMLostError
 from ..kernel.splat import (GuestHangError, KernelFinding, KernelPanicFinding, Splat,
                             find_splats, merge)
 
@@ -118,7 +118,9 @@ class KernelWatch:
         """``exc`` as a kernel finding when it is one: a panic in the window
         (:class:`KernelPanicFinding`, its splats from the console), or a guest that
         stopped answering while QEMU reports it running (:class:`GuestHangError`, verdict
-        ``HANG``). Anything else (QEMU died, QMP silent, a guest held stopped) is
+        ``HANG``). A guest still taking the host engine's probe stops when the wait ran
+        out is neither (:class:`HostSlowedError`: slowed by the host, the run not
+        compared). Anything else (QEMU died, QMP silent, a guest held stopped) is
         returned as it is: a harness failure."""
         if isinstance(exc, KernelFinding) or self.mark is None:
             return exc
@@ -145,6 +147,18 @@ class KernelWatch:
         if status != "running":
             return exc
         first = str(exc.args[0]) if exc.args else "no answer"
+        if isinstance(exc, HostSlowedError):
+            return exc
+        if vm.host_busy(getattr(exc, "at", None)):
+            # it still takes the host engine's probe stops: a guest slowed by the host's
+            # probes, whose work outlasted the timeout (each stop is a host round trip), runs
+            return HostSlowedError(
+                f"{vm.name}: not compared: the host's probes slowed the guest past the "
+                f"timeout ({first}; the guest was still taking host probe stops, "
+                f"{vm.host_stops} in all): a busy guest, not a hang; probe fewer or colder "
+                "places, give a longer --timeout, or use --host plugin (its stops cost no "
+                "round trip to GDB)",
+                vm.console_tail(), stops=vm.host_stops)
         fresh: list[Splat] = []
         try:
             vm.run("true", timeout=5.0)

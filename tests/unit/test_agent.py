@@ -243,3 +243,42 @@ def test_an_entry_left_unread_is_drained_before_its_pid_is_polled_again():
         ag.exec(["/bin/sh", "-c", "old"], timeout=2)
     assert ag.exec(["/bin/sh", "-c", "new"], timeout=2) == (0, b"new\n", b"")
     assert qga.entries == []
+
+
+def _stalled_agent(script, stalled):
+    a, b = socket.socketpair()
+    threading.Thread(target=_peer, args=(b, script), daemon=True).start()
+    return GuestAgent(a, stalled=stalled)
+
+
+def test_a_guest_taking_host_probe_stops_gets_longer_than_the_reply_timeout(monkeypatch):
+    """``stalled`` returning the time of the host's last probe stop: the guest runs,
+    slowed by the host's probes, and the reply is awaited until the reply timeout after
+    that stop (within the command's own timeout), not cut at the reply timeout."""
+    import time
+
+    import harness.machine.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "AGENT_REPLY_TIMEOUT", 0.8)  # past STALL_AFTER
+    t0 = time.monotonic()
+
+    def reply(req):
+        time.sleep(1.5)         # later than the reply timeout
+        return json.dumps({"return": {}}).encode() + b"\n"
+
+    ag = _stalled_agent(_synced_then(reply), time.monotonic)  # a stop just now, each time
+    ag.sync(2)
+    assert ag.execute("guest-ping", timeout=5) == {}
+    assert time.monotonic() - t0 >= 1.5
+
+
+def test_host_probe_stops_do_not_stretch_the_commands_own_timeout(monkeypatch):
+    import time
+
+    import harness.machine.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "AGENT_REPLY_TIMEOUT", 0.8)  # past STALL_AFTER
+    ag = _stalled_agent(_synced_then(lambda req: b""), time.monotonic)
+    ag.sync(2)
+    t0 = time.monotonic()
+    with pytest.raises(VMLostError, match="did not answer in time"):
+        ag.execute("guest-ping", timeout=1.2)
+    assert 1.1 <= time.monotonic() - t0 < 2.0

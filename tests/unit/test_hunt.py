@@ -340,3 +340,22 @@ def test_raw_kprobes_skip_trace_kprobe_s_notrace_check_only():
     layer = object.__new__(TraceLayer)
     layer.raw = True
     assert layer.notrace(object()) is False     # never looked at: register_kprobe() alone
+
+
+def test_a_run_not_compared_is_not_run_never_agreed():
+    """The oracle returns None for an agreement and for a run it could not compare
+    (``Oracle.unjudged``: the host's probes slowed the guest past the timeout, a
+    construct not mirrored); only the first counts as agreed, and a slowed run is said."""
+    h = hunt.Hunt.__new__(hunt.Hunt)
+    h.said = []
+    h.say = h.said.append
+    c = {"run": 3, "agreed": 0, "findings": 0, "not_run": 0}
+    o = SimpleNamespace(unjudged=None)
+    h._none(o, c, "insns")
+    o.unjudged = ("slowed: kph-1: not compared: the host's probes slowed the guest past "
+                  "the timeout (...)")
+    h._none(o, c, "insns")
+    o.unjudged = "not mirrored: $current on 7.3"
+    h._none(o, c, "selftests")
+    assert (c["agreed"], c["not_run"]) == (1, 2)
+    assert len(h.said) == 1 and h.said[0].startswith("hunt: insns: not compared: kph-1")

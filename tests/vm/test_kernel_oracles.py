@@ -60,3 +60,19 @@ def test_a_panic_a_warning_in_dmesg_and_a_hang_are_kernel_findings():
     assert doc["verdict"] == "HANG"
     (h,) = [s for s in doc["kernel"]["splats"] if s["verdict"] == "HANG"]
     assert "the guest agent still answers" in h["title"] and h["source"] == "agent"
+
+
+def test_a_guest_the_host_probes_slow_past_the_timeout_is_not_compared_not_hung():
+    """200,000 one-byte reads, each a stop of the gdbstub engine (a round trip of some
+    ms): the workload outlasts --timeout while the guest runs. Not HANG (exit 6): not
+    compared, exit 2, one line; the same probe over a short workload is compared."""
+    r = kph("diff", "p:rd ksys_read", "--run",
+            "dd if=/dev/zero of=/dev/null bs=1 count=200000", "--timeout", "5")
+    assert r.returncode == 2, r.stderr
+    assert "not compared: the host's probes slowed the guest past the timeout" in r.stderr
+    assert "HANG" not in r.stderr and "Traceback" not in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == \
+        [r.stderr.strip().splitlines()[-1]]
+    # few enough stops: compared as ever
+    r = kph("diff", "p:rd ksys_read", "--run", "dd if=/dev/zero of=/dev/null bs=1 count=20")
+    assert r.returncode == 0, r.stderr
