@@ -14,7 +14,7 @@ build too is a false alarm, as are the stock builds' own new findings.
 Nothing here tells the hunt which entry is planted: the hunt gets only the image.
 
     python bench/recall.py [--minutes 15] [--series 6.12,7.3] [--entries NAME,...]
-                           [--seed 0] [--stop-at-first] [-o recall.json]
+                           [--seed 0] [--stop-at-first] [--jobs N] [-o recall.json]
 
 One line per entry (found or not, by which phase and oracle, after how many seconds of
 the hunt, the reproducer's verdicts), then ``recall: K/N`` and the false alarms.
@@ -30,7 +30,9 @@ import shlex
 import subprocess
 import sys
 import time
+import threading
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="end each planted build's hunt at its first new finding (the "
                          "stock builds' hunts always run their whole budget); a found "
                          "entry then costs its time to the finding, not the budget")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="hunts run at once (builds stay one at a time); each hunt gets "
+                         "its budget in wall time, so on a machine of 2 cores 2 jobs give "
+                         "each hunt less of the CPU: fewer cases in the same minutes")
     ap.add_argument("-o", "--output", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     series = tuple(s for s in args.series.split(",") if s)
@@ -159,72 +165,105 @@ def main(argv: list[str] | None = None) -> int:
         (lambda s: None)
     t_all = time.monotonic()
     stock: dict[str, dict] = {}
-    if not args.no_stock and not args.no_stock_hunt:
-        for s in sorted({s for _, s in todo}):
-            t0 = time.monotonic()
-            build_tree_image(s, progress=say)
-            built = time.monotonic() - t0
-            stock[s] = hunt(selector(s, None), args.minutes, args.seed)
-            new = [f for f in stock[s].get("findings", []) if f.get("new")]
-            print(f"stock tree:{s}: built in {built:.0f} s; hunt exit {stock[s]['exit']}, "
-                  f"{len(new)} new finding(s) (false alarms)", flush=True)
-            for f in new:
-                print(f"  false alarm: {key(f)} {f['lines'][:2]}", flush=True)
-    rows = []
     hidden = [e for e, _ in todo if not e.get("visible", True)]
     for e in hidden:        # no probe line shows it: not a miss, not counted (docs/recall.md)
         print(f"{e['name']:42s} not counted: no probe line can show it "
               f"({e['invisible_why'][:100]}...)", flush=True)
     todo = [(e, s) for e, s in todo if e.get("visible", True)]
-    for e, s in todo:
+    # One build at a time: a series' variants share one variant tree (kernel.md).
+    build_lock = threading.Lock()
+
+    def built(s: str, patches: list[Path]) -> tuple[object, float]:
+        with build_lock:
+            t0 = time.monotonic()
+            return build_tree_image(s, patches=patches, progress=say), time.monotonic() - t0
+
+    def stock_job(s: str) -> None:
+        _, took = built(s, [])
+        stock[s] = hunt(selector(s, None), args.minutes, args.seed)
+        new = [f for f in stock[s].get("findings", []) if f.get("new")]
+        text = (f"stock tree:{s}: built in {took:.0f} s; hunt exit {stock[s]['exit']}, "
+                f"{len(new)} new finding(s) (false alarms)")
+        print("\n".join([text] + [f"  false alarm: {key(f)} {f['lines'][:2]}" for f in new]),
+              flush=True)
+
+    def entry_job(e: dict, s: str) -> dict:
+        """Build, hunt, and replay each new finding's reproducer on both builds; which
+        finding makes the entry found is decided once the stock hunts are in (judge)."""
         patch = BUGS / e["patch"]
-        t0 = time.monotonic()
         row: dict = {"entry": e["name"], "series": s, "kind": e["kind"], "effect": e["effect"]}
         try:
-            img = build_tree_image(s, patches=[patch], progress=say)
+            img, took = built(s, [patch])
         except Exception as exc:                # a build error is the entry's result
-            row.update(found=False, error=f"build: {exc}")
-            print(f"{e['name']:42s} {s:5s} BUILD FAILED: {str(exc)[:120]}", flush=True)
-            rows.append(row)
-            continue
-        row["build_s"] = round(time.monotonic() - t0)
+            row.update(found=False, error=f"build: {exc}", false_alarms=[])
+            return row
+        row["build_s"] = round(took)
         why = unmet(e, img)
         if why:     # the hunt cannot show it on this build: not found, and said why
             row.update(found=False, not_run=why, false_alarms=[])
-            rows.append(row)
-            print(f"{e['name']:42s} {s:5s} build {row['build_s']:4d} s  not run: {why}",
-                  flush=True)
-            continue
+            return row
         doc = hunt(selector(s, patch), args.minutes, args.seed, args.stop_at_first)
-        seen = {key(f) for f in stock.get(s, {}).get("findings", []) if f.get("new")}
-        cands = [f for f in doc.get("findings", []) if f.get("new") and key(f) not in seen]
         row.update(found=False, hunt_exit=doc["exit"], error=doc.get("error", ""),
-                   findings=len(cands), false_alarms=[])
-        for f in cands:
+                   false_alarms=[], cands=[])
+        if not args.no_stock and any(f.get("new") for f in doc.get("findings", [])):
+            built(s, [])        # the stock image the reproducers replay on
+        for f in doc.get("findings", []):
+            if not f.get("new"):
+                continue
             planted = stock_rc = None
             if not args.no_stock:
                 planted = replay(f["reproduce"], selector(s, patch))
                 stock_rc = replay(f["reproduce"], selector(s, None))
-                if stock_rc != 0:       # the stock build shows it too: not this bug
+            row["cands"].append({**f, "repro_planted": planted, "repro_stock": stock_rc,
+                                 "after_s": doc["first_seen"].get(
+                                     f"{f['kind']}, {f['probe_kind']}, {f['what']}")})
+        print(f"  done: {e['name']} ({len(row['cands'])} new finding(s), "
+              f"{time.monotonic() - t_all:.0f} s into the run)", flush=True)
+        return row
+
+    def judge(row: dict) -> dict:
+        seen = {key(f) for f in stock.get(row["series"], {}).get("findings", [])
+                if f.get("new")}
+        cands = [f for f in row.pop("cands", []) if key(f) not in seen]
+        row["findings"] = len(cands)
+        for f in cands:
+            if not args.no_stock:
+                if f["repro_stock"] != 0:       # the stock build shows it too: not this bug
                     row["false_alarms"].append({"lines": f["lines"], "oracle":
                                                 f"{f['kind']}/{f['what']}"})
                     continue
-                if planted == 0:        # not shown again on its own build
+                if f["repro_planted"] == 0:     # not shown again on its own build
                     continue
             row.update(found=True, phase=f["phase"], oracle=f"{f['kind']}/{f['what']}",
                        source=f["source"], lines=f["lines"], reproduce=f["reproduce"],
-                       after_s=doc["first_seen"].get(
-                           f"{f['kind']}, {f['probe_kind']}, {f['what']}"),
-                       repro_planted=planted, repro_stock=stock_rc)
+                       after_s=f["after_s"], repro_planted=f["repro_planted"],
+                       repro_stock=f["repro_stock"])
             break
-        rows.append(row)
-        what = (f"FOUND by {row['phase']} ({row['oracle']}) after {row.get('after_s')} s; "
-                f"reproducer exit {row.get('repro_planted')} planted / "
-                f"{row.get('repro_stock')} stock" if row["found"] else
-                f"missed{': ' + row['error'] if row['error'] else ''}")
+        return row
+
+    jobs: list = []
+    if not args.no_stock and not args.no_stock_hunt:
+        jobs += [(stock_job, (s,)) for s in sorted({s for _, s in todo})]
+    jobs += [(entry_job, (e, s)) for e, s in todo]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(fn, *a) for fn, a in jobs]
+        results = [f.result() for f in futures]
+    rows = [judge(r) for r in results if isinstance(r, dict)]
+    for row in rows:
+        s = row["series"]
+        if "build_s" not in row:
+            what = f"BUILD FAILED: {row['error'][:120]}"
+        elif row.get("not_run"):
+            what = f"not run: {row['not_run']}"
+        else:
+            what = (f"FOUND by {row['phase']} ({row['oracle']}) after {row.get('after_s')} s; "
+                    f"reproducer exit {row.get('repro_planted')} planted / "
+                    f"{row.get('repro_stock')} stock" if row["found"] else
+                    f"missed{': ' + row['error'] if row['error'] else ''}")
         for fa in row["false_alarms"]:
             what += f"; false alarm (fails on the stock build too): {fa['oracle']} {fa['lines']}"
-        print(f"{e['name']:42s} {s:5s} build {row['build_s']:4d} s  {what}", flush=True)
+        print(f"{row['entry']:42s} {s:5s} build {row.get('build_s', 0):4d} s  {what}",
+              flush=True)
     found = sum(r["found"] for r in rows)
     alarms = sum(len([f for f in d.get("findings", []) if f.get("new")]) for d in stock.values()) \
         + sum(len(r.get("false_alarms", [])) for r in rows)
