@@ -195,6 +195,16 @@ def _opt(path: Path) -> str:
     return str(path).replace(",", ",,")
 
 
+
+def _smp_arg(smp: int) -> str:
+    """``-smp``'s value: one CPU a socket. QEMU's default topology puts every CPU in one
+    package (cores), and SeaBIOS's MP table lists one entry a package (its
+    src/fw/mptable.c steps its CPU loop by the logical CPUs a package has): a kernel
+    without ACPI, which finds its CPUs in that table (arch/x86/kernel/mpparse.c, tree
+    builds: images/kernel.config), would bring up one CPU of two. With one CPU a
+    socket every CPU has its entry; ACPI kernels see the same CPUs either way."""
+    return "1" if smp == 1 else f"{smp},sockets={smp},cores=1,threads=1"
+
 class Machine:
     """A booted guest. Use ``Machine.boot()`` as a context manager."""
 
@@ -466,7 +476,7 @@ class Machine:
     def _args(self, fds: dict[str, int], rundir: Path) -> list[str]:
         console = rundir / "console.log"
         args = ["-name", self.name, "-nodefaults", "-no-user-config", "-display", "none",
-                "-machine", "pc", "-m", self.memory, "-smp", str(self.smp),
+                "-machine", "pc", "-m", self.memory, "-smp", _smp_arg(self.smp),
                 "-accel", self.accel, "-no-reboot", "-action", "panic=pause",
                 "-serial", f"file:{console}",
                 "-chardev", f"socket,id=qmp0,fd={fds['qmp']},server=on,wait=off",
@@ -801,12 +811,13 @@ class Machine:
     def _stall_check(self) -> float | None:
         """Called by the agent while a reply is overdue: raise ``GuestStoppedError`` when
         the guest cannot run, so no wait outlives its cause (see the module docstring).
-        Returns the time of the last host probe stop (``note_host_stop``), for the agent
-        to wait on a guest slowed by them."""
+        Returns now while the host's probe stops hold the guest most of the time
+        (``host_busy``), for the agent to wait on a guest slowed by them; None otherwise: a
+        probe a timer hits now and then does not stretch the wait on a hung guest."""
         if self.state is not VmState.RUNNING or self.aborting:
             return None
         self._stall_check_stopped()
-        return self.last_host_stop
+        return time.monotonic() if self.host_busy() else None
 
     def _stall_check_stopped(self) -> None:
         now = time.monotonic()

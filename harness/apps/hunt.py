@@ -686,8 +686,8 @@ class Hunt:
             self.say(f"hunt: writers: no {WRITER_CPUS}-CPU machine ({exc})")
             return
         cpus = vm.run("nproc", timeout=30).stdout.strip()
-        # a kernel that finds no second CPU (a tree build: no ACPI, no MP table) runs the
-        # writers interleaved only where one sleeps
+        # the phase says how many it got: a kernel that brings up one only runs the writers
+        # interleaved where one sleeps
         self.say(f"hunt: writers: refused lines from {WRITERS} writers at once on "
                  f"{cpus} CPU(s) of {WRITER_CPUS}, {WRITER_LINES} lines a run")
         try:

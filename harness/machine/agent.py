@@ -15,8 +15,8 @@ handler or a debugger) surfaces as the Machine's error within a second or two. N
 request waits longer than ``AGENT_REPLY_TIMEOUT`` for its reply, whatever the command's
 own timeout: a live agent answers each request in milliseconds (a long command is
 polled with ``guest-exec-status``), so a longer silence means a stuck agent. Except
-while the guest takes a host engine's probe stops (``stalled`` returns the time of the
-last one): each stop halts the guest for a host round trip, thousands of them can
+while a host engine's probe stops hold the guest most of the time (``stalled`` then
+returns the time): each stop halts the guest for a host round trip, thousands of them can
 starve the agent for longer, and that guest is running; the wait then lasts until
 ``AGENT_REPLY_TIMEOUT`` after the last stop, within the command's own timeout.
 
@@ -85,8 +85,9 @@ class GuestAgent:
             self._check()
             now = time.monotonic()
             if now - t0 >= STALL_AFTER:
-                # the time of the guest's last host probe stop: a guest that takes the
-                # host's stops runs, slowed by them, and its agent gets the time it needs
+                # set while the host's probe stops hold the guest most of the time
+                # (Machine.host_busy): it runs, slowed by them, and its agent gets the time
+                # it needs
                 busy = self._stalled()
                 if busy is not None:
                     cap = max(cap, busy + AGENT_REPLY_TIMEOUT)

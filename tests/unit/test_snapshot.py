@@ -58,3 +58,12 @@ def test_restore_command_line_maps_the_ram_file_private_and_read_only(tmp_path):
     assert "mem-path=" + str(tmp_path / "snap,,dir" / "ram") in obj
     assert "share=off,readonly=on,rom=off" in obj
     assert "pc,memory-backend=kph-ram" in cmd
+
+
+def test_each_cpu_is_a_socket_of_its_own(tmp_path):
+    """SeaBIOS's MP table lists the first CPU of a package only: a kernel without ACPI
+    (a tree build) would find one CPU of a -smp 2 of one package."""
+    one = _machine(tmp_path).machine_args()
+    assert one[one.index("-smp") + 1] == "1"
+    two = _machine(tmp_path, smp=2).machine_args()
+    assert two[two.index("-smp") + 1] == "2,sockets=2,cores=1,threads=1"

@@ -72,6 +72,15 @@ def test_the_build_directory_boots_with_the_default_initramfs(image):
         assert vm.btf.offset("task_struct", "pid") > 0
 
 
+def test_two_cpus_come_up_without_acpi(image):
+    """The tree's config has no ACPI: its kernel finds CPUs in the BIOS's MP table, which
+    lists one CPU a package (Machine's -smp puts each in its own socket)."""
+    img = load_image(Path(image["dir"]))
+    assert "CONFIG_ACPI=y" not in (Path(image["dir"]) / "config").read_text().splitlines()
+    with Machine.boot(img, smp=2) as vm:
+        assert vm.run("nproc", check=True).stdout.strip() == "2"
+
+
 def test_the_image_boots_from_its_snapshot_and_loads_its_own_modules(image):
     img = load_image(Path(image["dir"]))
     with Machine.boot(img) as vm:
