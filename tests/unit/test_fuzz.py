@@ -149,3 +149,38 @@ def test_the_entry_argument_limit_is_drawn_on_functions_without_a_prototype():
     saved = [ln for (ln,) in exs if "$arg14" in ln]
     assert saved and all(" iput.part.0" in ln for ln in saved), saved[:3]
     assert any(ln.startswith("f") and "%return" in ln and "$arg16" in ln for ln in saved)
+
+
+def test_every_entry_a_line_logs_alone_is_its_own_under_concurrent_writers():
+    """7.3's eprobe parser logs two entries for one bad attach name (BAD_EVENT_NAME from
+    traceprobe_parse_event_name(), then NO_EVENT_INFO): both are that line's own, and the
+    stock 7.3 build's writers run of them is no finding (a false alarm of 2026-11-29's
+    recall run). An entry of one line's message against another's command still is."""
+    import types
+
+    eline, kline = "e:vs8/f syscalls.sys_ent%r_openat @+0x40", "p:_ foo a0=%di"
+    e1 = ("[    1.1] event_probe: error: Event name must follow the same rules as C "
+          f"identifiers\n  Command: {eline}\n                            ^\n")
+    e2 = ("[    1.1] event_probe: error: This requires both group and event name to attach\n"
+          f"  Command: {eline}\n                   ^\n")
+    k1 = f"[    1.2] trace_kprobe: error: Too many arguments are specified\n  Command: {kline}\n          ^\n"
+    crossed = ("[    1.3] trace_kprobe: error: Too many arguments are specified\n"
+               f"  Command: {eline}\n          ^\n")
+
+    class VM:
+        def __init__(self, together):
+            self.together = together
+
+        def run(self, cmd, timeout=0):
+            if "wait;" in cmd:
+                out = self.together
+            else:
+                out = e1 + e2 if "sys_ent" in cmd else k1
+            return types.SimpleNamespace(stdout=out, status=0)
+
+    assert fuzz.concurrent_refusals(VM(k1 + e1 + e2 + e2 + e1), (kline, eline), writers=4,
+                                    rounds=2, writes=2) is None
+    f = fuzz.concurrent_refusals(VM(k1 + crossed + e1), (kline, eline), writers=4, rounds=2,
+                                 writes=2)
+    assert f is not None and f.kind == "error_log" and f.lines == (kline, eline)
+    assert "1 of 3 error_log entries are no line's own" in f.detail
