@@ -195,7 +195,6 @@ def _opt(path: Path) -> str:
     return str(path).replace(",", ",,")
 
 
-
 def _smp_arg(smp: int) -> str:
     """``-smp``'s value: one CPU a socket. QEMU's default topology puts every CPU in one
     package (cores), and SeaBIOS's MP table lists one entry a package (its
@@ -204,6 +203,7 @@ def _smp_arg(smp: int) -> str:
     builds: images/kernel.config), would bring up one CPU of two. With one CPU a
     socket every CPU has its entry; ACPI kernels see the same CPUs either way."""
     return "1" if smp == 1 else f"{smp},sockets={smp},cores=1,threads=1"
+
 
 class Machine:
     """A booted guest. Use ``Machine.boot()`` as a context manager."""
@@ -264,9 +264,8 @@ class Machine:
         #: Set by ``abort()``: the process is being interrupted; talk to nothing, just end.
         self.aborting = False
         self._stop_holders: list[StopHolder] = []
-        #: probe stops a host engine handled (``note_host_stop``), and when the last was
+        #: probe stops a host engine handled (``note_host_stop``)
         self.host_stops = 0
-        self.last_host_stop: float | None = None
         #: (when it ended, how long the guest was held) of each recent host probe stop
         self._host_held: collections.deque[tuple[float, float]] = collections.deque()
         self._stopped_seen: tuple[float, str] | None = None
@@ -790,7 +789,6 @@ class Machine:
         a plugin round trip), holding the guest ``held`` seconds, and let it run on."""
         now = time.monotonic()
         self.host_stops += 1
-        self.last_host_stop = now
         q = self._host_held
         q.append((now, held))
         while q and now - q[0][0] > 4 * C.HOST_BUSY_WINDOW:

@@ -18,7 +18,7 @@ polled with ``guest-exec-status``), so a longer silence means a stuck agent. Exc
 while a host engine's probe stops hold the guest most of the time (``stalled`` then
 returns the time): each stop halts the guest for a host round trip, thousands of them can
 starve the agent for longer, and that guest is running; the wait then lasts until
-``AGENT_REPLY_TIMEOUT`` after the last stop, within the command's own timeout.
+``AGENT_REPLY_TIMEOUT`` after the stops ease, within the command's own timeout.
 
 One request at a time: a lock serialises threads, and a request abandoned half way (an
 exception, Ctrl-C) leaves the stream to be resynchronised by the next one.

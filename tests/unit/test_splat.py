@@ -309,7 +309,7 @@ def test_host_busy_is_a_share_of_the_window_held_not_a_stop_now_and_then():
     from harness.vmctl import Machine
 
     m = Machine.__new__(Machine)
-    m.host_stops, m.last_host_stop, m._host_held = 0, None, collections.deque()
+    m.host_stops, m._host_held = 0, collections.deque()
     at = 1000.0
     m._host_held.extend((at - 2.0 + k * 0.004, 0.003) for k in range(500))   # 3 ms in 4
     assert m.host_busy(at)
