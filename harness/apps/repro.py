@@ -479,19 +479,24 @@ class KernelRepro:
         return self.result.met == self.expect_met
 
 
-def resolve_kernels(scn: Scenario, names: list[str]) -> list[tuple[str, str]]:
+def resolve_kernels(scn: Scenario, names: list[str],
+                    series: str | None = None) -> list[tuple[str, str]]:
     """``--kernels`` as (name, selector): ``stock``, ``source`` and ``patched`` from the
-    scenario's ``[kernels]`` table; anything else is a kernel selector as it is.
+    scenario's ``[kernels]`` table, of ``series`` (``--series``; default the table's own);
+    anything else is a kernel selector as it is.
 
     :raise HarnessError: a named kernel the scenario does not define."""
-    table = scn.kernel_selectors()
+    table = scn.kernel_selectors(series)
     out = []
     for n in names:
         if n in ("stock", "source", "patched"):
             if n not in table:
-                raise HarnessError(f"--kernels {n}: {scn.path.name} has no [kernels] "
-                                   f"{'patch' if n == 'patched' else 'series'}; name the kernel "
-                                   "itself (6.12, tree:6.12+FIX.patch, an image directory)")
+                what = ("series" if n != "patched" else
+                        "patch" if not series or series == scn.kernels.get("series") else
+                        f'patches."{series}"')
+                raise HarnessError(f"--kernels {n}: {scn.path.name} has no [kernels] {what}; "
+                                   "name the kernel itself (6.12, tree:6.12+FIX.patch, an "
+                                   "image directory)")
             out.append((n, table[n]))
         else:
             out.append((n, n))
@@ -499,13 +504,13 @@ def resolve_kernels(scn: Scenario, names: list[str]) -> list[tuple[str, str]]:
 
 
 def run_kernels(scn: Scenario, names: list[str], *, out_dir: Path | None = None,
-                qemu: str | None = None,
+                qemu: str | None = None, series: str | None = None,
                 progress: Callable[[str], None] = lambda s: None) -> list[KernelRepro]:
     """Run ``scn`` on each kernel of ``names`` (``resolve_kernels``), each image built
     first when missing (``image_for``: a tree's build takes minutes the first time), each
     run with its own bundle under ``out_dir``. A kernel named ``patched`` is expected NOT
     MET (the scenario shows the bug; the patch fixes it), every other one MET."""
-    pairs = resolve_kernels(scn, names)
+    pairs = resolve_kernels(scn, names, series)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     top = out_dir or RUNS_DIR / f"repro-{re.sub(r'[^A-Za-z0-9_.-]+', '-', scn.path.stem)}-{stamp}"
     images = []

@@ -65,19 +65,28 @@ class Scenario:
     timeouts: dict[str, float] = field(default_factory=dict)
     text: str = ""
     #: ``[kernels]``: the kernels ``kph repro --kernels`` names (``kernel_selectors``)
-    kernels: dict[str, str] = field(default_factory=dict)
+    kernels: dict[str, Any] = field(default_factory=dict)
 
-    def kernel_selectors(self) -> dict[str, str]:
+    def kernel_selectors(self, series: str | None = None) -> dict[str, str]:
         """The named kernels of ``[kernels]``, as image selectors: ``stock`` is Debian's
-        binary kernel of ``series``, ``source`` a build of Debian's source of it (the same
-        release), ``patched`` that build with ``patch`` applied."""
+        binary kernel of ``series`` (default: the table's own), ``source`` a build of
+        Debian's source of it (the same release), ``patched`` that build with the fix for
+        that series applied: ``patch`` for the table's series, ``patches.SERIES`` for each
+        other one (a fix whose code moved between series is not the same patch)."""
         k = self.kernels
         if not k:
             return {}
-        out = {"stock": k["series"], "source": f"tree:{k['series']}"}
-        if "patch" in k:
-            out["patched"] = f"tree:{k['series']}+{(self.path.parent / k['patch']).resolve()}"
+        s = series or k["series"]
+        out = {"stock": s, "source": f"tree:{s}"}
+        fix = k.get("patch") if s == k["series"] else k.get("patches", {}).get(s)
+        if fix:
+            out["patched"] = f"tree:{s}+{(self.path.parent / fix).resolve()}"
         return out
+
+    def kernel_series(self) -> list[str]:
+        """Each series ``[kernels]`` names a fix for: its own first, then ``patches``'."""
+        k = self.kernels
+        return [k["series"], *k.get("patches", {})] if k else []
 
 
 def _get(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str, path: str,
@@ -174,7 +183,7 @@ def load(path: str | Path) -> Scenario:
             raise ScenarioError(ps, f"timeouts.{k}", "must be positive")
         timeouts[k] = float(v)
     kernels = _get(doc, "kernels", dict, "", ps, {})
-    _only(kernels, {"series", "patch"}, "kernels.", ps)
+    _only(kernels, {"series", "patch", "patches"}, "kernels.", ps)
     if kernels:
         series = _get(kernels, "series", str, "kernels.", ps, required=True)
         if not re.fullmatch(r"\d+\.\d+", series):
@@ -182,6 +191,13 @@ def load(path: str | Path) -> Scenario:
         patch = _get(kernels, "patch", str, "kernels.", ps)
         if patch is not None and not (p.parent / patch).is_file():
             raise ScenarioError(ps, "kernels.patch", f"no file {p.parent / patch}")
+        for other, fix in _get(kernels, "patches", dict, "kernels.", ps, {}).items():
+            where = f'kernels.patches."{other}"'
+            if not re.fullmatch(r"\d+\.\d+", other) or other == series:
+                raise ScenarioError(ps, where, f"{other!r} is not another series such as 7.3 "
+                                    f"(the fix for {series} is kernels.patch)")
+            if not isinstance(fix, str) or not (p.parent / fix).is_file():
+                raise ScenarioError(ps, where, f"no file {p.parent / str(fix)}")
     return Scenario(p, name, _get(doc, "description", str, "", ps, ""), dict(machine),
                     tuple(setup), trigger, probes, expect, timeouts, text, dict(kernels))
 

@@ -3,6 +3,7 @@ evidence; ``--record`` / ``--replay`` under QEMU record/replay."""
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ NAME = "repro"
 EXAMPLES = ["kph repro probes/scenarios/blacklisted.toml",
             "kph repro probes/scenarios/blacklisted.toml --out bundle --json",
             "kph repro probes/scenarios/upstream/btf-char-ptr.toml --kernels stock,source,patched"
-            "  # not run: builds two kernels first (docs/upstream.md)"]
+            "  # not run: builds two kernels first (docs/upstream.md)",
+            "kph repro probes/scenarios/upstream/btf-char-ptr.toml --kernels stock,source,patched"
+            " --series 7.3  # not run: the same on 7.3, with 7.3's fix"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -45,6 +48,10 @@ def add_parser(subparsers: Any) -> None:
                     "any image selector (6.12, tree:PATH+FIX.patch, an image directory). "
                     "Exit 0 when each is as expected: MET, and NOT MET for patched (the fix "
                     "works)")
+    rp.add_argument("--series", metavar="SERIES",
+                    help="with --kernels: stock, source and patched of this series instead of "
+                    "the scenario's own (its [kernels.patches] names the fix for each other "
+                    "series, e.g. 7.3)")
     rp.add_argument("--qemu", metavar="PATH", help="qemu-system-x86_64 to use")
     ci_group(rp)
 
@@ -64,6 +71,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.replay:
         return replay(scn, args, out)
     assert scn is not None
+    if args.series is not None and not re.fullmatch(r"\d+\.\d+", args.series):
+        raise SetupError(f"--series {args.series!r} is not a series", "e.g. --series 7.3")
+    if args.series and args.kernels is None:
+        raise SetupError(f"--series {args.series} without --kernels",
+                         f"--kernels stock,source,patched --series {args.series}")
     if args.kernels is not None:
         if args.record:
             raise SetupError("--kernels and --record together", "record one kernel at a time")
@@ -106,8 +118,11 @@ def run_kernels(scn: Any, args: argparse.Namespace, out: Output) -> int:
     names = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not names:
         raise SetupError("--kernels names no kernel", "e.g. --kernels stock,patched")
+    if args.series and not scn.kernels:
+        raise SetupError(f"--series {args.series}: {scn.path.name} has no [kernels] table",
+                         "name the kernels themselves (--kernels 7.3,tree:7.3+FIX.patch)")
     runs = repro.run_kernels(scn, names, out_dir=Path(args.out) if args.out else None,
-                             qemu=args.qemu, progress=out.progress)
+                             qemu=args.qemu, series=args.series, progress=out.progress)
     out.progress.clear()
     out.text(scn.name)
     for r in runs:

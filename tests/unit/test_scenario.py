@@ -68,12 +68,20 @@ def test_every_upstream_reproducer_names_its_kernels_and_its_fix():
     found = sorted((SCENARIOS / "upstream").glob("*.toml"))
     assert len(found) == 3
     for path in found:
-        sel = load(path).kernel_selectors()
+        scn = load(path)
+        assert scn.kernel_series() == ["6.12", "7.3"], path
+        sel = scn.kernel_selectors()
         patch = Path(sel["patched"].split("+", 1)[1])
         assert sel["stock"] == "6.12" and sel["source"] == "tree:6.12", path
         assert sel["patched"].startswith("tree:6.12+") and patch.is_file(), path
         assert patch.parent == SCENARIOS.parent / "patches"
         assert f"scenarios/upstream/{path.name}" in patch.read_text(), path
+        # on 7.3 the fix is the exported series' own first patch (the code moved)
+        sel = scn.kernel_selectors("7.3")
+        patch = Path(sel["patched"].split("+", 1)[1])
+        assert sel["stock"] == "7.3" and sel["source"] == "tree:7.3", path
+        assert patch.parent == SCENARIOS.parent / "patches" / "upstream" / path.stem / "7.3"
+        assert patch.name.startswith("0001-") and patch.is_file(), path
 
 
 def test_named_kernels_come_from_the_scenario_and_others_pass_through(tmp_path):
@@ -89,3 +97,49 @@ def test_named_kernels_come_from_the_scenario_and_others_pass_through(tmp_path):
     bare = load(write(tmp_path, 'name="x"\ntrigger="true"\n[expect]\n'))
     with pytest.raises(HarnessError, match="has no \\[kernels\\] patch"):
         resolve_kernels(bare, ["patched"])
+
+
+def test_kernels_of_another_series_take_that_series_fix(tmp_path):
+    """[kernels.patches]: the fix for each other series (kph repro --series)."""
+    from harness.apps.repro import resolve_kernels
+    from harness.errors import HarnessError
+
+    (tmp_path / "fix.patch").write_text("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    (tmp_path / "fix73.patch").write_text("--- a/y\n+++ b/y\n@@ -1 +1 @@\n-a\n+b\n")
+    scn = load(write(tmp_path, 'name="x"\ntrigger="true"\n[kernels]\nseries="6.12"\n'
+                               'patch="fix.patch"\n[kernels.patches]\n"7.3"="fix73.patch"\n'
+                               '[expect]\n'))
+    assert scn.kernel_series() == ["6.12", "7.3"]
+    assert resolve_kernels(scn, ["stock", "source", "patched"], "7.3") == [
+        ("stock", "7.3"), ("source", "tree:7.3"), ("patched", f"tree:7.3+{tmp_path / 'fix73.patch'}")]
+    assert resolve_kernels(scn, ["patched"], "6.12") == [
+        ("patched", f"tree:6.12+{tmp_path / 'fix.patch'}")]
+    assert resolve_kernels(scn, ["stock", "source"], "6.1") == [("stock", "6.1"), ("source", "tree:6.1")]
+    with pytest.raises(HarnessError, match='has no \\[kernels\\] patches."6.1"'):
+        resolve_kernels(scn, ["patched"], "6.1")
+
+
+@pytest.mark.parametrize("table, key", [
+    ('[kernels.patches]\n"7.3"="missing.patch"\n', 'kernels.patches."7.3"'),
+    ('[kernels.patches]\n"6.12"="fix.patch"\n', 'kernels.patches."6.12"'),
+    ('[kernels.patches]\nlatest="fix.patch"\n', 'kernels.patches."latest"'),
+    ('patches="fix.patch"\n', "kernels.patches"),
+])
+def test_a_bad_fix_for_another_series_is_named(tmp_path, table, key):
+    (tmp_path / "fix.patch").write_text("--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n")
+    with pytest.raises(ScenarioError) as e:
+        load(write(tmp_path, 'name="x"\ntrigger="true"\n[kernels]\nseries="6.12"\n'
+                             'patch="fix.patch"\n' + table + '[expect]\n'))
+    assert key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--series", "7.3"], "--series 7.3 without --kernels"),
+    (["--kernels", "stock", "--series", "seven"], "--series 'seven' is not a series"),
+])
+def test_cli_series_errors_are_one_line_exit_2(tmp_path, argv, says):
+    p = write(tmp_path, 'name="x"\ntrigger="true"\n[expect]\n')
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "repro", str(p), *argv],
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
