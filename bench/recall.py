@@ -115,11 +115,16 @@ def key(f: dict) -> tuple[str, str, str]:
     return (f["kind"], f["probe_kind"], f["what"])
 
 
-def replay(reproduce: str, sel: str) -> int:
-    """The hunt's reproducer (a ``kph ...`` line) run against ``sel``: its exit status."""
+#: kph's exit statuses that are a verdict (diverged, a kernel report, a hang), not an error
+VERDICTS = (1, 5, 6)
+
+
+def replay(reproduce: str, sel: str) -> tuple[int, str]:
+    """The hunt's reproducer (a ``kph ...`` line) run against ``sel``: its exit status,
+    and its last line on stderr (an error's reason)."""
     argv = shlex.split(reproduce)
     if argv[:1] != ["kph"]:
-        return -1
+        return -1, "not a kph line"
     argv = argv[1:]
     # the kernel is --image's (kph diff), or --kernels' (a scenario's kph repro line)
     opt = "--kernels" if argv[:1] == ["repro"] else "--image"
@@ -129,7 +134,7 @@ def replay(reproduce: str, sel: str) -> int:
         argv[1:1] = [opt, sel]
     r = subprocess.run([PY, "-m", "harness.cli", "-q", *argv], capture_output=True, text=True,
                        timeout=900, cwd=ROOT)
-    return r.returncode
+    return r.returncode, (r.stderr.strip().splitlines() or [""])[-1][:200]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             if not f.get("new"):
                 continue
             planted = stock_rc = None
+            says = ""
             if not args.no_stock:
-                planted = replay(f["reproduce"], selector(s, patch))
-                stock_rc = replay(f["reproduce"], selector(s, None))
+                planted, says = replay(f["reproduce"], selector(s, patch))
+                stock_rc, _ = replay(f["reproduce"], selector(s, None))
             row["cands"].append({**f, "repro_planted": planted, "repro_stock": stock_rc,
+                                 "repro_planted_says": says,
                                  "after_s": doc["first_seen"].get(
                                      f"{f['kind']}, {f['probe_kind']}, {f['what']}")})
         print(f"  done: {e['name']} ({len(row['cands'])} new finding(s), "
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(found=True, phase=f["phase"], oracle=f"{f['kind']}/{f['what']}",
                        source=f["source"], lines=f["lines"], reproduce=f["reproduce"],
                        after_s=f["after_s"], repro_planted=f["repro_planted"],
-                       repro_stock=f["repro_stock"])
+                       repro_stock=f["repro_stock"],
+                       repro_planted_says=f.get("repro_planted_says", ""))
             break
         return row
 
@@ -258,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             what = (f"FOUND by {row['phase']} ({row['oracle']}) after {row.get('after_s')} s; "
                     f"reproducer exit {row.get('repro_planted')} planted / "
-                    f"{row.get('repro_stock')} stock" if row["found"] else
+                    f"{row.get('repro_stock')} stock" +
+                    (f" (planted: an error, not a verdict: {row.get('repro_planted_says')})"
+                     if row.get("repro_planted") not in (None, *VERDICTS) else "")
+                    if row["found"] else
                     f"missed{': ' + row['error'] if row['error'] else ''}")
         for fa in row["false_alarms"]:
             what += f"; false alarm (fails on the stock build too): {fa['oracle']} {fa['lines']}"
