@@ -483,13 +483,21 @@ def resolve_kernels(scn: Scenario, names: list[str],
                     series: str | None = None) -> list[tuple[str, str]]:
     """``--kernels`` as (name, selector): ``stock``, ``source`` and ``patched`` from the
     scenario's ``[kernels]`` table, of ``series`` (``--series``; default the table's own);
-    anything else is a kernel selector as it is.
+    ``NAME=SELECTOR`` names a kernel of one's own (``patched=tree:6.12+OTHER.patch``: a
+    fix the table does not name, still expected NOT MET); anything else is a kernel
+    selector as it is.
 
     :raise HarnessError: a named kernel the scenario does not define."""
     table = scn.kernel_selectors(series)
     out = []
     for n in names:
-        if n in ("stock", "source", "patched"):
+        if "=" in n:
+            name, sel = (x.strip() for x in n.split("=", 1))
+            if not name or not sel:
+                raise HarnessError(f"--kernels {n}: NAME=SELECTOR needs both "
+                                   "(e.g. patched=tree:6.12+FIX.patch)")
+            out.append((name, sel))
+        elif n in ("stock", "source", "patched"):
             if n not in table:
                 what = ("series" if n != "patched" else
                         "patch" if not series or series == scn.kernels.get("series") else

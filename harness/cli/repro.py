@@ -45,7 +45,9 @@ def add_parser(subparsers: Any) -> None:
                     help="run the scenario on each of these kernels and show each verdict: "
                     "stock, source and patched (the scenario's [kernels]: Debian's binary "
                     "kernel, a build of Debian's source of it, that build with the fix), or "
-                    "any image selector (6.12, tree:PATH+FIX.patch, an image directory). "
+                    "any image selector (6.12, tree:PATH+FIX.patch, an image directory), or "
+                    "NAME=SELECTOR (patched=tree:6.12+OTHER.patch: another fix, expected "
+                    "NOT MET). "
                     "Exit 0 when each is as expected: MET, and NOT MET for patched (the fix "
                     "works)")
     rp.add_argument("--series", metavar="SERIES",

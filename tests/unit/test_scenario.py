@@ -117,6 +117,11 @@ def test_kernels_of_another_series_take_that_series_fix(tmp_path):
     assert resolve_kernels(scn, ["stock", "source"], "6.1") == [("stock", "6.1"), ("source", "tree:6.1")]
     with pytest.raises(HarnessError, match='has no \\[kernels\\] patches."6.1"'):
         resolve_kernels(scn, ["patched"], "6.1")
+    # a fix the table does not name, under a name of one's own
+    assert resolve_kernels(scn, ["source", "patched=tree:6.12+/x/0001-fix.patch"]) == [
+        ("source", "tree:6.12"), ("patched", "tree:6.12+/x/0001-fix.patch")]
+    with pytest.raises(HarnessError, match="NAME=SELECTOR needs both"):
+        resolve_kernels(scn, ["patched="])
 
 
 @pytest.mark.parametrize("table, key", [
