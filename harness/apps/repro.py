@@ -479,6 +479,10 @@ class KernelRepro:
         return self.result.met == self.expect_met
 
 
+#: ``--kernels NAME=SELECTOR``: NAME is a word
+_NAMED = re.compile(r"([A-Za-z][\w.-]*)=(.*)")
+
+
 def resolve_kernels(scn: Scenario, names: list[str],
                     series: str | None = None) -> list[tuple[str, str]]:
     """``--kernels`` as (name, selector): ``stock``, ``source`` and ``patched`` from the
@@ -491,12 +495,12 @@ def resolve_kernels(scn: Scenario, names: list[str],
     table = scn.kernel_selectors(series)
     out = []
     for n in names:
-        if "=" in n:
-            name, sel = (x.strip() for x in n.split("=", 1))
-            if not name or not sel:
-                raise HarnessError(f"--kernels {n}: NAME=SELECTOR needs both "
+        named = _NAMED.fullmatch(n)     # a word before '=': a path may hold '=' itself
+        if named:
+            if not named[2].strip():
+                raise HarnessError(f"--kernels {n}: NAME=SELECTOR needs a selector "
                                    "(e.g. patched=tree:6.12+FIX.patch)")
-            out.append((name, sel))
+            out.append((named[1], named[2].strip()))
         elif n in ("stock", "source", "patched"):
             if n not in table:
                 what = ("series" if n != "patched" else

@@ -120,8 +120,12 @@ def test_kernels_of_another_series_take_that_series_fix(tmp_path):
     # a fix the table does not name, under a name of one's own
     assert resolve_kernels(scn, ["source", "patched=tree:6.12+/x/0001-fix.patch"]) == [
         ("source", "tree:6.12"), ("patched", "tree:6.12+/x/0001-fix.patch")]
-    with pytest.raises(HarnessError, match="NAME=SELECTOR needs both"):
+    with pytest.raises(HarnessError, match="NAME=SELECTOR needs a selector"):
         resolve_kernels(scn, ["patched="])
+    # a selector whose path holds '=' is a selector, not NAME=SELECTOR
+    assert resolve_kernels(scn, ["tree:6.12+/srv/a=b/fix.patch", "/srv/a=b/img"]) == [
+        ("tree:6.12+/srv/a=b/fix.patch", "tree:6.12+/srv/a=b/fix.patch"),
+        ("/srv/a=b/img", "/srv/a=b/img")]
 
 
 @pytest.mark.parametrize("table, key", [
