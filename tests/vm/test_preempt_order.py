@@ -13,12 +13,14 @@ import sys
 
 import pytest
 
+from harness import constants as C
+
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 
 TASKS = ("for j in 1 2 3; do (i=0; while [ $i -lt 15 ]; do i=$((i+1)); k=0; "
          "while [ $k -lt 100 ]; do k=$((k+1)); done; echo $i >/dev/null; done) & done; wait")
 LINES = ("p:kf kfree obj=%di:x64", "p:wr ksys_write fd=%di:s32 n=%dx:u64")
-CMDLINE = "console=ttyS0 nokaslr quiet panic=-1 oops=panic"
+CMDLINE = C.DEFAULT_APPEND
 
 
 def diff(*extra: str) -> dict:
