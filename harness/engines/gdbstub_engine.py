@@ -339,7 +339,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         name = getattr(fn, "__name__", repr(fn))
         self._held = (self._held[0] if self._held else time.monotonic(),
                       f"the handler {name} of {probe_name(args[0])}")
-        return self._run_handler(fn, probe_name(args[0]), *args)
+        return self._run_handler(fn, *args)
 
     def _on_probe(self, addr: int, th: int) -> int:
         probes = [p for p in self._aggr[addr] if not p.disabled]

@@ -68,7 +68,8 @@ from ..machine.pluginlink import (
     FULL_SITE, INVAL_PENDING, INVAL_TEXT, MAX_PER_SITE, MAX_PROBES, MAX_WIN_WRITES, NGSTATS,
     CMD_MARKS, MARKS_READ, MAX_WIN_READS,
     PK_FLUSH, PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, PK_UFREE, WIN_FAILED,
-    WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode)
+    WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode,
+    host_waiter)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
 from ..machine.image.facts import percpu_current_task, percpu_preempt_count
@@ -493,8 +494,12 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     def _ensure_channels(self) -> None:
         if self._channels:
             return
+        # A channel's thread polls for its next event while hits are dense, on a core
+        # the vCPUs leave free; with as many vCPUs as cores it would take theirs.
+        spin = self.link.nvcpus < (os.cpu_count() or 1)
+        waiter = host_waiter(self.vm.plugin_path) if spin else None
         for i in range(self.link.nvcpus):
-            ch = Channel(self.link, i)
+            ch = Channel(self.link, i, waiter=waiter)
             th = threading.Thread(target=self._serve, args=(ch,), daemon=True,
                                   name=f"{self.vm.name}-plugin-vcpu{i}")
             self._channels.append(ch)

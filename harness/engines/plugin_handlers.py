@@ -34,7 +34,7 @@ from ..kernel.unwind import stack_trace
 from ..machine.pluginlink import (ACT_CONTINUE, ACT_DISCARD, ACT_HANDLED, ACT_POST, ACT_SETPC, EV_FAULT,
                      EV_MISS, EV_POST, EV_PRE, EV_RET, EV_RET_ENTRY, Channel, Event)
 
-from ..machine.handlerctx import mark_thread, probe_name
+from ..machine.handlerctx import mark_thread
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,14 @@ class HandlerDispatch:
     def _serve(self, ch: Channel) -> None:
         # Handlers run here with this vCPU stopped (harness.machine.handlerctx: no vm.run).
         mark_thread(f"a host-side probe handler (plugin, vCPU {ch.vcpu})")
+        held = f"a plugin handler on vCPU {ch.vcpu}"
         while True:
             ev = ch.next_event()
             if ev is None:
                 return
             self._tls.ch, self._tls.ev = ch, ev
             got_at = time.monotonic()
-            self._held_by[ch.vcpu] = (got_at, f"a plugin handler on vCPU {ch.vcpu}")
+            self._held_by[ch.vcpu] = (got_at, held)
             try:
                 action, writes = self._dispatch(ch, ev)
             except Exception as exc:  # noqa: BLE001 - the vCPU must go on
@@ -100,18 +101,20 @@ class HandlerDispatch:
         return {REG_INDEX[k]: v for k, v in regs.dirty.items() if keep_ip or k != "ip"}
 
     def _handler(self, fn: Any, *args: Any) -> Any:
-        return self._run_handler(fn, probe_name(args[0]), *args)  # type: ignore[attr-defined]
+        return self._run_handler(fn, *args)  # type: ignore[attr-defined]
 
     def _dispatch(self, ch: Channel, ev: Event) -> tuple[int, dict[int, int]]:
         self.stats["round_trips"] += 1
-        if ev.ids and self._uprobes.owns(ev.ids[0]):
-            # a Python uprobe's (harness.engines.plugin_uprobes)
+        tables = self.__dict__.get("_on_tables")
+        if tables is None:      # made once: a dict of bound methods per hit cost ~1 us
             ups = self._uprobes
-            on = {EV_PRE: ups.on_pre, EV_RET: ups.on_ret, EV_MISS: ups.on_miss}
-        else:
-            on = {EV_PRE: self._on_pre, EV_POST: self._on_post, EV_FAULT: self._on_fault,
-                  EV_RET_ENTRY: self._on_ret_entry, EV_RET: self._on_ret,
-                  EV_MISS: self._on_miss}
+            tables = self._on_tables = (
+                {EV_PRE: ups.on_pre, EV_RET: ups.on_ret, EV_MISS: ups.on_miss},
+                {EV_PRE: self._on_pre, EV_POST: self._on_post, EV_FAULT: self._on_fault,
+                 EV_RET_ENTRY: self._on_ret_entry, EV_RET: self._on_ret,
+                 EV_MISS: self._on_miss})
+        # a Python uprobe's events go to harness.engines.plugin_uprobes
+        on = tables[0] if ev.ids and self._uprobes.owns(ev.ids[0]) else tables[1]
         fn = on.get(ev.type)
         if fn is None:
             raise HarnessError(f"unexpected plugin event {ev.type}")

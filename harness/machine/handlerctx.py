@@ -73,8 +73,9 @@ class HandlerErrors:
         self._pending_errors: list[BaseException] = []
         self._logged_errors: set[tuple[int, type]] = set()
 
-    def _run_handler(self, fn: Callable[..., Any], probe: str, *args: Any) -> Any:
-        """``fn(*args)``; a raise is logged, kept and treated as returning 0."""
+    def _run_handler(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (``args[0]`` the probe); a raise is logged, kept and treated as
+        returning 0."""
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - the guest must go on
@@ -87,7 +88,8 @@ class HandlerErrors:
             first = key not in self._logged_errors
             self._logged_errors.add(key)
             _log.warning("probe handler %s of %s raised %r; the guest went on as if it "
-                         "returned 0%s", getattr(fn, "__name__", repr(fn)), probe, exc,
+                         "returned 0%s", getattr(fn, "__name__", repr(fn)),
+                         probe_name(args[0]) if args else "?", exc,
                          "" if first else " (traceback logged at its first time)",
                          exc_info=exc if first else None)
             return 0

@@ -156,3 +156,40 @@ def test_wire_protocol_is_the_headers(tmp_path):
             want[f"{struct_name}.{f}"] = off
         want[struct_name] = layout.size + (16 if struct_name == "kph_ev_hdr" else 0)
     assert {k: int(v) for k, v in got.items()} == want
+
+
+def test_the_waiter_is_built_beside_the_plugin_and_waits_spinning_then_sleeping(env):
+    """probes/plugin/waiter.c: readable once data is there (found while spinning, and
+    after it sleeps), and when the peer closes; the GIL is released while it waits."""
+    import socket
+    import threading
+    import time
+
+    src, q = env
+    wait = plugin.host_waiter(plugin.build_plugin(q))
+    assert wait is not None
+    a, b = socket.socketpair()
+    try:
+        b.send(b"x")
+        assert wait(a.fileno(), 10**9) == 1 and a.recv(1) == b"x"
+        t = threading.Timer(0.2, lambda: b.send(b"y"))      # arrives after the spin
+        t.start()
+        t0 = time.monotonic()
+        assert wait(a.fileno(), 1000) == 1 and a.recv(1) == b"y"
+        assert time.monotonic() - t0 >= 0.15
+        ticks = []                                   # another Python thread runs meanwhile
+        ticker = threading.Thread(target=lambda: [ticks.append(time.sleep(0.01)) for _ in range(5)])
+        ticker.start()
+        threading.Timer(0.2, b.close).start()
+        assert wait(a.fileno(), 3 * 10**8) == 1
+        during = len(ticks)             # the ticks the other thread made while it spun
+        assert a.recv(1) == b""
+        ticker.join()
+        assert during == 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_plugin_without_its_waiter_is_no_error(env, tmp_path):
+    assert plugin.host_waiter(tmp_path / "kph_plugin.so") is None

@@ -61,6 +61,20 @@ def test_pre_and_post_around_the_entry_nop(pvm, host):
     assert host.stats["round_trips"] == len(seen)
 
 
+def test_a_one_vcpu_guest_s_channel_polls_for_events_while_hits_are_dense(pvm, host):
+    """With a core the vCPU leaves free, the channel's thread polls for the next event
+    (probes/plugin/waiter.c) before sleeping; the hits are served all the same."""
+    import os
+
+    hits = []
+    host.register_kprobe(Kprobe(symbol_name="vfs_read", pre_handler=lambda p, r: hits.append(r.dx)))
+    pvm.run("dd if=/dev/zero of=/dev/null bs=1 count=300 2>/dev/null", check=True)
+    chans = host._channels
+    assert len(chans) == host.link.nvcpus == 1
+    assert (chans[0]._waiter is not None) == ((os.cpu_count() or 1) > 1)
+    assert hits.count(1) >= 300
+
+
 def test_mid_function_push_and_mov_effects(pvm, host):
     """do_sys_openat2+5 is push %r12, +7 is mov %rsi,%r12 (checked, not assumed)."""
     code = host.read(at(pvm, 0), 16)
