@@ -78,7 +78,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         from ..vmctl import Machine
         say(f"fuzz: booting {img.version} to list the functions the workload calls")
         with Machine.boot(img) as vm:
-            pool = fuzz.symbol_pool(vm, workload)
+            pool = fuzz.drawing_pool(vm, workload, args.host)
         listed = [list(ex) for ex in fuzzdraw.list_examples(pool, examples=args.examples,
                                                          seed=args.seed * 1000,
                                                          rules=img.facts.rules,

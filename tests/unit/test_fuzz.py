@@ -184,3 +184,17 @@ def test_every_entry_a_line_logs_alone_is_its_own_under_concurrent_writers():
                                  writes=2)
     assert f is not None and f.kind == "error_log" and f.lines == (kline, eline)
     assert "1 of 3 error_log entries are no line's own" in f.detail
+
+
+def test_a_stopping_engine_draws_on_no_function_the_workload_calls_too_often(monkeypatch):
+    """gdbstub: every hit a stop (ms each), so a function the tracer pass saw called more
+    than MAX_STOP_CALLS times is left out; the plugin engine keeps the whole pool; a pool
+    of hot functions only stays whole rather than empty."""
+    calls = {"vfs_read": 40, "PageHeadHuge": 2043, "kfree": fuzz.MAX_STOP_CALLS,
+             "__rcu_read_unlock": fuzz.MAX_STOP_CALLS + 1}
+    monkeypatch.setattr(fuzz, "symbol_pool", lambda vm, w: sorted(calls))
+    monkeypatch.setattr(fuzz, "symbol_calls", lambda vm, w: calls)
+    assert fuzz.drawing_pool(None, "w", "gdbstub") == ["kfree", "vfs_read"]
+    assert fuzz.drawing_pool(None, "w", "plugin") == sorted(calls)
+    monkeypatch.setattr(fuzz, "symbol_calls", lambda vm, w: {n: 10**6 for n in calls})
+    assert fuzz.drawing_pool(None, "w", "gdbstub") == sorted(calls)
