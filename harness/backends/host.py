@@ -141,6 +141,16 @@ class _Ctx:
 
     read_user = read  # the current task's address space is the one the vCPU is in
 
+    def uaccess_okay(self) -> bool:
+        """``nmi_uaccess_okay()`` at this hit (``harness.kernel.grammar.fetch`` refuses a
+        plain user-half read without it); a uprobe's reads do not ask (copy_from_user())."""
+        if self.uprobe is not None:
+            return True
+        if not hasattr(self, "_uaccess"):
+            fn = getattr(self.engine, "uaccess_okay", None)
+            self._uaccess = True if fn is None else fn(self.regs, self.task())
+        return self._uaccess
+
     def task(self) -> int | None:
         if not hasattr(self, "_task"):
             self._task = self.engine.current_task(self.regs)

@@ -24,8 +24,8 @@ from ..kernel.grammar.fetch import (UNKNOWN, FaultError, below_sp, evaluate, for
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline, preempt_context
-from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NMI, RF_PID,
-                                  RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
+from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NMI, RF_NOUACCESS,
+                                  RF_PID, RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
                                   REC_RET, PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import Counters, Hit, Outcome
@@ -76,6 +76,11 @@ class _RecordCtx:
     @property
     def empty_user_string_len(self) -> int:
         return self.backend.vm.facts.rules.empty_user_string_len
+
+    def uaccess_okay(self) -> bool:
+        """``nmi_uaccess_okay()`` as the plugin judged it at the hit (``RF_NOUACCESS``);
+        a uprobe's reads do not ask (copy_from_user())."""
+        return self.up is not None or not self.rec.flags & RF_NOUACCESS
 
     def reg(self, name: str) -> int:
         if name == "ip":

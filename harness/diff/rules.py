@@ -409,14 +409,16 @@ REGISTRY: tuple[Rule, ...] = (
          "($stack0, +0($stack), +0(%sp) at an entry; %ip in a return hit whose guest ip "
          "is the trampoline)"),
     Rule("stale", "field",
-         "a host (unknown) where the fetch took a real fault (the kernel keeps stale "
-         "ring-buffer bytes) matches any value, that argument only, and the record's "
-         "length (record-size) of that hit",
+         "a host (unknown) where the fetch took a real fault, or a user-half read the "
+         "kernel refuses (the kernel keeps stale ring-buffer bytes) matches any value, "
+         "that argument only, and the record's length (record-size) of that hit",
          "kernel/trace/trace_probe_tmpl.h: process_fetch_insn() stores nothing on a fault "
          "(store_trace_args())",
          "the host's record gives the reason for that argument with its evidence, the "
          "address whose read failed in that fetch (Hit.failed), and the engine confirmed "
-         "a fault there with a second read (else the run fails: EngineReadError)",
+         "a fault there with a second read (else the run fails: EngineReadError), or "
+         "read current->mm and cpu_tlbstate.loaded_mm at the hit and found them apart "
+         "(copy_from_user_nofault() refuses: mm/maccess.c, nmi_uaccess_okay())",
          _stale_check),
     Rule("below-sp", "field",
          "a host (unknown) where the fetch read the stack below the probed sp (the guest "

@@ -58,7 +58,7 @@ from .base import ERROR_CODE_VECTORS, EXCEPTION_ENTRIES, EngineCore, read_cstrin
 from .rethook import Rethook
 from ..errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedError, VMLostError
 from ..gdbstub import GdbStub, Stop, readable
-from ..machine.image.facts import percpu_current_task, percpu_offset
+from ..machine.image.facts import percpu_current_task, percpu_offset, uaccess_offsets
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
 from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
                               ProbeFlags, PtRegs, preempt_context, preempt_hardirq_only)
@@ -116,6 +116,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         self._exc = {sym.addr: vec for name, vec in EXCEPTION_ENTRIES.items()
                      if (sym := self.symbols.get(name)) is not None}
         self._current_task_off = percpu_current_task(self.symbols, self.btf)
+        self._uaccess_offs = uaccess_offsets(self.symbols, self.btf)
         self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -490,6 +491,21 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
     def current_task(self, regs: PtRegs) -> int | None:
         """``current`` (a ``struct task_struct *``) on the vCPU of ``regs``."""
         return self._current_task(regs)
+
+    def uaccess_okay(self, regs: PtRegs, task: int | None) -> bool:
+        """``nmi_uaccess_okay()`` (arch/x86/mm/tlb.c) on the vCPU of ``regs``:
+        ``current->mm`` is the per-cpu ``cpu_tlbstate.loaded_mm``. False for a task past
+        exit_mm() (its mm NULL, the CPU still on the old page tables), and for a kernel
+        thread on a borrowed mm. True when the kernel's layout is not known."""
+        offs = self._uaccess_offs
+        if offs is None or task is None:
+            return True
+        try:
+            mm = int.from_bytes(self.stub.read_memory(task + offs[0], 8), "little")
+        except MemoryFaultError:
+            return True
+        loaded = self.percpu_read_at(regs, offs[1])
+        return loaded is None or mm == loaded
 
     def task_pid(self, task: int | None) -> int | None:
         """``task->pid`` (the thread id the trace file prints)."""

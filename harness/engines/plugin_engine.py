@@ -72,7 +72,7 @@ from ..machine.pluginlink import (
     host_waiter)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
-from ..machine.image.facts import percpu_current_task, percpu_preempt_count
+from ..machine.image.facts import percpu_current_task, percpu_preempt_count, uaccess_offsets
 from ..machine.handlerctx import HandlerErrors
 from ..kernel.symbols import ReservedText, is_ftrace_site, kprobe_addr
 from ..vmctl import register_host_engine
@@ -151,12 +151,14 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         # and preempt_count()'s: each hit's context, irq or task (the gdbstub engine's
         # hit_contexts(), the same per-cpu read)
         pco = percpu_preempt_count(self.symbols, vm.btf)
-        self.link.request(CMD_CONFIG, struct.pack("<10Q", *self.task_offsets, self.trampoline,
+        # and what nmi_uaccess_okay() compares: each kernel hit's RF_NOUACCESS
+        uacc = uaccess_offsets(self.symbols, vm.btf) or (0, 0)
+        self.link.request(CMD_CONFIG, struct.pack("<12Q", *self.task_offsets, self.trampoline,
                                                   flags, kernel_rethook_trampoline(self.symbols),
                                                   rth.addr if rth is not None else 0,
                                                   tco.addr if tco is not None else 0,
                                                   ckp.addr if ckp is not None else 0,
-                                                  pco or 0))
+                                                  pco or 0, *uacc))
         self._closed = False
         self._held_by: dict[int, tuple[float, str]] = {}
         self._reserved: ReservedText | None = None

@@ -106,6 +106,8 @@ REC_HIT, REC_RET, REC_PAD, REC_ERROR = 1, 2, 3, 4
 RF_TRUNC, RF_TASK, RF_PID, RF_COMM, RF_BADPROG, RF_UNCONFIRMED = 1, 2, 4, 8, 16, 32
 #: the caller's context: its preempt_count() was read (RF_CTX), and what it held
 RF_CTX, RF_SOFTIRQ, RF_HARDIRQ, RF_NMI = 64, 128, 256, 512
+#: a kernel hit where ``nmi_uaccess_okay()`` is false: a plain user-half read is refused
+RF_NOUACCESS = 1024
 INVAL_DONE, INVAL_IDLE, INVAL_PENDING, INVAL_SKIPPED = 0, 1, 2, 3
 INVAL_TEXT = {INVAL_DONE: "done", INVAL_IDLE: "all vCPUs idle", INVAL_PENDING: "pending",
               INVAL_SKIPPED: "skipped"}

@@ -450,8 +450,9 @@ int serve(int fd)
             /* u64 current_task, u64 pid offset, u64 comm offset, u64 trampoline,
              * u64 flags (CFG_*)[, u64 kernel rethook trampoline, u64 return_to_handler
              * [, u64 this_cpu_off's per-cpu offset[, u64 current_kprobe's
-             * [, u64 preempt_count()'s]]]] */
-            if (len != 40 && len != 56 && len != 64 && len != 72 && len != 80) {
+             * [, u64 preempt_count()'s[, u64 task_struct.mm's offset, u64
+             * cpu_tlbstate.loaded_mm's per-cpu offset]]]]] */
+            if (len != 40 && len != 56 && len != 64 && len != 72 && len != 80 && len != 96) {
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
@@ -475,6 +476,10 @@ int serve(int fd)
                 }
                 if (len >= 80) {
                     memcpy(&g_preempt_off, pl + 72, 8);
+                }
+                if (len >= 96) {
+                    memcpy(&g_uacc_mm_off, pl + 80, 8);
+                    memcpy(&g_loaded_mm_off, pl + 88, 8);
                 }
             }
             memcpy(&g_cur_task_off, pl, 8);

@@ -66,6 +66,8 @@ _Atomic uint64_t g_cfg_flags;
 /* CMD_CONFIG's eighth word: the per-cpu address of current_kprobe (kprobe_running()) */
 _Atomic uint64_t g_current_kprobe;
 uint64_t g_preempt_off;      /* per-cpu offset of preempt_count() (CMD_CONFIG), 0: none */
+/* task_struct.mm and cpu_tlbstate.loaded_mm's per-cpu offset (CMD_CONFIG), 0: none */
+uint64_t g_uacc_mm_off, g_loaded_mm_off;
 /* CMD_CONFIG's optional tail: what the guest kernel writes in a return-address slot it
  * hooks (arch_rethook_trampoline; return_to_handler for ADD_FGRAPH probes), which a
  * program reading a slot the plugin hooked sees instead of the plugin's trampoline */
@@ -412,11 +414,34 @@ int mem_read(void *ctx, uint64_t addr, void *buf, size_t len)
  * reads as the guest kernel's own hook would have left it (the trampoline of the last
  * hook of that slot), as a fetch of it does in the kernel after a return probe at the
  * same place hooked the call ($stack0 at an fprobe entry). */
+/* nmi_uaccess_okay() (arch/x86/mm/tlb.c) at this kernel hit: current->mm is the
+ * per-cpu cpu_tlbstate.loaded_mm. 1: yes or not known, 2: no (a task past exit_mm(), a
+ * kernel thread on a borrowed mm): copy_from_user_nofault() refuses a plain user-half
+ * read then, and the harness's fetch does too (RF_NOUACCESS). */
+static int uaccess_state(vcpu_t *v)
+{
+    uint64_t mm, loaded;
+
+    if (!g_uacc_mm_off || !g_loaded_mm_off || !(v->tflags & RF_TASK) ||
+        (v->regs[KREG_CS] & 3) != 0) {
+        return 1;
+    }
+    if (mem_read(v, v->task + g_uacc_mm_off, &mm, 8) != 0 ||
+        mem_read(v, reg_read(v, g_gs_base) + g_loaded_mm_off, &loaded, 8) != 0) {
+        return 1;
+    }
+    return mm == loaded ? 1 : 2;
+}
+
 static int prog_read(void *ctx, uint64_t addr, void *buf, size_t len)
 {
     uint64_t s, val;
     inst *ri;
+    vcpu_t *v = ctx;
 
+    if (addr < 0x800000000000ull && !v->uaccess) {
+        v->uaccess = uaccess_state(v);  /* once a hit, where it can matter only */
+    }
     if (mem_read(ctx, addr, buf, len) != 0) {
         return -1;
     }
@@ -582,8 +607,12 @@ void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func,
     uint32_t flags = v->tflags;
     uint64_t seq = atomic_fetch_add(&g_seq, 1);
 
+    v->uaccess = 0;                 /* judged at the program's first user-half read */
     if (p->nprog && kph_capture_args(&cap, p->prog, p->nprog, v->regs) < 0) {
         flags |= RF_BADPROG;
+    }
+    if (v->uaccess == 2) {
+        flags |= RF_NOUACCESS;
     }
     if (cap.truncated) {
         flags |= RF_TRUNC;

@@ -107,6 +107,7 @@ typedef struct {
     pthread_mutex_t chan_lock;
     int in_rt;
     int unconfirmed;                /* reads that failed where the page translates */
+    int uaccess;                    /* this record's nmi_uaccess_okay(): 0 not asked, 1, 2 */
     int post_armed;
     int discon_pending;             /* 1 interrupt, 2 exception, while a post is pending */
     uint64_t post_addr;
@@ -152,6 +153,7 @@ extern uint64_t g_mm_off;
 extern _Atomic uint64_t g_cfg_flags;
 extern _Atomic uint64_t g_current_kprobe;
 extern uint64_t g_preempt_off;
+extern uint64_t g_uacc_mm_off, g_loaded_mm_off;
 extern _Atomic uint64_t g_ktramp_rethook, g_ktramp_fgraph;
 extern atomic_uint_fast64_t g_seq;
 extern atomic_uint_fast64_t g_tramp_missing;

@@ -117,7 +117,11 @@ enum { RF_TRUNC = 1, RF_TASK = 2, RF_PID = 4, RF_COMM = 8, RF_BADPROG = 16,
         * per-cpu offset), then what it held: in_serving_softirq(), hardirq_count(), in_nmi()
         * (include/linux/preempt.h); the harness decides irq or task as the guest's trace
         * entry does (harness.kernel.kprobes.preempt_context) */
-       RF_CTX = 64, RF_SOFTIRQ = 128, RF_HARDIRQ = 256, RF_NMI = 512 };
+       RF_CTX = 64, RF_SOFTIRQ = 128, RF_HARDIRQ = 256, RF_NMI = 512,
+       /* a kernel hit where nmi_uaccess_okay() is false (arch/x86/mm/tlb.c): current->mm
+        * is not cpu_tlbstate.loaded_mm, so copy_from_user_nofault() refuses (CMD_CONFIG's
+        * two uaccess offsets; never set without them) */
+       RF_NOUACCESS = 1024 };
 enum { INVAL_DONE = 0, INVAL_IDLE = 1, INVAL_PENDING = 2, INVAL_SKIPPED = 3 };
 
 /* the ring: a header page, per-vCPU control blocks, per-vCPU data areas */

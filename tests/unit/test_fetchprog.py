@@ -384,3 +384,29 @@ def test_a_registers_only_spec_evaluates_as_the_interpreter_does():
     mixed = parse("p:g/m vfs_read a=%di:u32 b=+0(%si):u8")
     evaluate(mixed, _Ctx(_direct(Memory(1))))
     assert mixed.register_plan is None
+
+
+def test_a_plain_user_read_is_refused_where_nmi_uaccess_okay_is_false():
+    """probe_mem_read_user() is copy_from_user_nofault(), which refuses when current->mm
+    is not the loaded mm (mm/maccess.c: nmi_uaccess_okay()): a plain read of a user
+    address fails (unknown, its address the evidence), a kernel one and a string do not
+    (strncpy_from_user_nofault() has no such check); a context without the check (a
+    uprobe's) reads as before."""
+    mem = Memory(1)
+    spec = parse("p:u do_sys_openat2 w=+0(%si):u64 uw=+u0(%si):u64 k=+0(%dx):u64 "
+                 "s=+0(%si):ustring")
+
+    class Gone(_Ctx):
+        failed_at = None
+
+        def uaccess_okay(self) -> bool:
+            return False
+
+    plain = evaluate(spec, _Ctx(_direct(mem)))
+    why: dict[int, str] = {}
+    failed: dict[int, int] = {}
+    gone = evaluate(spec, Gone(_direct(mem)), why, failed)
+    assert plain[0] == int.from_bytes(mem.read(USER + 0x10, 8), "little") and plain[1] == plain[0]
+    assert gone[0] != plain[0] and gone[1] != plain[1]
+    assert failed.get(0) == USER + 0x10 and failed.get(1) == USER + 0x10, (why, failed)
+    assert gone[2] == plain[2] and gone[3] == plain[3] == b"/proc/version", gone

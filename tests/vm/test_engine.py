@@ -362,3 +362,19 @@ def test_in_flight_reads_the_stack_an_interrupt_came_from(vm, host):
         assert stacks[0] == (sp, tos) and len(stacks) == 2, stacks
         lo, hi = stacks[1]
         assert lo >= 0xFFFF800000000000 and not tos - 16384 < lo <= tos and hi - lo <= 16384
+
+
+def test_uaccess_okay_is_false_past_exit_mm_and_true_in_a_syscall(vm, host):
+    """nmi_uaccess_okay() (arch/x86/mm/tlb.c) as the gdbstub engine reads it: at
+    exit_mmap() of an exiting task (exit_mm() has set current->mm to NULL, the CPU still
+    runs on that mm) it is false, so a plain user read there is refused as
+    copy_from_user_nofault() refuses it; in an open() it is true."""
+    seen: dict[str, list[bool]] = {"exit_mmap": [], "do_sys_openat2": []}
+
+    def pre(p, r):
+        seen[p.symbol_name].append(host.uaccess_okay(r, host.current_task(r)))
+
+    host.register_kprobes([Kprobe(symbol_name=n, pre_handler=pre) for n in seen])
+    vm.run("cat /proc/version > /dev/null; /bin/true", check=True)
+    assert seen["do_sys_openat2"] and all(seen["do_sys_openat2"]), seen
+    assert False in seen["exit_mmap"], seen

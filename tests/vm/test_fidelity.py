@@ -108,8 +108,11 @@ def test_unqualified_module_symbol_with_stale_image_addresses(probe_diff):
     image's kallsyms holds one boot's. Make this machine's table stale on purpose: the host
     must still take the address from the running guest, as kallsyms_lookup_name() does."""
     vm = probe_diff.vm
+    vm.refresh_module_symbols()     # this boot's: the image's lines are another boot's
     real = vm.symbols.lookup("port_fops_open")
     assert real.module == "virtio_console"
+    listed = vm.run("grep -w port_fops_open /proc/kallsyms", timeout=30).stdout.split()
+    assert int(listed[0], 16) == real.addr, listed
     lines = [f"{s.addr + 0x1000:016x} {s.type} {s.name}\t[virtio_console]" for s in vm.symbols
              if s.module == "virtio_console"]
     vm.symbols.add_module("virtio_console", "\n".join(lines))

@@ -222,3 +222,26 @@ def test_a_hardirq_caller_on_7_3_is_irq_by_7_3_s_preempt_count_layout():
         res = compare(host, guest, trampoline=trampoline_text(vm))
     assert res.equivalent, res.first
     assert any(h.irq == "irq" for h in host.hits) and any(h.irq == "irq" for h in guest.hits)
+
+
+def test_a_user_read_after_exit_mm_is_refused_as_the_kernel_refuses_it(default_image):
+    """``+0(%r15)`` at ``__alloc_pages``: in a task leaving (past exit_mm(), current->mm
+    NULL, the CPU still on its page tables) r15 holds a user address on 6.1, and
+    copy_from_user_nofault() refuses it (nmi_uaccess_okay()); the plugin read it and the
+    run diverged every time (2026-11-30). Now the host's value is unknown with the address
+    as its evidence, and the run agrees."""
+    import json
+    import subprocess
+    import sys
+
+    work = ("cat /proc/version > /dev/null; head -c 20 /proc/cpuinfo > /dev/null; "
+            "sh -c 'true & wait'; /usr/bin/kph-loop 2 kph > /dev/null")
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--host", "plugin",
+                        "--image", str(default_image.dir), "--json", "--run", work, "--",
+                        "p:a __alloc_pages r15=%r15 v=+0(%r15)"],
+                       capture_output=True, text=True, timeout=240)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["equivalent"], (doc.get("divergences") or r.stderr)[:3]
+    refused = [n for n in doc["normalized"] if n["rule"] == "stale" and n["field"] == "arg:v"
+               and n["a_value"] == "(unknown)"]
+    assert refused, "no refused read was normalized: the workload met no such hit"

@@ -366,25 +366,36 @@ class _Blob:
     kind: str = "comm"
 
 
-def _read(ctx: FetchContext, addr: Any, size: int, user: bool) -> bytes | None:
+def _read(ctx: FetchContext, addr: Any, size: int, user: bool, *,
+          string: bool = False) -> bytes | None:
     """``probe_mem_read()`` / ``probe_mem_read_user()`` on x86_64; None on failure (its
-    address kept in ``ctx.failed_at`` where ``ctx`` keeps one)."""
+    address kept in ``ctx.failed_at`` where ``ctx`` keeps one). ``string``: a string's
+    bytes (``strncpy_from_user_nofault()``, which has no ``nmi_uaccess_okay()`` check)."""
     if isinstance(addr, _Blob):
         return (addr.data + b"\0" * size)[:size]
     addr &= _M
-    got = _read_at(ctx, addr, size, user)
+    got = _read_at(ctx, addr, size, user, string)
     if got is None and isinstance(ctx, _Cached) and ctx.failed_at is None:
         ctx.failed_at = addr
     return got
 
 
-def _read_at(ctx: FetchContext, addr: int, size: int, user: bool) -> bytes | None:
+def _read_at(ctx: FetchContext, addr: int, size: int, user: bool,
+             string: bool = False) -> bytes | None:
     if not user and addr < TASK_SIZE_MAX:
         # probe_mem_read(): with CONFIG_ARCH_HAS_NON_OVERLAPPING_ADDRESS_SPACE (x86_64)
         # a kernel-typed read below TASK_SIZE goes to probe_mem_read_user().
         user = True
     if user:
         if addr + size > TASK_SIZE_MAX:
+            return None
+        # probe_mem_read_user() is copy_from_user_nofault() (kernel/trace/
+        # trace_probe_kernel.h), -EFAULT when nmi_uaccess_okay() is false (mm/maccess.c):
+        # current->mm is not the mm the CPU runs on, as in a task past exit_mm(). A
+        # context that cannot tell (a uprobe's: its reads are copy_from_user()) has no
+        # uaccess_okay.
+        okay = getattr(ctx, "uaccess_okay", None)
+        if not string and okay is not None and not okay():
             return None
     elif addr < 0xFFFF800000000000 or addr & ~0xFFF == VSYSCALL_ADDR:
         return None             # non-canonical or vsyscall: refused, -ERANGE
@@ -406,7 +417,7 @@ def _cstr(ctx: FetchContext, addr: Any, limit: int, user: bool) -> tuple[bytes, 
     out = b""
     while len(out) < limit:
         a = (addr + len(out)) & _M
-        chunk = _read(ctx, a, 4096 - (a & 0xFFF), user)
+        chunk = _read(ctx, a, 4096 - (a & 0xFFF), user, string=True)
         if chunk is None:
             return None
         chunk = chunk[:limit - len(out)]

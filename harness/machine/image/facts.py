@@ -241,6 +241,22 @@ def percpu_current_task(symbols: Any, btf: Any) -> int | None:
     return percpu_offset(symbols, btf, "current_task", "current_task")
 
 
+def uaccess_offsets(symbols: Any, btf: Any) -> tuple[int, int] | None:
+    """What ``nmi_uaccess_okay()`` compares (arch/x86/mm/tlb.c, 6.12 and 7.3; the 6.1
+    guest refuses alike): ``current->mm`` against the per-cpu
+    ``cpu_tlbstate.loaded_mm``, the page tables the CPU runs on. As
+    (``task_struct.mm``'s offset, ``cpu_tlbstate.loaded_mm``'s per-cpu offset); None
+    when the kernel has neither the symbol nor the BTF to place them."""
+    sym = symbols.get("cpu_tlbstate")
+    if sym is None or btf is None:
+        return None
+    try:
+        return int(btf.offset("task_struct", "mm")), \
+            int(sym.addr) + int(btf.offset("tlb_state", "loaded_mm"))
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
 def percpu_preempt_count(symbols: Any, btf: Any) -> int | None:
     """The per-cpu offset of ``preempt_count()`` (arch/x86/include/asm/preempt.h): the
     per-cpu ``__preempt_count`` (6.1, 7.3), ``pcpu_hot.preempt_count`` (6.2 to 6.14)."""
