@@ -180,8 +180,8 @@ def test_the_waiter_is_built_beside_the_plugin_and_waits_spinning_then_sleeping(
         ticks = []                                   # another Python thread runs meanwhile
         ticker = threading.Thread(target=lambda: [ticks.append(time.sleep(0.01)) for _ in range(5)])
         ticker.start()
-        threading.Timer(0.2, b.close).start()
-        assert wait(a.fileno(), 3 * 10**8) == 1
+        threading.Timer(0.6, b.close).start()    # the ticks need 50 ms of it
+        assert wait(a.fileno(), 8 * 10**8) == 1
         during = len(ticks)             # the ticks the other thread made while it spun
         assert a.recv(1) == b""
         ticker.join()
