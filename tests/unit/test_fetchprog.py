@@ -410,3 +410,10 @@ def test_a_plain_user_read_is_refused_where_nmi_uaccess_okay_is_false():
     assert gone[0] != plain[0] and gone[1] != plain[1]
     assert failed.get(0) == USER + 0x10 and failed.get(1) == USER + 0x10, (why, failed)
     assert gone[2] == plain[2] and gone[3] == plain[3] == b"/proc/version", gone
+
+    class Here(Gone):               # measured equal: the read is made and compared
+        def uaccess_okay(self) -> bool:
+            return True
+    why.clear()
+    failed.clear()
+    assert evaluate(spec, Here(_direct(mem)), why, failed) == plain and not failed, why

@@ -245,3 +245,33 @@ def test_a_user_read_after_exit_mm_is_refused_as_the_kernel_refuses_it(default_i
     refused = [n for n in doc["normalized"] if n["rule"] == "stale" and n["field"] == "arg:v"
                and n["a_value"] == "(unknown)"]
     assert refused, "no refused read was normalized: the workload met no such hit"
+
+
+@pytest.mark.parametrize("host", ["plugin", "gdbstub"])
+def test_the_refusal_is_the_guest_s_own_plain_read_only(default_image, host):
+    """At exit_mmap() of a task leaving, the guest's own record shows the rule: its
+    string read of mm->arg_start gives the command's name, its plain read of the same
+    address gives nothing (measured on 6.12 and 7.3 guests too, 2026-11-30). The host
+    refuses only those plain reads: the strings are compared, the command's name at the
+    exit and the fault at an exec's exit_mmap() of the old mm (its address is not mapped
+    in the new one, a real fault on both sides)."""
+    import json
+    import subprocess
+    import sys
+
+    from harness.vmctl import Machine
+
+    with Machine.boot(default_image) as vm:
+        off = vm.btf.offset("mm_struct", "arg_start")
+    line = f"p:a exit_mmap v=+u0(+{off}(%di)):u64 s=+u0(+{off}(%di)):ustring"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--host", host,
+                        "--image", str(default_image.dir), "--json", "--run",
+                        "cat /proc/version > /dev/null; sh -c true", "--", line],
+                       capture_output=True, text=True, timeout=240)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["equivalent"], (doc.get("divergences") or r.stderr)[:3]
+    refused = [n for n in doc["normalized"] if n["field"] == "arg:v"]
+    assert refused and all(n["rule"] == "stale" and n["a_value"] == "(unknown)"
+                           for n in refused), refused
+    assert not [n for n in doc["normalized"] if n["field"] == "arg:s"]
+    assert doc["matched"]["kprobes/a"] == len(refused) >= 2
