@@ -13,21 +13,28 @@ grammar's modules.
 A SIGINT or SIGTERM that comes while the program (``kph``, or ``python -m harness.cli``,
 whose ``sys.argv[0]`` is ``-m`` while the package is found) imports the modules below,
 before ``main`` installs its handlers, is recorded in ``early_signals``; ``main`` then ends
-at once with 130 and its one line, as for any interruption. Imported as a library, nothing
-is installed.
+at once with 130 and its one line, as for any interruption. Once ``main`` has its exit
+status the program ignores both signals: Python's shutdown puts back the default action
+of a signal whose handler is a Python function (Modules/signalmodule.c:
+``_PySignal_Fini``), so a Ctrl-C in the last milliseconds of a finished run would
+otherwise kill it silently (-SIGINT) instead of letting it exit with its status.
+Imported as a library, nothing is installed.
 """
 import os as _os
 import signal as _signal
 import sys as _sys
 
 early_signals: list[int] = []
+#: run as the program (not imported as a library): ``main`` leaves SIGINT and SIGTERM
+#: ignored once its outcome is decided, through the interpreter's own shutdown
+as_program = _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "kph"
 
 
 def _record(signum: int, frame: object) -> None:
     early_signals.append(signum)
 
 
-if _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "kph":
+if as_program:
     for _s in (_signal.SIGINT, _signal.SIGTERM):
         _signal.signal(_s, _record)
 

@@ -172,8 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return report_crash(exc)
         raise
     finally:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
+        program = getattr(sys.modules.get(__package__ or ""), "as_program", False)
+        for s in (signal.SIGINT, signal.SIGTERM):   # the outcome is decided (cli/__init__.py)
+            signal.signal(s, signal.SIG_IGN if program else
+                          signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
         sys.unraisablehook = unraisable
         if signal.getsignal(signal.SIGALRM) is _on_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)

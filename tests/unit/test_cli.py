@@ -291,6 +291,44 @@ def test_a_signal_while_the_cli_is_imported_exits_130_in_one_line():
     assert (r.returncode, r.stderr.strip()) == (130, "interrupted (SIGTERM)"), r
 
 
+_AFTER_THE_RESULT = """
+import atexit, os, signal, sys, time
+sys.argv = ["kph", "boot"]                  # run as the program
+import harness.cli as cli
+
+def late():                                 # Ctrl-C and SIGTERM as the process leaves
+    for s in (signal.SIGINT, signal.SIGTERM):
+        os.kill(os.getpid(), s)
+    time.sleep(0.05)
+
+atexit.register(late)
+cli.COMMANDS["boot"] = lambda args, out: 1  # a finished run and its status
+sys.exit(cli.main())
+"""
+
+
+def test_a_signal_after_the_outcome_is_decided_leaves_the_exit_status_alone():
+    """CI, SIGINT to kph diff's group at 5.92 s, as the run ended: the process died of
+    SIGINT (-2) with nothing on stderr. main had put back the default handlers, and
+    Python's shutdown puts back the default action. As the program, main leaves both
+    signals ignored once it has its status: the run exits with it, silently."""
+    r = subprocess.run([sys.executable, "-c", _AFTER_THE_RESULT], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert (r.returncode, r.stderr) == (1, ""), r
+
+
+def test_imported_as_a_library_main_puts_the_default_handlers_back(monkeypatch):
+    import signal
+
+    from harness import cli
+
+    assert not cli.as_program
+    monkeypatch.setitem(cli.COMMANDS, "boot", lambda args, out: 0)
+    assert cli.main(["boot"]) == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_a_result_is_built_only_when_json_or_a_file_asks_for_it(tmp_path, capsys, monkeypatch):
     """Output.result(fn): fn is called only for --json or -o (a run's every hit as JSON
     cost seconds that a text report did not need); a plain document works as before."""
