@@ -207,7 +207,13 @@ class SymbolTable:
         new.__dict__.update(self.__dict__)   # safe: indexes are replaced, never mutated
         return new
 
+    #: how many times this table's index was built: a reader that worked from the table
+    #: (``harness.backends.plugin``'s decoding while a workload runs) tells by it whether
+    #: what it read still holds
+    generation = 0
+
     def _rebuild(self) -> None:
+        self.generation += 1
         rows = sorted(self._rows)
         keep = [r for r in rows if r[3] not in "aA"]   # per-cpu offsets are not addresses
         spans = self._spans_of(keep)
@@ -240,14 +246,21 @@ class SymbolTable:
     def _spans_of(self, keep: list[_Row]) -> list[int]:
         # kallsyms_lookup_size_offset(): up to the next higher address of the same owner
         # (core, or one module), capped by the module's next section; else the ELF size.
-        spans, nxt = [0] * len(keep), None
-        for k in range(len(keep) - 1, -1, -1):
-            addr, owner = keep[k][0], keep[k][4]
-            if k + 1 < len(keep) and keep[k + 1][0] != addr:
+        # (one pass from the top, no list per symbol: every kph process builds the table)
+        n = len(keep)
+        spans, nxt, sections = [0] * n, None, self._sections
+        for k in range(n - 1, -1, -1):
+            row = keep[k]
+            addr, owner = row[0], row[4]
+            if k + 1 < n and keep[k + 1][0] != addr:
                 nxt = keep[k + 1]
-            ends = [nxt[0]] if nxt is not None and nxt[4] == owner else []
-            ends += [b for b in self._sections.get(owner or "", {}).values() if b > addr]
-            spans[k] = min(ends) - addr if ends else keep[k][5]
+            end = nxt[0] if nxt is not None and nxt[4] == owner else None
+            bases = sections.get(owner or "")
+            if bases:
+                for b in bases.values():
+                    if b > addr and (end is None or b < end):
+                        end = b
+            spans[k] = end - addr if end is not None else row[5]
         return spans
 
     def _rank(self, i: int) -> tuple[bool, bool]:
@@ -702,6 +715,36 @@ class ReservedText:
                     sites.append((a.addr + i + rel) & ((1 << 64) - 1))
             found.append(sites)
         return cls(found[0], found[1], set(found[2]))
+
+    @classmethod
+    def state(cls, symbols: SymbolTable) -> tuple[tuple[int, int] | None, ...]:
+        """Where the three tables lie (their start and stop symbols' addresses): with the
+        kernel, what :meth:`from_memory` reads (a cache's key; the tables are sorted and
+        fixed by the time the kernel runs init)."""
+        out = []
+        for start, stop, _ in cls._TABLES:
+            a, b = symbols.get(start), symbols.get(stop)
+            out.append((a.addr, b.addr) if a is not None and b is not None else None)
+        return tuple(out)
+
+    def to_bytes(self) -> bytes:
+        """The sites, for :meth:`from_bytes`: three counts, then the addresses (u64 LE)."""
+        bugs = sorted(self.bugs)
+        return struct.pack(f"<3Q{len(self.jump) + len(self.static_calls) + len(bugs)}Q",
+                           len(self.jump), len(self.static_calls), len(bugs),
+                           *self.jump, *self.static_calls, *bugs)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ReservedText:
+        """:raise ValueError: not what :meth:`to_bytes` wrote."""
+        try:
+            nj, ns, nb = struct.unpack_from("<3Q", data)
+            if len(data) != 8 * (3 + nj + ns + nb):
+                raise ValueError(f"{len(data)} bytes for {nj}+{ns}+{nb} sites")
+            sites = struct.unpack_from(f"<{nj + ns + nb}Q", data, 24)
+        except struct.error as exc:
+            raise ValueError(str(exc)) from None
+        return cls(list(sites[:nj]), list(sites[nj:nj + ns]), set(sites[nj + ns:]))
 
     def find(self, addr: int, read: ReadFn) -> str | None:
         """What reserves ``addr``, or None."""

@@ -627,6 +627,15 @@ def test_reserved_text_reads_self_relative_tables():
     assert all("static call" in rt.find(text + 0x40 + i, read) for i in range(5))
     assert rt.find(text + 0x45, read) is None
     assert "BUG()" in rt.find(text + 0x80, read) and rt.find(text + 0x81, read) is None
+    # kept per snapshot (harness.engines.base): the same sites back, a torn file refused
+    back = ReservedText.from_bytes(rt.to_bytes())
+    assert (back.jump, back.static_calls, back.bugs) == (rt.jump, rt.static_calls, rt.bugs)
+    for torn in (rt.to_bytes()[:-8], b"", rt.to_bytes() + b"\0"):
+        with pytest.raises(ValueError):
+            ReservedText.from_bytes(torn)
+    table = SymbolTable.from_kallsyms("\n".join(rows))
+    assert ReservedText.state(table) == tuple(
+        (base, base + len(mem[base])) for base in tables)
 
 
 def test_a_frame_in_no_function_has_no_name(table):

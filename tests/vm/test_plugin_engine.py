@@ -437,3 +437,28 @@ def test_closing_the_engine_lets_a_vcpu_waiting_in_a_handler_go_on(pvm):
     finally:
         release.set()
     assert pvm.run("echo alive").stdout == "alive\n"
+
+
+def test_a_jump_label_site_is_refused_as_the_guest_refuses_it_from_sites_kept_per_snapshot(pvm, host):
+    """check_kprobe_address_safe() (kernel/kprobes.c): a probe on a static branch's jmp/nop
+    is -EINVAL, in the guest's own kprobe_events and host-side alike. The engine reads
+    vmlinux's sites once per snapshot (Machine.kept): what it kept is what the guest's
+    memory holds now, read afresh."""
+    from harness.kernel.symbols import ReservedText
+
+    fresh = ReservedText.from_memory(pvm.symbols, host.read)
+    kept = pvm.kept("reserved-text", ReservedText.state(pvm.symbols))
+    assert kept is not None, "the engine kept no sites for this snapshot"
+    was = ReservedText.from_bytes(kept)
+    assert (was.jump, was.static_calls, was.bugs) == (fresh.jump, fresh.static_calls, fresh.bugs)
+    assert len(fresh.jump) > 1000 and fresh.bugs
+    # a site inside a core text function the blacklist does not name
+    text = range(pvm.symbols.lookup("_stext").addr, pvm.symbols.lookup("_etext").addr)
+    site = next(a for a in fresh.jump
+                if a in text and (s := pvm.symbols.symbolize(a)) and s[1] > 0
+                and pvm.blacklist.find(a) is None)
+    with pytest.raises(ProbeRejectedError) as ei:
+        host.register_kprobe(Kprobe(addr=site))
+    assert ei.value.errno == errno.EINVAL and "jump label" in str(ei.value)
+    r = pvm.run(f"echo 'p:kph_jl {site:#x}' >> /sys/kernel/tracing/kprobe_events")
+    assert r.status != 0 and "Invalid argument" in r.stderr, (hex(site), r)
