@@ -34,7 +34,8 @@ from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..records import Counters, Hit, Outcome
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
-                              parse_format, parse_stats, read_pages, record_excess, ring_loss)
+                              parse_format, parse_stats, read_pages, record_excess, ring_loss,
+                              fixed_size)
 from .tracelayer import GuestWrite, TraceLayer, write_switch
 from ..vmctl import Machine
 
@@ -786,6 +787,8 @@ class EventsBackend:
         ktramp = kernel_rethook_trampoline(table)
 
         modes = {o.probe: o.mode for o in self.outcomes}
+        templates: dict[int, Hit] = {}
+        sizes: dict[int, int] = {}          # an event's ID -> where its fixed fields end
         hits: list[Hit] = []
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
         for rec in recs:
@@ -816,15 +819,22 @@ class EventsBackend:
                 ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
             gargs = self._args.get(rec.type, spec.args)
             values = decode_args(rec, fmt, gargs)
-            excess = record_excess(rec, fmt, gargs)
+            fixed = sizes.get(rec.type)
+            if fixed is None:
+                fixed = sizes[rec.type] = fixed_size(fmt)
+            excess = record_excess(rec, fmt, gargs, fixed)
             args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
             pid = rec.pid
             comm = "<idle>" if pid == 0 else comms.get(pid, "<...>")
-            hits.append(Hit(side=self.side, probe=name, kind="r" if spec.is_return else "p",
-                            seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
-                            ret_from=ret_from or None, args=args, mode=modes.get(name, ""),
-                            irq="" if spec.is_uprobe else _context(rec.data[2]),
-                            excess=excess))
+            tpl = templates.get(rec.type)
+            if tpl is None:     # what every hit of the event has (Hit() takes 3 us, changed 0.5)
+                tpl = templates[rec.type] = Hit(
+                    side=self.side, probe=name, kind="r" if spec.is_return else "p", seq=0,
+                    cpu=0, pid=None, comm="", ip="", mode=modes.get(name, ""))
+            hits.append(tpl.changed(seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
+                                    ret_from=ret_from or None, args=args,
+                                    irq="" if spec.is_uprobe else _context(rec.data[2]),
+                                    excess=excess))
         out = []
         for i, h in enumerate(hits):
             later = tuple(c for n, c in renames[h.pid] if n > i) if h.pid in renames else ()

@@ -62,11 +62,9 @@ def _backend(records, hit):
     from harness.backends.plugin import PluginBackend
     from harness.machine.pluginlink import REC_HIT
 
-    be = object.__new__(PluginBackend)
-    be.engine = SimpleNamespace(records=records)
+    be = PluginBackend(SimpleNamespace(host=SimpleNamespace(kind="plugin", records=records),
+                                       name="t"))
     be._specs = {7: (None, "kprobes/open")}
-    be._hits, be.bad_records, be.engine_errors, be._nhit = [], {}, [], {}
-    be._comm_probe = None
     be._hit = hit
     rec = SimpleNamespace(type=REC_HIT, probe_id=7, flags=0)
     return be, rec
