@@ -115,3 +115,33 @@ def test_no_digit_after_the_colon_is_no_uprobe_and_logs_nothing(series, target):
     with pytest.raises(ProbeSpecError) as exc:
         parse("p /usr/bin/kph-loop:1zz", uprobe_symbols=False, **kw)
     assert exc.value.logged and str(exc.value).startswith("Invalid uprobe offset")
+
+
+def test_elf_function_symbols_read_in_bulk_are_pyelftools_own(tmp_path):
+    """ElfImage reads a 64-bit .symtab in bulk (struct); the functions and their addresses
+    are what pyelftools' symbol iteration gives, the first of a name kept, two files
+    (two `static int twin`) included."""
+    import io
+    import shutil
+    import subprocess
+
+    from elftools.elf.elffile import ELFFile
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler on this machine: ./setup.sh installs gcc")
+    a, b = tmp_path / "a.c", tmp_path / "b.c"
+    a.write_text("".join(f"int f{i}(int x) {{ return x + {i}; }}\n" for i in range(200))
+                 + "static int twin(void) { return 1; } int ta(void) { return twin(); }\n"
+                 + "int main(void) { return f1(0); }\n")
+    b.write_text("static int twin(void) { return 2; } int tb(void) { return twin(); }\n")
+    out = tmp_path / "prog"
+    subprocess.run([cc, "-O0", "-o", str(out), str(a), str(b)], check=True, timeout=120)
+    data = out.read_bytes()
+    want: dict[str, int] = {}
+    for s in ELFFile(io.BytesIO(data)).get_section_by_name(".symtab").iter_symbols():
+        if s.name and s["st_info"]["type"] == "STT_FUNC":
+            want.setdefault(s.name, s["st_value"])
+    img = ElfImage(data)
+    assert img._syms == want and len(want) > 200 and "twin" in want
+    assert img.symbol("f7") == want["f7"]
