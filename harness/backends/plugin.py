@@ -428,6 +428,9 @@ class PluginBackend:
         self.recording = False
         self._stop_stream()
         self._take()
+        with self._lock:
+            self._redecode_if_stale()
+            self._raw, self._basis = [], None   # decoded as the window closed, as before
         #: Records the plugin had to drop (a ring full: the host drained too slowly).
         self.dropped = self.engine.link.dropped - getattr(self, "_dropped0", 0)
         if self.dropped:
@@ -471,13 +474,10 @@ class PluginBackend:
         for k in ("truncated", "program refused by the plugin"):
             self.bad_records.pop(k, None)
 
-    def _settle(self) -> None:
-        """After the window: the hits in the plugin's order, decoded from the symbols as
-        they are now. The records were decoded in batches while the workload ran, each
-        batch in ``seq`` order; a record of one vCPU can reach the ring after a later one
-        of another vCPU was taken, so the batches are merged by ``seq``. A symbol table
-        changed since the window opened (module symbols merged: a ``%pS`` value, a
-        return probe's function) makes every record decode again."""
+    def _redecode_if_stale(self) -> None:
+        """A symbol table changed since the window opened (module symbols merged: a
+        ``%pS`` value, a return probe's function) makes every record of the window
+        decode again, from the table as it is now."""
         syms = self.engine.symbols
         if self._basis is not None and (self._basis[0] is not syms or
                                         self._basis[1] != getattr(syms, "generation", 0)):
@@ -485,6 +485,14 @@ class PluginBackend:
             self._forget()
             self._basis = (syms, getattr(syms, "generation", 0))
             self._decode(recs)
+
+    def _settle(self) -> None:
+        """The hits in the plugin's order, from the symbols as they are (while
+        recording) or were when the window closed. The records were decoded in batches
+        while the workload ran, each batch in ``seq`` order; a record of one vCPU can
+        reach the ring after a later one of another vCPU was taken, so the batches are
+        merged by ``seq``."""
+        self._redecode_if_stale()
         seqs = self._seqs
         if any(a > b for a, b in zip(seqs, seqs[1:])):
             order = sorted(range(len(seqs)), key=seqs.__getitem__)
