@@ -229,18 +229,38 @@ def test_a_user_read_after_exit_mm_is_refused_as_the_kernel_refuses_it(default_i
     NULL, the CPU still on its page tables) r15 holds a user address on 6.1, and
     copy_from_user_nofault() refuses it (nmi_uaccess_okay()); the plugin read it and the
     run diverged every time (2026-11-30). Now the host's value is unknown with the address
-    as its evidence, and the run agrees."""
+    as its evidence, and the run agrees.
+
+    The same reads at kernel addresses meet an open race (docs/fuzz.md, open findings): a
+    word can change between the plugin's read, at the probed instruction, and the guest
+    handler's, after the ftrace trampoline, when an interrupt is taken between them (CI,
+    once in ~2,500 tests: r15=0xffff888006948ff8, plugin 0x0, guest 0x694c067). A run
+    whose every divergence is such a read is run once more; a divergence at a user
+    address, this test's case, fails at once."""
     import json
     import subprocess
     import sys
 
     work = ("cat /proc/version > /dev/null; head -c 20 /proc/cpuinfo > /dev/null; "
             "sh -c 'true & wait'; /usr/bin/kph-loop 2 kph > /dev/null")
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--host", "plugin",
-                        "--image", str(default_image.dir), "--json", "--run", work, "--",
-                        "p:a __alloc_pages r15=%r15 v=+0(%r15)"],
-                       capture_output=True, text=True, timeout=240)
-    doc = json.loads(r.stdout)
+
+    def run():
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "diff", "--host", "plugin",
+                            "--image", str(default_image.dir), "--json", "--run", work, "--",
+                            "p:a __alloc_pages r15=%r15 v=+0(%r15)"],
+                           capture_output=True, text=True, timeout=240)
+        return r, json.loads(r.stdout)
+
+    def raced_kernel_read(d) -> bool:
+        if d["field"] != "arg:v" or d["index"] < 0:
+            return False
+        hit = d["a_context"][min(d["index"], 3)]        # verdict.compare(context=3)
+        return int(dict(hit["args"])["r15"], 16) >= 0xffff800000000000
+
+    r, doc = run()
+    if r.returncode != 0 and doc.get("divergences") and \
+            all(raced_kernel_read(d) for d in doc["divergences"]):
+        r, doc = run()
     assert r.returncode == 0 and doc["equivalent"], (doc.get("divergences") or r.stderr)[:3]
     refused = [n for n in doc["normalized"] if n["rule"] == "stale" and n["field"] == "arg:v"
                and n["a_value"] == "(unknown)"]
