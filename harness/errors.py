@@ -40,6 +40,7 @@ refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an e
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 
 class HarnessError(Exception):
@@ -225,12 +226,27 @@ class GuestLossError(HarnessError):
 
 
 class SymbolNotFoundError(HarnessError, KeyError):
-    """A kernel symbol is not in the symbol table in use."""
+    """A kernel symbol is not in the symbol table in use. ``hint`` may be given as a
+    function, called when the hint is first read: the close matches of a name among a
+    kernel's ~150,000 symbols take ~1 s, and most misses are caught, not shown."""
 
-    def __init__(self, name: str, hint: str = "") -> None:
+    def __init__(self, name: str, hint: str | Callable[[], str] = "") -> None:
         super().__init__(name)
         self.name = name
-        self.hint = hint
+        self._hint = hint
+
+    @property  # type: ignore[override]
+    def hint(self) -> str:
+        if callable(self._hint):
+            self._hint = self._hint()
+        return self._hint
+
+    @hint.setter
+    def hint(self, value: str) -> None:
+        self._hint = value
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return SymbolNotFoundError, (self.name, self.hint)    # a function does not pickle
 
     def __str__(self) -> str:
         return f"unknown symbol {self.name!r}" + (f"; {self.hint}" if self.hint else "")

@@ -281,7 +281,8 @@ class SymbolTable:
         mod, sep, sym = name.rpartition(":")
         i = self._by_mod.get((mod, sym)) if sep else self._by_name.get(name)
         if i is None:
-            raise SymbolNotFoundError(name, hint=self._suggest(sym, mod if sep else None))
+            raise SymbolNotFoundError(
+                name, hint=lambda: self._suggest(sym, mod if sep else None))
         return self._sym(i)
 
     def count(self, name: str) -> int:
