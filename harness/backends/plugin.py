@@ -226,7 +226,8 @@ class PluginBackend:
         if self.layer is None:
             self.layer = TraceLayer(self.vm, raw=self.raw_kprobes)
             self._ops = FprobeOps(self.layer.rules)
-        out = register_lines(self.layer, specs, self._place_line, self._release, "plugin")
+        with self.engine.text_reads():
+            out = register_lines(self.layer, specs, self._place_line, self._release, "plugin")
         self._arrange()
         return out
 

@@ -46,6 +46,7 @@ they were done. The hit flow of Python handlers is ``harness.engines.plugin_hand
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -54,7 +55,7 @@ import struct
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .base import EXCEPTION_ENTRIES, EngineCore, read_cstring
 from ..errors import HarnessError, ProbeRejectedError, SetupError
@@ -86,6 +87,9 @@ EINVAL, ENOENT, ENOSPC = 22, 2, 28
 #: byte before it where that one is not executable (:meth:`PluginEngine._executable_trampoline`).
 DEFAULT_TRAMPOLINE = "_etext+1"
 _HMP_LINE = re.compile(r"^([0-9a-f]+):((?:\s+0x[0-9a-f]{2})+)\s*$")
+#: bytes a monitor read takes while probes are placed (PluginEngine.text_reads): an
+#: ENDBR, a 5-byte call and a 15-byte instruction past it; and the reads kept
+TEXT_READ, TEXT_MEMO = 64, 64
 
 
 @dataclass
@@ -219,6 +223,23 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
                     raise HarnessError(f"the plugin read nothing at {addr + len(buf):#x}")
                 buf += data
             return bytes(buf)
+        memo = self._text_memo
+        if memo is not None:
+            for base, data in memo:
+                if base <= addr and addr + n <= base + len(data):
+                    return data[addr - base:addr - base + n]
+            if n < TEXT_READ:
+                try:
+                    data = self._monitor_read(addr, TEXT_READ)
+                except HarnessError:
+                    pass                # past the end of what maps: the exact read below
+                else:
+                    memo.append((addr, data))
+                    del memo[:-TEXT_MEMO]
+                    return data[:n]
+        return self._monitor_read(addr, n)
+
+    def _monitor_read(self, addr: int, n: int) -> bytes:
         out = bytearray()
         while len(out) < n:
             chunk = min(n - len(out), 1024)
@@ -235,6 +256,28 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
                 raise HarnessError(f"short read of guest memory at {a:#x}")
             out += got
         return bytes(out)
+
+    #: None, or while a batch of probes is placed (:meth:`text_reads`): the monitor
+    #: reads made, (address, bytes), newest last
+    _text_memo: list[tuple[int, bytes]] | None = None
+
+    @contextlib.contextmanager
+    def text_reads(self) -> Iterator[None]:
+        """While a batch of probes is placed: each monitor read outside a handler takes
+        :data:`TEXT_READ` bytes and serves the next reads inside them. Placing one probe
+        reads its site four times (the ENDBR, the ``__fentry__`` call, the instruction
+        decode, the reserved sites), ~0.6 ms each through the monitor: an ``f:`` glob of
+        968 functions read 3,872 times, 2.3 s of its 2.6 s. The plugin writes no guest
+        text; the guest's own patching (a jump label, ftrace) is no more atomic with
+        these reads than it was with the four."""
+        if self._text_memo is not None:     # nested: the outer batch's
+            yield
+            return
+        self._text_memo = []
+        try:
+            yield
+        finally:
+            self._text_memo = None
 
     # -- probes ---------------------------------------------------------------------------
     def ftrace_flag(self, addr: int) -> int:
