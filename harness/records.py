@@ -73,6 +73,13 @@ class Hit:
     #: went the wrong way), what differs; "" when they agree or nothing was checked
     post_ip: str = ""
 
+    @classmethod
+    def template(cls, side: str, probe: str, kind: str, **fixed: Any) -> "Hit":
+        """What every hit of one probe shares, to make each hit from with :meth:`changed`
+        (``Hit()`` takes 3.3 us, ``changed`` 0.5: a backend collects 100,000 of them)."""
+        return cls(side=side, probe=probe, kind=kind, seq=0, cpu=0, pid=None, comm="", ip="",
+                   **fixed)
+
     def changed(self, **changes: Any) -> "Hit":
         """``dataclasses.replace(self, **changes)`` without re-running ``__init__`` (a
         hit has no ``__post_init__``): 0.4 us where replace() takes 5; collecting 100,000

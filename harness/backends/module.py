@@ -815,10 +815,8 @@ class ModuleBackend:
                      zip(spec.args, decode_args(spec.args, rec.args, symbolize)))
         key = (rec.id, placed.name, placed.kind)
         tpl = self._templates.get(key)
-        if tpl is None:     # what every hit of the probe has (Hit() takes 3 us, changed 0.5)
-            tpl = self._templates[key] = Hit(side=self.side, probe=placed.name,
-                                                kind=placed.kind, seq=0, cpu=0, pid=None,
-                                                comm="", ip="")
+        if tpl is None:
+            tpl = self._templates[key] = Hit.template(self.side, placed.name, placed.kind)
         return tpl.changed(seq=rec.seq, cpu=rec.cpu, pid=rec.pid, comm=rec.comm, ip=ip,
                            ret_from=ret_from or None, args=args, mode=rec.mode, irq=rec.irq)
 
