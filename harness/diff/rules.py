@@ -21,6 +21,8 @@ recorded. Stages:
 """
 from __future__ import annotations
 
+import operator
+
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -255,8 +257,7 @@ def stack_match(host: str, guest: str) -> bool:
 # -- reorders -------------------------------------------------------------------------------
 
 
-def _sig(h: Hit) -> tuple[object, ...]:
-    return (h.pid, h.irq, h.cpu)
+_sig = operator.attrgetter("pid", "irq", "cpu")
 
 
 #: The preemption models whose interrupt exit may switch tasks (kernel/sched/core.c:
@@ -294,10 +295,15 @@ def moves(first: list[Hit], later: list[Hit], *, preempt: bool = False
     Every hit crossed is on the moved hit's CPU. Stops at the first difference no such
     move explains; sides that lack a pid or a context of any hit move nothing by that
     key."""
+    n = min(len(first), len(later))
+    sf, sl = list(map(_sig, first[:n])), list(map(_sig, later[:n]))
+    if sf == sl:            # nothing out of place (two lists compared in C)
+        return later, []
+    start = next(i for i in range(n) if sf[i] != sl[i])
     out, done = list(later), []
     pids = all(h.pid is not None for h in (*first, *later))
     ctxs = all(h.irq for h in (*first, *later))
-    for i in range(min(len(first), len(out))):
+    for i in range(start, n):
         want = first[i]
         if _sig(out[i]) == _sig(want):
             continue

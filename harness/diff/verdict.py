@@ -21,6 +21,7 @@ and each armed probe without a hit on either side is named (``DiffResult.silent`
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from dataclasses import dataclass, field
 
@@ -168,12 +169,15 @@ def _relevant(hits: list[Hit]) -> list[Hit]:
     return [h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight]
 
 
+_in_flight = operator.attrgetter("in_flight")
+
+
 def _in_flight_checked(side: SideResult) -> SideResult:
     """``side`` with each ``in_flight`` mark the recorded order does not bear out taken off
     (the hit is then compared like any other): only a host side marks, and a hit in flight
     when the recording ended is its CPU's last, but for hits also in flight or, for a
     task-context one, the interrupt hits nested in its window."""
-    if not any(h.in_flight for h in side.hits):
+    if not any(map(_in_flight, side.hits)):
         return side
     keep = side.side not in _rules.GUEST_SIDES
 
@@ -206,10 +210,12 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
     return out
 
 
-def _same(h: Hit) -> tuple[object, ...]:
-    """What :func:`_fields` is made of, raw: two hits equal here have equal fields."""
-    return (h.kind, h.cpu, h.comm, h.ip, h.ret_from or "", h.pid, h.irq, h.args, h.stack,
-            h.excess, h.post_ip)
+#: What :func:`_fields` is made of, raw: two hits equal here have equal fields (a
+#: ``ret_from`` of None on one side and "" on the other differ here and not in
+#: :func:`_fields`: such a pair goes on to :func:`_compare_pair`, which finds them equal).
+#: One C call per hit, so a whole probe's pairs compare as two lists.
+_same = operator.attrgetter("kind", "cpu", "comm", "ip", "ret_from", "pid", "irq", "args",
+                            "stack", "excess", "post_ip")
 
 
 def _fields(h: Hit) -> dict[str, str]:
@@ -263,17 +269,22 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
                           preempt=ctx.preempt in _rules.PREEMPTING_MODELS)
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
-        div, matched = None, 0
-        for i in range(min(len(la), len(lb))):
-            ctx.following = (la[i + 1], lb[i + 1]) if i + 1 < min(len(la), len(lb)) else None
+        div, n = None, min(len(la), len(lb))
+        matched = n
+        # the pairs whose raw fields differ, found in C (two lists of _same tuples); only
+        # those go through the field rules, in order, up to the first divergence
+        sa, sb = list(map(_same, la[:n])), list(map(_same, lb[:n]))
+        unequal = () if sa == sb else (i for i in range(n) if sa[i] != sb[i])
+        for i in unequal:
+            ctx.following = (la[i + 1], lb[i + 1]) if i + 1 < n else None
             bad_field = _compare_pair(res, ctx, probe, i, la[i], lb[i], pidless)
             if bad_field is not None:
                 fld, va, vb = bad_field
                 div = Divergence(probe, fld, i, va, vb,
                                  tuple(la[max(0, i - context):i + context + 1]),
                                  tuple(lb[max(0, i - context):i + context + 1]))
+                matched = i
                 break
-            matched += 1
         if div is None and len(la) != len(lb):
             i = min(len(la), len(lb))
             div = Divergence(probe, "count", i, str(len(la)), str(len(lb)),
@@ -392,28 +403,40 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
     if renamed:
         gone = {id(h) for h in renamed}
         hb = [h for h in hb if id(h) not in gone]
-    flying = [h for h in (*a.hits, *b.hits) if h.in_flight and h.comm not in AGENT_COMMS]
+    flying = [h for h in (*a.hits, *b.hits) if h.in_flight and h.comm not in AGENT_COMMS] \
+        if any(map(_in_flight, a.hits)) or any(map(_in_flight, b.hits)) else []
     res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb)) - len(flying)
     if flying:
         _count(res, "in-flight", len(flying))
         for h in flying:
             res.normalized.append(Normalized(h.probe, -1, "hits", "in-flight",
                                              f"{h.comm}-{h.pid} cpu{h.cpu} {h.ip}", ""))
-    for side, hits in ((0, a.hits), (1, b.hits)):
+    renamed_ids = {id(r) for r in renamed}
+    for side, hits, kept in ((0, a.hits, ha), (1, b.hits, hb)):
+        if len(kept) + len(flying) == len(hits) and not renamed_ids:
+            continue        # nothing left out on this side (the usual run)
         for h in hits:
             if h.in_flight:
                 continue
-            if h.comm in AGENT_COMMS or (side == 1 and any(h is r for r in renamed)):
+            if h.comm in AGENT_COMMS or (side == 1 and id(h) in renamed_ids):
                 n = list(res.left_out.get(h.probe, (0, 0)))
                 n[side] += 1
                 res.left_out[h.probe] = (n[0], n[1])
-    per_a: dict[str, list[Hit]] = {}
-    per_b: dict[str, list[Hit]] = {}
-    for h in ha:
-        per_a.setdefault(h.probe, []).append(h)
-    for h in hb:
-        per_b.setdefault(h.probe, []).append(h)
-    return per_a, per_b
+    return _per_probe(ha), _per_probe(hb)
+
+
+def _per_probe(hits: list[Hit]) -> dict[str, list[Hit]]:
+    """``hits`` per probe, each probe's in their order (one probe's hits: the list)."""
+    probes = set(map(_probe, hits))
+    if len(probes) == 1:
+        return {hits[0].probe: list(hits)}
+    out: dict[str, list[Hit]] = {}
+    for h in hits:
+        out.setdefault(h.probe, []).append(h)
+    return out
+
+
+_probe = operator.attrgetter("probe")
 
 
 def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit], *,
@@ -432,7 +455,7 @@ def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit], *,
     # (the guest's side is the one moved, whichever of a and b it is)
     guest_first = res.a_side in _rules.GUEST_SIDES and res.b_side not in _rules.GUEST_SIDES
     entry = ((la, lb),) if guest_first else ((lb, la),)
-    ways = entry if all(h.kind == "p" for h in [*la, *lb]) else ((lb, la), (la, lb))
+    ways = entry if {*map(_kind, la), *map(_kind, lb)} <= {"p"} else ((lb, la), (la, lb))
     for moved, first in ways:
         fixed, done = _rules.moves(first, moved, preempt=preempt)
         if done:
@@ -484,29 +507,55 @@ def _cross_order(res: DiffResult, context: int) -> Divergence | None:
     one task on one CPU in one context (task or interrupt; uprobe hits, which the guest
     records on the way back to user mode, apart from the kernel's). Each side's hits of
     such a group must come in the same order of pairs."""
-    pair_of_a: dict[int, tuple[str, int]] = {}
-    pair_of_b: dict[int, tuple[str, int]] = {}
-    groups_a: dict[tuple[object, ...], list[Hit]] = {}
-    groups_b: dict[tuple[object, ...], list[Hit]] = {}
+    live = [p for p, m in res.matched.items() if m]
+    if len(live) == 1:
+        # one probe: its pairs come in pair order on both sides wherever each side's
+        # seqs rise with the pair (every group of them sorted by seq is then in pair
+        # order on both sides)
+        la, lb = res.compared[live[0]]
+        m = res.matched[live[0]]
+        if _rising(list(map(_seq, la[:m]))) and _rising(list(map(_seq, lb[:m]))):
+            return None
+    groups_a: dict[tuple[object, ...], list[tuple[int, str, int]]] = {}
+    groups_b: dict[tuple[object, ...], list[tuple[int, str, int]]] = {}
     for probe, (la, lb) in res.compared.items():
         up = res.modes.get(probe) == "uprobe"
         for i in range(res.matched.get(probe, 0)):
             ha, hb = la[i], lb[i]
             key = (ha.cpu, ha.pid, ha.irq if ha.irq and hb.irq else "", up)
-            pair_of_a[id(ha)] = pair_of_b[id(hb)] = (probe, i)
-            groups_a.setdefault(key, []).append(ha)
-            groups_b.setdefault(key, []).append(hb)
-    for key, hits_a in groups_a.items():
-        sa = sorted(hits_a, key=lambda h: h.seq)
-        sb = sorted(groups_b[key], key=lambda h: h.seq)
-        for n, (x, y) in enumerate(zip(sa, sb)):
-            px, py = pair_of_a[id(x)], pair_of_b[id(y)]
-            if px != py:
-                return Divergence(px[0], "order", px[1],
-                                  f"{px[0]} hit #{px[1] + 1}", f"{py[0]} hit #{py[1] + 1}",
-                                  tuple(sa[max(0, n - context):n + context + 1]),
-                                  tuple(sb[max(0, n - context):n + context + 1]))
+            ga = groups_a.get(key)
+            if ga is None:
+                ga = groups_a[key] = []
+                groups_b[key] = []
+            ga.append((ha.seq, probe, i))
+            groups_b[key].append((hb.seq, probe, i))
+    for key, ga in groups_a.items():
+        gb = groups_b[key]
+        ga.sort(key=_by_seq)       # stable: hits of one seq stay in the order added
+        gb.sort(key=_by_seq)
+        pa, pb = [x[1:] for x in ga], [y[1:] for y in gb]
+        if pa == pb:
+            continue
+        n = next(n for n, (x, y) in enumerate(zip(pa, pb)) if x != y)
+        px, py = pa[n], pb[n]
+        hits = {"a": {}, "b": {}}       # the hits around the first difference
+        for side, g, at in (("a", ga, 0), ("b", gb, 1)):
+            for _, probe, i in g[max(0, n - context):n + context + 1]:
+                hits[side][(probe, i)] = res.compared[probe][at][i]
+        return Divergence(px[0], "order", px[1],
+                          f"{px[0]} hit #{px[1] + 1}", f"{py[0]} hit #{py[1] + 1}",
+                          tuple(hits["a"].values()), tuple(hits["b"].values()))
     return None
+
+
+_by_seq = operator.itemgetter(0)
+_kind = operator.attrgetter("kind")
+_seq = operator.attrgetter("seq")
+
+
+def _rising(xs: list[int]) -> bool:
+    """Strictly rising (in C: sorted, and no two alike)."""
+    return xs == sorted(xs) and len(set(xs)) == len(xs)
 
 
 def _counters(res: DiffResult, a: SideResult, b: SideResult) -> None:

@@ -646,6 +646,27 @@ def test_the_order_of_hits_across_probes_is_compared_within_a_task():
     g2 = run("events", [_ent("events", 0, pid=8), _ent("events", 1)], o)
     h2 = run("host", [_ent("host", 0), _ent("host", 1, pid=8)], o)
     assert compare(h2, g2).equivalent
+    # the divergence shows each side's hits around it, in each side's recorded order
+    d = res.first
+    assert [h.seq for h in d.a_context] == [0, 1, 2, 3]
+    assert [h.seq for h in d.a_context] == [h.seq for h in d.b_context]
+    assert [h.kind for h in d.a_context] == ["r", "r", "p", "p"]
+    assert [h.kind for h in d.b_context] == ["p", "r", "p", "r"]
+
+
+def test_one_probe_whose_recorded_order_is_not_its_list_order_diverges_on_order():
+    """The order check with a single probe: its pairs' seqs rise on both sides in the
+    usual run (nothing to sort); a side whose list does not follow its own recorded
+    order (here the second pair was recorded first) still diverges, field order."""
+    o = [Outcome("kprobes/p", True, index=0)]
+    guest = run("events", [_ent("events", 0), _ent("events", 1)], o)
+    host = run("host", [_ent("host", 1), _ent("host", 0)], o)
+    res = compare(host, guest)
+    assert not res.equivalent and res.first.field == "order", res.first
+    assert compare(run("host", [_ent("host", 0), _ent("host", 1)], o), guest).equivalent
+    # seqs alike on one side are no rising order either: sorted stably, then compared
+    tie = run("host", [_ent("host", 5), _ent("host", 5)], o)
+    assert compare(tie, guest).equivalent
 
 
 def test_preempt_order_moves_only_on_one_cpu():
