@@ -32,7 +32,7 @@ from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
-from ..records import Counters, Hit, Outcome
+from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
                               parse_format, parse_stats, read_pages, record_excess, ring_loss,
                               fixed_size)
@@ -64,6 +64,7 @@ def probe_modes(listing: str) -> dict[int, str]:
         mode = "ftrace" if "[FTRACE]" in line else "optimized" if "[OPTIMIZED]" in line else "int3"
         modes.setdefault(addr, mode)
     return modes
+
 
 
 def _context(flags: int) -> str:
@@ -755,6 +756,7 @@ class EventsBackend:
                 out[int(pid)] = escape_bytes(comm)
         return out
 
+    @gc_paused()
     def collect(self) -> list[Hit]:
         """Every record of our events, in time order across CPUs, as the trace would show
         it (``print_kprobe_event()``, ``print_kretprobe_event()``, ``print_uprobe_event()``)."""
@@ -788,6 +790,7 @@ class EventsBackend:
 
         modes = {o.probe: o.mode for o in self.outcomes}
         templates: dict[int, Hit] = {}
+        decoded: dict[tuple[int, bytes], tuple[Hit, bool]] = {}
         sizes: dict[int, int] = {}          # an event's ID -> where its fixed fields end
         hits: list[Hit] = []
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
@@ -801,44 +804,62 @@ class EventsBackend:
             if rec.type not in self._formats:       # a stack trace: the last hit's here
                 self._attach_stack(hits, rec)
                 continue
-            name, spec, fmt = self._formats[rec.type]
-            fields = fmt.fields
-            if spec.is_uprobe:
-                if "__probe_ret_ip" in fields:
-                    ip, ret_from = (f"0x{rec.u64(fields['__probe_ret_ip']):x}",
-                                    f"0x{rec.u64(fields['__probe_func']):x}")
-                else:
-                    ip, ret_from = f"0x{rec.u64(fields['__probe_ip']):x}", None
-            elif spec.is_eprobe:        # print_eprobe_event(): "(SYSTEM.EVENT)"
-                ip, ret_from = "{}.{}".format(*(spec.attach or ("", ""))), None
-            elif "__probe_ret_ip" in fields:
-                text = format_ip(rec.u64(fields["__probe_ret_ip"]), symbolize,
-                                 rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)
-                ip, _, ret_from = text.partition(" <- ")
-            else:
-                ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
-            gargs = self._args.get(rec.type, spec.args)
-            values = decode_args(rec, fmt, gargs)
-            fixed = sizes.get(rec.type)
-            if fixed is None:
-                fixed = sizes[rec.type] = fixed_size(fmt)
-            excess = record_excess(rec, fmt, gargs, fixed)
-            args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
+            # what a record's payload decodes to (its ip, arguments, size) depends on its
+            # bytes after struct trace_entry alone: decoded once per distinct payload
+            # (a hot probe's records repeat a few payloads: vfs_read's count=1)
+            key = (rec.type, rec.data[8:])
+            got = decoded.get(key)
+            if got is None:
+                if len(decoded) >= DECODED_MAX:
+                    decoded.clear()
+                got = decoded[key] = (self._decode(rec, templates, sizes, modes, symbolize,
+                                                   ktramp),
+                                      self._formats[rec.type][1].is_uprobe)
+            base, up = got
             pid = rec.pid
-            comm = "<idle>" if pid == 0 else comms.get(pid, "<...>")
-            tpl = templates.get(rec.type)
-            if tpl is None:
-                tpl = templates[rec.type] = Hit.template(
-                    self.side, name, "r" if spec.is_return else "p", mode=modes.get(name, ""))
-            hits.append(tpl.changed(seq=len(hits), cpu=rec.cpu, pid=pid, comm=comm, ip=ip,
-                                    ret_from=ret_from or None, args=args,
-                                    irq="" if spec.is_uprobe else _context(rec.data[2]),
-                                    excess=excess))
+            hits.append(base.placed(len(hits), rec.cpu, pid,
+                                    "<idle>" if pid == 0 else comms.get(pid, "<...>"),
+                                    "" if up else _context(rec.data[2])))
+        if not renames:
+            return hits
         out = []
         for i, h in enumerate(hits):
             later = tuple(c for n, c in renames[h.pid] if n > i) if h.pid in renames else ()
             out.append(h.changed(comm_alts=later) if later else h)
         return out
+
+    def _decode(self, rec: Any, templates: dict[int, Hit], sizes: dict[int, int],
+                modes: dict[str, str], symbolize: Any, ktramp: Any) -> Hit:
+        """What one record's payload says, as a hit without its place (seq, cpu, pid,
+        comm and context: :meth:`Hit.placed`)."""
+        name, spec, fmt = self._formats[rec.type]
+        fields = fmt.fields
+        if spec.is_uprobe:
+            if "__probe_ret_ip" in fields:
+                ip, ret_from = (f"0x{rec.u64(fields['__probe_ret_ip']):x}",
+                                f"0x{rec.u64(fields['__probe_func']):x}")
+            else:
+                ip, ret_from = f"0x{rec.u64(fields['__probe_ip']):x}", None
+        elif spec.is_eprobe:        # print_eprobe_event(): "(SYSTEM.EVENT)"
+            ip, ret_from = "{}.{}".format(*(spec.attach or ("", ""))), None
+        elif "__probe_ret_ip" in fields:
+            text = format_ip(rec.u64(fields["__probe_ret_ip"]), symbolize,
+                             rec.u64(fields["__probe_func"]), kretprobe_trampoline=ktramp)
+            ip, _, ret_from = text.partition(" <- ")
+        else:
+            ip, ret_from = format_ip(rec.u64(fields["__probe_ip"]), symbolize), None
+        gargs = self._args.get(rec.type, spec.args)
+        values = decode_args(rec, fmt, gargs)
+        fixed = sizes.get(rec.type)
+        if fixed is None:
+            fixed = sizes[rec.type] = fixed_size(fmt)
+        excess = record_excess(rec, fmt, gargs, fixed)
+        args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
+        tpl = templates.get(rec.type)
+        if tpl is None:
+            tpl = templates[rec.type] = Hit.template(
+                self.side, name, "r" if spec.is_return else "p", mode=modes.get(name, ""))
+        return tpl.changed(ip=ip, ret_from=ret_from or None, args=args, excess=excess)
 
     def _attach_stack(self, hits: list[Hit], rec: Any) -> None:
         """A ``kernel_stack`` entry: the frames of the stacktrace trigger of the event

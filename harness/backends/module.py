@@ -42,7 +42,7 @@ from ..kernel.emulate import next_ip
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeArg, ProbeSpec
-from ..records import Counters, Hit, Outcome
+from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from .tracelayer import GuestWrite, TraceLayer, refused, write_switch
 from ..vmctl import Machine
 
@@ -736,8 +736,15 @@ class ModuleBackend:
 
     def records(self) -> list[ModuleRecord]:
         """Drain ``events``: the raw records since the last drain."""
-        return [parse_events_line(ln) for ln in self._sh(f"cat {KPH_DIR}/events").splitlines()
-                if ln.strip()]
+        return [parse_events_line(ln) for ln in self._lines()]
+
+    def _lines(self) -> list[str]:
+        """Drain ``events``: the lines since the last drain, read through the agent's file
+        API (no process in the guest: ``kph_events_open()`` formats the whole drain at
+        open, and reads take it in 1-MiB pieces)."""
+        text = self.vm.pull(f"{KPH_DIR}/events", timeout=self.timeout).decode(
+            "utf-8", "surrogateescape")
+        return [ln for ln in text.splitlines() if ln.strip()]
 
     def check_dropped(self) -> None:
         """Fail the run on records the module dropped since :meth:`enable`: its ``dropped``
@@ -756,16 +763,37 @@ class ModuleBackend:
                                  f"dropped {st['dropped']}, {self._dropped0 or 0} at the "
                                  "window's start)")
 
+    @gc_paused()
     def collect(self) -> list[Hit]:
         """The hits recorded since :meth:`enable`.
 
         :raise GuestLossError: when the module dropped records (:meth:`check_dropped`).
         """
         symbolize = remembered_symbolizer(self.vm.symbols)
-        recs = self.records()
+        lines = self._lines()
         self.check_dropped()
         last_pre: dict[tuple[int, int], int] = {}    # (probe, cpu) -> its last pre hit
-        for rec in recs:
+        # A pre or ret line's hit, but for its place (SEQ, CPU, PID, COMM), is what the
+        # rest of the line says: decoded once per distinct rest (a hot probe's lines
+        # repeat a few: vfs_read's count=1), and placed (Hit.placed) at each line.
+        decoded: dict[tuple[str, ...], Hit] = {}
+        for ln in lines:
+            parts = ln.split()
+            key = (*parts[1:4], *parts[7:])
+            base = decoded.get(key)
+            if base is not None:
+                try:
+                    seq, cpu, pid = int(parts[0]), int(parts[4]), int(parts[5])
+                    comm = "" if parts[6] == "-" else bytes.fromhex(parts[6]).decode(
+                        "utf-8", "surrogateescape")
+                except (ValueError, IndexError):
+                    pass            # parse_events_line() below names what is wrong
+                else:
+                    if parts[2] == "pre":
+                        last_pre[(int(parts[1]), cpu)] = len(self.hits)
+                    self.hits.append(base.placed(seq, cpu, pid, comm, base.irq))
+                    continue
+            rec = parse_events_line(ln)
             placed = self._placed.get(rec.id)
             if placed is None:
                 log.debug("record of unknown probe %d dropped", rec.id)
@@ -778,7 +806,10 @@ class ModuleBackend:
             else:
                 if rec.kind == "pre":
                     last_pre[(rec.id, rec.cpu)] = len(self.hits)
-                self.hits.append(self._hit(rec, placed, symbolize))
+                hit = self._hit(rec, placed, symbolize)
+                self.hits.append(hit)
+                if len(decoded) < DECODED_MAX:
+                    decoded[key] = hit
         return list(self.hits)
 
     def _post_ip(self, rec: ModuleRecord) -> str:

@@ -31,7 +31,7 @@ from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NM
                                   RF_PID, RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
                                   REC_RET, PluginRecord)
 from ..kernel.grammar import ProbeSpec, parse
-from ..records import Counters, Hit, Outcome
+from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from ..engines.plugin_uprobes import user_filter, user_trampoline
 from ..engines.uprobes import Uprobe, UprobeManager
 from .eprobes import COMMIT, CommitSite, trigger_args, triggered
@@ -153,6 +153,21 @@ class _RecordCtx:
 
 
 
+def _plan_registers(spec: ProbeSpec) -> tuple[int, ...] | None:
+    """Where in a record's registers (:data:`REGS`) the arguments of ``spec`` read, when
+    they read registers only (``ProbeSpec.register_plan``: no memory, no ``$comm``); None
+    otherwise. ``%ip`` is the probed address (``_RecordCtx.reg``), which the record's
+    ``func`` and ``ret_addr`` give; ``$retval`` is ``ax``."""
+    plan = spec.register_plan
+    if plan is None:
+        return None
+    names = ["ax" if kind == "retval" else reg for kind, reg, _, _ in plan
+             if kind == "retval" or reg != "ip"]
+    if not all(n in REGS for n in names):
+        return None
+    return tuple(REGS.index(n) for n in names)
+
+
 def _undecodable(rec: PluginRecord, name: str, exc: BaseException) -> EngineReadError:
     """An engine error for a plugin record ``PluginBackend._take`` could not decode: what
     it was (hit or return, of which probe, at which address) and why."""
@@ -196,6 +211,10 @@ class PluginBackend:
         self._hits: list[Hit] = []
         self._ip_text: dict[int, str] = {}     # a probed address -> its %pS text (one run)
         self._templates: dict[int, Hit] = {}   # a probe id -> the fields all its hits share
+        #: a probe id -> where its register-only arguments read (_plan_registers)
+        self._plan_regs: dict[int, tuple[int, ...] | None] = {}
+        #: what a register-only probe's records decoded to (_hit), for the window
+        self._decoded: dict[tuple[int, ...], Hit] = {}
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
         self.capture_misses = 0
         self.dropped = 0
@@ -470,6 +489,7 @@ class PluginBackend:
         self._comm_changes.clear()
         self._comm_seqs.clear()
         self._ip_text.clear()
+        self._decoded.clear()
         self.engine_errors.clear()
         self.capture_misses = 0
         for k in ("truncated", "program refused by the plugin"):
@@ -487,6 +507,7 @@ class PluginBackend:
             self._basis = (syms, getattr(syms, "generation", 0))
             self._decode(recs)
 
+    @gc_paused()
     def _settle(self) -> None:
         """The hits in the plugin's order, from the symbols as they are (while
         recording) or were when the window closed. The records were decoded in batches
@@ -507,6 +528,7 @@ class PluginBackend:
                                   in sorted(zip(self._comm_seqs, self._comm_changes))]
             self._comm_seqs.sort()
 
+    @gc_paused()
     def _take(self) -> None:
         """The plugin's records so far, decoded into hits (kept too, for :meth:`_settle`).
 
@@ -604,6 +626,22 @@ class PluginBackend:
         ep = self._eprobes.get(rec.probe_id)
         if ep is not None:
             return self._eprobe_hit(rec, seq, spec, name, *ep)
+        # a probe whose arguments read registers only (a register plan): its hit, but for
+        # the place (seq, vCPU, pid, comm), is what the record's type, addresses, flags
+        # and those registers say; decoded once per distinct set (Hit.placed)
+        regs = self._plan_regs.get(rec.probe_id, False)
+        if regs is False:
+            regs = self._plan_regs[rec.probe_id] = _plan_registers(spec)
+        key = None
+        if regs is not None:
+            r = rec.regs
+            key = (rec.probe_id, rec.type, rec.func, rec.ret_addr, rec.flags,
+                   *(r[i] for i in regs))
+            base = self._decoded.get(key)
+            if base is not None:
+                return base.placed(seq, rec.vcpu, rec.pid if rec.flags & RF_PID else None,
+                                   rec.comm.decode("utf-8", "replace") if rec.flags & RF_COMM
+                                   else "", base.irq)
         if up is not None:
             # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
             # address first; %ip is the probed address itself (handle_swbp() sets it)
@@ -647,13 +685,16 @@ class PluginBackend:
             tpl = self._templates[rec.probe_id] = Hit.template(
                 self.side, name, "r" if spec.is_return else "p", mode="plugin",
                 ret_ip_args=spec.ret_ip_args, slot_args=spec.slot_args, mem_args=spec.mem_args)
-        return tpl.changed(
+        hit = tpl.changed(
             seq=seq, cpu=rec.vcpu, pid=rec.pid if rec.flags & RF_PID else None, comm=ctx.comm(),
             ip=ip_text, ret_from=ret_from, args=args,
             irq="" if up is not None else hit_context(rec.flags),
             hardirq=up is None and hit_hardirq(rec.flags),
             unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
             failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
+        if key is not None and len(self._decoded) < DECODED_MAX:
+            self._decoded[key] = hit
+        return hit
 
     def _eprobe_hit(self, rec: PluginRecord, seq: int, spec: ProbeSpec, name: str,
                     event_id: int, targs: tuple) -> Hit | None:

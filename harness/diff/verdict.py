@@ -25,7 +25,7 @@ import operator
 
 from dataclasses import dataclass, field
 
-from ..records import Hit, Outcome, SideResult
+from ..records import Hit, Outcome, SideResult, gc_paused
 from . import rules as _rules
 from .rules import (AGENT_COMMS, GUEST_SIDES, NORMALIZATIONS, UNKNOWN_RULES, UNKNOWN_TEXT,
                     Ctx, stack_match)
@@ -235,6 +235,7 @@ def _fields(h: Hit) -> dict[str, str]:
     return out
 
 
+@gc_paused()
 def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] | None = None,
             context: int = 3, strict: bool = False, allow: "tuple[str, ...] | frozenset[str]" = (),
             expect_empty: bool = False) -> DiffResult:

@@ -1,5 +1,7 @@
 import dataclasses
 
+import pytest
+
 from harness.diff.verdict import compare
 from harness.records import Counters, Hit, Outcome, SideResult
 
@@ -404,6 +406,54 @@ def test_a_hit_changed_is_the_hit_replace_makes_and_hits_unchanged_stay_themselv
     renamed = saved_cmdlines([h, dataclasses.replace(h, seq=4, comm="dd")], [])
     assert renamed[0] is not h and renamed[0].comm == "dd"
     assert json.dumps(hit_doc(c)) == json.dumps(dataclasses.asdict(c))
+
+
+def test_a_hit_placed_is_the_hit_changed_makes():
+    """Hit.placed() (a decoded payload at another record's place) is changed() of seq,
+    cpu, pid, comm and irq, nothing else altered, the base left as it was."""
+    h = dataclasses.replace(hit("events", 3, comm="sh", dfd=1), irq="task", excess=4)
+    p = h.placed(9, 1, 77, "dd", "irq")
+    assert p == h.changed(seq=9, cpu=1, pid=77, comm="dd", irq="irq")
+    assert (h.seq, h.cpu, h.comm, h.irq) == (3, 0, "sh", "task")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.comm = "x"
+
+
+def test_gc_paused_nests_across_threads_and_puts_the_collector_back_as_it_was():
+    import gc
+    import threading
+
+    from harness.records import gc_paused
+    assert gc.isenabled()
+    inside = threading.Event()
+    leave = threading.Event()
+    seen = []
+
+    def other():
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+    t = threading.Thread(target=other)
+    with gc_paused():
+        assert not gc.isenabled()
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()       # the thread's block is still open
+    leave.set()
+    t.join(10)
+    seen.append(gc.isenabled())
+    assert seen == [True]
+    gc.disable()                    # off before: left off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(KeyError):   # on after an exception too
+        with gc_paused():
+            raise KeyError("x")
+    assert gc.isenabled()
 
 
 def test_saved_cmdlines_gives_what_the_plain_scan_gives_on_random_runs():

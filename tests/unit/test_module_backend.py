@@ -212,6 +212,94 @@ def test_hits_from_records():
     assert r.line() == "cat-113 [001] kph/ret: (__x64_sys_openat+0x4a/0xa0 <- do_sys_openat2) ret=3"
 
 
+def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monkeypatch):
+    """collect() keeps each distinct line payload (all but SEQ, CPU, PID and COMM) decoded
+    once: every hit is what _hit() makes of its own line, alone; a line that repeats a
+    payload with a place that does not parse is still the module's unreadable line."""
+    import pytest
+
+    from harness.backends.module import ModuleError
+    be = ModuleBackend(FakeVM())
+    pre = parse("p:kph/open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32 "
+                "c=$comm")
+    ret = parse("r:kph/ret do_sys_openat2 ret=$retval:s64")
+    be._placed = {1: _Placed(1, "kph/open", pre, 0xffffffff8134a350, "p"),
+                  2: _Placed(2, "kph/ret", ret, 0xffffffff8134a350, "r")}
+    rest_pre, rest_ret = LINE_PRE.split(" ", 7)[7], LINE_RET.split(" ", 7)[7]
+    lines = [LINE_PRE, LINE_RET,
+             f"7 1 pre ftrace 1 200 6c73 {rest_pre}",              # same payload, ls-200
+             f"8 2 ret ftrace 0 200 6c73 {rest_ret}",
+             f"9 1 pre ftrace:irq 1 0 - {rest_pre}",               # another context
+             f"10 1 pre ftrace 0 113 636174 {rest_pre.replace('i80000', 'i8000')}"]
+    monkeypatch.setattr(be.vm, "pull", lambda path, **kw: ("\n".join(lines) + "\n").encode(),
+                        raising=False)
+    monkeypatch.setattr(be, "check_dropped", lambda: None)
+    sym = remembered_symbolizer(be.vm.symbols)
+    got = be.collect()
+    want = [be._hit(parse_events_line(ln), be._placed[int(ln.split()[1])], sym) for ln in lines]
+    assert got == want
+    assert [(h.seq, h.cpu, h.pid, h.comm, h.irq) for h in got[2:5]] == \
+        [(7, 1, 200, "ls", ""), (8, 0, 200, "ls", ""), (9, 1, 0, "", "irq")]
+    assert got[5].arg("flags") == "0x8000" and got[0].arg("flags") == "0x80000"
+    be2 = ModuleBackend(FakeVM())
+    be2._placed = be._placed
+    bad = [LINE_PRE, f"7 1 pre ftrace 1 x 6c73 {rest_pre}"]
+    monkeypatch.setattr(be2.vm, "pull", lambda path, **kw: "\n".join(bad).encode(),
+                        raising=False)
+    monkeypatch.setattr(be2, "check_dropped", lambda: None)
+    with pytest.raises(ModuleError, match="unreadable"):
+        be2.collect()
+
+
+RD_FORMAT = """name: rd
+ID: 1234
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
+\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
+\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
+
+\tfield:unsigned long __probe_ip;\toffset:8;\tsize:8;\tsigned:0;
+\tfield:u64 count;\toffset:16;\tsize:8;\tsigned:0;
+
+print fmt: "(%lx) count=%Lx", REC->__probe_ip, REC->count
+"""
+
+
+def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record():
+    """The events side keeps each distinct record payload (the bytes after struct
+    trace_entry) decoded once: each hit's pid, comm, CPU and context are its own record's,
+    its ip and arguments its own payload's."""
+    import struct
+
+    from harness.backends.events import EventsBackend
+    from harness.kernel.ringbuf import parse_format
+
+    fmt = parse_format(RD_FORMAT)
+    be = object.__new__(EventsBackend)
+    be.side, be.vm, be.outcomes, be._args = "events", FakeVM(), [], {}
+    be._formats = {1234: ("kprobes/rd", parse("p:rd do_sys_openat2 count=%dx:u64"), fmt)}
+    be._cpus, be._stack_fmt, be._rename_fmt = [0], None, None
+    ip = 0xffffffff8134a350
+
+    def rec(flags, pid, count, at=ip):
+        body = struct.pack("<HBBiQQ", 1234, flags, 0, pid, at, count)
+        return struct.pack("<I", len(body) // 4 | 10 << 5) + body
+    recs = [rec(0, 7, 1), rec(0x10, 8, 1), rec(0, 0, 1), rec(0, 7, 2), rec(0, 9, 1, ip + 5)]
+    body = b"".join(recs)
+    pg = (struct.pack("<QQ", 1000, len(body)) + body).ljust(4096, b"\0")
+    be._raw_pages = lambda cpu: ([pg], True)
+    be._read_after = lambda cpus: {"stats0": b"entries: 0\noverrun: 0\n",
+                                   "saved_cmdlines": b"7 cat\n8 ls\n"}
+    hits = be.collect()
+    assert [(h.pid, h.comm, h.irq, h.ip, h.args, h.seq) for h in hits] == [
+        (7, "cat", "task", "do_sys_openat2+0x0/0x170", (("count", "1"),), 0),
+        (8, "ls", "irq", "do_sys_openat2+0x0/0x170", (("count", "1"),), 1),
+        (0, "<idle>", "task", "do_sys_openat2+0x0/0x170", (("count", "1"),), 2),
+        (7, "cat", "task", "do_sys_openat2+0x0/0x170", (("count", "2"),), 3),
+        (9, "<...>", "task", "do_sys_openat2+0x5/0x170", (("count", "1"),), 4)]
+
+
 def test_symbol_lookup_failure_is_enoent(monkeypatch):
     be = ModuleBackend(FakeVM())
     monkeypatch.setattr(be, "load", lambda: None)
