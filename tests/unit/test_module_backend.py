@@ -251,55 +251,6 @@ def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monk
         be2.collect()
 
 
-RD_FORMAT = """name: rd
-ID: 1234
-format:
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
-
-\tfield:unsigned long __probe_ip;\toffset:8;\tsize:8;\tsigned:0;
-\tfield:u64 count;\toffset:16;\tsize:8;\tsigned:0;
-
-print fmt: "(%lx) count=%Lx", REC->__probe_ip, REC->count
-"""
-
-
-def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record():
-    """The events side keeps each distinct record payload (the bytes after struct
-    trace_entry) decoded once: each hit's pid, comm, CPU and context are its own record's,
-    its ip and arguments its own payload's."""
-    import struct
-
-    from harness.backends.events import EventsBackend
-    from harness.kernel.ringbuf import parse_format
-
-    fmt = parse_format(RD_FORMAT)
-    be = object.__new__(EventsBackend)
-    be.side, be.vm, be.outcomes, be._args = "events", FakeVM(), [], {}
-    be._formats = {1234: ("kprobes/rd", parse("p:rd do_sys_openat2 count=%dx:u64"), fmt)}
-    be._cpus, be._stack_fmt, be._rename_fmt = [0], None, None
-    ip = 0xffffffff8134a350
-
-    def rec(flags, pid, count, at=ip):
-        body = struct.pack("<HBBiQQ", 1234, flags, 0, pid, at, count)
-        return struct.pack("<I", len(body) // 4 | 10 << 5) + body
-    recs = [rec(0, 7, 1), rec(0x10, 8, 1), rec(0, 0, 1), rec(0, 7, 2), rec(0, 9, 1, ip + 5)]
-    body = b"".join(recs)
-    pg = (struct.pack("<QQ", 1000, len(body)) + body).ljust(4096, b"\0")
-    be._raw_pages = lambda cpu: ([pg], True)
-    be._read_after = lambda cpus: {"stats0": b"entries: 0\noverrun: 0\n",
-                                   "saved_cmdlines": b"7 cat\n8 ls\n"}
-    hits = be.collect()
-    assert [(h.pid, h.comm, h.irq, h.ip, h.args, h.seq) for h in hits] == [
-        (7, "cat", "task", "do_sys_openat2+0x0/0x170", (("count", "1"),), 0),
-        (8, "ls", "irq", "do_sys_openat2+0x0/0x170", (("count", "1"),), 1),
-        (0, "<idle>", "task", "do_sys_openat2+0x0/0x170", (("count", "1"),), 2),
-        (7, "cat", "task", "do_sys_openat2+0x0/0x170", (("count", "2"),), 3),
-        (9, "<...>", "task", "do_sys_openat2+0x5/0x170", (("count", "1"),), 4)]
-
-
 def test_symbol_lookup_failure_is_enoent(monkeypatch):
     be = ModuleBackend(FakeVM())
     monkeypatch.setattr(be, "load", lambda: None)

@@ -97,3 +97,46 @@ def test_records_decoded_before_the_symbols_changed_are_decoded_again():
     be.recording = False
     hits = be.collect()
     assert len(hits) == 1 and hits[0].ip != before and hits[0].ip.startswith("m_fn+0x10")
+
+
+def test_a_register_only_probe_decodes_each_distinct_record_once_and_places_it():
+    """A probe whose arguments read registers only keeps what a record decodes to, keyed
+    by the record's type, addresses, flags and the registers read: every hit equals what
+    decoding its own record alone gives, its place (seq, vCPU, pid, comm) its own."""
+    from types import SimpleNamespace
+
+    from harness.backends.plugin import _plan_registers
+    from harness.kernel.grammar.program import REGS
+    from harness.kernel.symbols import SymbolTable
+    from harness.machine.pluginlink import RF_COMM, RF_PID
+
+    syms = SymbolTable.from_kallsyms("ffffffff81000000 T f\nffffffff81001000 T g\n")
+    f = 0xffffffff81000000
+
+    def rec(seq, di, si=0, vcpu=0, pid=100, comm=b"cat", func=f, flags=RF_PID | RF_COMM):
+        regs = tuple(di if r == "di" else si if r == "si" else 0 for r in REGS)
+        return PluginRecord(REC_HIT, vcpu, 7, 0, seq, regs, 0, func, 0, pid, flags, comm, b"")
+    recs = [rec(1, 5), rec(2, 5, si=9, vcpu=1, pid=101, comm=b"ls"), rec(3, 6),
+            rec(4, 5, func=f + 0x1000), rec(5, 5, flags=RF_PID), rec(6, 5)]
+    spec = parse("p:o f x=%di:u64 here=%ip")
+    assert _plan_registers(spec) == (REGS.index("di"),)
+    assert _plan_registers(parse("p:o f x=+0(%di):u64")) is None
+
+    def decoded(memo: bool):
+        eng = _Engine(syms, [recs])
+        be = PluginBackend(SimpleNamespace(host=eng, name="t"), comm_rule="at_hit")
+        be._specs = {7: (spec, "kprobes/o")}
+        if not memo:
+            be._plan_regs = {7: None}
+        be.recording = True
+        be._basis = (syms, syms.generation)
+        be._take()
+        be.recording = False
+        return be, be.collect()
+    be, hits = decoded(True)
+    assert hits == decoded(False)[1]
+    assert len(be._decoded) == 4          # di 5 at f, di 6, at g, without RF_COMM
+    assert [(h.seq, h.cpu, h.pid, h.comm, h.arg("x")) for h in hits[:3]] == \
+        [(0, 0, 100, "cat", "5"), (1, 1, 101, "ls", "5"), (2, 0, 100, "cat", "6")]
+    assert hits[3].ip.startswith("g+0x0") and hits[3].arg("here") != hits[0].arg("here")
+    assert hits[4].comm == ""

@@ -163,3 +163,36 @@ def test_an_eight_byte_record_reads_back_as_twelve():
     fmt = parse_format(FORMAT.split("\n\n")[0] + "\n\nprint fmt: \"\"\n")
     assert record_excess(RawRecord(0, 0, struct.pack("<HBBi", 1392, 0, 0, 7) + bytes(4)),
                          fmt, ()) == 0
+
+
+def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record():
+    """The events side keeps each distinct record payload (the bytes after struct
+    trace_entry) decoded once: each hit's pid, comm, CPU and context are its own record's,
+    its ip and arguments its own payload's."""
+    from harness.backends.events import EventsBackend
+    from harness.kernel.symbols import SymbolTable
+
+    clone = 0xFFFFFFFF810941A0
+    be = object.__new__(EventsBackend)
+    be.side, be.outcomes, be._args = "events", [], {}
+    be.vm = type("VM", (), {"symbols": SymbolTable.from_kallsyms(
+        f"ffffffff81000000 T _stext\n{clone:x} T kernel_clone\nffffffff81094500 T next\n")})()
+    be._formats = {1392: ("kprobes/b", SPEC, parse_format(FORMAT))}
+    be._cpus, be._stack_fmt, be._rename_fmt = [0], None, None
+
+    def rec(pid, flags=0, x=7, ip=clone):
+        data = bytearray(record(pid, ip, b"v", x, b"sh"))
+        data[2] = flags                                   # common_flags
+        return event(bytes(data))
+    pg = page([rec(7), rec(8, flags=0x10), rec(0), rec(7, x=8), rec(9, ip=clone + 5)])
+    be._raw_pages = lambda cpu: ([pg], True)
+    be._read_after = lambda cpus: {"stats0": b"entries: 0\noverrun: 0\n",
+                                   "saved_cmdlines": b"7 cat\n8 ls\n"}
+    hits = be.collect()
+    args = (("s", '"v"'), ("x", "7"), ("c", '"sh"'))
+    assert [(h.seq, h.pid, h.comm, h.irq, h.ip, h.args) for h in hits] == [
+        (0, 7, "cat", "task", "kernel_clone+0x0/0x360", args),
+        (1, 8, "ls", "irq", "kernel_clone+0x0/0x360", args),
+        (2, 0, "<idle>", "task", "kernel_clone+0x0/0x360", args),
+        (3, 7, "cat", "task", "kernel_clone+0x0/0x360", (("s", '"v"'), ("x", "8"), ("c", '"sh"'))),
+        (4, 9, "<...>", "task", "kernel_clone+0x5/0x360", args)]
