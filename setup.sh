@@ -50,6 +50,10 @@ if ! .venv/bin/python -c 'import harness, pygdbmi, qemu.qmp, elftools, xdist, py
   .venv/bin/pip install -q --disable-pip-version-check -e '.[test,docs]'
   touch .venv/.kph-installed
 fi
+# harness' bytecode, written once: every kph process imports ~140 of its modules, and
+# with PYTHONDONTWRITEBYTECODE set (containers often set it) each process would compile
+# them again (0.2 s a process); a module edited later is compiled in memory, as without
+.venv/bin/python -m compileall -q harness
 
 .venv/bin/kph qemu provision
 .venv/bin/kph image build
