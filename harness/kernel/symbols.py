@@ -17,9 +17,11 @@ import difflib
 import errno
 import functools
 import logging
+import marshal
 import os
 import re
 import struct
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +204,30 @@ class SymbolTable:
         self._sections = {**self._sections, name: dict(sections)}
         self._rebuild()
 
+    #: the layout of :meth:`to_bytes`; another one is not read back
+    STATE_FORMAT = 1
+
+    def to_bytes(self) -> bytes:
+        """The table, parsed and indexed, as bytes :meth:`from_bytes` reads back (a cache
+        on disk: reading them takes about half of parsing kallsyms and indexing them).
+
+        :raise ValueError: the table holds something marshal cannot write."""
+        state = dict(self.__dict__, _counts=None, _counts_by=None, _count_asks=0)
+        return marshal.dumps((self.STATE_FORMAT, state))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SymbolTable | None:
+        """A table :meth:`to_bytes` wrote; None when ``data`` is not one of this layout."""
+        try:
+            fmt, state = marshal.loads(data)
+        except (ValueError, EOFError, TypeError):
+            return None
+        if fmt != cls.STATE_FORMAT or not isinstance(state, dict) or "_by_name" not in state:
+            return None
+        new = cls.__new__(cls)
+        new.__dict__.update(state)
+        return new
+
     def copy(self) -> SymbolTable:
         new = SymbolTable.__new__(SymbolTable)
         new.__dict__.update(self.__dict__)   # safe: indexes are replaced, never mutated
@@ -238,6 +264,7 @@ class SymbolTable:
         self._by_name, self._by_mod = by_name, by_mod
         self._counts: dict[str, int] | None = None
         self._counts_by: dict[tuple[str | None, str], int] | None = None
+        self._count_asks = 0
         self._modules = frozenset(m for m in self._mods if m is not None)
         stext, etext = by_name.get("_stext"), by_name.get("_etext")
         self._text_range = (None if stext is None or etext is None
@@ -289,20 +316,26 @@ class SymbolTable:
         """How many entries are called ``name`` (core and modules), as 6.1's
         ``number_of_same_symbols()`` counts them for an unqualified kprobe target."""
         if self._counts is None:
-            counts: dict[str, int] = {}
-            for n in self._names:
-                counts[n] = counts.get(n, 0) + 1
-            self._counts = counts
+            self._count_asks += 1
+            if self._count_asks <= _SCANS:
+                return self._names.count(name)
+            self._counts = Counter(self._names)
         return self._counts.get(name, 0)
 
     def count_in(self, name: str, module: str | None) -> int:
         """How many entries ``name`` has in vmlinux (``module`` None) or in one module:
         ``kallsyms_on_each_match_symbol()`` / ``module_kallsyms_on_each_symbol(mod)``."""
         if self._counts_by is None:
-            by: dict[tuple[str | None, str], int] = {}
-            for n, m in zip(self._names, self._mods):
-                by[(m, n)] = by.get((m, n), 0) + 1
-            self._counts_by = by
+            self._count_asks += 1
+            if self._count_asks <= _SCANS:
+                names, mods, n, i = self._names, self._mods, 0, -1
+                while True:             # each entry of that name, found in C
+                    try:
+                        i = names.index(name, i + 1)
+                    except ValueError:
+                        return n
+                    n += mods[i] == module
+            self._counts_by = Counter(zip(self._mods, self._names))
         return self._counts_by.get((module, name), 0)
 
     def modules(self) -> frozenset[str]:
@@ -487,6 +520,12 @@ def _parse_elf(path: Path) -> list[_Row]:
         rows.append((value, order, name, letter, None, size))
     log.debug("read %d ELF symbols from %s", len(rows), path)
     return rows
+
+
+#: Symbol counts a table answers by scanning its names (~2 ms each on 7.3's ~200,000)
+#: before it counts every name at once (~40 ms): a process that parses a line or two asks
+#: two or three times, a script of 1,000 lines 2,000 times
+_SCANS = 16
 
 
 def remembered_symbolizer(table: SymbolTable) -> Callable[[int], str | None]:

@@ -93,3 +93,17 @@ def test_the_image_btf_answers_as_an_eager_decoding(default_image) -> None:
     for name in ("task_struct", "int", "pt_regs", "kprobe", "file"):
         assert btf.find(name, KIND_STRUCT if name != "int" else KIND_INT) == \
             first[(KIND_STRUCT if name != "int" else KIND_INT, name)]
+
+
+def test_an_index_kept_gives_the_same_answers_and_a_bad_one_is_ignored() -> None:
+    """BTF(data, index) with what index_bytes() gave (a cache on disk, facts._derived)
+    answers as the parse does; an index of another layout, or not one at all, is parsed
+    over."""
+    import marshal
+    data = _blob(TYPES, STRS)
+    idx = BTF(data).index_bytes()
+    kept = BTF(data, idx)
+    assert kept._pos is not None                # nothing parsed again
+    for b in (kept, BTF(data, b"junk"), BTF(data, marshal.dumps((99, [0], {})))):
+        assert b.find("s", KIND_STRUCT) == 2 and b.find("foo", KIND_TYPEDEF) == 7
+        assert b.members(2) == [Member("a", 1, 0, 0), Member("b", 1, 35, 3)]

@@ -32,3 +32,44 @@ def test_an_unreadable_fact_is_a_setup_error_naming_the_fix(tmp_path):
     from harness.errors import SetupError
     with pytest.raises(SetupError, match="kph image build"):
         KernelFacts(tmp_path).btf
+
+
+def test_facts_parsed_once_are_kept_beside_the_file_for_the_same_file_only(tmp_path):
+    """facts._derived: what a process built of a facts file is read back by the next one
+    (no build) for the same file, format and Python; a changed file, a damaged copy or
+    a directory it cannot write to means a build, never an error."""
+    from harness.kernel.symbols import SymbolTable
+    from harness.machine.image import facts as F
+    src = tmp_path / "kallsyms"
+    src.write_text("ffffffff81000000 T _stext\nffffffff81000100 t f\nffffffff81000200 T _etext\n")
+    built = []
+
+    def build():
+        built.append(1)
+        return SymbolTable.from_kallsyms(src)
+
+    def get(stamp=(1, 2, 3)):
+        return F._derived(src, "table", stamp, build, SymbolTable.from_bytes,
+                          SymbolTable.to_bytes)
+    t = get()
+    assert built == [1] and (tmp_path / ".kallsyms.table.kept").is_file()
+    again = get()
+    assert built == [1] and again.lookup("f").addr == t.lookup("f").addr
+    assert again.symbolize(0xffffffff81000105)[1] == 5 and again.count("f") == 1
+    get(stamp=(1, 2, 4))                          # another file: built, kept anew
+    assert built == [1, 1]
+    (tmp_path / ".kallsyms.table.kept").write_bytes(b"kph table garbage\n")
+    get(stamp=(1, 2, 4))
+    assert built == [1, 1, 1]
+    (tmp_path / ".kallsyms.table.kept").unlink()
+    (tmp_path / ".kallsyms.table.kept").mkdir()        # neither readable nor replaceable
+    assert get(stamp=(9, 9, 9)).lookup("f") is not None and len(built) == 4
+    assert not list(tmp_path.glob("*.tmp"))
+    # the image's manifest leaves such copies out
+    from harness.machine.image.store import write_manifest
+    (tmp_path / ".kallsyms.table.kept").rmdir()
+    get(stamp=(9, 9, 9))
+    write_manifest(tmp_path, {})
+    import json
+    listed = json.loads((tmp_path / "manifest.json").read_text())["artifacts"]
+    assert ".kallsyms.table.kept" not in listed and "kallsyms" in listed

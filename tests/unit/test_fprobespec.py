@@ -238,3 +238,20 @@ def test_ftrace_files_are_read_once_per_snapshot_and_set_of_modules():
     assert tracelayer.filter_functions(VM("snapshot", "/c/snap1"), kph) == \
         {"vfs_read", "do_sys_openat2"}
     assert len(reads) == 4
+
+
+def test_dentry_offsets_are_worked_out_when_a_line_first_has_pd():
+    """A kernel view's %pd/%pD offsets may be a function (BTF's type index is built only
+    when a line needs them): not called for a line without one, called for one with it,
+    its offsets the ones the expansion uses (traceprobe_expand_dentry_args())."""
+    calls = []
+
+    def offsets():
+        calls.append(1)
+        return (0x30, 0x50)
+    view = KernelView(rules_for("6.12"), dentry_offsets=offsets)
+    parse("p:a vfs_read x=%di:u64", kernel=view)
+    assert calls == []
+    spec = parse("p:b vfs_read f=%di:%pD", kernel=view)
+    assert calls == [1]
+    assert format(spec).endswith("f=+0x0(+0x30(+0x50(%di))):string"), format(spec)

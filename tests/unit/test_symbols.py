@@ -129,6 +129,24 @@ def test_parse_counts_and_fields(table):
     assert (m.module, m.type, m.size, str(m)) == ("mymod", "t", 0x20, "foo_fn [mymod]")
 
 
+def test_counts_scanned_and_counted_at_once_agree():
+    """count() and count_in() answer their first asks by scanning the names, then count
+    every name at once: the same answers either way (number_of_same_symbols())."""
+    from harness.kernel import symbols
+    asks = [("dup_static", None), ("do_sys_open", None), ("do_sys_open", "mymod"),
+            ("foo_fn", "mymod"), ("foo_fn", None), ("nothing", None), ("nothing", "mymod"),
+            ("jiffies", "bpf")]
+    t = SymbolTable.from_kallsyms(KALLSYMS)
+    first = [(t.count(n), t.count_in(n, m)) for n, m in asks]
+    assert first[:4] == [(4, 4), (2, 1), (2, 1), (1, 1)]
+    assert first[4:] == [(1, 0), (0, 0), (0, 0), (1, 0)]
+    for _ in range(symbols._SCANS):
+        t.count("x")
+        t.count_in("x", None)
+    assert t._counts is not None and t._counts_by is not None     # counted at once now
+    assert [(t.count(n), t.count_in(n, m)) for n, m in asks] == first
+
+
 def test_size_is_distance_to_next_distinct_address(table):
     assert table.lookup("startup_64").size == 0x100      # aliases share the next address
     assert table.lookup("_stext").size == 0x100

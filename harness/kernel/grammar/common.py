@@ -595,7 +595,9 @@ class KernelView:
     ``lenient``); ``on_func_entry`` and ``count_symbol`` as :func:`parse` takes them;
     ``module_count(mod, sym)`` counts ``sym`` in a loaded module (None: not loaded), for
     6.12's ``validate_probe_symbol()``; ``dentry_offsets`` are ``offsetof(struct dentry,
-    d_name.name)`` and ``offsetof(struct file, f_path.dentry)`` for ``%pd``/``%pD``.
+    d_name.name)`` and ``offsetof(struct file, f_path.dentry)`` for ``%pd``/``%pD``, or a
+    function that works them out when a line first has one (finding a type by name
+    indexes the whole BTF: 0.2 s a process).
     """
 
     rules: KernelRules
@@ -603,7 +605,7 @@ class KernelView:
     on_func_entry: Callable[[str, int], bool | None] | None = None
     count_symbol: Callable[[str], int] | None = None
     module_count: Callable[[str, str], int | None] | None = None
-    dentry_offsets: tuple[int, int] | None = None
+    dentry_offsets: tuple[int, int] | Callable[[], tuple[int, int] | None] | None = None
     #: ``event_format(system, event)``: the ``format`` of a trace event of the running
     #: kernel (``harness.kernel.ringbuf.EventFormat``), None when it has none; unset, an
     #: event probe takes any attached event and field (the booted kernel decides)
@@ -647,8 +649,10 @@ def context_args(toks: list[tuple[int, str]], text: str, kernel: KernelView | No
                 raise argp.Fail("Too many arguments (more than 128)", 0, 7, index=0, logged=False)
             items = items[:MAX_TRACE_ARGS]
         logged: list[str] | None = None
-        if not uprobe:
+        if not uprobe and any(t.endswith((":%pd", ":%pD")) for _, t in items):
             d = kernel.dentry_offsets if kernel is not None else None
+            if callable(d):
+                d = d()
             before = items
             items = argp.expand_dentry_args(lc, items, *(d or (0x28, 0x48)))
             if items != before and [t for _, t in before] == raw:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ...constants import cache_dir
 from ...errors import SetupError
-from .facts import KernelFacts
+from .facts import KEPT, KernelFacts
 from .kernels import KernelRelease
 from .toolchain import build_module, for_kernel
 
@@ -205,7 +205,9 @@ def image_is_current(img: Image) -> bool:
 def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     manifest["artifacts"] = {
         p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
-        for p in sorted(out.iterdir()) if p.is_file() and p.name != "manifest.json"}
+        for p in sorted(out.iterdir())
+        # what processes keep of the facts (facts._derived) is not the image
+        if p.is_file() and p.name != "manifest.json" and not p.name.endswith((KEPT, ".tmp"))}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
