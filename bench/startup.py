@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""What one ``kph`` process costs before and around its guest work: the same small
+``kph diff`` (one ``p:`` line, ``cat /proc/version``) as a process of its own, in three
+set-ups, interleaved, N rounds each, medians:
+
+  as set up     harness' bytecode written (setup.sh) and the facts a process keeps
+                beside the image's kallsyms and BTF (``.kallsyms.table.kept``,
+                ``.btf.index.kept``: harness.machine.image.facts ``_derived``);
+  first after   the kept facts removed before each run: the first process after an
+  a build       image build parses kallsyms and BTF and keeps them;
+  no bytecode   what a process pays where PYTHONDONTWRITEBYTECODE is set and nothing
+                wrote harness' bytecode: every module compiled (PYTHONPYCACHEPREFIX
+                pointed at an empty directory).
+
+``--image`` picks the image (default: the default image).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness.machine.image.facts import KEPT  # noqa: E402
+from harness.machine.image.store import default_image  # noqa: E402
+
+LINE = "p:o do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring"
+
+
+def one(kernel: str | None, env: dict[str, str]) -> float:
+    argv = [sys.executable, "-m", "harness.cli", "diff", "-q", LINE, "--run", "cat /proc/version"]
+    if kernel:
+        argv[4:4] = ["--image", kernel]
+    t0 = time.monotonic()
+    r = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=300, check=False)
+    took = time.monotonic() - t0
+    if r.returncode != 0:
+        sys.exit(f"kph diff exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    return took
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=5, help="rounds (default 5)")
+    ap.add_argument("--image", help="the image (a series such as 7.3; default: the default image)")
+    args = ap.parse_args()
+    img = default_image(args.image)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "harness"], cwd=ROOT, check=True)
+    base = dict(os.environ)
+    base.pop("PYTHONPYCACHEPREFIX", None)
+    one(args.image, base)                  # the snapshot and the kept facts exist now
+    times: dict[str, list[float]] = {"as set up": [], "first after a build": [],
+                                     "no bytecode": []}
+    with tempfile.TemporaryDirectory() as empty:
+        for _ in range(args.n):
+            times["as set up"].append(one(args.image, base))
+            for p in img.dir.glob(f".*{KEPT}"):
+                p.unlink()
+            times["first after a build"].append(one(args.image, base))
+            prefix = tempfile.mkdtemp(dir=empty)
+            times["no bytecode"].append(one(args.image, dict(base, PYTHONPYCACHEPREFIX=prefix,
+                                                               PYTHONDONTWRITEBYTECODE="1")))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"kph diff {LINE!r} --run 'cat /proc/version' on {img.version}, "
+          f"medians of {args.n} rounds, interleaved")
+    for k, v in med.items():
+        print(f"  {k:22s} {v:6.2f} s   x{v / med['as set up']:.2f}   "
+              f"(min {min(times[k]):.2f}, max {max(times[k]):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
