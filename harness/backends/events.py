@@ -66,7 +66,6 @@ def probe_modes(listing: str) -> dict[int, str]:
     return modes
 
 
-
 def _context(flags: int) -> str:
     """The context of the probed call, ``irq`` or ``task``, from a trace entry's
     ``common_flags`` (include/linux/trace_events.h: TRACE_FLAG_HARDIRQ 0x08,

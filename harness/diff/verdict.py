@@ -539,7 +539,7 @@ def _cross_order(res: DiffResult, context: int) -> Divergence | None:
             continue
         n = next(n for n, (x, y) in enumerate(zip(pa, pb)) if x != y)
         px, py = pa[n], pb[n]
-        hits = {"a": {}, "b": {}}       # the hits around the first difference
+        hits: dict[str, dict[tuple[str, int], Hit]] = {"a": {}, "b": {}}  # around it
         for side, g, at in (("a", ga, 0), ("b", gb, 1)):
             for _, probe, i in g[max(0, n - context):n + context + 1]:
                 hits[side][(probe, i)] = res.compared[probe][at][i]
