@@ -284,6 +284,17 @@ def parse_events_line(line: str) -> ModuleRecord:
         raise ModuleError(f"unreadable {KPH_DIR}/events line {line!r}: {exc}") from None
 
 
+def _probe_stats(text: str) -> dict[int, dict[str, str]]:
+    """The ``probe ID KIND nhit N nmissed N ...`` lines of the module's ``stats``: id ->
+    its fields (nhit, nmissed, nentry, npost, mode)."""
+    out = {}
+    for line in text.splitlines():
+        p = line.split()
+        if p and p[0] == "probe":
+            out[int(p[1])] = dict(zip(p[3::2], p[4::2]))
+    return out
+
+
 def _string(it: Item) -> Any:
     if it.type != "s":
         return UNKNOWN if it.type == "i" else FAULT
@@ -451,6 +462,7 @@ class ModuleBackend:
         self.vm = vm
         self.bufsize = bufsize
         self._dropped0: int | None = None
+        self._counts0: dict[int, dict[str, str]] = {}      # stats at enable()
         self.post_handler = post_handler
         self.buggy = buggy
         self.maxlen = maxlen
@@ -671,8 +683,9 @@ class ModuleBackend:
         """Drop what was recorded so far and start recording. The control write goes
         through the agent's file API: no shell is spawned to do it. ``recording=False``
         leaves the start to the caller's :meth:`switch`, in a halt of the guest."""
-        self._dropped0 = buffer_stats(self._sh(f"cat {KPH_DIR}/events > /dev/null; "
-                                               f"cat {KPH_DIR}/stats"))["dropped"]
+        text = self._sh(f"cat {KPH_DIR}/events > /dev/null; cat {KPH_DIR}/stats")
+        self._dropped0 = buffer_stats(text)["dropped"]
+        self._counts0 = _probe_stats(text)
         self.hits.clear()
         self.post_records.clear()
         if recording:
@@ -853,21 +866,23 @@ class ModuleBackend:
 
     def stats(self) -> dict[int, dict[str, str]]:
         """id -> the ``stats`` fields of one probe (nhit, nmissed, nentry, npost, mode)."""
-        out = {}
-        for line in self._sh(f"cat {KPH_DIR}/stats").splitlines():
-            p = line.split()
-            if p and p[0] == "probe":
-                out[int(p[1])] = dict(zip(p[3::2], p[4::2]))
-        return out
+        return _probe_stats(self._sh(f"cat {KPH_DIR}/stats"))
 
     def counters(self) -> dict[str, Counters]:
+        """nhit/nmissed of each event, counted from :meth:`enable` (the kprobe's own
+        ``nmissed`` counts from its registration: a hit the kernel missed while the
+        harness set the run up, say a kfree() in an interrupt that came while the module's
+        handler ran, is not the run's; as ``EventsBackend.counters`` leaves it out)."""
         totals: dict[str, tuple[int, int]] = {}
+        before = getattr(self, "_counts0", {})
         for pid, st in self.stats().items():
             placed = self._placed.get(pid)
             if placed is None:
                 continue
+            b = before.get(pid, {})
             nhit, nmissed = totals.get(placed.name, (0, 0))
-            totals[placed.name] = (nhit + int(st["nhit"]), nmissed + int(st["nmissed"]))
+            totals[placed.name] = (nhit + int(st["nhit"]) - int(b.get("nhit", 0)),
+                                   nmissed + int(st["nmissed"]) - int(b.get("nmissed", 0)))
         return {name: Counters(name, h, m) for name, (h, m) in totals.items()}
 
     def close(self) -> None:

@@ -60,8 +60,9 @@ from ..errors import GdbMIError, HarnessError, MemoryFaultError, ProbeRejectedEr
 from ..gdbstub import GdbStub, Stop, readable
 from ..machine.image.facts import percpu_current_task, percpu_offset, uaccess_offsets
 from ..machine.handlerctx import HandlerErrors, mark_thread, probe_name
-from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, PT_REGS_FIELDS, Kprobe, Kretprobe,
-                              ProbeFlags, PtRegs, preempt_context, preempt_hardirq_only)
+from ..kernel.kprobes import (GDB_TO_FIELD, INT3_INSN_SIZE, MASK64, PT_REGS_FIELDS,
+                              X86_EFLAGS_RF, X86_EFLAGS_VM, Kprobe, Kretprobe, ProbeFlags,
+                              PtRegs, preempt_context, preempt_hardirq_only)
 from ..kernel.unwind import stack_trace
 from ..kernel.symbols import ReservedText, is_ftrace_site
 from ..vmctl import register_host_engine
@@ -355,6 +356,11 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
             # "movq $0, ORIG_RAX(%rsp)" (arch/x86/kernel/ftrace_64.S: save_mcount_regs);
             # an int3 exception frame has -1 there (entry_64.S: idtentry)
             regs.orig_ax = 0
+            # and its flags with pushfq, which clears RF and VM in the image it pushes
+            # (ftrace_regs_caller, the same in 6.1, 6.12 and 7.3): the vCPU's own RF is
+            # set when it resumes at the probed instruction from an interrupt whose frame
+            # had RF (TCG: seen at kernel_clone, host 0x10206 against the trace's 0x206)
+            regs.mask_loaded("flags", ~(X86_EFLAGS_RF | X86_EFLAGS_VM) & MASK64)
         if self.pre_handlers(probes, regs):
             # The path was changed: no single-step, no post_handler; the guest resumes at
             # whatever regs.ip the handler left (addr + 1 if it left it alone, as in the kernel).

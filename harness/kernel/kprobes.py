@@ -29,6 +29,10 @@ GDB_TO_FIELD = {v: k for k, v in PT_REGS_FIELDS.items()}
 #: ``regs->ip`` = the probed address + this.
 INT3_INSN_SIZE = 1
 MASK64 = (1 << 64) - 1
+#: arch/x86/include/uapi/asm/processor-flags.h: the resume and virtual-8086 flags, which
+#: PUSHF leaves out of the image it pushes (cleared there)
+X86_EFLAGS_RF = 1 << 16
+X86_EFLAGS_VM = 1 << 17
 
 
 class ProbeFlags(enum.IntFlag):
@@ -57,7 +61,7 @@ class PtRegs:
     exception frame. ``cpu`` is the vCPU index; ``read_sys("cr2")`` reads a system register.
     """
 
-    __slots__ = ("_vals", "_dirty", "_loader", "_sys", "_unwinder", "cpu", "orig_ax")
+    __slots__ = ("_vals", "_dirty", "_loader", "_sys", "_unwinder", "cpu", "orig_ax", "_masks")
 
     def __init__(self, values: dict[str, int] | None = None, *,
                  loader: Callable[[tuple[str, ...]], dict[str, int]] | None = None,
@@ -70,6 +74,14 @@ class PtRegs:
         self._unwinder = unwinder
         self.cpu = cpu
         self.orig_ax = MASK64
+        self._masks: dict[str, int] = {}
+
+    def mask_loaded(self, name: str, mask: int) -> None:
+        """``name`` as the probed path saved it: the vCPU's value ANDed with ``mask``
+        (read now or later; a value a handler sets is its own)."""
+        self._masks[name] = mask
+        if name in self._vals and name not in self._dirty:
+            self._vals[name] &= mask
 
     def stack_trace(self, max_entries: int = 16) -> list[int]:
         """``stack_trace_save_regs(regs, ...)``: ``ip`` first, then the return addresses
@@ -86,7 +98,11 @@ class PtRegs:
             return
         want = tuple(n for n in (names or PT_REGS_FIELDS) if n not in self._vals)
         if want:
-            self._vals.update(self._loader(want))
+            got = self._loader(want)
+            for k, m in self._masks.items():
+                if k in got:
+                    got[k] &= m
+            self._vals.update(got)
 
     def get(self, name: str) -> int:
         if name not in self._vals:

@@ -152,3 +152,25 @@ def test_a_shared_event_name_is_not_guessed_when_the_lists_differ():
                                      UPROF)
     assert sums == {"g1/ret": [7, 2], "uprobes/u": [4, 0]}
     assert set(unclear) == {"g1/x", "g2/x"} and "share the event name" in unclear["g1/x"]
+
+
+def test_module_counters_count_from_the_window_not_the_registration():
+    """The module's kprobe counts nmissed from its registration; a miss while the harness
+    set the run up (before enable()) is not the run's: counters() are the stats' counts
+    less those read at enable()."""
+    from harness.backends.module import _Placed
+    from harness.records import Counters
+    be = object.__new__(ModuleBackend)
+    be.side = "module"
+    text = [MSTATS.format(d=0).replace("nhit 300 nmissed 0", "nhit 40 nmissed 3")]
+    be._sh = lambda cmd: text[0]
+    be.hits, be.post_records, be._placed = [], [], {1: _Placed(1, "kprobes/k", None, 0, "p")}
+    be._counts0 = {}
+    assert be.counters()["kprobes/k"] == Counters("kprobes/k", 40, 3)      # no window yet
+    be._recording_at = 1
+    be.enable(recording=False)
+    text[0] = MSTATS.format(d=0).replace("nhit 300 nmissed 0", "nhit 140 nmissed 3")
+    c = be.counters()["kprobes/k"]
+    assert (c.nhit, c.nmissed) == (100, 0)
+    text[0] = MSTATS.format(d=0).replace("nhit 300 nmissed 0", "nhit 141 nmissed 5")
+    assert be.counters()["kprobes/k"].nmissed == 2

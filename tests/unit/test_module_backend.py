@@ -497,3 +497,21 @@ def test_symbol_in_section_reads_a_relocatable_objects_symtab(tmp_path):
     assert symbol_in_section(obj.read_bytes(), "get") is None       # a function
     assert symbol_in_section(obj.read_bytes(), "missing") is None
     assert symbol_in_section(b"not an ELF file", "recording") is None
+
+
+def test_regs_masked_as_the_probed_path_saved_them():
+    """PtRegs.mask_loaded(): an ftrace-based kprobe's flags are pushfq's image (RF and VM
+    cleared: ftrace_regs_caller); read now or later, and not a value a handler sets."""
+    from harness.kernel.kprobes import MASK64, X86_EFLAGS_RF, X86_EFLAGS_VM, PtRegs
+    mask = ~(X86_EFLAGS_RF | X86_EFLAGS_VM) & MASK64
+    later = PtRegs(loader=lambda names: {n: 0x10206 if n == "flags" else 1 for n in names})
+    later.mask_loaded("flags", mask)
+    assert later.flags == 0x206 and later.di == 1
+    now = PtRegs({"flags": 0x30246})
+    now.mask_loaded("flags", mask)
+    assert now.flags == 0x246 and now.snapshot()["flags"] == 0x246
+    now.flags = 0x10202                                 # a handler's write stands
+    assert now.flags == 0x10202 and now.dirty == {"flags": 0x10202}
+    whole = PtRegs(loader=lambda names: {n: 0x10206 for n in names})
+    whole.mask_loaded("flags", mask)
+    assert whole.snapshot()["flags"] == 0x206 and whole.snapshot()["ip"] == 0x10206
