@@ -93,6 +93,11 @@ class BTF:
             if fmt == self.INDEX_FORMAT and isinstance(pos, list) and isinstance(by_name, dict):
                 self._pos, self._by_name = pos, by_name
 
+    @property
+    def indexed(self) -> bool:
+        """The type table is worked out (parsed, or given as an index)."""
+        return self._pos is not None
+
     def index_bytes(self) -> bytes:
         """The type table (:meth:`_parse`: one pass over ~100,000 types, 0.13 s) as bytes
         to give the constructor back with the same data (0.03 s), for a cache on disk."""

@@ -103,7 +103,8 @@ def test_an_index_kept_gives_the_same_answers_and_a_bad_one_is_ignored() -> None
     data = _blob(TYPES, STRS)
     idx = BTF(data).index_bytes()
     kept = BTF(data, idx)
-    assert kept._pos is not None                # nothing parsed again
+    assert kept.indexed                         # nothing parsed again
+    assert not BTF(data, b"junk").indexed and not BTF(data).indexed
     for b in (kept, BTF(data, b"junk"), BTF(data, marshal.dumps((99, [0], {})))):
         assert b.find("s", KIND_STRUCT) == 2 and b.find("foo", KIND_TYPEDEF) == 7
         assert b.members(2) == [Member("a", 1, 0, 0), Member("b", 1, 35, 3)]

@@ -179,11 +179,12 @@ class KernelFacts:
 def _derived(path: Path, kind: str, stamp: tuple[int, ...], build: Callable[[], T],
              load: Callable[[bytes], T | None], dump: Callable[[T], bytes]) -> T:
     """What ``build`` makes of the facts file ``path`` (parsed, indexed), kept beside it in
-    ``.NAME.KIND.kept`` for the next process (never part of an image's manifest): every ``kph`` process parses kallsyms and BTF,
-    0.3-0.6 s a process that a kept copy cuts by half or more. The copy is read back only
-    for the same file (``stamp``: its mtime, size and inode), format (``dump``'s own tag)
-    and Python (marshal's format is Python's); anything else, or a copy that cannot be
-    read or written, is built again, never an error."""
+    ``.NAME.KIND.kept`` for the next process (never part of an image's manifest): every
+    ``kph`` process parses kallsyms and BTF, 0.3-0.6 s a process that a kept copy cuts by
+    half or more. The copy is read back only for the same file (``stamp``: its mtime,
+    size and inode), format (``load`` gives None for another one) and Python (marshal's
+    format is Python's); anything else, or a copy that cannot be read or written, is
+    built again and kept anew, never an error."""
     keep = path.with_name(f".{path.name}.{kind}{KEPT}")
     head = f"kph {kind} {importlib.util.MAGIC_NUMBER.hex()} {' '.join(map(str, stamp))}\n".encode()
     try:
@@ -211,8 +212,10 @@ def _load_btf(path: str, mtime_ns: int, size: int, ino: int) -> BTF:
         b = BTF(Path(path).read_bytes())
         b.index_bytes()             # the type table, worked out now to be kept
         return b
-    return _derived(Path(path), "index", (mtime_ns, size, ino), build,
-                    lambda idx: BTF(Path(path).read_bytes(), idx), BTF.index_bytes)
+    def load(idx: bytes) -> BTF | None:
+        b = BTF(Path(path).read_bytes(), idx)
+        return b if b.indexed else None
+    return _derived(Path(path), "index", (mtime_ns, size, ino), build, load, BTF.index_bytes)
 
 
 @functools.lru_cache(maxsize=4)
