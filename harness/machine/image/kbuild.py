@@ -356,24 +356,6 @@ def ccache_env() -> dict[str, str]:
             "CCACHE_NOHASHDIR": "1"}
 
 
-#: The build time every kernel kph builds carries (``KBUILD_BUILD_TIMESTAMP``, unless the
-#: caller's environment sets one): the kernel takes it as a reproducible build's mark,
-#: and scripts/Makefile.btf (6.12, 7.3) then leaves pahole's ``-j`` out, which "makes
-#: its output unreproducible" before pahole 1.27 (Debian 12 has 1.24): BTF type ids
-#: changed from one build of a tree to the next (the bisect scenario's type id 8,
-#: ``unsigned char`` in one build, another type in the next). A date ``date -d`` reads.
-BUILD_TIMESTAMP = "2026-01-01 00:00:00 UTC"
-
-
-def build_env() -> dict[str, str]:
-    """The environment ``make`` runs in: the caller's, ``ccache``'s
-    (:func:`ccache_env`), a fixed build time (:data:`BUILD_TIMESTAMP`) and ``LC_ALL=C``
-    (plain quotes in compiler errors)."""
-    env = {**os.environ, **ccache_env(), "LC_ALL": "C"}
-    env.setdefault("KBUILD_BUILD_TIMESTAMP", BUILD_TIMESTAMP)
-    return env
-
-
 def _make(src: Path, out: Path, *args: str) -> list[str]:
     return ["make", "-C", str(src), f"O={out}", "ARCH=x86_64", *args]
 
@@ -457,7 +439,8 @@ def _build_locked(src: Path, out: Path, jobs: int | None, fragment: Path, say: P
     with open(log_path, "w") as log:
         proc = subprocess.Popen(_make(src, out, *args), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
-                                env=build_env(),
+                                env={**os.environ, **ccache_env(),
+                                     "LC_ALL": "C"},                  # plain quotes in errors
                                 preexec_fn=pdeathsig, start_new_session=True)
         def kill() -> None:             # make and every compiler it started
             try:
