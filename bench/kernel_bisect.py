@@ -31,7 +31,7 @@ from harness.apps import bisect  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--series", default="6.12", choices=("6.12", "7.3"))
-    ap.add_argument("--finding", default="btf-char-ptr")
+    ap.add_argument("--finding", default="non-unique-symbol-errno")
     ap.add_argument("--after", type=int, default=1, help="commits after the planted one")
     ap.add_argument("--no-check-ends", action="store_true")
     a = ap.parse_args()

@@ -367,9 +367,17 @@ class Planted:
     bad: str            # the last commit
     planted: str        # the commit that undoes the fix
     commits: tuple[str, ...]
+    title: str = ""     # the planted commit's subject
 
 
-def plant_history(dest: str | os.PathLike[str], *, finding: str = "btf-char-ptr",
+def planted_title(fix_subject: str) -> str:
+    """The planted commit's subject for a fix's: the fix's subsystem prefix, then the
+    fix taken back ("tracing/kprobes: Take back \"Fix the errno ...\"")."""
+    prefix, _, rest = fix_subject.rpartition(": ")
+    return f'{prefix}: Take back "{rest}"' if prefix else f'Take back "{fix_subject}"'
+
+
+def plant_history(dest: str | os.PathLike[str], *, finding: str = "non-unique-symbol-errno",
                   series: str = "6.12", after: int = 1,
                   progress: Progress | None = None) -> Planted:
     """A small history to bisect, checked out at ``dest`` (a ``git clone --shared`` of the
@@ -393,8 +401,8 @@ def plant_history(dest: str | os.PathLike[str], *, finding: str = "btf-char-ptr"
             (upstream.Edit("kernel/trace/trace_kprobe.c", anchor,
                            anchor + f"/* kph bisect: an unrelated change ({n}) */\n"),)))
     commits.append(comment(commits[-1], 1))
-    undo = upstream.Patch("tracing/probes: Trust the BTF type of a string argument",
-                          "The planted regression: the fix's check is taken out again.",
+    title = planted_title(fix.subject)
+    undo = upstream.Patch(title, "The planted regression: the fix is taken out again.",
                           tuple(upstream.Edit(e.path, e.new, e.old) for e in fix.edits))
     commits.append(upstream._apply(t, commits[-1], undo))
     planted = commits[-1]
@@ -407,7 +415,7 @@ def plant_history(dest: str | os.PathLike[str], *, finding: str = "btf-char-ptr"
         raise SetupError(f"{d} exists and is not empty", "give a new directory")
     say(f"bisect: checking out the planted history in {d} (about 1 min)")
     upstream.git(None, "clone", "-q", "--shared", "--branch", branch, str(t.repo), str(d))
-    return Planted(d, c_fix, commits[-1], planted, tuple(commits))
+    return Planted(d, c_fix, commits[-1], planted, tuple(commits), title)
 
 
 if __name__ == "__main__":

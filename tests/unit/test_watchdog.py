@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parents[1]
 
 HUNG = '''
@@ -25,6 +27,9 @@ def test_after_it():
 '''
 
 
+# its bound is the 150 s asserted below, not the suite's 60 s (CI's run of b18c37a: a loaded
+# machine took longer than 60 s to start the inner run's two workers)
+@pytest.mark.timeout(200)
 def test_a_hang_pytest_timeout_cannot_end_ends_its_worker_with_the_stacks(tmp_path):
     (tmp_path / "test_hung.py").write_text(HUNG)
     env = {**os.environ, "KPH_WATCHDOG_MARGIN": "2",
