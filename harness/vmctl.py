@@ -55,7 +55,7 @@ from . import constants as C
 from .machine.image import facts as F
 from .machine.agent import GuestAgent
 from .aio import LoopThread, qmp_connect
-from .errors import (GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
+from .errors import (GuestAgentError, GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
                      HandlerError, HarnessError, SetupError, StateError, VMError, VMLostError)
 from .machine.handlerctx import ADVICE, stopped_reason
 from .machine.image.kbuild import boot_refusal
@@ -895,6 +895,13 @@ class Machine:
     def pull(self, guest_path: str, *, timeout: float = C.RUN_TIMEOUT) -> bytes:
         """Read a whole guest file (regular files; use ``run('cat ...')`` for procfs)."""
         return self._require_running().read_file(guest_path, timeout=timeout)
+
+    def pull_many(self, guest_paths: list[str], *,
+                  timeout: float = C.RUN_TIMEOUT) -> list[bytes | GuestAgentError]:
+        """Read several whole guest files in three agent round trips; each item is the
+        file's bytes or the :class:`GuestAgentError` of its open or read (returned, so a
+        file the kernel may lack does not cost the others)."""
+        return self._require_running().read_files(guest_paths, timeout=timeout)
 
     def qmp(self, cmd: str, args: dict[str, Any] | None = None, *,
             timeout: float = C.QMP_TIMEOUT) -> Any:

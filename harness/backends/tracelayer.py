@@ -715,7 +715,8 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     ``strscpy_pad()`` into ``tsk->comm``; interrupts stay on): an interrupt taken in
     between records hits of that pid under the old comm after the rename was seen. So a
     rename takes effect at the first hit of its pid from then on that shows the new comm,
-    and comes after every hit of that pid before it."""
+    or where a later rename of that pid does if that is sooner, and comes after every hit
+    of that pid before it."""
     last: dict[int, str] = {0: "<idle>"}
     mine: dict[int, list[int]] = {}             # pid -> its hits' indexes, in order
     for i, h in enumerate(hits):
@@ -728,6 +729,13 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
         idx = mine.get(pid, [])
         at = bisect.bisect_left(idx, j)
         effect.append(next((k for k in idx[at:] if hits[k].comm == c), len(hits)))
+    # a task's renames are one after the other (__set_task_comm() under task_lock()), so
+    # one has taken effect by the time a later one of its pid has: ``sh -c CMD`` is
+    # renamed to sh and then to CMD, and no hit may show sh once one shows CMD
+    soonest: dict[int, int] = {}
+    for r in range(len(comm_changes) - 1, -1, -1):
+        pid = comm_changes[r][1]
+        effect[r] = soonest[pid] = min(effect[r], soonest.get(pid, effect[r]))
     # per pid, the renames in their order with where each takes effect; a hit's later
     # comms change only where one does (memoized per pid and how many took effect)
     renames: dict[int, list[tuple[int, str]]] = {}

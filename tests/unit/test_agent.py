@@ -282,3 +282,60 @@ def test_host_probe_stops_do_not_stretch_the_commands_own_timeout(monkeypatch):
     with pytest.raises(VMLostError, match="did not answer in time"):
         ag.execute("guest-ping", timeout=1.2)
     assert 1.1 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_pipeline_answers_each_request_in_order_and_returns_refusals():
+    seen = []
+
+    def answer(req):
+        seen.append(req)
+        n = req["arguments"]["n"]
+        if n == 2:
+            return b'{"error": {"class": "GenericError", "desc": "Resource temporarily unavailable"}}\n'
+        return json.dumps({"return": {"n": n}}).encode() + b"\n"
+    ag = _agent(_synced_then(answer))
+    got = ag.pipeline([("guest-file-read", {"n": i}) for i in range(5)], timeout=2)
+    assert [g if isinstance(g, GuestAgentError) else g["n"] for g in got][:2] == [0, 1]
+    assert isinstance(got[2], GuestAgentError) and "temporarily unavailable" in str(got[2])
+    assert [g["n"] for g in got[3:]] == [3, 4] and [r["arguments"]["n"] for r in seen] == list(range(5))
+    assert ag.pipeline([], timeout=2) == []
+    assert ag.execute("guest-file-read", {"n": 7}, timeout=2) == {"n": 7}     # still in step
+
+
+def test_a_pipeline_missing_an_answer_is_a_timeout_and_the_next_call_resyncs():
+    def answer(req):
+        if req["arguments"]["n"] == 1:
+            return b""                          # never answered
+        return json.dumps({"return": {"n": req["arguments"]["n"]}}).encode() + b"\n"
+    ag = _agent(_synced_then(answer))
+    with pytest.raises(VMLostError):
+        ag.pipeline([("x", {"n": i}) for i in range(3)], timeout=0.3)
+    assert ag.execute("x", {"n": 5}, timeout=2) == {"n": 5}
+
+
+def test_read_files_reads_each_whole_and_keeps_a_failed_open_apart():
+    import base64
+    content = {"/a": b"A" * 10, "/b": b"x" * ((1 << 20) + 5)}
+    handles, pos, closed = {}, {}, []
+
+    def answer(req):
+        cmd, a = req["execute"], req["arguments"]
+        if cmd == "guest-file-open":
+            if a["path"] not in content:
+                return b'{"error": {"class": "GenericError", "desc": "No such file"}}\n'
+            h = len(handles) + 1
+            handles[h], pos[h] = a["path"], 0
+            return json.dumps({"return": h}).encode() + b"\n"
+        if cmd == "guest-file-read":
+            data = content[handles[a["handle"]]]
+            chunk = data[pos[a["handle"]]:pos[a["handle"]] + a["count"]]
+            pos[a["handle"]] += len(chunk)
+            return json.dumps({"return": {"count": len(chunk), "eof": pos[a["handle"]] >= len(data),
+                                          "buf-b64": base64.b64encode(chunk).decode()}}).encode() + b"\n"
+        closed.append(a["handle"])
+        return b'{"return": {}}\n'
+    ag = _agent(_synced_then(answer))
+    a, missing, b = ag.read_files(["/a", "/missing", "/b"], timeout=5)
+    assert a == content["/a"] and b == content["/b"]
+    assert isinstance(missing, GuestAgentError) and "No such file" in str(missing)
+    assert sorted(closed) == [1, 2]

@@ -384,6 +384,28 @@ def test_a_rename_seen_at_its_entry_comes_after_the_hits_that_still_show_the_old
     assert [x.comm_alts for x in saved_cmdlines(hits[:3], [(1, 73, "ls")])] == [(), ("ls",), ("ls",)]
 
 
+def test_a_rename_no_hit_shows_has_taken_effect_by_a_later_rename_of_its_pid():
+    """``sh -c 'dd ...'`` from qemu-ga: pid 117 renamed to sh, then to dd, no hit under sh.
+    The sh rename took effect by the time the dd one did (a task's renames are one after
+    the other), so a dd hit after that carries no later comm, and a side that printed sh
+    for it differs."""
+    from harness.backends.tracelayer import saved_cmdlines
+    from harness.diff.rules import _comm_change
+
+    def h(seq, comm):
+        return Hit(side="host", probe="kprobes/rd", kind="p", seq=seq, cpu=0, pid=117,
+                   comm=comm, ip="vfs_read+0x0/0x10", args=())
+    hits = [h(0, "qemu-ga"), h(1, "dd"), h(2, "dd")]
+    out = saved_cmdlines(hits, [(1, 117, "sh"), (1, 117, "dd")])
+    assert [x.comm_alts for x in out] == [("sh", "dd"), (), ()]
+    assert out[1] is hits[1] and out[2] is hits[2]      # nothing to change: the same objects
+
+    def sh(x):      # the other side's hit, printed under sh, sh among its later comms
+        return dataclasses.replace(x, side="events", comm="sh", comm_alts=("sh", "dd"))
+    assert not _comm_change(out[2], sh(out[2]), "comm", "dd", "sh", None)
+    assert _comm_change(out[0], sh(out[0]), "comm", "qemu-ga", "sh", None)
+
+
 def test_a_hit_changed_is_the_hit_replace_makes_and_hits_unchanged_stay_themselves():
     """Hit.changed() is dataclasses.replace() without __init__; saved_cmdlines() hands
     back a hit nothing changes as that very object; JSON's hit_doc() is asdict()'s."""
@@ -470,6 +492,9 @@ def test_saved_cmdlines_gives_what_the_plain_scan_gives_on_random_runs():
                 last[h.pid] = h.comm
         effect = [next((k for k in range(j, len(hits)) if hits[k].pid == pid and hits[k].comm == c),
                        len(hits)) for j, pid, c in changes]
+        effect = [min([effect[r]] + [effect[q] for q in range(r + 1, len(changes))
+                                     if changes[q][1] == changes[r][1]])
+                  for r in range(len(changes))]
         return [h if h.pid is None else dataclasses.replace(
             h, comm=last.get(h.pid, h.comm),
             comm_alts=tuple(c for (j, pid, c), k in zip(changes, effect) if pid == h.pid and k > i))

@@ -3,6 +3,8 @@ read at its two edges (probes_profile_seq_show(): nhit the per-cpu sum, nmissed
 rp.kp.nmissed plus rp.nmissed for a return probe), the profile's otherwise."""
 from __future__ import annotations
 
+import pytest
+
 from harness.backends.events import EventsBackend
 from harness.kernel.grammar import parse
 
@@ -70,15 +72,11 @@ def test_the_run_s_end_is_read_without_a_guest_process():
              "/sys/kernel/tracing/saved_cmdlines": b"12 sh\n77 x y\n",
              "/sys/kernel/tracing/dynamic_events": dyn.encode(),
              "/sys/kernel/tracing/kprobe_profile": rest.split("@u\n")[0].encode()}
-    pulled = []
-
-    def pull(path, **kw):
-        pulled.append(path)
-        if path not in files:
-            raise GuestAgentError("guest-file-open: No such file or directory")
-        return files[path]
+    def pull_many(paths, **kw):
+        return [files[p] if p in files else
+                GuestAgentError("guest-file-open: No such file or directory") for p in paths]
     be = _backend([], [])
-    be.vm = SimpleNamespace(pull=pull, run=None)     # no guest command at all
+    be.vm = SimpleNamespace(pull_many=pull_many, run=None)     # no guest command at all
     be._sh = None
     be._after = be._read_after([0])
     assert be._stats([0]) == {0: {"entries": 3, "overrun": 0}}
@@ -89,3 +87,63 @@ def test_the_run_s_end_is_read_without_a_guest_process():
     del files["/sys/kernel/tracing/kprobe_profile"]
     with pytest.raises(GuestAgentError):
         be._read_after([0])
+
+
+class _PipeAgent:
+    """trace_pipe_raw through qemu-ga: a queue of pages, a read of an empty buffer EAGAIN;
+    ``late`` pages arrive after the first empty read (written while the drain ran)."""
+
+    def __init__(self, pages, late=()):
+        self.pages, self.late, self.trips, self.closed = list(pages), list(late), 0, False
+
+    def execute(self, cmd, args=None, **kw):
+        self.trips += 1
+        if cmd == "guest-file-close":
+            self.closed = True
+        return 7
+
+    def pipeline(self, reqs, **kw):
+        import base64
+        from harness.errors import GuestAgentError
+        self.trips += 1
+        out = []
+        for cmd, args in reqs:
+            assert cmd == "guest-file-read" and args["count"] == 4096
+            if not self.pages:
+                out.append(GuestAgentError("guest-file-read: failed to read file: Resource "
+                                           "temporarily unavailable"))
+                self.pages, self.late = self.late, []
+                continue
+            p = self.pages.pop(0)
+            out.append({"count": len(p), "buf-b64": base64.b64encode(p).decode()})
+        return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 131])
+def test_the_ring_buffer_drain_reads_every_page_in_order_in_few_round_trips(n):
+    from types import SimpleNamespace
+    pages = [bytes([i % 256]) * 4096 for i in range(n)]
+    ag = _PipeAgent(pages)
+    be = _backend([], [])
+    be.vm, be.max_pages = SimpleNamespace(agent=ag), 1000
+    assert be._raw_pages(0) == (pages, True) and ag.closed
+    assert ag.trips <= 2 + 6          # open, close, windows of 4, 8, 16, 32, 64, 64
+    assert ag.pages == []
+
+
+def test_pages_written_after_an_empty_read_of_a_window_are_kept_in_order():
+    from types import SimpleNamespace
+    first, late = [b"a" * 4096, b"b" * 4096], [b"c" * 4096]
+    ag = _PipeAgent(first, late)
+    be = _backend([], [])
+    be.vm, be.max_pages = SimpleNamespace(agent=ag), 1000
+    assert be._raw_pages(0) == (first + late, True)
+
+
+def test_the_drain_stops_at_max_pages_and_says_the_buffer_was_not_empty():
+    from types import SimpleNamespace
+    pages = [bytes([i]) * 4096 for i in range(20)]
+    ag = _PipeAgent(pages)
+    be = _backend([], [])
+    be.vm, be.max_pages = SimpleNamespace(agent=ag), 10
+    assert be._raw_pages(0) == (pages[:10], False) and ag.closed and len(ag.pages) == 10
