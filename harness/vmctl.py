@@ -1025,8 +1025,13 @@ class Machine:
                 sections.setdefault(mod, {})[name] = int(value, 16)
             elif path.endswith("/notes/.note.gnu.build-id") and value:
                 build_ids[path.split("/", 1)[0]] = value
-        # the state: every module as it is laid out (the [bpf] and [__builtin__ftrace]
-        # lines come with it, as the /proc/modules check above keeps them)
+        # the state: every module as it is laid out. The lines of what is not a module
+        # ([__builtin__ftrace] trampolines, [bpf] programs, [__builtin__kprobes] slot
+        # pages) come and go with ftrace ops, programs and probes, not with the modules:
+        # what is remembered for a state (here and kept) leaves them out (one kept while an fprobe's trampoline existed named
+        # an address no trampoline held in a later run). Read with the modules' lines they
+        # are as the guest listed them then, and a table without them names such an
+        # address by nothing (a difference, never a false name).
         state = frozenset((mod, size, addr, build_ids.get(mod),
                            tuple(sorted(sections.get(mod, {}).items())))
                           for mod, (size, addr) in listed.items())
@@ -1035,8 +1040,8 @@ class Machine:
             kept = self.kept("module-kallsyms", sorted(state))
             if kept is not None:
                 try:
-                    seen[state] = json.loads(kept)
-                except ValueError:
+                    seen[state] = {m: t for m, t in json.loads(kept).items() if m in listed}
+                except (ValueError, AttributeError):
                     pass                # a torn copy: read below
         if addrs_known and state in seen:
             per = seen[state]
@@ -1049,9 +1054,12 @@ class Machine:
                     lines.setdefault(line.rsplit("[", 1)[1].rstrip("]"), []).append(line)
             per = {mod: "\n".join(ls) for mod, ls in lines.items()}
             if addrs_known:
-                seen[state] = per
-                self.keep("module-kallsyms", sorted(state), json.dumps(per).encode())
-        table.set_modules(per, sections, key=("guest modules", mods, tuple(sorted(per))))
+                seen[state] = {m: t for m, t in per.items() if m in listed}
+                self.keep("module-kallsyms", sorted(state), json.dumps(seen[state]).encode())
+        # a module no longer listed, or a trampoline no longer read, leaves the table too
+        gone = {m: "" for m in table.modules() if m not in listed and m not in per}
+        table.set_modules({**gone, **per}, sections,
+                          key=("guest modules", mods, tuple(sorted(per))))
         return sorted(per)
 
     def _kept_path(self, kind: str, state: Any) -> Path | None:

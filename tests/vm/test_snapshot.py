@@ -227,6 +227,37 @@ def test_module_kallsyms_are_kept_per_snapshot(default_image):
     assert lines[0][1] == lines[1][1]
 
 
+def test_a_kept_copy_of_module_kallsyms_leaves_out_what_is_not_a_module(default_image):
+    """An ftrace trampoline's ``[__builtin__ftrace]`` line comes with a probe, not with
+    the modules' layout: read while a kprobe on an ftrace site was enabled, it is in that
+    machine's table, and a later machine of the snapshot (no probe) that takes the kept
+    copy has no such line (one kept copy named a trampoline that was gone)."""
+    import shutil
+    with Machine.boot(default_image) as m:
+        shutil.rmtree(m.snapshot.dir / "module-kallsyms", ignore_errors=True)
+        m.run("cd /sys/kernel/tracing && echo 'p:kph_tramp vfs_read' >> kprobe_events && "
+              "echo 1 > events/kprobes/kph_tramp/enable", check=True, timeout=30)
+        m.symbols.modules_key = None
+        m.refresh_module_symbols()
+        first = {s.module for s in m.symbols if s.module}
+        m.run("cd /sys/kernel/tracing && echo 0 > events/kprobes/kph_tramp/enable && "
+              "echo '-:kph_tramp' >> kprobe_events", check=True, timeout=30)
+    assert "__builtin__ftrace" in first, sorted(first)      # the probe made a trampoline
+    with Machine.boot(default_image) as m:
+        real, reads = m.run, []
+
+        def run(cmd, *a, **kw):
+            if "/proc/kallsyms" in cmd:
+                reads.append(cmd)
+            return real(cmd, *a, **kw)
+        m.run = run
+        m.symbols.modules_key = None
+        m.refresh_module_symbols()
+        assert reads == []                                   # the kept copy was taken
+        later = {s.module for s in m.symbols if s.module}
+    assert "__builtin__ftrace" not in later and later, sorted(later)
+
+
 def test_tracefs_texts_are_kept_per_snapshot(default_image):
     """The ftrace locations of a set of loaded modules and the events available_events
     leaves out (harness.backends.tracelayer), kept in the snapshot (``tracefs/``): a
