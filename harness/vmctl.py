@@ -55,8 +55,9 @@ from . import constants as C
 from .machine.image import facts as F
 from .machine.agent import GuestAgent
 from .aio import LoopThread, qmp_connect
-from .errors import (GuestAgentError, GuestExecError, GuestPanicError, GuestShutdownError, GuestStoppedError,
-                     HandlerError, HarnessError, SetupError, StateError, VMError, VMLostError)
+from .errors import (GuestAgentError, GuestExecError, GuestPanicError, GuestShutdownError,
+                     GuestStoppedError, HandlerError, HarnessError, SetupError, StateError,
+                     VMError, VMLostError)
 from .machine.handlerctx import ADVICE, stopped_reason
 from .machine.image.kbuild import boot_refusal
 from .machine.image.store import Image, default_image
@@ -1028,10 +1029,11 @@ class Machine:
         # the state: every module as it is laid out. The lines of what is not a module
         # ([__builtin__ftrace] trampolines, [bpf] programs, [__builtin__kprobes] slot
         # pages) come and go with ftrace ops, programs and probes, not with the modules:
-        # what is remembered for a state (here and kept) leaves them out (one kept while an fprobe's trampoline existed named
-        # an address no trampoline held in a later run). Read with the modules' lines they
-        # are as the guest listed them then, and a table without them names such an
-        # address by nothing (a difference, never a false name).
+        # what is remembered for a state (here and kept) leaves them out (a copy kept
+        # while a probe's ftrace trampoline existed named an address no trampoline held
+        # in a later run). Read with the modules' lines they are as the guest listed them
+        # then, and a table without them names such an address by nothing (a difference,
+        # never a false name).
         state = frozenset((mod, size, addr, build_ids.get(mod),
                            tuple(sorted(sections.get(mod, {}).items())))
                           for mod, (size, addr) in listed.items())

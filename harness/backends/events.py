@@ -703,7 +703,8 @@ class EventsBackend:
                     return pages, False
                 # ``window`` reads in one round trip (GuestAgent.pipeline), each a page,
                 # the window doubling while every read brings one: each answer is taken in
-                # order, and the drain ends at a read that found the buffer empty. A read
+                # order, and the drain ends when a window's last read found the buffer
+                # empty (a page written after an earlier empty read is kept). A read
                 # asks for one page only: qemu-ga's read is one fread(), which loses what it
                 # read when a later read() of it fails (EAGAIN), and a read of
                 # trace_pipe_raw returns at most a page (tracing_buffers_read()).

@@ -291,13 +291,15 @@ def test_a_pipeline_answers_each_request_in_order_and_returns_refusals():
         seen.append(req)
         n = req["arguments"]["n"]
         if n == 2:
-            return b'{"error": {"class": "GenericError", "desc": "Resource temporarily unavailable"}}\n'
+            return (b'{"error": {"class": "GenericError", '
+                    b'"desc": "Resource temporarily unavailable"}}\n')
         return json.dumps({"return": {"n": n}}).encode() + b"\n"
     ag = _agent(_synced_then(answer))
     got = ag.pipeline([("guest-file-read", {"n": i}) for i in range(5)], timeout=2)
     assert [g if isinstance(g, GuestAgentError) else g["n"] for g in got][:2] == [0, 1]
     assert isinstance(got[2], GuestAgentError) and "temporarily unavailable" in str(got[2])
-    assert [g["n"] for g in got[3:]] == [3, 4] and [r["arguments"]["n"] for r in seen] == list(range(5))
+    assert [g["n"] for g in got[3:]] == [3, 4]
+    assert [r["arguments"]["n"] for r in seen] == list(range(5))
     assert ag.pipeline([], timeout=2) == []
     assert ag.execute("guest-file-read", {"n": 7}, timeout=2) == {"n": 7}     # still in step
 
@@ -330,8 +332,9 @@ def test_read_files_reads_each_whole_and_keeps_a_failed_open_apart():
             data = content[handles[a["handle"]]]
             chunk = data[pos[a["handle"]]:pos[a["handle"]] + a["count"]]
             pos[a["handle"]] += len(chunk)
-            return json.dumps({"return": {"count": len(chunk), "eof": pos[a["handle"]] >= len(data),
-                                          "buf-b64": base64.b64encode(chunk).decode()}}).encode() + b"\n"
+            ret = {"count": len(chunk), "eof": pos[a["handle"]] >= len(data),
+                   "buf-b64": base64.b64encode(chunk).decode()}
+            return json.dumps({"return": ret}).encode() + b"\n"
         closed.append(a["handle"])
         return b'{"return": {}}\n'
     ag = _agent(_synced_then(answer))

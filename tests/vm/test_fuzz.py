@@ -66,7 +66,8 @@ def test_the_symbol_pool_holds_the_functions_the_workload_calls(oracle, tmp_path
     # function (the pool of a ~1,300-function pass is every k-th name, so which names it
     # holds moves with the pass), but every pool function the pass saw called at least 5
     # times outside an interrupt, up to 24 of them spread over the pool
-    calls, irq = fuzz.symbol_calls(vm, fuzz.DEFAULT_WORKLOAD), fuzz.symbol_irq(vm, fuzz.DEFAULT_WORKLOAD)
+    wl = fuzz.DEFAULT_WORKLOAD
+    calls, irq = fuzz.symbol_calls(vm, wl), fuzz.symbol_irq(vm, wl)
     often = [fn for fn in pool if calls.get(fn, 0) >= 5 and fn not in irq]
     picked = often[::max(1, len(often) // 24)][:24]
     assert len(picked) >= 8, (len(often), pool[:20])
