@@ -170,21 +170,10 @@ class GuestAgent:
         return self._request(lambda: self._execute(cmd, args, timeout))
 
     def _execute(self, cmd: str, args: dict[str, Any] | None, timeout: float) -> Any:
-        if not self._synced:
-            self._sync(timeout)
-        deadline = time.monotonic() + timeout
-        req: dict[str, Any] = {"execute": cmd}
-        if args is not None:
-            req["arguments"] = args
-        log.debug("--> %s", cmd)
-        self._send(json.dumps(req).encode() + b"\n")
-        while True:
-            msg = self._line(deadline)
-            if "return" in msg:
-                return msg["return"]
-            if "error" in msg:
-                err = msg["error"]
-                raise GuestAgentError(f"{cmd}: {err.get('desc', err)}", err.get("class", ""))
+        (answer,) = self._pipeline([(cmd, args)], timeout)
+        if isinstance(answer, GuestAgentError):
+            raise answer
+        return answer
 
     def pipeline(self, requests: list[tuple[str, dict[str, Any] | None]], *,
                  timeout: float = 10.0) -> list[Any]:
@@ -314,7 +303,7 @@ class GuestAgent:
     def read_files(self, paths: list[str], *, timeout: float) -> list[bytes | GuestAgentError]:
         """Several whole files in three pipelined waves (open all, read all, close all),
         each a file's bytes or the error that opened or read it. A file longer than one
-        read (1 MiB) is read on by :meth:`read_file`'s loop."""
+        read (1 MiB) is read on, one read at a time, before the next file's."""
         opened = self.pipeline([("guest-file-open", {"path": p, "mode": "r"}) for p in paths],
                                timeout=timeout)
         handles = [(i, h) for i, h in enumerate(opened) if not isinstance(h, GuestAgentError)]
@@ -338,14 +327,11 @@ class GuestAgent:
         return out
 
     def read_file(self, path: str, *, timeout: float) -> bytes:
-        handle = self.execute("guest-file-open", {"path": path, "mode": "r"}, timeout=timeout)
-        out = b""
-        try:
-            while True:
-                r = self.execute("guest-file-read", {"handle": handle, "count": 1 << 20},
-                                 timeout=timeout)
-                out += base64.b64decode(r.get("buf-b64", ""))
-                if r.get("eof") or not r.get("count"):
-                    return out
-        finally:
-            self.execute("guest-file-close", {"handle": handle}, timeout=timeout)
+        """One whole file's bytes.
+
+        :raise GuestAgentError: when the agent cannot open or read it.
+        """
+        (data,) = self.read_files([path], timeout=timeout)
+        if isinstance(data, GuestAgentError):
+            raise data
+        return data
