@@ -7,7 +7,10 @@ import time
 
 import pytest
 
+from harness.diff.runner import run_differential, trampoline_text
+from harness.diff.verdict import compare
 from harness.errors import ProbeRejectedError
+from harness.kernel.grammar import parse
 from harness.kernel.kprobes import Jprobe, Kprobe, Kretprobe
 
 pytestmark = pytest.mark.vm
@@ -378,3 +381,73 @@ def test_uaccess_okay_is_false_past_exit_mm_and_true_in_a_syscall(vm, host):
     vm.run("cat /proc/version > /dev/null; /bin/true", check=True)
     assert seen["do_sys_openat2"] and all(seen["do_sys_openat2"]), seen
     assert False in seen["exit_mmap"], seen
+
+
+def _optimized_probe(vm, event: str, function: str) -> int:
+    """Register a guest kprobe event ``kprobes/EVENT`` on the first offset of
+    ``function`` the kernel optimizes (offsets off an instruction boundary it refuses),
+    enabled; return the offset (the kprobe optimizer runs a few jiffies after the
+    enabling: kernel/kprobes.c, OPTIMIZE_DELAY)."""
+    t = "/sys/kernel/tracing"
+    out = vm.run(
+        f"cd {t}; for o in $(seq 1 64); do "
+        f"echo \"p:{event} {function}+$o\" >> kprobe_events 2>/dev/null || continue; "
+        f"echo 1 > events/kprobes/{event}/enable; sleep 0.1; "
+        f"if grep -q \"{function}+$(printf '%#x' $o) .*OPTIMIZED\" "
+        f"/sys/kernel/debug/kprobes/list; "
+        f"then echo \"@$o\"; break; fi; "
+        f"echo 0 > events/kprobes/{event}/enable; echo '-:{event}' >> kprobe_events; done",
+        timeout=120).stdout
+    got = [ln[1:] for ln in out.split() if ln.startswith("@")]
+    assert got, f"no offset of {function} the kernel optimizes: {out[-500:]}"
+    return int(got[0])
+
+
+def _drop_probe(vm, event: str) -> None:
+    t = "/sys/kernel/tracing"
+    vm.run(f"echo 0 > {t}/events/kprobes/{event}/enable; echo '-:{event}' >> {t}/kprobe_events",
+           check=True)
+
+
+def test_an_optimized_probes_detour_is_found_where_the_kernel_built_it(vm, host):
+    """``_detours()``: for a probe address the guest's kprobe optimized, the ``jmp`` it
+    holds leads to a buffer that starts as ``optprobe_template_entry`` does and calls
+    ``optimized_callback()`` from its ``optprobe_template_call`` offset, the return address
+    ``in_flight()`` looks for on a stack (arch/x86/kernel/kprobes/opt.c:
+    arch_prepare_optimized_kprobe(), synthesize_relcall())."""
+    off = _optimized_probe(vm, "kph_opt", "update_fast_timekeeper")
+    try:
+        addr = host.symbols.lookup("update_fast_timekeeper").addr + off
+        host.register_kprobes([Kprobe(addr=addr, pre_handler=lambda p, r: 0)])
+        detours = host.halted(host._detours)
+        assert addr in detours, (hex(addr), detours)
+        slot, ret = detours[addr]
+        entry = host.symbols.lookup("optprobe_template_entry").addr
+        call = host.symbols.lookup("optprobe_template_call").addr
+        assert ret == slot + (call - entry) + 5
+        assert host.read(slot, 4) == host.read(entry, 4)     # before the clac's place
+        insn = host.read(slot + (call - entry), 5)
+        assert insn[0] == 0xE8, insn.hex()                   # call rel32
+        target = ret + int.from_bytes(insn[1:], "little", signed=True)
+        assert target == host.symbols.lookup("optimized_callback").addr, hex(target)
+    finally:
+        _drop_probe(vm, "kph_opt")
+
+
+def test_an_optimized_probe_on_a_tick_function_agrees_run_after_run(vm):
+    """An optimized kprobe is hit through its detour buffer, where ``optimized_callback()``
+    writes ``addr + 1`` to the pt_regs only on its way to the handler: a window's halt
+    catching a vCPU there before the write (a timer tick's ``update_fast_timekeeper()``)
+    had the host count one hit more than the guest (6 runs of 15) until the settled halt
+    looked for the detour too (``HostEngine._detours``). Eight runs of the diff agree."""
+    off = _optimized_probe(vm, "kph_optcheck", "update_fast_timekeeper")
+    _drop_probe(vm, "kph_optcheck")
+    specs = [parse(f"p:kph/opt update_fast_timekeeper+{off}")]
+    wrong = []
+    for _ in range(8):
+        host, guest = run_differential(vm, specs, "cat /proc/version; sleep 0.3", timeout=60)
+        res = compare(host, guest, trampoline=trampoline_text(vm))
+        assert res.total_matched > 0, "the tick's probe fired on neither side"
+        if not res.agrees:
+            wrong.append(res.divergences[0].describe(res.a_side, res.b_side))
+    assert not wrong, wrong
