@@ -893,6 +893,12 @@ class Machine:
         so the only process touching the file is qemu-ga)."""
         self._require_running().write_file(guest_path, data, timeout=timeout)
 
+    def write_files(self, items: list[tuple[str, bytes]], *,
+                    timeout: float = C.RUN_TIMEOUT) -> None:
+        """Write several guest files through the agent, in ``items``' order, in two agent
+        round trips (each file opened before the first write: ``GuestAgent.write_files``)."""
+        self._require_running().write_files(items, timeout=timeout)
+
     def pull(self, guest_path: str, *, timeout: float = C.RUN_TIMEOUT) -> bytes:
         """Read a whole guest file (regular files; use ``run('cat ...')`` for procfs)."""
         return self._require_running().read_file(guest_path, timeout=timeout)

@@ -354,8 +354,15 @@ class EventsBackend:
                 f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
                 f"fi; else {err}; {last_error}; fi")
         script.append(f"echo '@list'; cat {KPROBES_LIST}")
-        text = self._sh("\n".join(script), timeout=_scaled(120, len(specs)))
-        results, _, listing = text.partition("@list\n")
+        # the formats of every event ours after these lines, read by the same script (a
+        # guest process is ~15 ms under TCG: issue 39's fuzzing rate)
+        names = list(dict.fromkeys([*self.specs, *(f"{s.group}/{s.event}" for s in specs
+                                                    if s.kind != "-")]))
+        if names:
+            script += ["echo '@formats'", *self._formats_script(names)]
+        text = self._sh("\n".join(script), timeout=_scaled(120, len(specs) + len(names)))
+        results, _, rest = text.partition("@list\n")
+        listing, _, formats = rest.partition("@formats\n")
         out, lines, i = [], results.splitlines(), 0
         for n, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"
@@ -375,7 +382,7 @@ class EventsBackend:
                 out.append(refusal_outcome(name, spec, status, detail, index=n))
         modes = probe_modes(listing)
         self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]
-        self._formats = self._read_formats()
+        self._formats = self._parse_formats(formats)
         return self.outcomes
 
     def _set_triggers(self) -> None:
@@ -548,20 +555,26 @@ class EventsBackend:
             out[name] = -1 if count == (1 << 64) - 1 else count
         return out
 
-    def _read_formats(self) -> dict[int, tuple[str, ProbeSpec, EventFormat]]:
-        """event id -> (GROUP/EVENT, its first spec, its format), and the CPUs."""
-        if not self.specs:
-            return {}
+    @staticmethod
+    def _formats_script(names: Sequence[str]) -> list[str]:
+        """Shell lines that print the CPUs (``@cpus cpu0 cpu1``), then each event's format
+        file, each line after its file's name, or ``@gone GROUP/EVENT`` for an event
+        without one (refused, or freed by a later ``-:`` line)."""
         # Unquoted: the substitution's newlines become spaces (one CPU per line, else).
         # Every format in one grep -H (each line after its file's name): one process, not
         # a cat per event (bench/scale.py, 1,000 events: registered in 34.4 s, from 37.1).
         script = [f"cd {TRACING}", "echo @cpus $(ls per_cpu)", "set --"]
-        for name in self.specs:     # an event a later -: line freed has no format left
+        for name in names:
             fmt = shlex.quote(f"events/{name}/format")
             script.append(f"if [ -e {fmt} ]; then set -- \"$@\" {fmt}; "
                           f"else echo {shlex.quote(f'@gone {name}')}; fi")
         script.append("[ $# -eq 0 ] || grep -H '' \"$@\"")
-        text = self._sh("\n".join(script), timeout=_scaled(60, len(self.specs)))
+        return script
+
+    def _parse_formats(self, text: str) -> dict[int, tuple[str, ProbeSpec, EventFormat]]:
+        """What :meth:`_formats_script` printed: event id -> (GROUP/EVENT, its first spec,
+        its format) of each event still ours (one ``@gone`` leaves ``specs``), and the
+        CPUs."""
         bodies: dict[str, list[str]] = {}
         for line in text.splitlines():
             if line.startswith("@cpus"):
@@ -645,20 +658,19 @@ class EventsBackend:
         disables it again, as kprobe_events leaves a new event.)"""
         self._nhit_marks = []
         self._after = None
-        for name in self.specs:
-            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"1\n")
-        self._enable_renames(True)
-        self.vm.write_file(f"{TRACING}/trace", b"\n")
+        # tracing is off here (register() and disable() leave it off), so clearing the
+        # buffer as the writes' first open does, before the events are on, loses nothing
+        self.vm.write_files([(f"{TRACING}/events/{name}/enable", b"1\n") for name in self.specs]
+                            + self._renames_switch(True) + [(f"{TRACING}/trace", b"\n")])
         self._find_trigger_files()
         self._set_triggers()
         if tracing:             # else the caller switches it on (:meth:`switch`)
             self.vm.write_file(f"{TRACING}/tracing_on", b"1\n")
 
     def disable(self) -> None:
-        self.vm.write_file(f"{TRACING}/tracing_on", b"0\n")
-        for name in self.specs:
-            self.vm.write_file(f"{TRACING}/events/{name}/enable", b"0\n")
-        self._enable_renames(False)
+        self.vm.write_files([(f"{TRACING}/tracing_on", b"0\n")]
+                            + [(f"{TRACING}/events/{name}/enable", b"0\n") for name in self.specs]
+                            + self._renames_switch(False))
 
     #: what :meth:`collect` read after its drain (:meth:`_read_after`: name -> bytes),
     #: for :meth:`counters`, :meth:`after_text` and the comm lookup of the same run; None
@@ -667,15 +679,15 @@ class EventsBackend:
     _RENAME = f"{TRACING}/events/task/task_rename"
     _rename_fmt: tuple[int, Any, Any] | None = None     # set by __init__; None: not read
 
-    def _enable_renames(self, on: bool) -> None:
+    def _renames_switch(self, on: bool) -> list[tuple[str, bytes]]:
         """Record the guest's renames (``task:task_rename``, fired by ``__set_task_comm()``
         before it copies the new comm: fs/exec.c of 6.1, 6.12 and 7.3) beside our events,
         so that each hit carries the comms its pid took after it *as the guest saw them*
         (``Hit.comm_alts``): the diff's ``comm-change`` rule asks both sides for it. Our
         probes' hits only, when a spec is ours; a kernel without the event records none
-        (and ``comm-change`` then never applies)."""
+        (and ``comm-change`` then never applies). The write that switches it, if any."""
         if not self.specs:
-            return
+            return []
         if on and self._rename_fmt is None:
             try:
                 fmt = parse_format(self.vm.pull(f"{self._RENAME}/format")
@@ -683,9 +695,10 @@ class EventsBackend:
                 self._rename_fmt = (fmt.id, fmt.fields["pid"], fmt.fields["newcomm"])
             except (HarnessError, ValueError, KeyError) as exc:
                 log.warning("no task_rename event: comm-change has no guest evidence (%s)", exc)
-                return
-        if self._rename_fmt is not None:
-            self.vm.write_file(f"{self._RENAME}/enable", b"1\n" if on else b"0\n")
+                return []
+        if self._rename_fmt is None:
+            return []
+        return [(f"{self._RENAME}/enable", b"1\n" if on else b"0\n")]
 
     def _raw_pages(self, cpu: int) -> tuple[list[bytes], bool]:
         """Drain ``per_cpu/cpuN/trace_pipe_raw``, a page per read, and whether the drain

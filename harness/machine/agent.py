@@ -291,14 +291,32 @@ class GuestAgent:
                 return
             time.sleep(0.01)
 
+    def write_files(self, items: list[tuple[str, bytes]], *, timeout: float,
+                    mode: str = "w") -> None:
+        """Write several files in two pipelined waves: open them all, then every write
+        followed by every close, so the writes reach the files in ``items``' order. An
+        open's own side effect (``trace``'s O_TRUNC clears the buffer) comes before any
+        write. Every file opened is closed, whatever failed.
+
+        :raise GuestAgentError: the first open, write or close that failed, in order.
+        """
+        opened = self.pipeline([("guest-file-open", {"path": p, "mode": mode})
+                                for p, _ in items], timeout=timeout)
+        handles = [h for h in opened if not isinstance(h, GuestAgentError)]
+        wave: list[tuple[str, dict[str, Any] | None]] = []
+        if len(handles) == len(items):
+            for (_, data), h in zip(items, handles):
+                wave += [("guest-file-write", {"handle": h, "buf-b64": base64.b64encode(
+                    data[i:i + (1 << 20)]).decode()}) for i in range(0, len(data), 1 << 20)]
+        wave += [("guest-file-close", {"handle": h}) for h in handles]
+        failed = [r for r in opened + self.pipeline(wave, timeout=timeout)
+                  if isinstance(r, GuestAgentError)]
+        if failed:
+            raise failed[0]
+
     def write_file(self, path: str, data: bytes, *, timeout: float, mode: str = "w") -> None:
-        handle = self.execute("guest-file-open", {"path": path, "mode": mode}, timeout=timeout)
-        try:
-            for i in range(0, len(data), 1 << 20):
-                self.execute("guest-file-write", {"handle": handle, "buf-b64":
-                             base64.b64encode(data[i:i + (1 << 20)]).decode()}, timeout=timeout)
-        finally:
-            self.execute("guest-file-close", {"handle": handle}, timeout=timeout)
+        """Write one file (:meth:`write_files`: two round trips)."""
+        self.write_files([(path, data)], timeout=timeout, mode=mode)
 
     def read_files(self, paths: list[str], *, timeout: float) -> list[bytes | GuestAgentError]:
         """Several whole files in three pipelined waves (open all, read all, close all),
