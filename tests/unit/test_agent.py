@@ -342,3 +342,40 @@ def test_read_files_reads_each_whole_and_keeps_a_failed_open_apart():
     assert a == content["/a"] and b == content["/b"]
     assert isinstance(missing, GuestAgentError) and "No such file" in str(missing)
     assert sorted(closed) == [1, 2]
+
+
+def test_write_files_writes_in_order_in_two_round_trips_and_closes_what_it_opened():
+    import base64
+    log, waves = [], []
+    files = {"/a": "ok", "/b": "ok", "/bad-write": "EINVAL", "/no": "ENOENT"}
+
+    def answer(req):
+        cmd, a = req["execute"], req["arguments"]
+        log.append((cmd, a.get("path") or a["handle"]))
+        if cmd == "guest-file-open":
+            if files[a["path"]] == "ENOENT":
+                return b'{"error": {"class": "GenericError", "desc": "No such file"}}\n'
+            return json.dumps({"return": list(files).index(a["path"]) + 1}).encode() + b"\n"
+        if cmd == "guest-file-write":
+            waves.append((a["handle"], base64.b64decode(a["buf-b64"])))
+            if list(files)[a["handle"] - 1] == "/bad-write":
+                return b'{"error": {"class": "GenericError", "desc": "Invalid argument"}}\n'
+            return b'{"return": {"count": 1}}\n'
+        return b'{"return": {}}\n'
+    ag = _agent(_synced_then(answer))
+    ag.sync(2)
+    sends = []
+    real_send = ag._send
+    ag._send = lambda data: (sends.append(data), real_send(data))[1]
+    ag.write_files([("/a", b"1\n"), ("/b", b"0\n")], timeout=2)
+    assert waves == [(1, b"1\n"), (2, b"0\n")]            # in the items' order
+    assert len(sends) == 2                                 # opens, then writes and closes
+    assert [c for c, _ in log[-2:]] == ["guest-file-close"] * 2
+    with pytest.raises(GuestAgentError, match="Invalid argument"):
+        ag.write_files([("/a", b"x"), ("/bad-write", b"y"), ("/b", b"z")], timeout=2)
+    assert [h for c, h in log[-3:] if c == "guest-file-close"] == [1, 3, 2]
+    del log[:]
+    with pytest.raises(GuestAgentError, match="No such file"):
+        ag.write_files([("/a", b"x"), ("/no", b"y")], timeout=2)
+    # nothing written when an open failed; what was opened is closed
+    assert [c for c, _ in log] == ["guest-file-open", "guest-file-open", "guest-file-close"]
