@@ -102,6 +102,13 @@ class Hit:
     #: its data_locs reach (``harness.kernel.ringbuf.record_excess``; 0 on a sound kernel,
     #: and host-side, which has no record)
     excess: int = 0
+    #: In-guest side: where that record's data ends (its fixed fields, then as far as its
+    #: data_locs reach), the length :attr:`excess` is measured from
+    reach: int = 0
+    #: Host side: the bytes of the dynamic area the kernel's first pass reserves and its
+    #: second leaves unwritten, as the fetch model makes both passes
+    #: (``harness.kernel.grammar.fetch.evaluate``); the ``record-slack`` rule's evidence
+    slack: int = 0
     #: Host side: ``irq`` was measured for a caller in a hardirq alone (no softirq
     #: served), which a guest probe run from int3 records as ``task`` (rule ``int3-nmi``)
     hardirq: bool = False

@@ -883,13 +883,14 @@ class EventsBackend:
         fixed = sizes.get(rec.type)
         if fixed is None:
             fixed = sizes[rec.type] = fixed_size(fmt)
-        excess = record_excess(rec, fmt, gargs, fixed)
+        excess, reach = record_excess(rec, fmt, gargs, fixed)
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(gargs, values))
         tpl = templates.get(rec.type)
         if tpl is None:
             tpl = templates[rec.type] = Hit.template(
                 self.side, name, "r" if spec.is_return else "p", mode=modes.get(name, ""))
-        return tpl.changed(ip=ip, ret_from=ret_from or None, args=args, excess=excess)
+        return tpl.changed(ip=ip, ret_from=ret_from or None, args=args, excess=excess,
+                           reach=reach)
 
     def _attach_stack(self, hits: list[Hit], rec: Any) -> None:
         """A ``kernel_stack`` entry: the frames of the stacktrace trigger of the event

@@ -556,7 +556,8 @@ class HostBackend:
         ctx.entry_index = entry_args(spec)
         why: dict[int, str] = {}
         failed: dict[int, int] = {}
-        values = evaluate(spec, ctx, why, failed)
+        slack: list[int] = []
+        values = evaluate(spec, ctx, why, failed, slack)
         symbolize = ctx.symbolize
         args = tuple((a.name, format_value(a, v, symbolize)) for a, v in zip(spec.args, values))
         pid, comm = ctx.pid(), escape_bytes(ctx.comm_bytes())
@@ -572,6 +573,7 @@ class HostBackend:
                               mem_args=spec.mem_args,
                               unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
                               failed=tuple((spec.args[i].name, a) for i, a in failed.items()),
+                              slack=slack[0] if slack else 0,
                               stack=self._stack(regs, what) if stack else None))
         return 0
 

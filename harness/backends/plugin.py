@@ -666,8 +666,9 @@ class PluginBackend:
         ctx = _RecordCtx(self, rec, ip, up)
         why: dict[int, str] = {}
         failed: dict[int, int] = {}
+        slack: list[int] = []
         try:
-            values = evaluate(spec, ctx, why, failed)
+            values = evaluate(spec, ctx, why, failed, slack)
         finally:
             self.capture_misses += ctx.mem.misses
         flags_at = spec.flags_args
@@ -691,7 +692,8 @@ class PluginBackend:
             irq="" if up is not None else hit_context(rec.flags),
             hardirq=up is None and hit_hardirq(rec.flags),
             unknown=tuple((spec.args[i].name, w) for i, w in why.items()) if why else (),
-            failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else ())
+            failed=tuple((spec.args[i].name, a) for i, a in failed.items()) if failed else (),
+            slack=slack[0] if slack else 0)
         if key is not None and len(self._decoded) < DECODED_MAX:
             self._decoded[key] = hit
         return hit
@@ -709,7 +711,8 @@ class PluginBackend:
                 return None
             why: dict[int, str] = {}
             failed: dict[int, int] = {}
-            values = evaluate(spec, ctx, why, failed)
+            slack: list[int] = []
+            values = evaluate(spec, ctx, why, failed, slack)
         finally:
             self.capture_misses += ctx.mem.misses
         args = tuple((a.name, format_value(a, v, ctx.symbolize)) for a, v in zip(spec.args, values))
@@ -718,7 +721,8 @@ class PluginBackend:
                    ip="{}.{}".format(*(spec.attach or ("", ""))), ret_from=None, args=args,
                    mode="plugin", irq=hit_context(rec.flags), hardirq=hit_hardirq(rec.flags),
                    unknown=tuple((spec.args[i].name, w) for i, w in why.items()),
-                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()))
+                   failed=tuple((spec.args[i].name, a) for i, a in failed.items()),
+                   slack=slack[0] if slack else 0)
 
     def collect(self) -> list[Hit]:
         """The hits, each pid under the comm of its last hit (see the module docstring).

@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
+from ..kernel.ringbuf import rb_data_len
 from ..records import Hit
 
 __all__ = ["Rule", "REGISTRY", "NORMALIZATIONS", "rule", "by_stage", "help_text", "markdown_table",
@@ -130,6 +131,17 @@ def _stale_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool
         return k.startswith("arg:") and k[4:] in dict(h.failed)
     return ((_why(ha, k) == "stale" and proven(ha) and unknown_match(va, vb)) or
             (_why(hb, k) == "stale" and proven(hb) and unknown_match(vb, va)))
+
+
+def _record_slack(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
+    """``record-size`` on the in-guest side, exactly the length the host's fetch model
+    gives the record: its data's end (``Hit.reach``) plus the host's slack (``Hit.slack``),
+    after the ring buffer's rounding."""
+    if k != "record-size":
+        return False
+    return any(g.excess and g.reach and h.slack > 0 and not h.excess and
+               rb_data_len(g.reach + h.slack) - rb_data_len(g.reach) == g.excess
+               for g, h in ((ha, hb), (hb, ha)))
 
 
 def _flags_check(ha: Hit, hb: Hit, k: str, va: str, vb: str, ctx: "Ctx") -> bool:
@@ -414,6 +426,19 @@ REGISTRY: tuple[Rule, ...] = (
          "from the same function; an argument only where it holds the return slot "
          "($stack0, +0($stack), +0(%sp) at an entry; %ip in a return hit whose guest ip "
          "is the trampoline)"),
+    Rule("record-slack", "field",
+         "an in-guest record longer than its data (record-size) compares equal where the "
+         "host's model of the kernel's two passes reserves that many bytes more than it "
+         "stores",
+         "kernel/trace/trace_probe_tmpl.h: __get_data_size() counts what "
+         "store_trace_args() then stores; an empty user string counts 1 byte "
+         "(mm/maccess.c: strnlen_user_nofault() includes the NUL) and stores 0 "
+         "(strncpy_from_user_nofault() returns 0 for it: 6.1, 6.12; 7.3 stores its NUL)",
+         "the host made both passes for that hit (harness.kernel.grammar.fetch.evaluate, "
+         "no value unknown) and the record's length is exactly its data's end plus the "
+         "host's slack, after rb_calculate_event_length()'s rounding; any other excess "
+         "(a length counted twice) stays a divergence",
+         _record_slack),
     Rule("stale", "field",
          "a host (unknown) where the fetch took a real fault, or a user-half read the "
          "kernel refuses (the kernel keeps stale ring-buffer bytes) matches any value, "

@@ -338,7 +338,7 @@ def decode_args(rec: RawRecord, fmt: EventFormat, args: Sequence[Any]) -> list[A
 
 
 def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any],
-                  fixed: int | None = None) -> int:
+                  fixed: int | None = None) -> tuple[int, int]:
     """Bytes ``rec`` holds beyond its fixed fields and the dynamic data its ``__data_loc``
     words reach, after the ring buffer's rounding: 0 on a kernel whose two passes agree.
     A probe handler reserves ``sizeof(head) + tp->size + __get_data_size()``
@@ -355,7 +355,8 @@ def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any],
     strings are stored inside it. A data_loc outside the record (one never written) is not
     counted. More bytes than the data reaches is space reserved for data that was never
     written (a string length counted twice in the first pass). ``fixed``: the format's
-    :func:`fixed_size`, when the caller has it."""
+    :func:`fixed_size`, when the caller has it. Returns ``(excess, reach)``: the bytes
+    beyond, and where the data ends."""
     if fixed is None:
         fixed = fixed_size(fmt)
     reach = fixed
@@ -370,7 +371,7 @@ def record_excess(rec: RawRecord, fmt: EventFormat, args: Sequence[Any],
             start, end = loc & 0xFFFF, (loc & 0xFFFF) + (loc >> 16)
             if fixed <= start and end <= len(rec.data):
                 reach = max(reach, end)
-    return len(rec.data) - rb_data_len(reach)
+    return len(rec.data) - rb_data_len(reach), reach
 
 
 def fixed_size(fmt: EventFormat) -> int:

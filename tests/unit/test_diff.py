@@ -995,6 +995,24 @@ def test_raced_takes_one_memory_change_between_the_two_reads_only():
 # -- the registry -----------------------------------------------------------------------------
 
 #: Each rule, with the test above that shows it refusing a real difference.
+def test_record_slack_takes_only_the_slack_the_hosts_two_passes_reserve():
+    """record-slack: 6.1's record of ``cat ''`` at do_sys_openat2 with path=+0(%si):ustring
+    reserves 1 byte for the empty string (strnlen_user_nofault() counts its NUL) and
+    stores none (strncpy_from_user_nofault() returns 0): 4 bytes after the rounding,
+    which the host's model of the two passes predicts (``Hit.slack``). An excess the
+    host does not predict (no slack, or a length counted twice) still diverges."""
+    reach = 8 + 8 + 4                       # trace_entry, __probe_ip, path's data_loc
+    guest = dataclasses.replace(hit("events", 0, s="(fault)"), excess=4, reach=reach)
+    host = dataclasses.replace(hit("host", 0, s="(fault)"), slack=1)
+    res = compare(run("host", [host]), run("events", [guest]))
+    assert res.equivalent and res.applied["record-slack"] == 1
+    for h, g in ((dataclasses.replace(host, slack=0), guest),         # nothing predicted
+                 (host, dataclasses.replace(guest, excess=60)),        # counted twice
+                 (dataclasses.replace(host, slack=9), guest)):         # not this slack
+        res = compare(run("host", [h]), run("events", [g]))
+        assert not res.equivalent and res.first.field == "record-size", (h.slack, g.excess)
+
+
 REFUSED_BY = {
     "refused-missing": test_a_line_refused_on_one_side_and_missing_on_the_other_is_counted,
     "refusal-text": test_refusals_compare_by_errno,
@@ -1004,6 +1022,7 @@ REFUSED_BY = {
     "irq-order": test_irq_order_moves_only_the_hit_the_interrupt_passed,
     "preempt-order": test_preempt_order_moves_only_on_one_cpu,
     "trampoline": test_trampoline_matches_whole_and_only_the_return_slot,
+    "record-slack": test_record_slack_takes_only_the_slack_the_hosts_two_passes_reserve,
     "stale": test_a_stale_reason_without_the_failed_read_it_stands_for_is_a_divergence,
     "below-sp": test_host_unknown_matches_any_value_only_where_the_record_says_why,
     "flags": test_the_plugin_flags_rule_holds_only_on_the_plugin_engine_side,

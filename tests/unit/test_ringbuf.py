@@ -141,17 +141,17 @@ def test_record_excess_is_what_the_record_holds_beyond_its_fields_and_strings():
     body = struct.pack("<IQI", (len(s) << 16) | fixed, 5, (len(c) << 16) | (fixed + len(s)))
     data = head + body + s + c
     pad = (-len(data)) % 4
-    assert record_excess(RawRecord(0, 0, data + bytes(pad)), fmt, args) == 0
-    assert record_excess(RawRecord(0, 0, data + bytes(pad + 8)), fmt, args) == 8
+    assert record_excess(RawRecord(0, 0, data + bytes(pad)), fmt, args) == (0, len(data))
+    assert record_excess(RawRecord(0, 0, data + bytes(pad + 8)), fmt, args) == (8, len(data))
     # a fetch that failed before its store keeps the preset data_loc, the rest of the
     # area, and the next string is stored inside it: the data still reaches the end
     preset = head + struct.pack("<IQI", ((len(s) + len(c)) << 16) | fixed, 5,
                                 (len(c) << 16) | fixed)
     assert record_excess(RawRecord(0, 0, preset + c + bytes(len(s)) + bytes(pad)), fmt,
-                         args) == 0
+                         args)[0] == 0
     # a data_loc never written (its bytes point past the record) is not counted
     stale = head + struct.pack("<IQI", (len(s) << 16) | fixed, 5, (400 << 16) | 900)
-    assert record_excess(RawRecord(0, 0, stale + s + bytes(4) + bytes(pad)), fmt, args) == 4
+    assert record_excess(RawRecord(0, 0, stale + s + bytes(4) + bytes(pad)), fmt, args)[0] == 4
 
 
 def test_an_eight_byte_record_reads_back_as_twelve():
@@ -162,7 +162,7 @@ def test_an_eight_byte_record_reads_back_as_twelve():
     assert [rb_data_len(n) for n in (8, 16, 17, 112, 113)] == [12, 16, 20, 112, 116]
     fmt = parse_format(FORMAT.split("\n\n")[0] + "\n\nprint fmt: \"\"\n")
     assert record_excess(RawRecord(0, 0, struct.pack("<HBBi", 1392, 0, 0, 7) + bytes(4)),
-                         fmt, ()) == 0
+                         fmt, ())[0] == 0
 
 
 def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record():

@@ -171,3 +171,19 @@ def test_a_comm_an_exec_gave_after_the_hit_needs_both_sides_to_have_seen_it(vm):
     bare = dataclasses.replace(guest, hits=[dataclasses.replace(h, comm_alts=()) for h in guest.hits])
     res = compare(host, bare, trampoline=trampoline_text(vm))
     assert not res.equivalent and res.first.field == "comm"
+
+
+def test_an_empty_user_string_s_reserved_byte_is_the_slack_the_host_predicts(vm):
+    """6.1 (and 6.12): ``open("")`` at do_sys_openat2 with ``+0(%si):ustring``: the
+    kernel's first pass counts 1 byte for the empty string, its second stores none
+    (mm/maccess.c: strncpy_from_user_nofault() returns 0), so the record is 4 bytes longer
+    than its data; the host's two passes predict it (``record-slack``), where before this
+    equivalent run was a record-size divergence. Every other hit has no slack."""
+    specs = [parse("p:kph/o do_sys_openat2 path=+0(%si):ustring")]
+    host, guest = run_differential(vm, specs, "cat '' 2>/dev/null; cat /proc/version")
+    res = compare(host, guest, trampoline=trampoline_text(vm))
+    assert res.equivalent, res.first and res.first.describe(res.a_side, res.b_side)
+    empty = [h for h in host.hits if h.slack]
+    assert len(empty) == 1 and dict(empty[0].args)["path"] == "(fault)", host.hits
+    assert res.applied.get("record-slack") == 1, res.applied
+    assert [g.excess for g in guest.hits if g.excess] == [4]

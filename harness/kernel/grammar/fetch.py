@@ -701,7 +701,7 @@ def register_plan(args: Sequence[Any]) -> tuple[tuple[str, Any, int, FetchType],
 
 
 def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
-             failed: dict[int, int] | None = None) -> Any:
+             failed: dict[int, int] | None = None, slack: list[int] | None = None) -> Any:
     """Fetch what the kernel would record for a probe hit with ``ctx`` as its registers.
 
     :param target: a ``ProbeSpec`` (all its args, one tuple of values back, strings sharing
@@ -711,6 +711,11 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
         a fault the kernel would take (an engine error) is not a value: it raises.
     :param failed: filled, per argument whose reason is ``stale``, with the address whose
         read failed in its fetch: the evidence the verdict's ``stale`` rule asks for.
+    :param slack: given a list, the bytes of the dynamic area the record reserves and no
+        data_loc reaches are appended to it (the first pass counted more than the second
+        stored: on 6.1 and 6.12 an empty user string, 1 byte), unless a value is
+        :data:`UNKNOWN`: what the guest's record length must show (the verdict's
+        ``record-slack``).
     :return: per argument an ``int`` (signed for ``s*`` types), ``bytes`` for strings
         (without the NUL), :data:`FAULT`, :data:`UNKNOWN`, or a list of those for arrays.
     :raise KeyError: from ``ctx.symbol_addr`` for an ``@SYM`` the kernel could not resolve.
@@ -746,6 +751,14 @@ def evaluate(target: Any, ctx: FetchContext, why: dict[int, str] | None = None,
         if t.is_string and ret > 0:
             pos += ret
         out.append((a, t, list(st.elems), first))
+    if slack is not None and not unknowable:
+        reach = 0           # the farthest data_loc end, as ringbuf.record_excess finds it
+        for a, t, elems, first in out:
+            if t.is_string:
+                for ln, offs in (elems or [first]):
+                    if offs + ln <= dsize:
+                        reach = max(reach, offs + ln)
+        slack.append(dsize - reach)
     values = []
     for i, (a, t, elems, first) in enumerate(out):
         n = a.count or 1
