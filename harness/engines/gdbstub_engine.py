@@ -879,8 +879,8 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         ``jmp`` to its buffer, a copy of ``optprobe_template_entry`` whose call sits at
         ``optprobe_template_call`` (arch/x86/kernel/kprobes/opt.c of 6.1, 6.12 and 7.3:
         __arm_kprobe() -> arch_optimize_kprobes(), arch_prepare_optimized_kprobe(),
-        TMPL_CALL_IDX). None on a kernel without optprobes (no template symbols), and
-        none for an ftrace site (a kprobe there is never optimized)."""
+        TMPL_CALL_IDX). Empty on a kernel without optprobes (no template symbols); no
+        entry for an ftrace site (a kprobe there is never optimized)."""
         if self._tmpl_call is None:
             entry, call = (self.symbols.get(n) for n in ("optprobe_template_entry",
                                                           "optprobe_template_call"))
