@@ -129,7 +129,7 @@ def test_no_reply_is_awaited_longer_than_the_reply_timeout(monkeypatch):
     ag = _agent(_synced_then(lambda req: b""))
     ag.sync(2)
     t0 = time.monotonic()
-    with pytest.raises(VMLostError, match="did not answer in time"):
+    with pytest.raises(VMLostError, match="did not answer guest-ping in time"):
         ag.execute("guest-ping", timeout=60)   # the command's own timeout is much longer
     assert time.monotonic() - t0 < 2.0
 
@@ -279,7 +279,7 @@ def test_host_probe_stops_do_not_stretch_the_commands_own_timeout(monkeypatch):
     ag = _stalled_agent(_synced_then(lambda req: b""), time.monotonic)
     ag.sync(2)
     t0 = time.monotonic()
-    with pytest.raises(VMLostError, match="did not answer in time"):
+    with pytest.raises(VMLostError, match="did not answer guest-ping in time"):
         ag.execute("guest-ping", timeout=1.2)
     assert 1.1 <= time.monotonic() - t0 < 2.0
 
@@ -379,3 +379,61 @@ def test_write_files_writes_in_order_in_two_round_trips_and_closes_what_it_opene
         ag.write_files([("/a", b"x"), ("/no", b"y")], timeout=2)
     # nothing written when an open failed; what was opened is closed
     assert [c for c, _ in log] == ["guest-file-open", "guest-file-open", "guest-file-close"]
+
+
+
+def test_a_pipeline_goes_in_half_duplex_waves_that_fit_one_read(monkeypatch):
+    """1,000 requests at once lost answers now and then, and requests sent while answers
+    flowed back lost them every time (harness/machine/agent.py, PIPELINE_WAVE): the peer
+    gets no request while any is unanswered, never more than a wave's bytes at once, and
+    every answer comes back in order."""
+    import harness.machine.agent as agent_mod
+    wave = agent_mod.PIPELINE_WAVE
+    seen = {"unanswered": 0, "early": 0, "most": 0, "waves": 0}
+
+    def peer(sock):
+        buf = b""
+        while True:
+            data = sock.recv(1 << 20)
+            if not data:
+                return
+            if seen["unanswered"]:
+                seen["early"] += 1
+            buf += data
+            seen["most"] = max(seen["most"], len(buf))
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            reqs = [json.loads(x.lstrip(b"\xff")) for x in lines if x.lstrip(b"\xff")]
+            seen["unanswered"] += len(reqs)
+            seen["waves"] += 1
+            for req in reqs:
+                if req["execute"] == "guest-sync-delimited":
+                    ans = b"\xff" + json.dumps({"return": req["arguments"]["id"]}).encode()
+                else:
+                    ans = json.dumps({"return": req["arguments"]}).encode()
+                seen["unanswered"] -= 1
+                sock.sendall(ans + b"\n")
+
+    a, b = socket.socketpair()
+    threading.Thread(target=peer, args=(b,), daemon=True).start()
+    ag = GuestAgent(a)
+    ag.sync(2)
+    got = ag.pipeline([("x", {"n": i, "pad": "p" * 80}) for i in range(1000)], timeout=10)
+    assert [g["n"] for g in got] == list(range(1000))
+    assert seen["early"] == 0 and 0 < seen["most"] <= wave, seen
+    assert seen["waves"] >= 1000 * 100 // wave, seen           # ~110 bytes a request
+    ag.close()
+    b.close()
+
+def test_a_reply_timeout_names_the_file_of_a_handle(monkeypatch):
+    import harness.machine.agent as agent_mod
+    monkeypatch.setattr(agent_mod, "AGENT_REPLY_TIMEOUT", 0.3)
+
+    def answer(req):
+        if req["execute"] == "guest-file-open":
+            return b'{"return": 7}\n'
+        return b""                      # the write is never answered
+    ag = _agent(_synced_then(answer))
+    (h,) = ag.pipeline([("guest-file-open", {"path": "/sys/x/enable", "mode": "w"})], timeout=2)
+    with pytest.raises(VMLostError, match=r"did not answer guest-file-write of /sys/x/enable"):
+        ag.execute("guest-file-write", {"handle": h, "buf-b64": "MQo="}, timeout=10)
