@@ -166,7 +166,9 @@ class KernelWatch:
         except HarnessError:
             answers = False
         if answers:
-            why = f"the workload did not finish ({first}); the guest agent still answers"
+            # what ran out may be the workload or any request before or after it (its
+            # own words say which): not "the workload" unless it was
+            why = f"the guest did not finish in time ({first}); the guest agent still answers"
             now = self._read_dmesg()
             if now is not None:
                 fresh = find_splats(dmesg_after(self._dmesg_before, now), source="dmesg")
