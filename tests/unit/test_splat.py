@@ -248,6 +248,14 @@ def test_the_watch_turns_a_panic_and_a_hang_into_findings_and_leaves_harness_fai
 
     vm = _FakeVM()
     w = KernelWatch(vm)
+    with pytest.raises(GuestHangError) as ei:      # a request before the workload ran out
+        with w.watching():
+            raise VMLostError("guest agent did not answer guest-file-open of /e/enable in "
+                              "time (20 s)")
+    assert "workload" not in ei.value.why and "guest-file-open of /e/enable" in ei.value.why
+
+    vm = _FakeVM()
+    w = KernelWatch(vm)
     with pytest.raises(GuestHangError) as ei:      # nothing answers, QEMU runs the guest
         with w.watching():
             vm.answers = False
