@@ -895,8 +895,9 @@ class Machine:
 
     def write_files(self, items: list[tuple[str, bytes]], *,
                     timeout: float = C.RUN_TIMEOUT) -> None:
-        """Write several guest files through the agent, in ``items``' order, in two agent
-        round trips (each file opened before the first write: ``GuestAgent.write_files``)."""
+        """Write several guest files through the agent, in ``items``' order, in two pipelined
+        waves of the agent (each file opened before the first write:
+        ``GuestAgent.write_files``; a wave is one round trip per 4,000 bytes of requests)."""
         self._require_running().write_files(items, timeout=timeout)
 
     def pull(self, guest_path: str, *, timeout: float = C.RUN_TIMEOUT) -> bytes:
@@ -905,7 +906,7 @@ class Machine:
 
     def pull_many(self, guest_paths: list[str], *,
                   timeout: float = C.RUN_TIMEOUT) -> list[bytes | GuestAgentError]:
-        """Read several whole guest files in three agent round trips; each item is the
+        """Read several whole guest files in three pipelined waves of the agent; each item is the
         file's bytes or the :class:`GuestAgentError` of its open or read (returned, so a
         file the kernel may lack does not cost the others)."""
         return self._require_running().read_files(guest_paths, timeout=timeout)

@@ -287,7 +287,7 @@ class EventsBackend:
         ``saved_cmdlines``, ``dynamic_events``, ``kprobe_profile``, ``uprobe_profile`` and
         the preemption model. No guest process: a ``cat`` is a fork and an exec, ~15 ms
         each under TCG, where a file read is ~4 ms (issue 39's fuzzing rate), and all of
-        them in three pipelined round trips (``Machine.pull_many``). A file the
+        them in three pipelined waves (``Machine.pull_many``). A file the
         kernel may lack (``uprobe_profile`` without uprobe events, ``preempt`` without
         debugfs or PREEMPT_DYNAMIC) is left out; any other failed read is raised.
 
@@ -714,7 +714,7 @@ class EventsBackend:
             while True:
                 if len(pages) >= self.max_pages:
                     return pages, False
-                # ``window`` reads in one round trip (GuestAgent.pipeline), each a page,
+                # ``window`` reads pipelined (GuestAgent.pipeline: ~55 a round trip), each a page,
                 # the window doubling while every read brings one: each answer is taken in
                 # order, and the drain ends when a window's last read found the buffer
                 # empty (a page written after an earlier empty read is kept). A read
