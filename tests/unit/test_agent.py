@@ -381,8 +381,7 @@ def test_write_files_writes_in_order_in_two_round_trips_and_closes_what_it_opene
     assert [c for c, _ in log] == ["guest-file-open", "guest-file-open", "guest-file-close"]
 
 
-
-def test_a_pipeline_goes_in_half_duplex_waves_that_fit_one_read(monkeypatch):
+def test_a_pipeline_goes_in_half_duplex_waves_that_fit_one_read():
     """1,000 requests at once lost answers now and then, and requests sent while answers
     flowed back lost them every time (harness/machine/agent.py, PIPELINE_WAVE): the peer
     gets no request while any is unanswered, never more than a wave's bytes at once, and
@@ -424,6 +423,7 @@ def test_a_pipeline_goes_in_half_duplex_waves_that_fit_one_read(monkeypatch):
     assert seen["waves"] >= 1000 * 100 // wave, seen           # ~110 bytes a request
     ag.close()
     b.close()
+
 
 def test_a_reply_timeout_names_the_file_of_a_handle(monkeypatch):
     import harness.machine.agent as agent_mod
