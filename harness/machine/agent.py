@@ -41,6 +41,17 @@ from ..errors import GuestAgentError, VMLostError
 log = logging.getLogger(__name__)
 
 
+_SLICE = 0.05  # how often ``check`` runs while waiting
+STALL_AFTER = 0.5  # how long a reply may be late before ``stalled`` is asked
+#: A pipeline is sent in waves of at most this many bytes, each once the last is
+#: answered. Sent whole, 1,000 requests (~110 KB: enabling 1,000 kprobe events) lost
+#: answers in about one run of five on this machine (2026-11-30): qemu-ga had run every
+#: request, some answers never reached the host, and the channel took no more requests
+#: until a resync (0xFF); sent while answers were flowing back (a window refilled as
+#: they came), it failed every time. One wave fits one of QEMU's 4 KiB reads.
+PIPELINE_WAVE = 4000
+
+
 def _named(req: tuple[str, dict[str, Any] | None], paths: dict[int, str] | None = None) -> str:
     """A request as an error names it: its command and what it acts on (a file's path,
     also for a handle ``paths`` maps, or a process's pid)."""
@@ -54,16 +65,6 @@ def _named(req: tuple[str, dict[str, Any] | None], paths: dict[int, str] | None 
     if "pid" in args:
         return f"{cmd} (pid {args['pid']})"
     return cmd
-
-_SLICE = 0.05  # how often ``check`` runs while waiting
-STALL_AFTER = 0.5  # how long a reply may be late before ``stalled`` is asked
-#: A pipeline is sent in waves of at most this many bytes, each once the last is
-#: answered. Sent whole, 1,000 requests (~110 KB: enabling 1,000 kprobe events) lost
-#: answers in about one run of five on this machine (2026-11-30): qemu-ga had run every
-#: request, some answers never reached the host, and the channel took no more requests
-#: until a resync (0xFF); sent while answers were flowing back (a window refilled as
-#: they came), it failed every time. One wave fits one of QEMU's 4 KiB reads.
-PIPELINE_WAVE = 4000
 
 
 class GuestAgent:
