@@ -50,6 +50,14 @@ STALL_AFTER = 0.5  # how long a reply may be late before ``stalled`` is asked
 #: until a resync (0xFF); sent while answers were flowing back (a window refilled as
 #: they came), it failed every time. One wave fits one of QEMU's 4 KiB reads.
 PIPELINE_WAVE = 4000
+#: How often a running command's status is asked for (``GuestAgent.exec``): from 1 ms,
+#: doubling, at most every POLL_SHORT while the command is younger than POLL_SHORT_FOR,
+#: then at most every POLL_LONG. Each ask costs the guest ~0.4 ms of its CPU under TCG
+#: (qemu-ga wakes to answer it) and a late one adds up to the wait to the command: a
+#: short command is asked often, a long one seldom. Measured 2026-11-30 (one vCPU): kph
+#: fuzz's workload 44.6 -> 33.8 ms with 5 ms instead of 20 ms; a 90 ms CPU-bound loop
+#: 87 -> 92 ms with 5 ms throughout, 114 ms with 2 ms.
+POLL_SHORT, POLL_SHORT_FOR, POLL_LONG = 0.005, 0.1, 0.02
 
 
 def _named(req: tuple[str, dict[str, Any] | None], paths: dict[int, str] | None = None) -> str:
@@ -284,7 +292,7 @@ class GuestAgent:
         if pid in self._unread:
             self._drain(pid)
         self._unread.add(pid)
-        delay = 0.001
+        delay, started = 0.001, time.monotonic()
         while True:
             st = self.execute("guest-exec-status", {"pid": pid},
                               timeout=max(0.5, deadline - time.monotonic()))
@@ -303,7 +311,8 @@ class GuestAgent:
                 raise lost
             self._check()
             time.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            delay = min(delay * 2, POLL_SHORT if time.monotonic() - started < POLL_SHORT_FOR
+                        else POLL_LONG)
 
     def _kill(self, pid: int) -> None:
         """SIGKILL a command given up on, and read both its status and the kill's, so

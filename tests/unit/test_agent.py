@@ -437,3 +437,36 @@ def test_a_reply_timeout_names_the_file_of_a_handle(monkeypatch):
     (h,) = ag.pipeline([("guest-file-open", {"path": "/sys/x/enable", "mode": "w"})], timeout=2)
     with pytest.raises(VMLostError, match=r"did not answer guest-file-write of /sys/x/enable"):
         ag.execute("guest-file-write", {"handle": h, "buf-b64": "MQo="}, timeout=10)
+
+
+def test_a_running_commands_status_is_asked_often_while_young_then_seldom(monkeypatch):
+    """GuestAgent.exec's polling (agent.py POLL_*): from 1 ms doubling, at most every
+    POLL_SHORT while the command is younger than POLL_SHORT_FOR, then at most every
+    POLL_LONG; on a clock of the test's own, the command exiting at 0.3 s."""
+    import harness.machine.agent as agent_mod
+
+    class Clock:
+        now = 0.0
+        slept: list[tuple[float, float]] = []
+
+        def monotonic(self):
+            return self.now
+
+        def sleep(self, d):
+            self.slept.append((self.now, d))
+            self.now += d
+
+    clock = Clock()
+    monkeypatch.setattr(agent_mod, "time", clock)
+
+    def answer(req):
+        if req["execute"] == "guest-exec":
+            return b'{"return": {"pid": 9}}\n'
+        return json.dumps({"return": {"exited": clock.now >= 0.3, "exitcode": 0}}).encode() + b"\n"
+    ag = _agent(_synced_then(answer))
+    assert ag.exec(["/bin/true"], timeout=5) == (0, b"", b"")
+    young = [d for t, d in clock.slept if t < agent_mod.POLL_SHORT_FOR]
+    old = [d for t, d in clock.slept if t >= agent_mod.POLL_SHORT_FOR + agent_mod.POLL_SHORT]
+    assert young[:3] == [0.001, 0.002, 0.004] and max(young) == agent_mod.POLL_SHORT
+    assert old and set(old) == {agent_mod.POLL_LONG}
+    assert clock.now - 0.3 < agent_mod.POLL_LONG        # asked again within one period
