@@ -46,7 +46,7 @@ from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, Setup
 from ..kernel.grammar import (ProbeSpec, error_subsystem, format as format_spec, parse,
                               split_symbol_offset)
 from ..kernel.grammar.fprobe import probestub
-from ..engines.uprobes import file_type
+from ..engines.uprobes import file_stat, file_type
 from ..records import Hit, Outcome
 from ..kernel.ringbuf import EventFormat, parse_format
 from ..kernel.rules import rules_for
@@ -355,8 +355,8 @@ class TraceLayer:
     def _inode(self, spec: ProbeSpec) -> object:
         path = spec.path or ""
         if path not in self._inodes:
-            r = self.vm.run(f"stat -L -c '%d:%i' {shlex.quote(path)}", timeout=30)
-            self._inodes[path] = r.stdout.strip() if r.status == 0 else path
+            f = file_stat(self.vm, path)
+            self._inodes[path] = f"{f.key[1]}:{f.ino}" if f is not None else path
         return self._inodes[path]
 
     def sync_modules(self, specs: Sequence[ProbeSpec]) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 import shlex
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -131,20 +132,82 @@ class UretprobeInstance:
 
 
 
-def file_type(vm: Any, path: str) -> str | None:
-    """``stat -L -c %F`` of ``path`` in the guest ("regular file", "directory", ...), None
-    when there is no such file. A ``stat`` that succeeds and prints nothing is the agent
-    losing its output (seen once under load, kph fuzz on 7.3), not a kind of file: asked
-    again, then an error of the harness, never a kernel's refusal.
+@dataclass(frozen=True)
+class GuestFile:
+    """What one ``stat -L`` says of a guest file: its kind (``%F``: "regular file",
+    "directory", ...), its inode number, and a key that changes with the file (device,
+    inode, size, change and modification times to the nanosecond): a program's ELF is
+    read again only when its key changed (:func:`cached_elf`)."""
 
-    :raise GuestAgentError: the guest's answer stayed empty."""
+    kind: str
+    ino: int
+    key: tuple[str, ...]
+
+
+def file_stat(vm: Any, path: str) -> GuestFile | None:
+    """``stat -L`` of ``path`` in the guest (one command), None when there is no such
+    file. A ``stat`` that succeeds and prints nothing is the agent losing its output
+    (seen once under load, kph fuzz on 7.3), not a kind of file: asked again, then an
+    error of the harness, never a kernel's refusal.
+
+    :raise GuestAgentError: the guest's answer stayed empty or was not stat's."""
     for _ in range(2):
-        st = vm.run(f"stat -L -c %F {shlex.quote(path)}", timeout=30)
+        st = vm.run(f"stat -L -c '%F|%d|%i|%s|%z|%y' {shlex.quote(path)}", timeout=30)
         if st.status != 0:
             return None
-        if st.stdout.strip():
-            return st.stdout.strip()
+        out = st.stdout.strip()
+        if out:
+            parts = out.rsplit("|", 5)
+            if len(parts) != 6 or not parts[2].isdigit():
+                raise GuestAgentError(f"stat -L {path} in the guest printed {out[:200]!r}")
+            return GuestFile(parts[0], int(parts[2]), (path, *parts[1:]))
     raise GuestAgentError(f"stat -L {path} in the guest succeeded twice with no output")
+
+
+def file_type(vm: Any, path: str) -> str | None:
+    """``stat -L -c %F`` of ``path`` in the guest ("regular file", "directory", ...), None
+    when there is no such file (:func:`file_stat`)."""
+    st = file_stat(vm, path)
+    return st.kind if st is not None else None
+
+
+#: machine -> (GuestFile.key -> the program's ELF): a program pulled once per machine
+#: while it stays the same file (kph fuzz places uprobes in kph-loop, 0.75 MB, at one
+#: example in three: ~0.1 s a pull under TCG)
+_ELF_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], ElfImage]]" = \
+    weakref.WeakKeyDictionary()
+#: programs kept per machine
+ELF_CACHE_MAX = 16
+
+
+def cached_elf(vm: Any, f: GuestFile, path: str) -> ElfImage:
+    """The ELF of guest file ``path`` whose ``stat`` is ``f``: pulled and parsed, or as
+    pulled before on this machine when its key is the same.
+
+    :raise ProbeRejectedError: it cannot be read (-ENOENT).
+    :raise UprobeNeverFires: it is not an ELF file (-EINVAL)."""
+    try:
+        cache = _ELF_CACHE.setdefault(vm, {})
+    except TypeError:           # a stand-in machine without weak references
+        cache = {}
+    img = cache.get(f.key)
+    if img is not None:
+        return img
+    try:
+        data = vm.pull(path)
+    except HarnessError as exc:
+        raise ProbeRejectedError(f"{path}: cannot read it in the guest ({exc}) (-ENOENT)",
+                                 ENOENT) from None
+    try:
+        img = ElfImage(data)
+    except Exception as exc:  # noqa: BLE001 - pyelftools raises several kinds
+        raise UprobeNeverFires(f"{path} is not an ELF file ({exc}) (-EINVAL)", EINVAL,
+                               reason="not a program: never executed") from None
+    while len(cache) >= ELF_CACHE_MAX:
+        del cache[next(iter(cache))]
+    cache[f.key] = img
+    return img
+
 
 class UprobeManager:
     """The uprobes of one ``HostEngine`` (``vm.host.uprobes``); runs on its dispatcher."""
@@ -227,18 +290,18 @@ class UprobeManager:
         return task, self._tgid(task), self._task_mm(task)
 
     # -- registration (dispatcher, guest halted) ------------------------------------------
-    def elf(self, path: str) -> ElfImage:
+    def elf(self, path: str, f: GuestFile | None = None) -> ElfImage:
+        """``path``'s ELF: as :meth:`prepare` read it, else read now (``f``: its stat,
+        taken by the caller; else one ``stat`` first).
+
+        :raise ProbeRejectedError: no such file (-ENOENT)."""
         if path not in self._elf:
-            try:
-                data = self.vm.pull(path)
-            except HarnessError as exc:
-                raise ProbeRejectedError(f"{path}: cannot read it in the guest ({exc}) (-ENOENT)",
-                                         ENOENT) from None
-            try:
-                self._elf[path] = ElfImage(data)
-            except Exception as exc:  # noqa: BLE001 - pyelftools raises several kinds
-                raise UprobeNeverFires(f"{path} is not an ELF file ({exc}) (-EINVAL)", EINVAL,
-                                       reason="not a program: never executed") from None
+            if f is None:
+                f = file_stat(self.vm, path)
+                if f is None:
+                    raise ProbeRejectedError(f"{path}: cannot read it in the guest (-ENOENT)",
+                                             ENOENT)
+            self._elf[path] = cached_elf(self.vm, f, path)
         return self._elf[path]
 
     def prepare(self, up: Uprobe) -> None:
@@ -247,14 +310,14 @@ class UprobeManager:
         The file is checked first, as ``__trace_uprobe_create()`` does before anything else
         of a line (``kern_path(LOOKUP_FOLLOW)``, then ``d_is_reg()``): ENOENT "Failed to find
         the given file", EINVAL "Not a regular file" (a directory such as /sys, a device)."""
-        kind = file_type(self.vm, up.path)
-        if kind is None:
+        f = file_stat(self.vm, up.path)
+        if f is None:
             raise ProbeRejectedError(f"{up.path}: Failed to find the given file (-ENOENT)",
                                      ENOENT, reason="Failed to find the given file")
-        if not kind.startswith("regular"):
-            raise ProbeRejectedError(f"{up.path} is a {kind}: Not a regular file "
+        if not f.kind.startswith("regular"):
+            raise ProbeRejectedError(f"{up.path} is a {f.kind}: Not a regular file "
                                      "(-EINVAL)", EINVAL, reason="Not a regular file")
-        img = self.elf(up.path)
+        img = self.elf(up.path, f)
         if up.symbol is not None:
             try:
                 up.offset = img.file_offset(img.symbol(up.symbol)) + (up.offset or 0)
@@ -276,10 +339,7 @@ class UprobeManager:
             raise UprobeNeverFires(f"{up.path}:{up.offset:#x} is not in executable text "
                                    "(-EINVAL)", EINVAL, reason=never)
         q = shlex.quote(up.path)
-        st = self.vm.run(f"stat -L -c %i {q}", timeout=30)
-        if st.status != 0:
-            raise ProbeRejectedError(f"{up.path}: no such file in the guest (-ENOENT)", ENOENT)
-        up.ino = int(st.stdout.split()[0])
+        up.ino = f.ino              # the file stat -L followed (kern_path(LOOKUP_FOLLOW))
         if up.pid is not None:
             maps = self.vm.run(f"cat /proc/{up.pid}/maps", timeout=30)
             if maps.status != 0:

@@ -24,10 +24,13 @@ class Btf:
 def test_ext_is_the_size_the_plugin_reads():
     text = (Path(__file__).resolve().parents[2] / "probes/plugin/kph_proto.h").read_text()
     size = int(re.search(r"#define ADD_EXT_SIZE (\d+)", text)[1])
-    ext = user_ext(0x401fff, (1, 2, 3), 77)
+    ext = user_ext(0x401fff, (1, 2, 3), 77, 0xffff888000000000)
     assert len(ext) == size
-    tramp, n, _pad, *chain, expect, _ = struct.unpack("<QII4QQQ", ext)
+    tramp, n, _pad, *chain, expect, direct_map = struct.unpack("<QII4QQQ", ext)
     assert (tramp, n, chain, expect) == (0x401fff, 3, [1, 2, 3, 0], 77)
+    assert direct_map == 0xffff888000000000       # control.c cmd_add reads it at +56
+    c = (Path(__file__).resolve().parents[2] / "probes/plugin/control.c").read_text()
+    assert "memcpy(&dm, x + 56, 8);" in c
 
 
 def test_one_process_is_its_mm_every_process_the_files_inode():
@@ -67,3 +70,32 @@ def test_trampoline_is_the_byte_after_the_gdbstub_engines():
     assert user_trampoline(Mgr(Img(0x2ffe, pie=True)), pie) == 0x5555_5555_4000 + 0x2fff
     with pytest.raises(ProbeRejectedError, match="no room for a uretprobe trampoline"):
         user_trampoline(Mgr(Img(0x4a2fff)), up)
+
+
+def test_a_programs_elf_is_pulled_again_only_when_its_stat_changes():
+    """harness.engines.uprobes.cached_elf: one pull per machine while ``stat -L`` says
+    the same (device, inode, size, change and modification times); a file rewritten in
+    place (a new ctime) is read again; another machine has its own."""
+    from harness.engines.uprobes import GuestFile, cached_elf
+
+    prog = Path("/bin/true").read_bytes()
+
+    class Vm:
+        def __init__(self):
+            self.pulls = 0
+
+        def pull(self, path):
+            self.pulls += 1
+            return prog
+
+    a, b = Vm(), Vm()
+    f = GuestFile("regular file", 310, ("/usr/bin/x", "2", "310", str(len(prog)),
+                                        "2026-11-30 05:05:16.044000014 +0000",
+                                        "2026-11-30 05:05:07.000000000 +0000"))
+    img = cached_elf(a, f, "/usr/bin/x")
+    assert cached_elf(a, f, "/usr/bin/x") is img and a.pulls == 1
+    touched = GuestFile(f.kind, f.ino, f.key[:4] + ("2026-11-30 05:05:16.048000014 +0000",
+                                                    f.key[5]))
+    assert cached_elf(a, touched, "/usr/bin/x") is not img and a.pulls == 2
+    cached_elf(b, f, "/usr/bin/x")
+    assert b.pulls == 1
