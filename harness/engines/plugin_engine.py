@@ -123,6 +123,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         self._uprobes = PluginUprobes(self)
         self._fork_hook: int | None = None
         self._flush_hook: int | None = None
+        self._direct_map: int | None = None
         self._ids = itertools.count(1)
         self._probes: dict[int, PluginProbe] = {}
         self._lock = threading.Lock()
@@ -308,7 +309,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         ``user``: a uprobe, ``(trampoline, filter offsets, inode)``: it fires only in
         processes where ``current->mm->exe_file->f_inode->i_ino`` (the chain of
         ``task_struct`` member offsets given) is the inode; its returns go through the
-        trampoline in that program. User code is reached by flushing all translations.
+        trampoline in that program. Code translated at it before is reached through the
+        kernel's direct map, or by flushing all translations (:meth:`direct_map`).
 
         ``fgraph``: a return probe whose kernel counterpart returns through the function
         graph (7.3's fprobe exits), for what its hooked slot reads as. ``fprobe``: an
@@ -336,7 +338,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         if user is not None:
             tramp, chain, ino = user
             flags |= ADD_EXT | ADD_FLUSH
-            ext = user_ext(tramp, chain, ino)
+            ext = user_ext(tramp, chain, ino, self.direct_map())
             if ret:
                 self._uprobes.used_trampolines.add(tramp)
                 self.ensure_fork_hook()
@@ -375,6 +377,22 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             addr = self.resolve("uprobe_free_utask", 0, None)
             self._cmd_add(next(self._ids), PK_UFREE, addr, 0,
                           ADD_ENABLED | self.ftrace_flag(addr))
+
+    def direct_map(self) -> int:
+        """Where the kernel maps all physical memory (``page_offset_base``: arch/x86/mm/
+        kaslr.c, a variable with CONFIG_DYNAMIC_MEMORY_LAYOUT, as Debian builds it), for
+        the plugin to invalidate a user page's translations through; 0 when the kernel
+        has no such variable or it cannot be read (the plugin then flushes every
+        translation, as before)."""
+        if self._direct_map is None:
+            self._direct_map = 0
+            sym = self.symbols.get("page_offset_base")
+            if sym is not None:
+                try:
+                    self._direct_map = int.from_bytes(self.read(sym.addr, 8), "little")
+                except HarnessError:
+                    pass
+        return self._direct_map
 
     def ensure_flush_hook(self) -> None:
         """Once a kernel return probe exists, for the rest of the session: the plugin's

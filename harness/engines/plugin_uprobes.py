@@ -55,11 +55,13 @@ EINVAL, ESRCH = 22, 3
 URET_INSTANCES = 4096
 
 
-def user_ext(tramp: int, chain: tuple[int, ...], expect: int) -> bytes:
+def user_ext(tramp: int, chain: tuple[int, ...], expect: int, direct_map: int = 0) -> bytes:
     """``CMD_ADD``'s extension of a user probe (kph_proto.h ``ADD_EXT_SIZE``): its
-    trampoline, and the filter: member offsets from ``current``, the value they end in."""
+    trampoline, the filter (member offsets from ``current``, the value they end in), and
+    the kernel's direct map (``page_offset_base``; 0: unknown, so the plugin reaches code
+    translated before by flushing every translation, kph_plugin.c ``user_invalidate``)."""
     return struct.pack("<QII4QQQ", tramp, len(chain), 0, *(list(chain) + [0] * 4)[:4],
-                       expect, 0)
+                       expect, direct_map)
 
 
 def user_filter(btf: Any, up: Uprobe) -> tuple[tuple[int, ...], int]:
@@ -149,7 +151,7 @@ class PluginUprobes:
         chain, expect = user_filter(self.vm.btf, up)
         tramp = user_trampoline(mgr, up) if up.ret_handler is not None else \
             self.engine.trampoline
-        ext = user_ext(tramp, chain, expect)
+        ext = user_ext(tramp, chain, expect, self.engine.direct_map())
         flags = 0 if up.disabled else ADD_ENABLED
         ids: list[int] = []
         up.registered = True
@@ -157,8 +159,8 @@ class PluginUprobes:
             if up.ret_handler is not None:
                 # added first: the newest runs first at the address, so the handlers'
                 # probe comes before the hook (handler_chain(), then prepare_uretprobe())
-                # not invalidated here: the next add flushes every translation (a user
-                # address has no one virtual address to invalidate through)
+                # not invalidated here: the next add, at the same address, invalidates
+                # what was translated there (kph_plugin.c user_invalidate)
                 rid = self.engine._add_handler_probe(
                     up, up.vaddr, PK_KRET, flags | ADD_NO_ENTRY_RT | ADD_NO_INVALIDATE,
                     URET_INSTANCES, ext=ext, table=self._ids)

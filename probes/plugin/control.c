@@ -248,7 +248,7 @@ static int probe_slot(void)
 static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
 {
     uint32_t id, kind, maxactive, enabled, nprog, st, i, full = 0;
-    uint64_t addr;
+    uint64_t addr, dm = 0;
     probe *p, *list[MAX_PER_SITE];
     site *s;
     plist *l;
@@ -321,6 +321,10 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         memcpy(&p->nfilter, x + 8, 4);
         memcpy(p->filter, x + 16, 32);
         memcpy(&p->expect, x + 48, 8);
+        memcpy(&dm, x + 56, 8);
+        if (dm) {
+            atomic_store(&g_direct_map, dm);
+        }
         if (p->nfilter > 4 || !p->tramp) {
             probe_free(p);
             return reply(fd, EINVAL, NULL, 0);
@@ -400,8 +404,12 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     pthread_mutex_unlock(&g_lock);
     if (enabled & ADD_FLUSH) {
         /* User code: the probed file's page has no one virtual address to write through
-         * (the current process may not map it); flush everything instead. */
-        st = (uint32_t)reset_all(5000);
+         * (the current process may not map it): what was translated at this address
+         * (and at its return trampoline) in any process, or everything (kph_plugin.c:
+         * user_invalidate) */
+        uint64_t at[2] = {addr, p->tramp};
+
+        st = (uint32_t)user_invalidate(at, 2);
     } else if (enabled & ADD_NO_INVALIDATE) {
         st = INVAL_SKIPPED;         /* tests: show what a probe without it misses */
     } else {

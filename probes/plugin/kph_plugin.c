@@ -111,6 +111,7 @@ inst *g_live_tab[LIVE_SIZE];
 static pthread_mutex_t inval_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t inval_cond = PTHREAD_COND_INITIALIZER;
 static uint64_t inval_addr[MAX_PENDING];
+static uint8_t inval_must[MAX_PENDING];   /* an address that must map (else: full flush) */
 static int inval_n;
 static int inval_overflow;          /* more than MAX_PENDING: a full flush serves them all */
 static uint64_t inval_flush_upto;   /* the requests the next full flush completes */
@@ -211,10 +212,119 @@ int site_set(site *s, probe **ps, int n)
 
 /* ---------------------------------------------------------------- invalidation */
 
-void request_invalidate(uint64_t addr)
+/* User code has no one virtual address to write through: a program's page is mapped at
+ * its address in each process that runs it, and code translated there is keyed by the
+ * physical page (QEMU's translations are). So every user block translated since the last
+ * full flush notes its virtual page and the physical page behind it (the first
+ * instruction's and the last's), and a user probe invalidates each physical page noted at
+ * its address, through the kernel's direct map (page_offset_base + physical: mapped in
+ * every context where no PTI splits the page tables; a read that fails there flushes
+ * everything instead). What was never translated needs nothing: a translation made from
+ * now on sees the site (it notes its page before it looks the site up, and the adder
+ * publishes the site before it reads the notes, both under umap_lock). A table full, or a
+ * page that did not translate, falls back to the full flush. */
+static void request_invalidate_as(uint64_t addr, uint8_t must);
+#define UMAP_SIZE 4096              /* a power of two; filled to 3/4 at most */
+_Atomic uint64_t g_direct_map;
+static pthread_mutex_t umap_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t umap_v[UMAP_SIZE], umap_p[UMAP_SIZE];  /* virtual page | 1, physical page */
+static int umap_n, umap_overflow;
+
+static void umap_note(uint64_t vpage, uint64_t ppage)
+{
+    uint64_t key = vpage | 1, i = ((vpage >> 12) * 0x9E3779B97F4A7C15ull ^ (ppage >> 12)) & (UMAP_SIZE - 1);
+
+    for (;; i = (i + 1) & (UMAP_SIZE - 1)) {
+        if (!umap_v[i]) {
+            if (umap_n >= UMAP_SIZE / 4 * 3) {
+                umap_overflow = 1;
+                return;
+            }
+            umap_v[i] = key;
+            umap_p[i] = ppage;
+            umap_n++;
+            return;
+        }
+        if (umap_v[i] == key && umap_p[i] == ppage) {
+            return;
+        }
+    }
+}
+
+/* Translation (vCPU): note the user pages of a block, before its sites are looked up. */
+static void umap_tb(struct qemu_plugin_tb *tb, size_t n)
+{
+    uint64_t first = qemu_plugin_tb_vaddr(tb), last, pages[2], hw;
+    struct qemu_plugin_insn *end;
+    int k;
+
+    if (!n || first >> 47) {
+        return;                     /* kernel code: its addresses are written through */
+    }
+    end = qemu_plugin_tb_get_insn(tb, n - 1);
+    last = qemu_plugin_insn_vaddr(end) + qemu_plugin_insn_size(end) - 1;
+    pages[0] = first & ~0xfffull;
+    pages[1] = last & ~0xfffull;
+    pthread_mutex_lock(&umap_lock);
+    for (k = 0; k < (pages[1] != pages[0] ? 2 : 1); k++) {
+        if (qemu_plugin_translate_vaddr(pages[k], &hw)) {
+            umap_note(pages[k], hw & ~0xfffull);
+        } else {
+            umap_overflow = 1;      /* it translated a moment ago: be safe */
+        }
+    }
+    pthread_mutex_unlock(&umap_lock);
+}
+
+/* A full flush is starting (from a vCPU): what was noted goes with it. */
+static void umap_clear(void)
+{
+    pthread_mutex_lock(&umap_lock);
+    memset(umap_v, 0, sizeof(umap_v));
+    umap_n = 0;
+    umap_overflow = 0;
+    pthread_mutex_unlock(&umap_lock);
+}
+
+/* Control thread, after the sites at `vaddrs` were published: invalidate what was
+ * translated at them, or flush everything when that cannot be known. Returns an INVAL_*
+ * state as wait_invalidated() does. */
+int user_invalidate(const uint64_t *vaddrs, int n)
+{
+    uint64_t dm = atomic_load(&g_direct_map), addrs[64];
+    int i, k, m = 0, full = !dm;
+
+    pthread_mutex_lock(&umap_lock);
+    full |= umap_overflow;
+    for (i = 0; !full && i < UMAP_SIZE; i++) {
+        for (k = 0; umap_v[i] && k < n; k++) {
+            if (umap_v[i] == ((vaddrs[k] & ~0xfffull) | 1)) {
+                if (m == 64) {
+                    full = 1;
+                    break;
+                }
+                addrs[m++] = dm + umap_p[i] + (vaddrs[k] & 0xfff);
+            }
+        }
+    }
+    pthread_mutex_unlock(&umap_lock);
+    if (full) {
+        return reset_all(5000);
+    }
+    if (!m) {
+        return INVAL_DONE;          /* never translated: nothing holds the old code */
+    }
+    for (i = 0; i < m; i++) {
+        request_invalidate_as(addrs[i], 1);
+    }
+    return wait_invalidated(2000);
+}
+
+static void request_invalidate_as(uint64_t addr, uint8_t must)
 {
     pthread_mutex_lock(&inval_lock);
     if (inval_n < MAX_PENDING) {
+        inval_must[inval_n] = must;
         inval_addr[inval_n++] = addr;
     } else {
         inval_overflow = 1;         /* never dropped: see service_invalidations() */
@@ -227,6 +337,11 @@ void request_invalidate(uint64_t addr)
     pthread_mutex_unlock(&inval_lock);
 }
 
+void request_invalidate(uint64_t addr)
+{
+    request_invalidate_as(addr, 0);
+}
+
 /* In a vCPU context: rewrite the first byte of each pending address with itself, which
  * invalidates the translations that hold it. When more were requested than the list
  * holds, the whole translation cache is flushed instead (qemu_plugin_reset(), the one
@@ -237,6 +352,7 @@ static atomic_int reset_wanted;
 static void service_invalidations(vcpu_t *v)
 {
     uint64_t addrs[MAX_PENDING], upto;
+    uint8_t must[MAX_PENDING];
     int n, i, overflow;
 
     service_reset();
@@ -249,6 +365,7 @@ static void service_invalidations(vcpu_t *v)
     n = inval_n;
     overflow = inval_overflow;
     memcpy(addrs, inval_addr, sizeof(uint64_t) * n);
+    memcpy(must, inval_must, n);
     inval_n = 0;
     inval_overflow = 0;
     upto = inval_requested;
@@ -266,9 +383,22 @@ static void service_invalidations(vcpu_t *v)
         return;
     }
     for (i = 0; i < n; i++) {
+        uint64_t a = addrs[i];
+
         g_byte_array_set_size(v->gb, 0);
-        if (qemu_plugin_read_memory_vaddr(addrs[i], v->gb, 1)) {
-            qemu_plugin_write_memory_vaddr(addrs[i], v->gb);
+        if (qemu_plugin_read_memory_vaddr(a, v->gb, 1)) {
+            qemu_plugin_write_memory_vaddr(a, v->gb);
+        } else if (must[i]) {
+            /* a user page's direct-map address that does not map here (PTI): the
+             * whole cache goes instead, and these requests are done with it */
+            pthread_mutex_lock(&inval_lock);
+            if (upto > inval_flush_upto) {
+                inval_flush_upto = upto;
+            }
+            pthread_mutex_unlock(&inval_lock);
+            atomic_store(&reset_wanted, 1);
+            service_reset();
+            return;
         }
     }
     pthread_mutex_lock(&inval_lock);
@@ -998,6 +1128,7 @@ static void on_tb_trans(struct qemu_plugin_tb *tb, void *ud)
                                                   (qemu_plugin_u64){g_sb, 0}, 0,
                                                   (void *)(uintptr_t)qemu_plugin_tb_vaddr(tb));
     }
+    umap_tb(tb, n);
     for (i = 0; i < n; i++) {
         struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
         uint64_t a = qemu_plugin_insn_vaddr(insn);
@@ -1192,6 +1323,7 @@ static void service_reset(void)
     if (atomic_load_explicit(&reset_wanted, memory_order_relaxed) &&
         atomic_compare_exchange_strong(&reset_wanted, &one, 0)) {
         atomic_fetch_add(&g_n_flush, 1);
+        umap_clear();
         qemu_plugin_reset(g_id, on_reset_done, NULL);
     }
 }

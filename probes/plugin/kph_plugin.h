@@ -195,6 +195,9 @@ int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len);
 void read_context(vcpu_t *v, uint64_t pc);
 void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func, uint64_t ret_addr, const inst *ri);
 int reset_all(int timeout_ms);
+/* user code: translations of a user address reached without a full flush (kph_plugin.c) */
+extern _Atomic uint64_t g_direct_map;
+int user_invalidate(const uint64_t *vaddrs, int n);
 int window_switch(int on, int now, int nw, const uint8_t *w, int nr, const uint8_t *r,
                   int settle_ms);
 /* CMD_MARKS's reply payload into out (at most 16 + 16 * MAX_WIN_READS bytes); its length */

@@ -100,7 +100,8 @@ enum { ADD_ENABLED = 1, ADD_NO_INVALIDATE = 2, ADD_POST = 4, ADD_ENTRY = 8, ADD_
         * kprobe_int3_handler() / kprobe_ftrace_handler() count it (kernel/kprobes.c,
         * arch/x86/kernel/kprobes/{core,ftrace}.c, 6.1 to 7.3) */
        ADD_KPROBE_RUNNING = 1024 };
-#define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect */
+#define ADD_EXT_SIZE 64             /* u64 tramp, u32 nfilter, u32 pad, u64 filter[4], u64 expect,
+                                     * u64 direct map (page_offset_base; 0: unknown) */
 
 /* handler round trips on a vCPU's channel: events to the harness, its commands back */
 enum { EV_PRE = 1, EV_POST = 2, EV_FAULT = 3, EV_RET_ENTRY = 4, EV_RET = 5, EV_MISS = 6 };

@@ -188,3 +188,57 @@ def test_a_fork_inside_a_uretprobed_call_in_three_worlds(pvm):
         assert sorted(int(h.arg("v"), 0) for h in run.hits if h.probe == "u/t") == \
             [1, 2, 100, 200], run.side
     assert pvm.host.global_stats()["uretprobe_forked"] >= 1
+
+
+@pytest.mark.parametrize("copied, direct_map", [
+    (False, None), (True, None),
+    (False, 0),                         # the kernel's direct map unknown
+    (False, 0xffff800000000000)],       # a direct map that does not map (x86's guard hole)
+    ids=["the page cache's page", "a copy the guest's uprobe made",
+         "no direct map: every translation flushed",
+         "a direct map that does not map: every translation flushed"])
+def test_a_uprobe_added_while_the_program_runs_reaches_its_translated_code(pvm, copied,
+                                                                           direct_map):
+    """A program already looping through kph_add (its code translated) gets the plugin's
+    uprobe at once, without a flush of every translation: the plugin invalidates the
+    physical pages its user blocks were translated from (kph_plugin.c user_invalidate),
+    the page cache's, or the private copy the guest's own uprobe made of that page
+    (``__replace_page()``, kernel/events/uprobes.c) when one is armed there. Where the
+    kernel's direct map is unknown or does not map, everything is flushed instead."""
+    vm = pvm
+    if direct_map is not None:
+        vm.host._direct_map = direct_map
+    if copied:
+        vm.run(f"cd /sys/kernel/tracing && echo 'p:g/add /usr/bin/kph-loop:{_offset(vm, 'kph_add'):#x}'"
+               " >> uprobe_events && echo 1 > events/g/add/enable", check=True)
+    pid = int(vm.run("(/usr/bin/kph-loop 400000000 x > /dev/null 2>&1 < /dev/null & echo $!)",
+                     check=True).stdout.split()[0])
+    try:
+        # the loop has run (translated) before the probe: its guest time, not a host sleep
+        vm.run("sleep 0.3", check=True)
+        assert vm.run(f"kill -0 {pid}").status == 0, "kph-loop ended before the probe"
+        flushes = vm.host.global_stats()["flushes"]
+        hits: list[int] = []
+        up = vm.host.register_uprobe(Uprobe("/usr/bin/kph-loop", symbol="kph_add",
+                                            handler=lambda u, regs: hits.append(regs.di)))
+        for _ in range(100):
+            if len(hits) >= 20:
+                break
+            vm.run("sleep 0.05")
+        vm.host.unregister_uprobe(up)
+        assert len(hits) >= 20, f"{len(hits)} hits of the running loop after the probe"
+        assert hits[:20] == list(range(hits[0], hits[0] + 20))    # its own i, in order
+        # a full flush only where the direct map cannot serve
+        assert vm.host.global_stats()["flushes"] == flushes + (direct_map is not None)
+    finally:
+        vm.run(f"kill {pid}")
+        if copied:
+            vm.run("cd /sys/kernel/tracing && echo 0 > events/g/add/enable && "
+                   "echo '-:g/add' >> uprobe_events")
+
+
+def _offset(vm, symbol):
+    """``symbol``'s file offset in kph-loop (what a uprobe_events line takes)."""
+    from harness.engines.uprobes import file_stat, cached_elf
+    img = cached_elf(vm, file_stat(vm, "/usr/bin/kph-loop"), "/usr/bin/kph-loop")
+    return img.file_offset(img.symbol(symbol))
