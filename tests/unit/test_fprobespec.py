@@ -255,3 +255,21 @@ def test_dentry_offsets_are_worked_out_when_a_line_first_has_pd():
     spec = parse("p:b vfs_read f=%di:%pD", kernel=view)
     assert calls == [1]
     assert format(spec).endswith("f=+0x0(+0x30(+0x50(%di))):string"), format(spec)
+
+
+def test_the_filter_function_names_are_made_once_per_list_of_lines(monkeypatch):
+    """tracelayer.filter_functions: the names of available_filter_functions made once
+    for the lines the machine's cache holds, again when they were read again."""
+    from harness.backends import tracelayer
+
+    class Vm:
+        pass
+
+    reads = [["vfs_read", "kph_mod_fn [kph_kprobes]"]]
+    monkeypatch.setattr(tracelayer, "_ftrace_file", lambda vm, name, modules, fix: reads[-1])
+    vm = Vm()
+    first = tracelayer.filter_functions(vm, frozenset())
+    assert first == {"vfs_read", "kph_mod_fn"}
+    assert tracelayer.filter_functions(vm, frozenset()) is first
+    reads.append(["vfs_write"])             # read again (modules changed)
+    assert tracelayer.filter_functions(vm, frozenset({"m"})) == {"vfs_write"}
