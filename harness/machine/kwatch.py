@@ -60,11 +60,15 @@ class KernelWatch:
     """What the kernel printed from :meth:`start` on (``watching()`` starts it)."""
 
     def __init__(self, vm: Machine, *, dmesg: bool = True,
-                 timeout: float = DMESG_TIMEOUT) -> None:
+                 timeout: float = DMESG_TIMEOUT, baseline_later: bool = False) -> None:
+        """``baseline_later``: :meth:`start` marks the console only, and the caller gives
+        the ``dmesg`` before the window with :meth:`baseline`, read by its own first guest
+        command (``EventsBackend.register``'s script: one guest process fewer a run)."""
         self.vm = vm
         self.dmesg = dmesg
         self.timeout = timeout
         self.mark: int | None = None
+        self._later = baseline_later
         self._dmesg_before: str | None = None
         self._before: list[Splat] = []
 
@@ -82,20 +86,47 @@ class KernelWatch:
         """Mark the console and read ``dmesg``: what they hold now was printed before the
         window (boot, or an earlier run on this machine), and is reported as such."""
         self.mark = self.vm.console_mark()
-        self._dmesg_before = self._read_dmesg()
+        if not self._later:
+            self._dmesg_before = self._read_dmesg()
+        self._set_before()
+
+    def baseline(self, text: str | None) -> None:
+        """With ``baseline_later``: ``text``, the guest's ``dmesg`` read before anything
+        of the window reached the guest, is the mark (None: it could not be read, as when
+        :meth:`start`'s read fails: all of the last ``dmesg`` is the window's). Else
+        nothing: :meth:`start` read it."""
+        if not self._later:
+            return
+        self._later = False
+        self._dmesg_before = text
+        self._set_before()
+
+    def _set_before(self) -> None:
         self._before = merge(
-            find_splats(self.vm.console_since(0, self.mark), source="console", before=True),
+            find_splats(self.vm.console_since(0, self.mark or 0), source="console",
+                        before=True),
             find_splats(self._dmesg_before or "", source="dmesg", before=True))
 
     def _during_console(self) -> list[Splat]:
         return find_splats(self.vm.console_since(self.mark or 0), source="console")
 
-    def finish(self, *, dmesg: bool = True) -> tuple[Splat, ...]:
+    def finish(self, *, dmesg: bool = True, now: str | None = None) -> tuple[Splat, ...]:
         """Every splat: those printed before the window, then those during it (console and
-        ``dmesg``, each once; ``dmesg=False``: the console only, for a guest known gone)."""
+        ``dmesg``, each once; ``dmesg=False``: the console only, for a guest known gone).
+        ``now``: the guest's ``dmesg`` at the window's end, read by the caller's last guest
+        command (``EventsBackend.close``'s script); None: read here.
+
+        :raise HarnessError: ``baseline_later`` and no :meth:`baseline` given (a caller's
+            mistake: every kernel line would count as the window's)."""
         if self.mark is None:
             self.start()
-        now = self._read_dmesg() if dmesg else None
+        if self._later:
+            raise HarnessError("KernelWatch(baseline_later=True) finished without its "
+                               "baseline() (the dmesg before the window)")
+        if not dmesg:
+            now = None
+        elif now is None:
+            now = self._read_dmesg()
         fresh = [] if now is None else find_splats(dmesg_after(self._dmesg_before, now),
                                                    source="dmesg")
         return tuple(self._before + merge(self._during_console(), fresh))
@@ -169,7 +200,9 @@ class KernelWatch:
             # what ran out may be the workload or any request before or after it (its
             # own words say which): not "the workload" unless it was
             why = f"the guest did not finish in time ({first}); the guest agent still answers"
-            now = self._read_dmesg()
+            # no baseline yet (baseline_later, lost before the caller's first guest
+            # command): the window's part of dmesg is not known, the console's is
+            now = None if self._later else self._read_dmesg()
             if now is not None:
                 fresh = find_splats(dmesg_after(self._dmesg_before, now), source="dmesg")
         else:
