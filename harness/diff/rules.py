@@ -371,10 +371,15 @@ REGISTRY: tuple[Rule, ...] = (
          "both refused with the same errno, and the side whose words differ names why it "
          "cannot know them (Outcome.words)"),
     Rule("agent", "hits",
-         "hits of the harness's guest agent (comm qemu-ga) left out on both sides",
-         "the agent switches tracing on and off, at moments the two sides see differently",
+         "hits of the harness's guest agent (comm qemu-ga) left out on both sides, and "
+         "from each side's nhit",
+         "the agent switches tracing on and off, at moments the two sides see differently; "
+         "a return probe's nhit counts at the return (kernel/trace/trace_kprobe.c: "
+         "kretprobe_dispatcher()), so the agent's call in flight when the window opened "
+         "(back in ppoll() after enabling the events) counts on the side armed first only",
          "the comm is the agent's, exactly; a child of the agent under its later comm only "
-         "as many of the guest's first hits of that pid as the host left out"),
+         "as many of the guest's first hits of that pid as the host left out; nhit less "
+         "each side's own recorded agent hits, which must then be equal"),
     Rule("in-flight", "hits",
          "a host entry hit still in flight when the recording ended left out",
          "the host records at its breakpoint, the guest in its handler later "
