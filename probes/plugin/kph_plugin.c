@@ -258,8 +258,9 @@ static void umap_tb(struct qemu_plugin_tb *tb, size_t n)
     struct qemu_plugin_insn *end;
     int k;
 
-    if (!n || first >> 47) {
-        return;                     /* kernel code: its addresses are written through */
+    if (!n || (int64_t)first < 0) {
+        return;                     /* kernel code (the upper half, with 4 or 5 levels of
+                                     * page tables): its addresses are written through */
     }
     end = qemu_plugin_tb_get_insn(tb, n - 1);
     last = qemu_plugin_insn_vaddr(end) + qemu_plugin_insn_size(end) - 1;
