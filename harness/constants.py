@@ -28,6 +28,9 @@ TOOLCHAIN_LOCK_TIMEOUT = 1800.0
 SNAPSHOT_LOCK_TIMEOUT = 180.0
 #: ``migrate`` of a booted guest's device state into the snapshot (takes ~0.02 s).
 SNAPSHOT_SAVE_TIMEOUT = 60.0
+#: How long a panic's console line may take to arrive whole once its start is seen (the
+#: UART writes it a character at a time; Machine._panic_line)
+PANIC_LINE_WAIT = 1.0
 #: The resynchronisation after a restore (clock, random seed): one guest command.
 RESYNC_TIMEOUT = 30.0
 #: The guest clock offset is measured with guest-get-time until one round trip is this

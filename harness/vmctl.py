@@ -730,10 +730,26 @@ class Machine:
         return "\n".join(self.console_text().rstrip("\n").splitlines()[-lines:])
 
     def _panic_line(self) -> str:
-        for line in self.console_text().splitlines():
-            if _PANIC_MARK.decode() in line:
-                return line.strip()
-        return "GUEST_PANICKED from pvpanic"
+        """The console's panic line, whole: the UART writes it a character at a time, and
+        pvpanic's event may come before it, so a check that saw the panic waits (at most
+        ``C.PANIC_LINE_WAIT`` s) for the line's end."""
+        deadline = time.monotonic() + C.PANIC_LINE_WAIT
+        while True:
+            self._read_console()
+            at = self._console.find(_PANIC_MARK)
+            over = time.monotonic() > deadline or \
+                (self.proc is not None and self.proc.poll() is not None)
+            if at < 0:
+                if over:        # pvpanic's event with no line on the console
+                    return "GUEST_PANICKED from pvpanic"
+                time.sleep(0.01)
+                continue
+            end = self._console.find(b"\n", at)
+            if end >= 0 or over:
+                line = self._console[at:end if end >= 0 else len(self._console)]
+                start = self._console.rfind(b"\n", 0, at) + 1
+                return bytes(self._console[start:at] + line).decode("utf-8", "replace").strip()
+            time.sleep(0.01)
 
     def alive(self) -> bool:
         """Running, with no panic, shutdown or QEMU exit seen (no guest round trip)."""
