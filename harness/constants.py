@@ -13,6 +13,9 @@ RUN_TIMEOUT = 60.0
 #: A command longer than this (bytes) runs from a guest file, not as /bin/sh -c's argument:
 #: one argument of execve() holds at most MAX_ARG_STRLEN (32 pages, 128 KiB)
 MAX_INLINE_CMD = 120_000
+#: the name of the guest's virtio-serial port whose bytes go raw to the host
+#: (``Machine.read_stream``)
+DATA_PORT = "org.kprobe_harness.data.0"
 #: A recorded or replayed run (harness.machine.replay), QEMU start to the end; a replay runs ~1.3x
 #: longer than its recording.
 RR_TIMEOUT = 120.0

@@ -97,10 +97,7 @@ class _PipeAgent:
         self.pages, self.late, self.trips, self.closed = list(pages), list(late), 0, False
 
     def execute(self, cmd, args=None, **kw):
-        self.trips += 1
-        if cmd == "guest-file-close":
-            self.closed = True
-        return 7
+        return self.pipeline([(cmd, args)])[0]
 
     def pipeline(self, reqs, **kw):
         import base64
@@ -108,7 +105,18 @@ class _PipeAgent:
         self.trips += 1
         out = []
         for cmd, args in reqs:
+            if cmd == "guest-file-open":
+                out.append(8 if args["path"].endswith("/stats") else 7)
+                continue
+            if cmd == "guest-file-close":
+                self.closed |= args["handle"] == 7
+                out.append({})
+                continue
             assert cmd == "guest-file-read" and args["count"] == 4096
+            if args["handle"] == 8:     # what is left, at most BUF_PAGE_SIZE bytes a page
+                text = f"entries: {len(self.pages)}\nbytes: {4080 * len(self.pages)}\n"
+                out.append({"count": len(text), "buf-b64": base64.b64encode(text.encode()).decode()})
+                continue
             if not self.pages:
                 out.append(GuestAgentError("guest-file-read: failed to read file: Resource "
                                            "temporarily unavailable"))
@@ -117,6 +125,43 @@ class _PipeAgent:
             p = self.pages.pop(0)
             out.append({"count": len(p), "buf-b64": base64.b64encode(p).decode()})
         return out
+
+
+class _PortVM:
+    """A machine with a data port: ``dd`` of ``count=N`` pages takes them off the agent's
+    queue."""
+
+    has_data_port = True
+
+    def __init__(self, agent):
+        self.agent, self.streams = agent, []
+
+    def read_stream(self, cmd, size, **kw):
+        import re
+        n = int(re.search(r"count=(\d+)", cmd)[1])
+        assert size == n * 4096 and "trace_pipe_raw" in cmd
+        self.streams.append(n)
+        taken, self.agent.pages = self.agent.pages[:n], self.agent.pages[n:]
+        return b"".join(taken)
+
+
+@pytest.mark.parametrize("n,streamed", [(4, []), (20, []), (21, [16]), (300, [294])])
+def test_past_the_first_window_the_pages_left_come_through_the_data_port(n, streamed):
+    pages = [bytes([i % 256]) * 4096 for i in range(n)]
+    ag = _PipeAgent(pages)
+    be = _backend([], [])
+    be.vm, be.max_pages = _PortVM(ag), 1000
+    assert be._raw_pages(0) == (pages, True) and ag.closed
+    assert be.vm.streams == streamed and ag.pages == []
+
+
+def test_the_data_port_takes_no_more_than_max_pages():
+    pages = [bytes([i]) * 4096 for i in range(100)]
+    ag = _PipeAgent(pages)
+    be = _backend([], [])
+    be.vm, be.max_pages = _PortVM(ag), 30
+    assert be._raw_pages(0) == (pages[:30], False)
+    assert be.vm.streams == [26] and len(ag.pages) == 70
 
 
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 131])

@@ -47,6 +47,44 @@ def test_a_drain_cut_short_fails_the_run(vm):
         be.close()
 
 
+def test_a_buffer_past_the_first_window_comes_whole_through_the_data_port(vm, monkeypatch):
+    """The pages past the first window go through the machine's data port (``dd``, raw
+    bytes), as many as ``per_cpu/cpuN/stats`` says are surely there, the rest through the
+    agent: every hit comes back, as the guest counted them, and a drain's page limit
+    still holds."""
+    streamed: list[int] = []
+    real = vm.read_stream
+
+    def spy(cmd, size, **kw):
+        streamed.append(size)
+        return real(cmd, size, **kw)
+
+    monkeypatch.setattr(vm, "read_stream", spy)
+    spec = parse("p:kph/hot do_sys_openat2 path=+0(%si):ustring")
+    for max_pages in (None, 24):
+        be = EventsBackend(vm)
+        try:
+            be.register([spec])
+            if max_pages:
+                be.max_pages = max_pages
+            be.enable()
+            vm.run("taskset 1 sh -c '" + OPENS.format(n=5000) + "'", timeout=300)
+            be.disable()
+            if max_pages:
+                with pytest.raises(GuestLossError, match=r"stopped at 24 page\(s\) per CPU"):
+                    be.collect()
+                assert streamed[-1] == 20 * 4096
+                continue
+            hits = be.collect()
+        finally:
+            be.close()
+        assert streamed and streamed[0] >= 16 * 4096, streamed
+        # each of the loop's opens once, in order of time (a page lost or read twice shows)
+        mine = [h for h in hits if dict(h.args).get("path") == '"/proc/version"']
+        assert len(mine) == 5000 and len({h.pid for h in mine}) == 1, len(mine)
+        print(f"measured: {len(hits)} hits, {streamed[0] // 4096} pages through the data port")
+
+
 def test_a_full_module_buffer_fails_the_run(vm):
     vm.run("rmmod kph_kprobes 2>/dev/null; true")
     be = ModuleBackend(vm, bufsize=4096)

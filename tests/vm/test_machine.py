@@ -50,6 +50,32 @@ def test_push_and_pull_round_trip(vm, tmp_path):
     assert vm.run("stat -c %a /tmp/blob").stdout.strip() == "600"
 
 
+def test_a_command_s_bytes_come_raw_through_the_data_port(vm, tmp_path):
+    data = os.urandom(300_000)
+    (tmp_path / "blob").write_bytes(data)
+    vm.push(tmp_path / "blob", "/tmp/blob")
+    assert vm.has_data_port
+    t0 = time.monotonic()
+    got = vm.read_stream('cat /tmp/blob > "$KPH_DATA"', len(data), timeout=30)
+    print(f"measured: 300,000 bytes through the data port in {time.monotonic() - t0:.3f} s")
+    assert got == data
+    assert vm.read_stream('printf abc > "$KPH_DATA"', 3, timeout=30) == b"abc"
+
+
+def test_a_stream_short_of_its_size_fails_in_seconds_and_leaves_the_port_clean(vm):
+    from harness.errors import GuestExecError, VMLostError
+
+    t0 = time.monotonic()
+    with pytest.raises(VMLostError, match="wrote 5 of 100 bytes to the data port"):
+        vm.read_stream('printf 12345 > "$KPH_DATA"', 100, timeout=30)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(GuestExecError):
+        vm.read_stream('printf xy > "$KPH_DATA"; exit 3', 2, timeout=30)
+    # a stream that wrote more than it said: the next one does not read its rest
+    assert vm.read_stream('printf 123456 > "$KPH_DATA"', 3, timeout=30) == b"123"
+    assert vm.read_stream('printf abcd > "$KPH_DATA"', 4, timeout=30) == b"abcd"
+
+
 def test_a_reused_pid_reads_its_own_output_after_a_command_timed_out(vm):
     """qemu-ga answers guest-exec-status for the first entry with a pid; the command that
     timed out and the kill that ended it must leave none behind. ns_last_pid makes the
@@ -101,7 +127,7 @@ def test_sockets_live_in_a_private_run_dir(vm):
     assert st.st_mode & 0o777 == 0o700
     socks = sorted(p.name for p in vm.rundir.iterdir() if p.suffix == ".sock")
     # plugin.sock: the TCG plugin's control socket (harness.machine.pluginlink), when QEMU loads it
-    assert socks == sorted(["gdb.sock", "qga.sock", "qmp.sock"]
+    assert socks == sorted(["data.sock", "gdb.sock", "qga.sock", "qmp.sock"]
                            + (["plugin.sock"] if vm.plugin_path else []))
     # Nothing of ours listens on TCP.
     cmd = " ".join(vm.command_line())
