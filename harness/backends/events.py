@@ -25,6 +25,7 @@ import heapq
 import logging
 import os
 import shlex
+import weakref
 from typing import Any, Sequence
 
 from ..errors import GuestAgentError, GuestLossError, HarnessError
@@ -263,6 +264,27 @@ def split_dmesg(text: str, mark: str) -> tuple[str | None, str]:
             "" if status.strip() == "0" else None), head + after
 
 
+#: machine -> {format file: its format}: a built-in event's format, read once a machine
+_BUILTIN_FORMATS: "weakref.WeakKeyDictionary[Any, dict[str, EventFormat]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def builtin_format(vm: Any, path: str) -> EventFormat:
+    """The format of a built-in event (``task:task_rename``, ``ftrace:kernel_stack``):
+    read through the agent once per machine (it is the kernel's, the same as long as the
+    kernel runs), where each run read it again (three agent round trips).
+
+    :raise HarnessError: it cannot be read; ValueError: it is not a format."""
+    try:
+        memo = _BUILTIN_FORMATS.setdefault(vm, {})
+    except TypeError:           # a stand-in machine without weak references
+        memo = {}
+    fmt = memo.get(path)
+    if fmt is None:
+        fmt = memo[path] = parse_format(vm.pull(path).decode("utf-8", "replace"))
+    return fmt
+
+
 class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
@@ -440,8 +462,7 @@ class EventsBackend:
         if not mine:
             return
         if self._stack_fmt is None:
-            fmt = parse_format(self.vm.pull(f"{TRACING}/events/ftrace/kernel_stack/format")
-                               .decode("utf-8", "replace"))
+            fmt = builtin_format(self.vm, f"{TRACING}/events/ftrace/kernel_stack/format")
             self._stack_fmt = (fmt.id, fmt.fields["size"].offset, fmt.fields["caller"].offset)
         for name, count in mine.items():
             cmd = "stacktrace" + (f":{count}" if count > 0 else "")
@@ -711,8 +732,7 @@ class EventsBackend:
             return []
         if on and self._rename_fmt is None:
             try:
-                fmt = parse_format(self.vm.pull(f"{self._RENAME}/format")
-                                   .decode("utf-8", "replace"))
+                fmt = builtin_format(self.vm, f"{self._RENAME}/format")
                 self._rename_fmt = (fmt.id, fmt.fields["pid"], fmt.fields["newcomm"])
             except (HarnessError, ValueError, KeyError) as exc:
                 log.warning("no task_rename event: comm-change has no guest evidence (%s)", exc)

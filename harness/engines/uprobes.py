@@ -39,13 +39,14 @@ through the kernel's direct map, walking that mm's page tables, whatever process
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import shlex
 import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import GuestAgentError, HarnessError, ProbeRejectedError
 from ..kernel.elf import ElfImage
@@ -144,13 +145,53 @@ class GuestFile:
     key: tuple[str, ...]
 
 
+#: machine -> {path: its stat} while :func:`one_stat_each` holds for it
+_STATS: "weakref.WeakKeyDictionary[Any, dict[str, GuestFile | None]]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def one_stat_each(vm: Any) -> Iterator[None]:
+    """Within it, :func:`file_stat` asks the guest once per path: for one differential
+    run, whose registration looks at a uprobe's file for its refusal, its ELF, its
+    inode and its place (a ``stat`` is a guest process, ~15 ms under TCG), nothing but
+    the harness's own reads running in the guest in between; a uprobe stays on the
+    inode it was registered on, whatever the workload does to the path later. Nested:
+    the outermost one holds."""
+    try:
+        outer = vm not in _STATS
+    except TypeError:           # a stand-in machine without weak references
+        yield
+        return
+    if outer:
+        _STATS[vm] = {}
+    try:
+        yield
+    finally:
+        if outer:
+            _STATS.pop(vm, None)
+
+
 def file_stat(vm: Any, path: str) -> GuestFile | None:
     """``stat -L`` of ``path`` in the guest (one command), None when there is no such
-    file. A ``stat`` that succeeds and prints nothing is the agent losing its output
-    (seen once under load, kph fuzz on 7.3), not a kind of file: asked again, then an
-    error of the harness, never a kernel's refusal.
+    file; within :func:`one_stat_each`, the one asked first. A ``stat`` that succeeds
+    and prints nothing is the agent losing its output (seen once under load, kph fuzz
+    on 7.3), not a kind of file: asked again, then an error of the harness, never a
+    kernel's refusal.
 
     :raise GuestAgentError: the guest's answer stayed empty or was not stat's."""
+    try:
+        memo = _STATS.get(vm)
+    except TypeError:
+        memo = None
+    if memo is not None and path in memo:
+        return memo[path]
+    got = _file_stat(vm, path)
+    if memo is not None:
+        memo[path] = got
+    return got
+
+
+def _file_stat(vm: Any, path: str) -> GuestFile | None:
     for _ in range(2):
         st = vm.run(f"stat -L -c '%F|%d|%i|%s|%z|%y' {shlex.quote(path)}", timeout=30)
         if st.status != 0:

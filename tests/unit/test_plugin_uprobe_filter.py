@@ -99,3 +99,32 @@ def test_a_programs_elf_is_pulled_again_only_when_its_stat_changes():
     assert cached_elf(a, touched, "/usr/bin/x") is not img and a.pulls == 2
     cached_elf(b, f, "/usr/bin/x")
     assert b.pulls == 1
+
+
+def test_within_one_run_each_file_is_stat_ed_once():
+    """harness.engines.uprobes.one_stat_each: inside it ``file_stat`` asks the guest once
+    per path (a missing file too); outside, and after it, every call asks again."""
+    from types import SimpleNamespace
+
+    from harness.engines.uprobes import file_stat, one_stat_each
+
+    class Vm:
+        def __init__(self):
+            self.asked = []
+
+        def run(self, cmd, **kw):
+            self.asked.append(cmd)
+            if "/nope" in cmd:
+                return SimpleNamespace(status=1, stdout="")
+            return SimpleNamespace(status=0, stdout="regular file|2|310|100|c|m\n")
+
+    vm = Vm()
+    with one_stat_each(vm):
+        assert file_stat(vm, "/bin/x").ino == 310
+        with one_stat_each(vm):             # nested: the outer one's
+            assert file_stat(vm, "/bin/x").ino == 310
+            assert file_stat(vm, "/nope") is None
+        assert file_stat(vm, "/nope") is None and file_stat(vm, "/bin/x").ino == 310
+        assert len(vm.asked) == 2
+    assert file_stat(vm, "/bin/x").ino == 310 and file_stat(vm, "/bin/x").ino == 310
+    assert len(vm.asked) == 4

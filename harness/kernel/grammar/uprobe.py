@@ -151,14 +151,15 @@ def kernel_format_uprobe(spec: ProbeSpec) -> str:
     return f"{head}:{spec.group}/{spec.event} {_target(spec, kernel=True)}{args}"
 
 
-def resolve_symbol(spec: ProbeSpec, elf: bytes) -> ProbeSpec:
-    """``PATH:SYMBOL[+OFFS]`` -> ``PATH:OFFSET`` (file offset), from the ELF's ``.symtab``.
+def resolve_symbol(spec: ProbeSpec, elf: "bytes | ElfImage") -> ProbeSpec:
+    """``PATH:SYMBOL[+OFFS]`` -> ``PATH:OFFSET`` (file offset), from the ELF's ``.symtab``
+    (the file's bytes, or the file parsed already).
 
     :raise ProbeSpecError: when the symbol is not in the file (column of the target).
     """
     if spec.symbol is None:
         return spec
-    img = ElfImage(elf)
+    img = elf if isinstance(elf, ElfImage) else ElfImage(elf)
     try:
         vaddr = img.symbol(spec.symbol) + spec.offset
     except KeyError:
