@@ -14,8 +14,8 @@ EXAMPLES = ["kph upstream export btf-char-ptr --tree 6.12 --out series-1",
             "kph upstream verify 1 --tree 6.12 --kernels stock  # the series' selftest under "
             "ftracetest"]
 VERIFY_EXAMPLES = [EXAMPLES[-1],
-                   "kph upstream verify 1 --tree 6.12 --others  # not run: builds two kernels "
-                   "first (docs/upstream.md)"]
+                   "kph upstream verify 1 --tree 6.12 --others  # every other case too; builds "
+                   "the two kernels when missing (docs/upstream.md)"]
 
 
 def _finding(p: argparse.ArgumentParser) -> None:
