@@ -104,10 +104,11 @@ def test_module_buffer_stats():
 
 
 def test_module_drops_since_the_window_opened_fail_the_run():
+    from types import SimpleNamespace
     be = object.__new__(ModuleBackend)
-    be.side = "module"
+    be.side, be.timeout = "module", 10
     dropped = [5]
-    be._sh = lambda cmd: MSTATS.format(d=dropped[0])
+    be.vm = SimpleNamespace(pull=lambda path, **kw: MSTATS.format(d=dropped[0]).encode())
     be._dropped0 = 5
     be.check_dropped()                      # drops before the window are not the run's
     dropped[0] = 272

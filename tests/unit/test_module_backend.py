@@ -234,6 +234,7 @@ def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monk
     monkeypatch.setattr(be.vm, "pull", lambda path, **kw: ("\n".join(lines) + "\n").encode(),
                         raising=False)
     monkeypatch.setattr(be, "check_dropped", lambda: None)
+    monkeypatch.setattr(be, "buffer_stats_now", lambda: {"records": len(lines)})
     sym = remembered_symbolizer(be.vm.symbols)
     got = be.collect()
     want = [be._hit(parse_events_line(ln), be._placed[int(ln.split()[1])], sym) for ln in lines]
@@ -247,8 +248,43 @@ def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monk
     monkeypatch.setattr(be2.vm, "pull", lambda path, **kw: "\n".join(bad).encode(),
                         raising=False)
     monkeypatch.setattr(be2, "check_dropped", lambda: None)
+    monkeypatch.setattr(be2, "buffer_stats_now", lambda: {"records": len(bad)})
     with pytest.raises(ModuleError, match="unreadable"):
         be2.collect()
+
+
+@pytest.mark.parametrize("records,streamed", [(1999, False), (2000, True)])
+def test_a_big_drain_comes_through_the_data_port(monkeypatch, records, streamed):
+    """From STREAM_RECORDS records on (as ``stats`` counts them) the drain is copied to the
+    guest's /tmp and comes raw through the data port, its size first asked; fewer come
+    through the agent's file API."""
+    import types
+
+    be = ModuleBackend(FakeVM())
+    text = (LINE_PRE + "\n") * 3
+    calls = []
+    be.vm.has_data_port = True
+    monkeypatch.setattr(be.vm, "pull", lambda path, **kw: calls.append(("pull", path))
+                        or text.encode(), raising=False)
+
+    def run(cmd, **kw):
+        calls.append(("run", cmd))
+        return types.SimpleNamespace(stdout=f"{len(text)}\n", status=0)
+
+    def read_stream(cmd, size, **kw):
+        calls.append(("stream", cmd))
+        assert size == len(text) and "$KPH_DATA" in cmd
+        return text.encode()
+
+    monkeypatch.setattr(be.vm, "run", run, raising=False)
+    monkeypatch.setattr(be.vm, "read_stream", read_stream, raising=False)
+    assert be._lines(records) == [LINE_PRE] * 3
+    kinds = [k for k, _ in calls]
+    assert kinds == (["run", "stream"] if streamed else ["pull"])
+    if streamed:
+        tmp = calls[0][1].split("> ")[1].split()[0]
+        assert calls[0][1].startswith("cat /sys/kernel/debug/kph/events > /tmp/")
+        assert f"rm -f {tmp}" in calls[1][1]
 
 
 def test_symbol_lookup_failure_is_enoent(monkeypatch):

@@ -102,6 +102,33 @@ def test_a_full_module_buffer_fails_the_run(vm):
         be.close()
 
 
+def test_a_big_module_drain_comes_whole_through_the_data_port(vm, monkeypatch):
+    """From ModuleBackend.STREAM_RECORDS records on, the module's text drain comes raw
+    through the machine's data port: every one of the loop's opens, once."""
+    streamed: list[int] = []
+    real = vm.read_stream
+
+    def spy(cmd, size, **kw):
+        streamed.append(size)
+        return real(cmd, size, **kw)
+
+    monkeypatch.setattr(vm, "read_stream", spy)
+    vm.run("rmmod kph_kprobes 2>/dev/null; true")
+    be = ModuleBackend(vm)
+    try:
+        be.register([parse(OPEN)])
+        be.enable()
+        vm.run("taskset 1 sh -c '" + OPENS.format(n=3000) + "'", timeout=300)
+        be.disable()
+        hits = be.collect()
+    finally:
+        be.close()
+    assert len(streamed) == 1 and streamed[0] > 3000 * 50, streamed
+    mine = [h for h in hits if dict(h.args).get("path") == '"/proc/version"']
+    assert len(mine) == 3000 and len({h.pid for h in mine}) == 1, len(mine)
+    print(f"measured: {len(hits)} hits, {streamed[0]} bytes of text through the data port")
+
+
 def test_counters_of_two_groups_sharing_an_event_name_stay_apart(vm):
     """kprobe_profile prints ``x`` twice; the counters are g1/x's and g2/x's (through
     dynamic_events' order), not one sum under a bare name."""
