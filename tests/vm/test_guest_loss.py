@@ -19,6 +19,20 @@ OPEN = "p:kph/hot do_sys_openat2 path=+0(%si):ustring"
 OPENS = "i=0; while [ $i -lt {n} ]; do : < /proc/version; i=$((i+1)); done"
 
 
+@pytest.fixture
+def streamed(vm, monkeypatch):
+    """The sizes of the machine's data-port reads (``Machine.read_stream``) in the test."""
+    sizes: list[int] = []
+    real = vm.read_stream
+
+    def spy(cmd, size, **kw):
+        sizes.append(size)
+        return real(cmd, size, **kw)
+
+    monkeypatch.setattr(vm, "read_stream", spy)
+    return sizes
+
+
 def test_a_ring_buffer_that_overflowed_fails_the_differential_run(vm, monkeypatch):
     monkeypatch.setattr(events_mod, "BUFFER_KB", 4)
     with pytest.raises(GuestLossError) as ei:
@@ -47,19 +61,11 @@ def test_a_drain_cut_short_fails_the_run(vm):
         be.close()
 
 
-def test_a_buffer_past_the_first_window_comes_whole_through_the_data_port(vm, monkeypatch):
+def test_a_buffer_past_the_first_window_comes_whole_through_the_data_port(vm, streamed):
     """The pages past the first window go through the machine's data port (``dd``, raw
     bytes), as many as ``per_cpu/cpuN/stats`` says are surely there, the rest through the
     agent: every hit comes back, as the guest counted them, and a drain's page limit
     still holds."""
-    streamed: list[int] = []
-    real = vm.read_stream
-
-    def spy(cmd, size, **kw):
-        streamed.append(size)
-        return real(cmd, size, **kw)
-
-    monkeypatch.setattr(vm, "read_stream", spy)
     spec = parse("p:kph/hot do_sys_openat2 path=+0(%si):ustring")
     for max_pages in (None, 24):
         be = EventsBackend(vm)
@@ -102,17 +108,9 @@ def test_a_full_module_buffer_fails_the_run(vm):
         be.close()
 
 
-def test_a_big_module_drain_comes_whole_through_the_data_port(vm, monkeypatch):
+def test_a_big_module_drain_comes_whole_through_the_data_port(vm, streamed):
     """From ModuleBackend.STREAM_RECORDS records on, the module's text drain comes raw
     through the machine's data port: every one of the loop's opens, once."""
-    streamed: list[int] = []
-    real = vm.read_stream
-
-    def spy(cmd, size, **kw):
-        streamed.append(size)
-        return real(cmd, size, **kw)
-
-    monkeypatch.setattr(vm, "read_stream", spy)
     vm.run("rmmod kph_kprobes 2>/dev/null; true")
     be = ModuleBackend(vm)
     try:
