@@ -504,17 +504,12 @@ class ModuleBackend:
 
     def buffer_stats_now(self) -> dict[str, int]:
         """:func:`buffer_stats` of ``stats`` read now through the agent's file API (no
-        process); an empty read is asked once more, as :meth:`_stats_text` does.
+        process: and none of a process's output for qemu-ga to lose, which
+        :meth:`_stats_text` guards against).
 
         :raise ModuleError: ``stats`` has no buffer line."""
-        text = ""
-        for _ in range(2):
-            text = self.vm.pull(f"{KPH_DIR}/stats", timeout=self.timeout).decode(
-                "utf-8", "replace")
-            if text.strip():
-                break
-            log.info("the module's stats read came back empty: asked again")
-        return buffer_stats(text)
+        return buffer_stats(self.vm.pull(f"{KPH_DIR}/stats", timeout=self.timeout).decode(
+            "utf-8", "replace"))
 
     def is_loaded(self) -> bool:
         out = self.vm.run("cat /proc/modules", check=True, timeout=self.timeout).stdout
