@@ -968,8 +968,9 @@ class Machine:
                 stop.set()
                 raise
             finally:
-                # the bytes are all written when the command ends (virtio_console's write
-                # returns once the host took the buffer); what is in flight comes at once
+                # a port's write() returns with its buffer queued, not taken by the host
+                # (drivers/char/virtio_console.c: port_fops_write() sends it nonblock):
+                # what the command wrote last may come after it ended, within moments
                 reader.join(max(0.0, min(deadline - time.monotonic(), 5.0)) + 0.2)
                 stop.set()
                 reader.join()

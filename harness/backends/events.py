@@ -264,6 +264,13 @@ def split_dmesg(text: str, mark: str) -> tuple[str | None, str]:
             "" if status.strip() == "0" else None), head + after
 
 
+#: files read in one pipelined read (each an open file of qemu-ga until the read's last
+#: wave: its descriptors are limited, 1,024 by default)
+FILES_AT_ONCE = 256
+#: how qemu-ga's failed open of a missing file ends (strerror(ENOENT), qga/commands-posix.c)
+_NO_SUCH_FILE = os.strerror(_errno.ENOENT)
+
+
 #: machine -> {format file: its format}: a built-in event's format, read once a machine
 _BUILTIN_FORMATS: "weakref.WeakKeyDictionary[Any, dict[str, EventFormat]]" = \
     weakref.WeakKeyDictionary()
@@ -419,15 +426,24 @@ class EventsBackend:
         results, _, cpus = text.partition("@cpus\n")
         self._cpus = [int(c[3:]) for c in cpus.split() if c.startswith("cpu") and c[3:].isdigit()]
         # The kprobes list and the formats after the script, through the agent's file
-        # API in one pipelined read: a cat, an ls and a grep in the script were three
+        # API in pipelined reads: a cat, an ls and a grep in the script were three
         # guest processes, ~5 ms each under TCG (issue 39's fuzzing rate). A format that
-        # cannot be read is an event that is not there (refused, or freed by a later
-        # ``-:`` line).
-        got = self.vm.pull_many([KPROBES_LIST] + [f"{TRACING}/events/{n}/format" for n in names],
-                                timeout=_scaled(60, len(names)))
+        # is not there is an event that is not (refused, or freed by a later ``-:``
+        # line); any other failed read is raised, never taken for a missing event.
+        paths = [KPROBES_LIST] + [f"{TRACING}/events/{n}/format" for n in names]
+        got: list[bytes | GuestAgentError] = []
+        for k in range(0, len(paths), FILES_AT_ONCE):
+            got += self.vm.pull_many(paths[k:k + FILES_AT_ONCE],
+                                     timeout=_scaled(60, FILES_AT_ONCE))
         listing = b"" if isinstance(got[0], GuestAgentError) else got[0]
-        formats = {n: None if isinstance(d, GuestAgentError) else d.decode("utf-8", "replace")
-                   for n, d in zip(names, got[1:])}
+        formats: dict[str, str | None] = {}
+        for n, d in zip(names, got[1:]):
+            if isinstance(d, GuestAgentError):
+                if _NO_SUCH_FILE not in str(d):
+                    raise d
+                formats[n] = None
+            else:
+                formats[n] = d.decode("utf-8", "replace")
         out, lines, i = [], results.splitlines(), 0
         for n, spec in enumerate(specs):
             name = f"{spec.group}/{spec.event}"

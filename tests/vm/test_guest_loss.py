@@ -91,6 +91,33 @@ def test_a_buffer_past_the_first_window_comes_whole_through_the_data_port(vm, st
         print(f"measured: {len(hits)} hits, {streamed[0] // 4096} pages through the data port")
 
 
+def test_a_format_read_that_failed_is_raised_not_taken_for_an_event_gone(vm, monkeypatch):
+    """register() reads the events' formats through the agent's file API: only a format
+    that is not there means the event is not (freed by a later ``-:`` line); any other
+    failed read (qemu-ga out of descriptors) is raised, never a probe left out of the
+    comparison."""
+    from harness.errors import GuestAgentError
+
+    real = vm.pull_many
+
+    def failing(paths, **kw):
+        return [GuestAgentError(f"guest-file-open: failed to open file '{p}' (mode: 'r'): "
+                                "Too many open files") if p.endswith("/format") else g
+                for p, g in zip(paths, real(paths, **kw))]
+
+    be = EventsBackend(vm)
+    try:
+        monkeypatch.setattr(vm, "pull_many", failing)
+        with pytest.raises(GuestAgentError, match="Too many open files"):
+            be.register([parse(OPEN)])
+        monkeypatch.undo()
+        out = be.register([parse("p:kph/gone do_sys_openat2"), parse("-:kph/gone")])
+        assert [o.accepted for o in out] == [True, True] and "kph/gone" not in be.specs
+    finally:
+        monkeypatch.undo()
+        be.close()
+
+
 def test_a_full_module_buffer_fails_the_run(vm):
     vm.run("rmmod kph_kprobes 2>/dev/null; true")
     be = ModuleBackend(vm, bufsize=4096)
