@@ -425,6 +425,25 @@ class EventsBackend:
             self.dmesg_at_register, text = split_dmesg(text, self._dmesg_mark)
         results, _, cpus = text.partition("@cpus\n")
         self._cpus = [int(c[3:]) for c in cpus.split() if c.startswith("cpu") and c[3:].isdigit()]
+        # each line's fate first: an event the script added is ours (close() removes
+        # it) even when a read below fails
+        out, lines, i = [], results.splitlines(), 0
+        for n, spec in enumerate(specs):
+            name = f"{spec.group}/{spec.event}"
+            while i < len(lines) and not lines[i].startswith("@"):
+                i += 1
+            status = lines[i] if i < len(lines) else "@err unknown"
+            i += 1
+            detail = []
+            while i < len(lines) and not lines[i].startswith("@") and len(detail) < 3:
+                detail.append(lines[i])
+                i += 1
+            if status == "@ok":
+                if spec.kind != "-":
+                    self.specs.setdefault(name, spec)
+                out.append(Outcome(name, True, index=n))
+            else:
+                out.append(refusal_outcome(name, spec, status, detail, index=n))
         # The kprobes list and the formats after the script, through the agent's file
         # API in pipelined reads: a cat, an ls and a grep in the script were three
         # guest processes, ~5 ms each under TCG (issue 39's fuzzing rate). A format that
@@ -444,23 +463,6 @@ class EventsBackend:
                 formats[n] = None
             else:
                 formats[n] = d.decode("utf-8", "replace")
-        out, lines, i = [], results.splitlines(), 0
-        for n, spec in enumerate(specs):
-            name = f"{spec.group}/{spec.event}"
-            while i < len(lines) and not lines[i].startswith("@"):
-                i += 1
-            status = lines[i] if i < len(lines) else "@err unknown"
-            i += 1
-            detail = []
-            while i < len(lines) and not lines[i].startswith("@") and len(detail) < 3:
-                detail.append(lines[i])
-                i += 1
-            if status == "@ok":
-                if spec.kind != "-":
-                    self.specs.setdefault(name, spec)
-                out.append(Outcome(name, True, index=n))
-            else:
-                out.append(refusal_outcome(name, spec, status, detail, index=n))
         modes = probe_modes(listing.decode("utf-8", "replace"))
         self.outcomes = [self._with_mode(o, specs[o.index], modes) for o in out]
         self._formats = self._parse_formats(formats)
