@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -75,6 +76,10 @@ _PANIC_MARK = b"Kernel panic - not syncing"
 _CONSOLE_KEEP = 1 << 20
 _counter = itertools.count(1)
 _live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
+#: the id of the kernel log reader's port device (QEMU's VSERPORT_CHANGE names it)
+_LOG_DEVICE = "kphlogport"
+#: characters of the kernel log :meth:`Machine.kernel_log` keeps (whole lines)
+KLOG_MAX = 4 << 20
 _plugin_said: set[str] = set()
 #: Host-side engines by name (``vm.host``), registered by their modules when imported.
 HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
@@ -168,8 +173,6 @@ def probe_accel(qemu: QemuBinary, accel: str, kernel: Path | None = None, *,
     try:
         os.set_blocking(proc.stdout.fileno(), False)
         while b"Linux version" not in out and time.monotonic() - t0 < timeout:
-            import select
-
             select.select([proc.stdout], [], [], 0.05)
             chunk = proc.stdout.read() or b""
             out += chunk
@@ -247,6 +250,14 @@ class Machine:
         #: our end of the guest's data port (:meth:`read_stream`), connected at start
         self._data: socket.socket | None = None
         self._data_lock = threading.Lock()
+        #: our end of the kernel log reader's port (:meth:`kernel_log`), connected at start;
+        #: whether the guest's reader holds it open (QEMU's VSERPORT_CHANGE, or the snapshot's
+        #: record of it); the log read through it so far (None: not read yet)
+        self._log: socket.socket | None = None
+        self._log_lock = threading.Lock()
+        self._log_open = False
+        self._log_ids = itertools.count(1)
+        self._klog: str | None = None
         self._loop: LoopThread | None = None
         self._qmp: Any = None
         self._panicked = threading.Event()
@@ -456,14 +467,14 @@ class Machine:
     def machine_args(self) -> list[str]:
         """The guest-visible part of the command line, without this machine's name, run
         directory or descriptors: what a snapshot's key records as machine options."""
-        args = self._args({"qmp": 3, "qga": 4, "gdb": 5, "data": 7}, Path("RUNDIR"))
+        args = self._args({"qmp": 3, "qga": 4, "gdb": 5, "data": 7, "log": 8}, Path("RUNDIR"))
         i = args.index("-name")
         return args[:i] + args[i + 2:]
 
     def command_line(self, fds: dict[str, int] | None = None) -> list[str]:
         """The exact QEMU argv (``fds`` maps qmp/qga/gdb/data to the descriptors QEMU
         inherits)."""
-        args = self._args(fds or {"qmp": 3, "qga": 4, "gdb": 5, "data": 7},
+        args = self._args(fds or {"qmp": 3, "qga": 4, "gdb": 5, "data": 7, "log": 8},
                           self.rundir or Path("RUNDIR"))
         mem = None
         if self.ram_file is not None:  # building a snapshot: the guest's RAM is the file
@@ -492,6 +503,10 @@ class Machine:
                 # raw bytes from the guest to the host (Machine.read_stream), no agent
                 "-chardev", f"socket,id=kphdata0,fd={fds['data']},server=on,wait=off",
                 "-device", f"virtserialport,bus=vs0.0,chardev=kphdata0,name={C.DATA_PORT}",
+                # the guest's kernel log, read by kph-klogd (Machine.kernel_log)
+                "-chardev", f"socket,id=kphlog0,fd={fds['log']},server=on,wait=off",
+                "-device", f"virtserialport,bus=vs0.0,chardev=kphlog0,id={_LOG_DEVICE},"
+                           f"name={C.LOG_PORT}",
                 "-chardev", f"socket,id=gdb0,fd={fds['gdb']},server=on,wait=off",
                 "-gdb", "chardev:gdb0",
                 "-device", "pvpanic-pci",
@@ -515,7 +530,7 @@ class Machine:
         _live.add(self)
         reap_stale_run_dirs()
         self.rundir = make_run_dir(self.name)
-        for key in ("qmp", "qga", "gdb", "data") + (("plugin",) if self.plugin_path else ()):
+        for key in ("qmp", "qga", "gdb", "data", "log") + (("plugin",) if self.plugin_path else ()):
             self._socks[key] = listen_unix(self.rundir / f"{key}.sock")
         fds = {k: s.fileno() for k, s in self._socks.items()}
         console = self.rundir / "console.log"
@@ -548,6 +563,10 @@ class Machine:
         # the guest's writes (virtio_console.c: will_write_block())
         self._data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._data.connect(str(self.rundir / "data.sock"))
+        self._log = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._log.connect(str(self.rundir / "log.sock"))
+        # restored: the reader held its port when the snapshot was saved (no event then)
+        self._log_open = bool(self.snapshot is not None and self.snapshot.meta.get("log_reader"))
         if self.snapshot is not None:
             self.qmp("migrate-set-capabilities",
                      {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
@@ -596,6 +615,8 @@ class Machine:
 
     def _on_event(self, name: str, data: dict[str, Any]) -> None:
         self.events.append((time.time(), name, data))
+        if name == "VSERPORT_CHANGE" and data.get("id") == _LOG_DEVICE:
+            self._log_open = bool(data.get("open"))
         del self.events[:-200]
         self.log.debug("<-- event %s %s", name, data)
         if name == "GUEST_PANICKED":
@@ -667,6 +688,9 @@ class Machine:
             if self._data is not None:
                 self._data.close()
                 self._data = None
+            if self._log is not None:
+                self._log.close()
+                self._log = None
             proc = self.proc
             if proc is not None and proc.poll() is None and self.aborting:
                 proc.kill()
@@ -980,6 +1004,95 @@ class Machine:
                               f"the data port within {timeout:.0f} s"
                               + (f" ({failed[0]})" if failed else ""), self.console_tail())
         return bytes(buf)
+
+    @property
+    def has_log_reader(self) -> bool:
+        """Whether :meth:`kernel_log` reads through the guest's kph-klogd (else ``dmesg``)."""
+        return self._log is not None and self._log_open and self.state is VmState.RUNNING
+
+    def kernel_log(self, *, timeout: float = C.RUN_TIMEOUT) -> str:
+        """The guest's kernel log as its ``dmesg`` prints it.
+
+        Read through kph-klogd (probes/progs/klogd.c) on the machine's log port: no guest
+        process, and only the records printed since the last read are formatted, where a
+        ``dmesg`` is a fork and formats every record (~13 ms under TCG, twice a run: the
+        kernel watch's two edges, ``harness.machine.kwatch``). The text is every line
+        read on this machine from its first read on, the last :data:`KLOG_MAX`
+        characters (whole lines); the kernel's own buffer may have dropped some of them
+        since. Without the reader (an initramfs of one's own, or a reader that did not
+        answer once): ``dmesg`` in the guest.
+
+        :raise GuestExecError: ``dmesg`` failed.
+        :raise VMLostError: no answer within ``timeout`` (the reader is not asked again).
+        """
+        self._require_running()
+        if not self.has_log_reader:
+            r = self.run("dmesg", timeout=timeout)
+            if r.status != 0:
+                raise GuestExecError("dmesg", r.status, r.stdout, r.stderr)
+            return r.stdout
+        with self._log_lock:
+            sock = self._log
+            assert sock is not None
+            ident = next(self._log_ids)
+            try:
+                text = self._log_answer(sock, ident, timeout)
+            except VMLostError:
+                self._log_open = False      # out of step with it: dmesg from now on
+                self._klog = None
+                raise
+            got = (self._klog or "") + text
+            if len(got) > KLOG_MAX:
+                cut = got.find("\n", len(got) - KLOG_MAX)
+                got = got[cut + 1:] if cut >= 0 else got[-KLOG_MAX:]
+            self._klog = got
+            return got
+
+    def _log_answer(self, sock: socket.socket, ident: int, timeout: float) -> str:
+        """Ask kph-klogd (``a``: from the buffer's first record, on the first read; ``n``:
+        since its last answer) and read its answer, ``KPHLOG ID LEN`` and LEN bytes."""
+        deadline = time.monotonic() + timeout
+        sock.setblocking(False)
+        try:            # nothing is in flight between two reads: anything here is stray
+            while sock.recv(1 << 16):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            raise VMLostError(f"{self.name}: the kernel log port broke: {exc}") from exc
+        req = f"{'a' if self._klog is None else 'n'} {ident}\n".encode()
+        buf = bytearray()
+        want: int | None = None
+        try:
+            sock.sendall(req)
+            while want is None or len(buf) < want:
+                self._check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise VMLostError(f"{self.name}: the guest's kernel log reader did not "
+                                      f"answer in {timeout:.0f} s", self.console_tail())
+                r, _, _ = select.select([sock], [], [], min(left, 0.05))
+                if not r:
+                    continue
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise VMLostError(f"{self.name}: the kernel log port closed")
+                buf += chunk
+                if want is None and b"\n" in buf:
+                    head, _, rest = bytes(buf).partition(b"\n")
+                    parts = head.split()
+                    if len(parts) != 3 or parts[:2] != [b"KPHLOG", str(ident).encode()] \
+                            or not parts[2].isdigit():
+                        raise VMLostError(f"{self.name}: the kernel log reader answered "
+                                          f"{head[:80]!r} to request {ident}")
+                    want = int(parts[2])
+                    buf = bytearray(rest)
+        except OSError as exc:
+            raise VMLostError(f"{self.name}: the kernel log port broke: {exc}") from exc
+        if len(buf) != want:
+            raise VMLostError(f"{self.name}: the kernel log reader sent {len(buf)} bytes "
+                              f"past the {want} it announced")
+        return buf.decode("utf-8", "replace")
 
     def push(self, local: str | os.PathLike[str], guest_path: str, *, mode: int | None = None,
              timeout: float = C.RUN_TIMEOUT) -> None:

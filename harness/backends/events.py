@@ -240,30 +240,6 @@ def _scaled(base: float, lines: int) -> float:
     return base + 0.5 * lines
 
 
-def dmesg_script(mark: str) -> str:
-    """Shell that prints ``dmesg`` between two lines of ``mark`` (the second with
-    dmesg's exit status), for :func:`split_dmesg`."""
-    return f"echo {mark}; dmesg; echo \"{mark} $?\""
-
-
-def split_dmesg(text: str, mark: str) -> tuple[str | None, str]:
-    """``(dmesg, the rest of text)`` of a script's output holding :func:`dmesg_script`'s;
-    dmesg None when it is not there or failed (a kernel line cannot be the mark: dmesg
-    prints each after its ``[time]`` or ``<level>``)."""
-    head, sep, rest = text.partition(mark + "\n")
-    if not sep:
-        return None, text
-    body, sep, tail = rest.partition("\n" + mark + " ")
-    if not sep:
-        if rest.startswith(mark + " "):         # dmesg printed nothing at all
-            body, tail = "", rest[len(mark) + 1:]
-        else:
-            return None, text
-    status, _, after = tail.partition("\n")
-    return (body + "\n" if body and status.strip() == "0" else
-            "" if status.strip() == "0" else None), head + after
-
-
 #: files read in one pipelined read (each an open file of qemu-ga until the read's last
 #: wave: its descriptors are limited, 1,024 by default)
 FILES_AT_ONCE = 256
@@ -321,13 +297,6 @@ class EventsBackend:
         #: of each rename, the evidence the diff's ``comm-change`` rule needs
         self._rename_fmt: tuple[int, Any, Any] | None = None
         self._trigger_files: dict[str, int] = {}
-        #: set by the runner: register()'s script reads ``dmesg`` first and close()'s
-        #: last, for its kernel watch (``KernelWatch.baseline``, ``finish(now=)``) in the
-        #: guest processes the run starts anyway; what they read (None: not read)
-        self.kernel_log = False
-        self.dmesg_at_register: str | None = None
-        self.dmesg_after_close: str | None = None
-        self._dmesg_mark = f"@kph-dmesg-{os.urandom(6).hex()}"
         #: (event, counter, address): its per-cpu nhit words and its nmissed words
         self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
         self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
@@ -379,9 +348,7 @@ class EventsBackend:
         self._after = None
         TraceLayer(self.vm).sync_modules(specs)     # module addresses of this boot
         kb = int(self.buffer_kb)
-        # the kernel's log before anything of this run reaches the kernel (kernel_log)
-        script = [dmesg_script(self._dmesg_mark)] if self.kernel_log else []
-        script += [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
+        script = [f"cd {TRACING}", "echo 0 > tracing_on", "echo > trace",
                   f"read -r kb rest < buffer_size_kb; [ \"$kb\" = {kb} ] || "
                   f"echo {kb} > buffer_size_kb"]
         # Shell builtins only on a refusal's path (read, case: a fork costs ~5 ms under
@@ -421,8 +388,6 @@ class EventsBackend:
         names = list(dict.fromkeys([*self.specs, *(f"{s.group}/{s.event}" for s in specs
                                                     if s.kind != "-")]))
         text = self._sh("\n".join(script), timeout=_scaled(120, len(specs) + len(names)))
-        if self.kernel_log:
-            self.dmesg_at_register, text = split_dmesg(text, self._dmesg_mark)
         results, _, cpus = text.partition("@cpus\n")
         self._cpus = [int(c[3:]) for c in cpus.split() if c.startswith("cpu") and c[3:].isdigit()]
         # each line's fate first: an event the script added is ours (close() removes
@@ -1073,9 +1038,5 @@ class EventsBackend:
             cmds.append(f"echo 0 > {shlex.quote(f'{TRACING}/events/{spec.group}/{spec.event}/enable')}")
             cmds.append(f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {TRACING}/{_events_file(spec)}")
         cmds.append(f"echo > {TRACING}/trace; echo 1 > {TRACING}/tracing_on")
-        if self.kernel_log:     # the kernel's log after everything of the run, removals too
-            cmds.append(dmesg_script(self._dmesg_mark))
-        out = self.vm.run("; ".join(cmds), timeout=_scaled(60, len(self.specs))).stdout
-        if self.kernel_log:
-            self.dmesg_after_close = split_dmesg(out, self._dmesg_mark)[0]
+        self.vm.run("; ".join(cmds), timeout=_scaled(60, len(self.specs)))
         self.specs.clear()

@@ -140,19 +140,15 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     (``KernelPanicFinding``, ``GuestHangError``), and each side says which dynamic events
     its lines left (``SideResult.events_left``: ``--guest events`` and the host model).
     """
-    # With --guest events, dmesg is read by the guest's own registration and removal
-    # scripts, at the same two edges (EventsBackend.kernel_log): two processes fewer
-    watch = KernelWatch(vm, baseline_later=guest == "events")
-    closed: dict[str, str | None] = {}
+    watch = KernelWatch(vm)
     # a uprobe's file is stat-ed once a run (its refusal, its ELF, its inode, its place):
     # the run's view of each file, as a registered uprobe keeps the inode it was given
     with watch.watching(), one_stat_each(vm):
         host, guest_res = _differential(vm, specs, workload, guest=guest, hook=hook,
                                         timeout=timeout, progress=progress, triggers=triggers,
                                         post_handler=post_handler, raw_kprobes=raw_kprobes,
-                                        registrations_only=registrations_only, watch=watch,
-                                        closed=closed)
-        splats = watch.finish(now=closed.get("dmesg"))
+                                        registrations_only=registrations_only)
+        splats = watch.finish()
     return (dataclasses.replace(host, splats=splats),
             dataclasses.replace(guest_res, splats=splats))
 
@@ -188,12 +184,7 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                   guest: str, hook: FetchHook | None, timeout: float,
                   progress: ProgressFn | None, triggers: Mapping[str, int] | None,
                   post_handler: bool = False, raw_kprobes: bool = False,
-                  registrations_only: bool = False, watch: KernelWatch | None = None,
-                  closed: dict[str, str | None] | None = None
-                  ) -> tuple[SideResult, SideResult]:
-    """``watch``/``closed``: the run's kernel watch, given the guest's dmesg before the
-    window by ``--guest events``' registration, and the dmesg its removal read (in
-    ``closed["dmesg"]``)."""
+                  registrations_only: bool = False) -> tuple[SideResult, SideResult]:
     specs = resolve_uprobes(vm, specs)
     trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
                                              if s.kind != "-"])
@@ -213,8 +204,6 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                          "trace_kprobe's checks)", "use --guest module with --raw-kprobes")
     g = make_backend(guest, vm, post_handler=post_handler)
     g.raw_kprobes = raw_kprobes
-    if watch is not None and hasattr(g, "kernel_log"):
-        g.kernel_log = True
     if trig:
         g.triggers = trig
     h: Any = None
@@ -231,8 +220,6 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         say(progress, f"registering {len(specs)} probe line(s): {h.side} and {guest}")
         h_out = h.register(specs)
         g_out = g.register(specs)
-        if watch is not None:
-            watch.baseline(getattr(g, "dmesg_at_register", None))
         if registrations_only:
             return SideResult(h.side, h_out), SideResult(g.side, g_out)
         vm.host.invalidate_code()
@@ -300,8 +287,6 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         if h is not None:
             h.close()
         g.close()
-        if closed is not None:
-            closed["dmesg"] = getattr(g, "dmesg_after_close", None)
 
 
 def preempt_model(vm: Machine, text: str | None = None) -> str | None:

@@ -12,8 +12,9 @@ Every verb's run goes through :class:`KernelWatch` (``harness.diff.runner``,
 Two sources, because the default command line has ``quiet``: the console's loglevel is
 then 4, and a message is printed on the console only below it: ``BUG:``, ``Oops`` and the
 panic (KERN_ALERT, KERN_EMERG) reach it, a ``WARN()``'s ``WARNING:`` (KERN_WARNING, 4)
-does not. So ``dmesg`` is read through the agent too, before the window (its last line
-is the mark) and after it. The splats themselves are found by ``harness.kernel.splat``.
+does not. So the kernel's log is read too, before the window (its last line is the mark)
+and after it, as ``dmesg`` prints it (``Machine.kernel_log``: the guest's kph-klogd, no
+guest process). The splats themselves are found by ``harness.kernel.splat``.
 """
 from __future__ import annotations
 
@@ -60,15 +61,11 @@ class KernelWatch:
     """What the kernel printed from :meth:`start` on (``watching()`` starts it)."""
 
     def __init__(self, vm: Machine, *, dmesg: bool = True,
-                 timeout: float = DMESG_TIMEOUT, baseline_later: bool = False) -> None:
-        """``baseline_later``: :meth:`start` marks the console only, and the caller gives
-        the ``dmesg`` before the window with :meth:`baseline`, read by its own first guest
-        command (``EventsBackend.register``'s script: one guest process fewer a run)."""
+                 timeout: float = DMESG_TIMEOUT) -> None:
         self.vm = vm
         self.dmesg = dmesg
         self.timeout = timeout
         self.mark: int | None = None
-        self._later = baseline_later
         self._dmesg_before: str | None = None
         self._before: list[Splat] = []
 
@@ -76,32 +73,16 @@ class KernelWatch:
         if not self.dmesg or self.vm.aborting:
             return None
         try:
-            r = self.vm.run("dmesg", timeout=self.timeout)
+            return self.vm.kernel_log(timeout=self.timeout)
         except HarnessError as exc:     # a guest that cannot answer: the console still tells
             log.info("dmesg not read: %s", str(exc).splitlines()[0])
             return None
-        return r.stdout if r.status == 0 else None
 
     def start(self) -> None:
         """Mark the console and read ``dmesg``: what they hold now was printed before the
         window (boot, or an earlier run on this machine), and is reported as such."""
         self.mark = self.vm.console_mark()
-        if not self._later:
-            self._dmesg_before = self._read_dmesg()
-        self._set_before()
-
-    def baseline(self, text: str | None) -> None:
-        """With ``baseline_later``: ``text``, the guest's ``dmesg`` read before anything
-        of the window reached the guest, is the mark (None: it could not be read, as when
-        :meth:`start`'s read fails: all of the last ``dmesg`` is the window's). Else
-        nothing: :meth:`start` read it."""
-        if not self._later:
-            return
-        self._later = False
-        self._dmesg_before = text
-        self._set_before()
-
-    def _set_before(self) -> None:
+        self._dmesg_before = self._read_dmesg()
         self._before = merge(
             find_splats(self.vm.console_since(0, self.mark or 0), source="console",
                         before=True),
@@ -110,23 +91,12 @@ class KernelWatch:
     def _during_console(self) -> list[Splat]:
         return find_splats(self.vm.console_since(self.mark or 0), source="console")
 
-    def finish(self, *, dmesg: bool = True, now: str | None = None) -> tuple[Splat, ...]:
+    def finish(self, *, dmesg: bool = True) -> tuple[Splat, ...]:
         """Every splat: those printed before the window, then those during it (console and
-        ``dmesg``, each once; ``dmesg=False``: the console only, for a guest known gone).
-        ``now``: the guest's ``dmesg`` at the window's end, read by the caller's last guest
-        command (``EventsBackend.close``'s script); None: read here.
-
-        :raise HarnessError: ``baseline_later`` and no :meth:`baseline` given (a caller's
-            mistake: every kernel line would count as the window's)."""
+        ``dmesg``, each once; ``dmesg=False``: the console only, for a guest known gone)."""
         if self.mark is None:
             self.start()
-        if self._later:
-            raise HarnessError("KernelWatch(baseline_later=True) finished without its "
-                               "baseline() (the dmesg before the window)")
-        if not dmesg:
-            now = None
-        elif now is None:
-            now = self._read_dmesg()
+        now = self._read_dmesg() if dmesg else None
         fresh = [] if now is None else find_splats(dmesg_after(self._dmesg_before, now),
                                                    source="dmesg")
         return tuple(self._before + merge(self._during_console(), fresh))
@@ -200,9 +170,7 @@ class KernelWatch:
             # what ran out may be the workload or any request before or after it (its
             # own words say which): not "the workload" unless it was
             why = f"the guest did not finish in time ({first}); the guest agent still answers"
-            # no baseline yet (baseline_later, lost before the caller's first guest
-            # command): the window's part of dmesg is not known, the console's is
-            now = None if self._later else self._read_dmesg()
+            now = self._read_dmesg()
             if now is not None:
                 fresh = find_splats(dmesg_after(self._dmesg_before, now), source="dmesg")
         else:

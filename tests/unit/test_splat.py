@@ -188,7 +188,8 @@ def test_event_lists_compared_after_the_run():
 
 
 class _FakeVM:
-    """What KernelWatch reads of a Machine: the console, run(), qmp(), the process."""
+    """What KernelWatch reads of a Machine: the console, kernel_log(), run(), qmp(), the
+    process."""
 
     def __init__(self, *, status="running", answers=True, alive=True, dmesg="[    1.0] boot\n",
                  busy=False):
@@ -216,6 +217,9 @@ class _FakeVM:
         if not self.answers:
             raise VMLostError("guest agent did not answer in time")
         return types.SimpleNamespace(status=0, stdout=self.dmesg if cmd == "dmesg" else "")
+
+    def kernel_log(self, timeout=0):
+        return self.run("dmesg", timeout).stdout
 
     def qmp(self, cmd, timeout=0):
         return {"status": self.status}
@@ -328,54 +332,3 @@ def test_host_busy_is_a_share_of_the_window_held_not_a_stop_now_and_then():
     m._host_held.clear()
     m._host_held.extend((at - k, 0.004) for k in range(10))                 # one a second
     assert not m.host_busy(at)
-
-
-def test_a_watch_given_its_dmesg_by_the_runs_own_scripts_splits_before_and_during():
-    """KernelWatch(baseline_later=True) (--guest events: the registration script reads
-    dmesg first, the removal script last): no guest command of its own, the same split
-    as a watch that reads dmesg itself; finishing without the baseline is an error,
-    never every kernel line counted as the run's; a hang before the baseline reports
-    no dmesg line as the run's."""
-    import pytest
-    from harness.errors import HarnessError, VMLostError
-    from harness.machine.kwatch import KernelWatch
-
-    class Counting(_FakeVM):
-        def run(self, cmd, timeout=0):
-            self.runs = getattr(self, "runs", 0) + 1
-            return super().run(cmd, timeout)
-
-    vm = Counting(dmesg="[    1.0] boot\n" + WARN)     # a WARN from before the run
-    w = KernelWatch(vm, baseline_later=True)
-    with w.watching():
-        w.baseline(vm.dmesg)
-        vm.dmesg += "[   13.0] WARNING: CPU: 0 PID: 7 at kernel/x.c:1 f+0x0/0x10\n"
-        splats = w.finish(now=vm.dmesg)
-    assert getattr(vm, "runs", 0) == 0
-    assert [(s.before, s.title) for s in splats] == [
-        (True, WARN.splitlines()[1].split("] ", 1)[1]),
-        (False, "WARNING: CPU: 0 PID: 7 at kernel/x.c:1 f+0x0/0x10")]
-
-    w = KernelWatch(Counting(), baseline_later=True)
-    w.start()
-    with pytest.raises(HarnessError, match="baseline"):
-        w.finish(now="[    1.0] boot\n")
-
-    vm = Counting(dmesg="[    1.0] boot\n" + WARN)
-    w = KernelWatch(vm, baseline_later=True)
-    with pytest.raises(GuestHangError) as ei:
-        with w.watching():
-            raise VMLostError("guest command ['/bin/sh'] did not finish within 3 s")
-    assert [s.verdict for s in ei.value.splats if not s.before] == ["HANG"]
-
-
-def test_the_scripts_dmesg_is_cut_out_of_their_output():
-    from harness.backends.events import dmesg_script, split_dmesg
-
-    mark = "@kph-dmesg-0a1b"
-    assert dmesg_script(mark) == f'echo {mark}; dmesg; echo "{mark} $?"'
-    out = f"{mark}\n[    1.0] a\n[    2.0] b\n{mark} 0\n@ok\n@list\n"
-    assert split_dmesg(out, mark) == ("[    1.0] a\n[    2.0] b\n", "@ok\n@list\n")
-    assert split_dmesg(f"x\n{mark}\n{mark} 0\n@ok\n", mark) == ("", "x\n@ok\n")
-    assert split_dmesg(f"{mark}\n{mark} 1\n@ok\n", mark) == (None, "@ok\n")   # dmesg failed
-    assert split_dmesg("@ok\n", mark) == (None, "@ok\n")                      # not there

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from harness.errors import GuestPanicError, SetupError, StateError
+from harness.errors import GuestPanicError, SetupError, StateError, VMLostError
 from harness.vmctl import Machine, VmState
 
 pytestmark = pytest.mark.vm
@@ -76,6 +76,47 @@ def test_a_stream_short_of_its_size_fails_in_seconds_and_leaves_the_port_clean(v
     assert vm.read_stream('printf abcd > "$KPH_DATA"', 4, timeout=30) == b"abcd"
 
 
+def test_the_kernel_log_reader_prints_what_dmesg_prints_and_adds_what_is_new(vm):
+    """``Machine.kernel_log`` through kph-klogd (probes/progs/klogd.c) prints the guest's
+    log as its ``dmesg`` does, multi-line and escaped records included (/dev/kmsg's
+    ``\\xHH`` undone), and each read adds what was printed since the last."""
+    assert vm.has_log_reader
+    before = vm.kernel_log(timeout=30)
+    assert before.endswith(vm.run("dmesg", check=True).stdout)   # equal unless it wrapped
+    vm.run(r"printf 'kph one\nkph two \\ b\001c\n' > /dev/kmsg; echo 'kph three' > /dev/kmsg",
+           check=True)
+    after = vm.kernel_log(timeout=30)
+    assert after.startswith(before) and after.endswith(vm.run("dmesg", check=True).stdout)
+    new = after[len(before):].splitlines()
+    assert [ln.split("] ", 1)[1] for ln in new] == ["kph one", "kph two \\ b\x01c", "kph three"]
+    assert new[0].split("] ", 1)[0] == new[1].split("] ", 1)[0]     # one record's two lines
+    assert vm.kernel_log(timeout=30) == after
+
+
+def test_a_kernel_log_reader_gone_or_silent_leaves_dmesg_to_read_it(default_image):
+    """A reader that stops answering is a VMLostError within the read's timeout, then
+    never asked again; one that exits closes its port (QEMU's VSERPORT_CHANGE): either
+    way the log is then read with ``dmesg`` in the guest."""
+    with Machine.boot(default_image) as m:
+        assert m.has_log_reader
+        assert m.kernel_log(timeout=30) == m.run("dmesg", check=True).stdout
+        m.run("kill -STOP $(pidof kph-klogd)", check=True)
+        t0 = time.monotonic()
+        with pytest.raises(VMLostError, match="kernel log reader did not answer"):
+            m.kernel_log(timeout=2)
+        assert time.monotonic() - t0 < 5 and not m.has_log_reader
+        m.run("echo 'kph after' > /dev/kmsg", check=True)
+        text = m.kernel_log(timeout=30)
+        assert text == m.run("dmesg", check=True).stdout and "kph after" in text
+    with Machine.boot(default_image) as m:
+        m.run("kill $(pidof kph-klogd)", check=True)
+        deadline = time.monotonic() + 10
+        while m.has_log_reader and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not m.has_log_reader
+        assert m.kernel_log(timeout=30) == m.run("dmesg", check=True).stdout
+
+
 def test_a_reused_pid_reads_its_own_output_after_a_command_timed_out(vm):
     """qemu-ga answers guest-exec-status for the first entry with a pid; the command that
     timed out and the kill that ended it must leave none behind. ns_last_pid makes the
@@ -127,7 +168,7 @@ def test_sockets_live_in_a_private_run_dir(vm):
     assert st.st_mode & 0o777 == 0o700
     socks = sorted(p.name for p in vm.rundir.iterdir() if p.suffix == ".sock")
     # plugin.sock: the TCG plugin's control socket (harness.machine.pluginlink), when QEMU loads it
-    assert socks == sorted(["data.sock", "gdb.sock", "qga.sock", "qmp.sock"]
+    assert socks == sorted(["data.sock", "gdb.sock", "log.sock", "qga.sock", "qmp.sock"]
                            + (["plugin.sock"] if vm.plugin_path else []))
     # Nothing of ours listens on TCP.
     cmd = " ".join(vm.command_line())

@@ -1,0 +1,241 @@
+/* kph-klogd: the guest's kernel log, as `dmesg` prints it, on the machine's log port.
+ *
+ * `dmesg` is a process (a fork under TCG) and formats the whole log buffer each time
+ * (syslog(SYSLOG_ACTION_READ_ALL): every record, ~10 ms of guest time for a freshly booted
+ * guest's 250 records under TCG), and the harness reads it twice a run, before and after
+ * the run's window (harness/machine/kwatch.py). This daemon, started by the image's init
+ * before the guest agent, holds /dev/kmsg open, so each answer formats only the records
+ * printed since the last one (kernel/printk/printk.c: devkmsg_read(), a reader's own
+ * sequence number), and no process is made.
+ *
+ * The port is the virtio-serial port named org.kprobe_harness.log.0. A request is one
+ * line, "a ID" (every record from the first the buffer still holds: lseek(SEEK_SET),
+ * devkmsg_llseek()) or "n ID" (the records since the last answer); the answer is the line
+ * "KPHLOG ID LEN" and LEN bytes of text. A record is printed as syslog(READ_ALL) prints
+ * it less the "<level>" that busybox's dmesg strips: each line of its text after the
+ * prefix "[%5lu.%06lu] " (printk_time on; info_print_prefix(), print_time()), then
+ * "[%6s]" of the caller with CONFIG_PRINTK_CALLER (print_caller()); devkmsg_read()'s
+ * escapes (\xHH for a control character, a byte >= 127 and the backslash:
+ * msg_add_ext_text()) are undone. Records the buffer overwrote before they were read
+ * (EPIPE) are gone, as they are from dmesg.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PORT_NAME "org.kprobe_harness.log.0"
+
+static char *out;
+static size_t out_len, out_cap;
+
+static void put(const char *s, size_t n)
+{
+	if (out_len + n > out_cap) {
+		size_t cap = out_cap ? out_cap : 1 << 16;
+
+		while (cap < out_len + n)
+			cap *= 2;
+		out = realloc(out, cap);
+		if (!out)
+			exit(2);
+		out_cap = cap;
+	}
+	memcpy(out + out_len, s, n);
+	out_len += n;
+}
+
+static int find_port(char *path, size_t size)
+{
+	DIR *d = opendir("/sys/class/virtio-ports");
+	struct dirent *e;
+	int found = 0;
+
+	if (!d)
+		return 0;
+	while (!found && (e = readdir(d))) {
+		char f[512], name[128];
+		FILE *fp;
+
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(f, sizeof(f), "/sys/class/virtio-ports/%s/name", e->d_name);
+		fp = fopen(f, "r");
+		if (!fp)
+			continue;
+		if (fgets(name, sizeof(name), fp)) {
+			name[strcspn(name, "\n")] = 0;
+			if (!strcmp(name, PORT_NAME)) {
+				snprintf(path, size, "/dev/%s", e->d_name);
+				found = 1;
+			}
+		}
+		fclose(fp);
+	}
+	closedir(d);
+	return found;
+}
+
+static int printk_time(void)
+{
+	char c = 'Y';
+	int fd = open("/sys/module/printk/parameters/time", O_RDONLY);
+
+	if (fd >= 0) {
+		if (read(fd, &c, 1) != 1)
+			c = 'Y';
+		close(fd);
+	}
+	return c == 'Y' || c == 'y' || c == '1';
+}
+
+static int hexval(char c)
+{
+	if (c >= '0' && c <= '9')
+		return c - '0';
+	if (c >= 'a' && c <= 'f')
+		return c - 'a' + 10;
+	if (c >= 'A' && c <= 'F')
+		return c - 'A' + 10;
+	return -1;
+}
+
+/* One /dev/kmsg record: "PRI,SEQ,TS_USEC,FLAGS[,caller=X];TEXT\n" then " KEY=VALUE"
+ * lines (msg_print_ext_body()'s device properties), which dmesg does not print. */
+static void format_record(char *rec, size_t n, int with_time)
+{
+	char *semi = memchr(rec, ';', n), *p, *end, prefix[64];
+	unsigned long long ts = 0;
+	char caller[32] = "";
+	size_t plen = 0;
+	int field = 0;
+
+	if (!semi)
+		return;
+	*semi = 0;
+	for (p = strtok(rec, ","); p; p = strtok(NULL, ","), field++) {
+		if (field == 2)
+			ts = strtoull(p, NULL, 10);
+		else if (!strncmp(p, "caller=", 7))
+			snprintf(caller, sizeof(caller), "%s", p + 7);
+	}
+	if (with_time)
+		plen = snprintf(prefix, sizeof(prefix), "[%5llu.%06llu]", ts / 1000000, ts % 1000000);
+	if (caller[0])
+		plen += snprintf(prefix + plen, sizeof(prefix) - plen, "[%6s]", caller);
+	if (with_time || caller[0])
+		prefix[plen++] = ' ';
+	p = semi + 1;
+	end = memchr(p, '\n', rec + n - p);
+	if (!end)
+		end = rec + n;
+	put(prefix, plen);
+	while (p < end) {
+		char c = *p++;
+
+		if (c == '\\' && end - p >= 3 && p[0] == 'x' && hexval(p[1]) >= 0 &&
+		    hexval(p[2]) >= 0) {
+			c = (char)(hexval(p[1]) * 16 + hexval(p[2]));
+			p += 3;
+		}
+		put(&c, 1);
+		if (c == '\n')
+			put(prefix, plen);
+	}
+	put("\n", 1);
+}
+
+static void drain(int kmsg)
+{
+	static char rec[16384];
+	int with_time = printk_time();
+
+	for (;;) {
+		ssize_t n = read(kmsg, rec, sizeof(rec) - 1);
+
+		if (n < 0) {
+			if (errno == EPIPE || errno == EINTR)
+				continue;       /* EPIPE: overwritten records; the next is readable */
+			break;                  /* EAGAIN: nothing more */
+		}
+		if (n == 0)
+			break;
+		rec[n] = 0;
+		format_record(rec, (size_t)n, with_time);
+	}
+}
+
+static int write_all(int fd, const char *p, size_t n)
+{
+	while (n) {
+		ssize_t w = write(fd, p, n);
+
+		if (w < 0) {
+			if (errno == EINTR || errno == EAGAIN)
+				continue;
+			return -1;
+		}
+		p += w;
+		n -= (size_t)w;
+	}
+	return 0;
+}
+
+int main(void)
+{
+	char path[300], req[512], head[96];
+	size_t have = 0;
+	int port = -1, kmsg, i;
+
+	for (i = 0; i < 500 && port < 0; i++) {     /* the port appears with virtio_console */
+		if (find_port(path, sizeof(path)))
+			port = open(path, O_RDWR);
+		if (port < 0)
+			usleep(10000);
+	}
+	if (port < 0) {
+		fprintf(stderr, "kph-klogd: no port named %s\n", PORT_NAME);
+		return 1;
+	}
+	kmsg = open("/dev/kmsg", O_RDONLY | O_NONBLOCK);
+	if (kmsg < 0) {
+		perror("kph-klogd: /dev/kmsg");
+		return 1;
+	}
+	for (;;) {
+		ssize_t n = read(port, req + have, sizeof(req) - 1 - have);
+		char *nl;
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {           /* the host end is not connected: wait for it */
+			usleep(100000);
+			continue;
+		}
+		have += (size_t)n;
+		while ((nl = memchr(req, '\n', have))) {
+			size_t len = (size_t)(nl - req) + 1;
+			unsigned long id = 0;
+
+			*nl = 0;
+			if ((req[0] == 'a' || req[0] == 'n') && req[1] == ' ') {
+				id = strtoul(req + 2, NULL, 10);
+				if (req[0] == 'a')
+					lseek(kmsg, 0, SEEK_SET);
+				out_len = 0;
+				drain(kmsg);
+				snprintf(head, sizeof(head), "KPHLOG %lu %zu\n", id, out_len);
+				if (write_all(port, head, strlen(head)) < 0 ||
+				    write_all(port, out, out_len) < 0)
+					usleep(100000);
+			}
+			memmove(req, req + len, have - len);
+			have -= len;
+		}
+		if (have == sizeof(req) - 1)    /* a line longer than any request: dropped */
+			have = 0;
+	}
+}
