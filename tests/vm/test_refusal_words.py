@@ -120,9 +120,28 @@ def test_the_guest_s_event_names_are_its_event_directories(machine):
                                              timeout=60, check=True).stdout)
     names = guest_event_names(machine)
     assert names == listed() and "ftrace/function" in names and "sched/sched_switch" in names
-    machine.run("echo 'p:kph/late vfs_write' >> /sys/kernel/tracing/kprobe_events", check=True)
+    # available_events is read again only when a dynamic event or a module came or went
+    pulls: list[str] = []
+    pull = machine.pull
+    machine.pull = lambda path, **kw: (pulls.append(path), pull(path, **kw))[1]
     try:
-        assert "kph/late" in guest_event_names(machine)
-        assert guest_event_names(machine) == listed()
+        assert guest_event_names(machine) == names and pulls == []
+        machine.run("echo 'p:kph/late vfs_write' >> /sys/kernel/tracing/kprobe_events",
+                    check=True)
+        try:
+            assert "kph/late" in guest_event_names(machine)
+            assert guest_event_names(machine) == listed()
+            assert len(pulls) == 1
+        finally:
+            machine.run("echo '-:kph/late' >> /sys/kernel/tracing/kprobe_events", check=True)
+        assert guest_event_names(machine) == names == listed() and len(pulls) == 2
+        loaded = "kph_kprobes " in machine.run("cat /proc/modules", check=True).stdout
+        machine.run("rmmod kph_kprobes" if loaded else "insmod /lib/modules/kph_kprobes.ko",
+                    check=True, timeout=60)
+        try:
+            assert guest_event_names(machine) == listed() and len(pulls) == 3   # a module
+        finally:
+            machine.run("insmod /lib/modules/kph_kprobes.ko" if loaded else "rmmod kph_kprobes",
+                        check=True, timeout=60)
     finally:
-        machine.run("echo '-:kph/late' >> /sys/kernel/tracing/kprobe_events", check=True)
+        del machine.pull
