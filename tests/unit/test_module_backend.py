@@ -188,6 +188,9 @@ class FakeVM:
     def pull(self, path, **kw):
         return b""
 
+    def pull_many(self, paths, **kw):
+        return [b"" for _ in paths]
+
     def refresh_module_symbols(self):
         return []
 
