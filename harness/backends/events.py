@@ -25,7 +25,6 @@ import heapq
 import logging
 import os
 import shlex
-import weakref
 from typing import Any, Sequence
 
 from ..errors import GuestAgentError, GuestLossError, HarnessError
@@ -33,6 +32,7 @@ from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
+from ..machine.memo import PerMachine
 from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
                               parse_format, parse_stats, read_pages, record_excess, ring_loss,
@@ -248,8 +248,7 @@ _NO_SUCH_FILE = os.strerror(_errno.ENOENT)
 
 
 #: machine -> {format file: its format}: a built-in event's format, read once a machine
-_BUILTIN_FORMATS: "weakref.WeakKeyDictionary[Any, dict[str, EventFormat]]" = \
-    weakref.WeakKeyDictionary()
+_BUILTIN_FORMATS: PerMachine[str, EventFormat] = PerMachine()
 
 
 def builtin_format(vm: Any, path: str) -> EventFormat:
@@ -258,14 +257,8 @@ def builtin_format(vm: Any, path: str) -> EventFormat:
     kernel runs), where each run read it again (three agent round trips).
 
     :raise HarnessError: it cannot be read; ValueError: it is not a format."""
-    try:
-        memo = _BUILTIN_FORMATS.setdefault(vm, {})
-    except TypeError:           # a stand-in machine without weak references
-        memo = {}
-    fmt = memo.get(path)
-    if fmt is None:
-        fmt = memo[path] = parse_format(vm.pull(path).decode("utf-8", "replace"))
-    return fmt
+    return _BUILTIN_FORMATS.get(
+        vm, path, lambda: parse_format(vm.pull(path).decode("utf-8", "replace")))
 
 
 class EventsBackend:

@@ -51,6 +51,7 @@ from ..records import Hit, Outcome
 from ..kernel.ringbuf import EventFormat, parse_format
 from ..kernel.rules import rules_for
 from ..machine.image.facts import kernel_view
+from ..machine.memo import PerMachine
 from ..vmctl import Machine
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,7 @@ def uprobe_file_refusal(vm: Machine, spec: ProbeSpec) -> Refusal | None:
 
 
 #: (machine, tracefs file) -> (its loaded modules, the file's lines)
-_FTRACE_FILES: "weakref.WeakKeyDictionary[Any, dict[str, tuple[frozenset[str], list[str]]]]" = \
-    weakref.WeakKeyDictionary()
+_FTRACE_FILES: PerMachine[str, tuple[frozenset[str], list[str]]] = PerMachine()
 
 
 #: (snapshot directory, tracefs file, loaded modules) -> the file's lines, for machines
@@ -103,7 +103,7 @@ def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> l
     from one snapshot share one read per set of loaded modules (0.4-0.7 s a read of
     6.1's or 6.12's 40,000 lines through the agent, once per test before), kept in the
     snapshot for later processes (``Machine.kept``: 0.25 s a ``kph`` command)."""
-    cache = _FTRACE_FILES.setdefault(vm, {})
+    cache = _FTRACE_FILES.table(vm)
     got = cache.get(name)
     if got is not None and got[0] == modules:
         return got[1]

@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import GuestAgentError, HarnessError, ProbeRejectedError
 from ..kernel.elf import ElfImage
+from ..machine.memo import PerMachine
 from ..kernel.kprobes import Kprobe, ProbeFlags, PtRegs
 
 log = logging.getLogger(__name__)
@@ -215,8 +216,7 @@ def file_type(vm: Any, path: str) -> str | None:
 #: machine -> (GuestFile.key -> the program's ELF): a program pulled once per machine
 #: while it stays the same file (kph fuzz places uprobes in kph-loop, 0.75 MB, at one
 #: example in three: ~0.1 s a pull under TCG)
-_ELF_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], ElfImage]]" = \
-    weakref.WeakKeyDictionary()
+_ELF_CACHE: PerMachine[tuple[str, ...], ElfImage] = PerMachine()
 #: programs kept per machine
 ELF_CACHE_MAX = 16
 
@@ -227,10 +227,7 @@ def cached_elf(vm: Any, f: GuestFile, path: str) -> ElfImage:
 
     :raise ProbeRejectedError: it cannot be read (-ENOENT).
     :raise UprobeNeverFires: it is not an ELF file (-EINVAL)."""
-    try:
-        cache = _ELF_CACHE.setdefault(vm, {})
-    except TypeError:           # a stand-in machine without weak references
-        cache = {}
+    cache = _ELF_CACHE.table(vm)
     img = cache.get(f.key)
     if img is not None:
         return img
