@@ -16,8 +16,9 @@ MAX_INLINE_CMD = 120_000
 #: the name of the guest's virtio-serial port whose bytes go raw to the host
 #: (``Machine.read_stream``)
 DATA_PORT = "org.kprobe_harness.data.0"
-#: the port of the guest's kernel log reader, kph-klogd (``Machine.kernel_log``)
-LOG_PORT = "org.kprobe_harness.log.0"
+#: the port of the guest's kph-reader: its kernel log and files (``Machine.kernel_log``,
+#: ``Machine.pull_many``)
+READER_PORT = "org.kprobe_harness.reader.0"
 #: A recorded or replayed run (harness.machine.replay), QEMU start to the end; a replay runs ~1.3x
 #: longer than its recording.
 RR_TIMEOUT = 120.0

@@ -13,7 +13,7 @@ Two sources, because the default command line has ``quiet``: the console's logle
 then 4, and a message is printed on the console only below it: ``BUG:``, ``Oops`` and the
 panic (KERN_ALERT, KERN_EMERG) reach it, a ``WARN()``'s ``WARNING:`` (KERN_WARNING, 4)
 does not. So the kernel's log is read too, before the window (its last line is the mark)
-and after it, as ``dmesg`` prints it (``Machine.kernel_log``: the guest's kph-klogd, no
+and after it, as ``dmesg`` prints it (``Machine.kernel_log``: the guest's kph-reader, no
 guest process). The splats themselves are found by ``harness.kernel.splat``.
 """
 from __future__ import annotations

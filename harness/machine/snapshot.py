@@ -255,7 +255,7 @@ def build(m: Snapshottable, key: dict[str, Any], why: str, say: Callable[[str], 
         tmp.mkdir()
         try:
             t0 = time.monotonic()
-            boot_s, log_reader = _save(m, tmp)
+            boot_s, reader = _save(m, tmp)
             for name in ("ram", "state"):
                 os.chmod(tmp / name, 0o444)
             meta = {
@@ -263,9 +263,9 @@ def build(m: Snapshottable, key: dict[str, Any], why: str, say: Callable[[str], 
                 "built": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "built_unix": time.time(),
                 "boot_seconds": round(boot_s, 2),
-                # the guest's kernel log reader held its port (Machine.kernel_log): a
-                # restored machine gets no event saying so
-                "log_reader": log_reader,
+                # the guest's kph-reader held its port (Machine.has_reader): a restored
+                # machine gets no event saying so
+                "reader": reader,
                 "files": {n: {"size": (tmp / n).stat().st_size} for n in ("ram", "state")},
             }
             meta["files"]["state"]["sha256"] = file_sha256(tmp / "state")
@@ -287,7 +287,7 @@ def build(m: Snapshottable, key: dict[str, Any], why: str, say: Callable[[str], 
 
 def _save(m: Snapshottable, out: Path) -> tuple[float, bool]:
     """Cold-boot a twin of ``m`` whose RAM is ``out/ram``; migrate its devices to
-    ``out/state``. Returns its boot time and whether its kernel log reader was there."""
+    ``out/state``. Returns its boot time and whether its kph-reader was there."""
     twin = m.twin(ram_file=out / "ram", name=f"{m.name}-snap")
     with twin:
         twin.start(timeout=C.BOOT_TIMEOUT)
@@ -297,7 +297,7 @@ def _save(m: Snapshottable, out: Path) -> tuple[float, bool]:
         twin.run("i=0; until grep -qs '(sleep) S 1 ' /proc/[0-9]*/stat || [ $i -ge 300 ]; do "
                  "usleep 10000; i=$((i + 1)); done", check=True)
         twin.run("true", check=True)
-        log_reader = bool(twin.has_log_reader)
+        reader = bool(twin.has_reader)
         twin.qmp("migrate-set-capabilities",
                  {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
         twin.qmp("migrate", {"uri": f"file:{out / 'state'}"})
@@ -311,7 +311,7 @@ def _save(m: Snapshottable, out: Path) -> tuple[float, bool]:
                 raise VMError(f"{twin.name}: saving the snapshot {status or 'timed out'}: "
                               f"{st.get('error-desc', '')}", twin.console_tail())
             time.sleep(0.01)
-        return float(twin.boot_seconds), log_reader
+        return float(twin.boot_seconds), reader
 
 
 def snapshots_of(image: Any) -> list[Snapshot]:

@@ -1,6 +1,7 @@
 """Machine against the real default image: commands, files, failures, teardown."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from harness.errors import GuestPanicError, SetupError, StateError, VMLostError
+from harness.errors import GuestAgentError, GuestPanicError, SetupError, StateError, VMLostError
 from harness.vmctl import Machine, VmState
 
 pytestmark = pytest.mark.vm
@@ -77,10 +78,10 @@ def test_a_stream_short_of_its_size_fails_in_seconds_and_leaves_the_port_clean(v
 
 
 def test_the_kernel_log_reader_prints_what_dmesg_prints_and_adds_what_is_new(vm):
-    """``Machine.kernel_log`` through kph-klogd (probes/progs/klogd.c) prints the guest's
+    """``Machine.kernel_log`` through kph-reader (probes/progs/reader.c) prints the guest's
     log as its ``dmesg`` does, multi-line and escaped records included (/dev/kmsg's
     ``\\xHH`` undone), and each read adds what was printed since the last."""
-    assert vm.has_log_reader
+    assert vm.has_reader
     before = vm.kernel_log(timeout=30)
     assert before.endswith(vm.run("dmesg", check=True).stdout)   # equal unless it wrapped
     vm.run(r"printf 'kph one\nkph two \\ b\001c\n' > /dev/kmsg; echo 'kph three' > /dev/kmsg",
@@ -93,27 +94,55 @@ def test_the_kernel_log_reader_prints_what_dmesg_prints_and_adds_what_is_new(vm)
     assert vm.kernel_log(timeout=30) == after
 
 
-def test_a_kernel_log_reader_gone_or_silent_leaves_dmesg_to_read_it(default_image):
+def test_files_read_by_the_reader_are_what_the_agent_reads_errors_in_its_words(vm, tmp_path):
+    """``Machine.pull_many`` through kph-reader: one request for many files, each the
+    bytes the agent's file calls give (a file of several MiB, procfs, tracefs, a pipe
+    with nothing in it) or the same error, in qemu-ga's words (the caller reads the
+    strerror in them: a missing format file is an event that is not)."""
+    assert vm.has_reader
+    big = os.urandom(3 << 20)
+    (tmp_path / "big").write_bytes(big)
+    vm.push(str(tmp_path / "big"), "/tmp/kph-big")
+    paths = ["/tmp/kph-big", "/proc/version", "/proc/modules", "/sys/kernel/tracing/available_events",
+             "/sys/kernel/tracing/events/sched/sched_switch/format", "/sys/kernel/tracing/nosuch",
+             "/sys/kernel/tracing/trace_pipe", "/sys/kernel/tracing/events", "/etc/kph/modules.load"]
+    mine = vm.pull_many(paths, timeout=60)
+    agents = vm.agent.read_files(paths, timeout=60)
+    assert mine[0] == big and "Linux version" in mine[1].decode()
+    for path, a, b in zip(paths, mine, agents):
+        if isinstance(b, GuestAgentError):
+            assert isinstance(a, GuestAgentError), (path, a[:80])
+            assert str(b).split(": ")[-1] == str(a).split(": ")[-1], (path, str(a), str(b))
+        else:
+            assert a == b, path
+    assert os.strerror(errno.ENOENT) in str(mine[5]) and os.strerror(errno.EAGAIN) in str(mine[6])
+    assert vm.pull("/proc/version") == mine[1]
+    with pytest.raises(GuestAgentError, match=os.strerror(errno.ENOENT)):
+        vm.pull("/nosuch")
+
+
+def test_a_reader_gone_or_silent_leaves_dmesg_and_the_agent_to_read(default_image):
     """A reader that stops answering is a VMLostError within the read's timeout, then
     never asked again; one that exits closes its port (QEMU's VSERPORT_CHANGE): either
-    way the log is then read with ``dmesg`` in the guest."""
+    way the log is then read with ``dmesg`` in the guest, files with the agent."""
     with Machine.boot(default_image) as m:
-        assert m.has_log_reader
+        assert m.has_reader
         assert m.kernel_log(timeout=30) == m.run("dmesg", check=True).stdout
-        m.run("kill -STOP $(pidof kph-klogd)", check=True)
+        m.run("kill -STOP $(pidof kph-reader)", check=True)
         t0 = time.monotonic()
-        with pytest.raises(VMLostError, match="kernel log reader did not answer"):
+        with pytest.raises(VMLostError, match="reader .kph-reader. did not answer"):
             m.kernel_log(timeout=2)
-        assert time.monotonic() - t0 < 5 and not m.has_log_reader
+        assert time.monotonic() - t0 < 5 and not m.has_reader
         m.run("echo 'kph after' > /dev/kmsg", check=True)
         text = m.kernel_log(timeout=30)
         assert text == m.run("dmesg", check=True).stdout and "kph after" in text
+        assert m.pull_many(["/proc/version"])[0].startswith(b"Linux version")   # the agent
     with Machine.boot(default_image) as m:
-        m.run("kill $(pidof kph-klogd)", check=True)
+        m.run("kill $(pidof kph-reader)", check=True)
         deadline = time.monotonic() + 10
-        while m.has_log_reader and time.monotonic() < deadline:
+        while m.has_reader and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not m.has_log_reader
+        assert not m.has_reader
         assert m.kernel_log(timeout=30) == m.run("dmesg", check=True).stdout
 
 
@@ -168,7 +197,7 @@ def test_sockets_live_in_a_private_run_dir(vm):
     assert st.st_mode & 0o777 == 0o700
     socks = sorted(p.name for p in vm.rundir.iterdir() if p.suffix == ".sock")
     # plugin.sock: the TCG plugin's control socket (harness.machine.pluginlink), when QEMU loads it
-    assert socks == sorted(["data.sock", "gdb.sock", "log.sock", "qga.sock", "qmp.sock"]
+    assert socks == sorted(["data.sock", "gdb.sock", "qga.sock", "qmp.sock", "reader.sock"]
                            + (["plugin.sock"] if vm.plugin_path else []))
     # Nothing of ours listens on TCP.
     cmd = " ".join(vm.command_line())

@@ -1,23 +1,30 @@
-/* kph-klogd: the guest's kernel log, as `dmesg` prints it, on the machine's log port.
+/* kph-reader: the guest's kernel log, as `dmesg` prints it, and whole files, on the
+ * machine's reader port, with no process made and no guest agent request.
  *
  * `dmesg` is a process (a fork under TCG) and formats the whole log buffer each time
  * (syslog(SYSLOG_ACTION_READ_ALL): every record, ~10 ms of guest time for a freshly booted
  * guest's 250 records under TCG), and the harness reads it twice a run, before and after
- * the run's window (harness/machine/kwatch.py). This daemon, started by the image's init
- * before the guest agent, holds /dev/kmsg open, so each answer formats only the records
- * printed since the last one (kernel/printk/printk.c: devkmsg_read(), a reader's own
- * sequence number), and no process is made.
+ * the run's window (harness/machine/kwatch.py). A file read through qemu-ga is three
+ * requests (open, read, close), each ~0.5 ms of the guest's one vCPU. This daemon,
+ * started by the image's init before the guest agent, holds /dev/kmsg open, so each log
+ * answer formats only the records printed since the last one (kernel/printk/printk.c:
+ * devkmsg_read(), a reader's own sequence number), and reads files with plain syscalls.
  *
- * The port is the virtio-serial port named org.kprobe_harness.log.0. A request is one
- * line, "a ID" (every record from the first the buffer still holds: lseek(SEEK_SET),
- * devkmsg_llseek()) or "n ID" (the records since the last answer); the answer is the line
- * "KPHLOG ID LEN" and LEN bytes of text. A record is printed as syslog(READ_ALL) prints
- * it less the "<level>" that busybox's dmesg strips: each line of its text after the
- * prefix "[%5lu.%06lu] " (printk_time on; info_print_prefix(), print_time()), then
- * "[%6s]" of the caller with CONFIG_PRINTK_CALLER (print_caller()); devkmsg_read()'s
- * escapes (\xHH for a control character, a byte >= 127 and the backslash:
- * msg_add_ext_text()) are undone. Records the buffer overwrote before they were read
- * (EPIPE) are gone, as they are from dmesg.
+ * The port is the virtio-serial port named org.kprobe_harness.reader.0. A request is one
+ * line: "a ID" (the log from the first record the buffer still holds:
+ * lseek(SEEK_SET), devkmsg_llseek()), "n ID" (the records since the last answer), or
+ * "f ID N" followed by N lines, each a path. The answer is the line "KPH ID LEN" and LEN
+ * bytes: the log's text, or for each file "D 0 LEN\n" and its bytes, "O ERRNO 0\n" when
+ * open() failed or "R ERRNO 0\n" when a read() did (what was read is dropped, as qemu-ga's
+ * guest-file-read drops it). Files are opened O_NONBLOCK, as qemu-ga opens them, so a
+ * file with nothing to read yet fails with EAGAIN rather than hold the daemon.
+ *
+ * A log record is printed as syslog(READ_ALL) prints it less the "<level>" that busybox's
+ * dmesg strips: each line of its text after the prefix "[%5lu.%06lu] " (printk_time on;
+ * info_print_prefix(), print_time()), then "[%6s]" of the caller with
+ * CONFIG_PRINTK_CALLER (print_caller()); devkmsg_read()'s escapes (\xHH for a control
+ * character, a byte >= 127 and the backslash: msg_add_ext_text()) are undone. Records
+ * the buffer overwrote before they were read (EPIPE) are gone, as they are from dmesg.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -27,7 +34,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#define PORT_NAME "org.kprobe_harness.log.0"
+#define PORT_NAME "org.kprobe_harness.reader.0"
+/* the most a file may hold (a larger one fails with EFBIG) */
+#define FILE_MAX (256 << 20)
 
 static char *out;
 static size_t out_len, out_cap;
@@ -168,6 +177,48 @@ static void drain(int kmsg)
 	}
 }
 
+static void read_file(const char *path)
+{
+	char head[64];
+	size_t at = out_len;
+	ssize_t n;
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC), err = 0;
+
+	if (fd < 0) {
+		snprintf(head, sizeof(head), "O %d 0\n", errno);
+		put(head, strlen(head));
+		return;
+	}
+	put("D 0 0000000000\n", 15);           /* the length is filled in below */
+	for (;;) {
+		char buf[65536];
+
+		n = read(fd, buf, sizeof(buf));
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0) {
+			err = errno;
+			break;
+		}
+		if (n == 0)
+			break;
+		if (out_len - at - 15 + (size_t)n > FILE_MAX) {
+			err = EFBIG;
+			break;
+		}
+		put(buf, (size_t)n);
+	}
+	close(fd);
+	if (err) {
+		out_len = at;
+		snprintf(head, sizeof(head), "R %d 0\n", err);
+		put(head, strlen(head));
+		return;
+	}
+	snprintf(head, sizeof(head), "D 0 %010zu", out_len - at - 15);
+	memcpy(out + at, head, 14);
+}
+
 static int write_all(int fd, const char *p, size_t n)
 {
 	while (n) {
@@ -184,10 +235,21 @@ static int write_all(int fd, const char *p, size_t n)
 	return 0;
 }
 
+static void answer(int port, unsigned long id)
+{
+	char head[64];
+
+	snprintf(head, sizeof(head), "KPH %lu %zu\n", id, out_len);
+	if (write_all(port, head, strlen(head)) < 0 || write_all(port, out, out_len) < 0)
+		usleep(100000);
+}
+
 int main(void)
 {
-	char path[300], req[512], head[96];
+	static char req[16384];
+	char path[300];
 	size_t have = 0;
+	unsigned long id = 0, files = 0;        /* an "f" request's paths still to come */
 	int port = -1, kmsg, i;
 
 	for (i = 0; i < 500 && port < 0; i++) {     /* the port appears with virtio_console */
@@ -197,12 +259,12 @@ int main(void)
 			usleep(10000);
 	}
 	if (port < 0) {
-		fprintf(stderr, "kph-klogd: no port named %s\n", PORT_NAME);
+		fprintf(stderr, "kph-reader: no port named %s\n", PORT_NAME);
 		return 1;
 	}
 	kmsg = open("/dev/kmsg", O_RDONLY | O_NONBLOCK);
 	if (kmsg < 0) {
-		perror("kph-klogd: /dev/kmsg");
+		perror("kph-reader: /dev/kmsg");
 		return 1;
 	}
 	for (;;) {
@@ -218,19 +280,27 @@ int main(void)
 		have += (size_t)n;
 		while ((nl = memchr(req, '\n', have))) {
 			size_t len = (size_t)(nl - req) + 1;
-			unsigned long id = 0;
 
 			*nl = 0;
-			if ((req[0] == 'a' || req[0] == 'n') && req[1] == ' ') {
+			if (files) {
+				read_file(req);
+				if (--files == 0)
+					answer(port, id);
+			} else if ((req[0] == 'a' || req[0] == 'n') && req[1] == ' ') {
 				id = strtoul(req + 2, NULL, 10);
 				if (req[0] == 'a')
 					lseek(kmsg, 0, SEEK_SET);
 				out_len = 0;
 				drain(kmsg);
-				snprintf(head, sizeof(head), "KPHLOG %lu %zu\n", id, out_len);
-				if (write_all(port, head, strlen(head)) < 0 ||
-				    write_all(port, out, out_len) < 0)
-					usleep(100000);
+				answer(port, id);
+			} else if (req[0] == 'f' && req[1] == ' ') {
+				char *end;
+
+				id = strtoul(req + 2, &end, 10);
+				files = strtoul(end, NULL, 10);
+				out_len = 0;
+				if (!files)
+					answer(port, id);
 			}
 			memmove(req, req + len, have - len);
 			have -= len;
