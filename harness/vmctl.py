@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 
 from . import constants as C
 from .machine.image import facts as F
-from .machine.agent import GuestAgent
+from .machine.agent import STALL_AFTER, GuestAgent
 from .aio import LoopThread, qmp_connect
 from .errors import (GuestAgentError, GuestExecError, GuestPanicError, GuestShutdownError,
                      GuestStoppedError, HandlerError, HarnessError, SetupError, StateError,
@@ -258,6 +258,8 @@ class Machine:
         self._reader_lock = threading.Lock()
         self._reader_open = False
         self._reader_ids = itertools.count(1)
+        self._reader_buf = bytearray()      # what came of an answer not read yet
+        self._reader_skip = 0               # bytes still to drop of an answer given up on
         self._klog: str | None = None
         self._loop: LoopThread | None = None
         self._qmp: Any = None
@@ -1056,53 +1058,64 @@ class Machine:
             self._reader_open = False
             self._klog = None
             raise
+        except BaseException:
+            # left unanswered (a guest that cannot run): its answer comes later and is
+            # skipped, so the log is read whole again next time, none of it lost
+            self._klog = None
+            raise
 
     def _reader_answer(self, sock: socket.socket, ident: int, head: str,
                        lines: Sequence[str], timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        sock.setblocking(False)
-        try:            # nothing is in flight between two requests: anything here is stray
-            while sock.recv(1 << 16):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError as exc:
-            raise VMLostError(f"{self.name}: the reader's port broke: {exc}") from exc
-        req = "".join(f"{ln}\n" for ln in (head, *lines)).encode()
-        buf = bytearray()
-        want: int | None = None
+        """Send the request, then read the answer to ``ident``: what comes before it is an
+        earlier request's answer, one a call gave up on, dropped as it arrives (its bytes
+        counted in ``_reader_skip`` across calls, its rest kept in ``_reader_buf``)."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        buf = self._reader_buf
         try:
             sock.setblocking(True)
-            sock.sendall(req)
+            sock.sendall("".join(f"{ln}\n" for ln in (head, *lines)).encode())
             sock.setblocking(False)
-            while want is None or len(buf) < want:
+            want: int | None = None
+            while True:
+                if self._reader_skip:
+                    n = min(self._reader_skip, len(buf))
+                    del buf[:n]
+                    self._reader_skip -= n
+                while not self._reader_skip and want is None and b"\n" in buf:
+                    line = bytes(buf[:buf.index(b"\n")])
+                    parts = line.split()
+                    if len(parts) != 3 or parts[0] != b"KPH" or not parts[1].isdigit() \
+                            or not parts[2].isdigit() or int(parts[1]) > ident:
+                        raise VMLostError(f"{self.name}: the reader answered {line[:80]!r} "
+                                          f"to request {ident}")
+                    del buf[:len(line) + 1]
+                    if int(parts[1]) == ident:
+                        want = int(parts[2])
+                    else:
+                        self._reader_skip = int(parts[2])
+                        n = min(self._reader_skip, len(buf))
+                        del buf[:n]
+                        self._reader_skip -= n
+                if want is not None and len(buf) >= want:
+                    out = bytes(buf[:want])
+                    del buf[:want]
+                    return out
                 self._check()
+                if time.monotonic() - t0 >= STALL_AFTER:
+                    self._stall_check()     # a guest that cannot run: said at once
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise VMLostError(f"{self.name}: the guest's reader (kph-reader) did not "
                                       f"answer in {timeout:.0f} s", self.console_tail())
                 r, _, _ = select.select([sock], [], [], min(left, 0.05))
-                if not r:
-                    continue
-                chunk = sock.recv(1 << 20)
-                if not chunk:
-                    raise VMLostError(f"{self.name}: the reader's port closed")
-                buf += chunk
-                if want is None and b"\n" in buf:
-                    line, _, rest = bytes(buf).partition(b"\n")
-                    parts = line.split()
-                    if len(parts) != 3 or parts[:2] != [b"KPH", str(ident).encode()] \
-                            or not parts[2].isdigit():
-                        raise VMLostError(f"{self.name}: the reader answered {line[:80]!r} "
-                                          f"to request {ident}")
-                    want = int(parts[2])
-                    buf = bytearray(rest)
+                if r:
+                    chunk = sock.recv(1 << 20)
+                    if not chunk:
+                        raise VMLostError(f"{self.name}: the reader's port closed")
+                    buf += chunk
         except OSError as exc:
             raise VMLostError(f"{self.name}: the reader's port broke: {exc}") from exc
-        if len(buf) != want:
-            raise VMLostError(f"{self.name}: the reader sent {len(buf)} bytes past the "
-                              f"{want} it announced")
-        return bytes(buf)
 
     def _reader_files(self, paths: list[str], timeout: float) -> list[bytes | GuestAgentError]:
         """:meth:`pull_many` through kph-reader: one request, each file's bytes or the

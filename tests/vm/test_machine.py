@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from harness.errors import GuestAgentError, GuestPanicError, SetupError, StateError, VMLostError
+from harness.errors import (GuestAgentError, GuestPanicError, GuestStoppedError, SetupError,
+                            StateError, VMLostError)
 from harness.vmctl import Machine, VmState
 
 pytestmark = pytest.mark.vm
@@ -124,10 +125,20 @@ def test_files_read_by_the_reader_are_what_the_agent_reads_errors_in_its_words(v
 def test_a_reader_gone_or_silent_leaves_dmesg_and_the_agent_to_read(default_image):
     """A reader that stops answering is a VMLostError within the read's timeout, then
     never asked again; one that exits closes its port (QEMU's VSERPORT_CHANGE): either
-    way the log is then read with ``dmesg`` in the guest, files with the agent."""
+    way the log is then read with ``dmesg`` in the guest, files with the agent. A guest
+    that is not running is a GuestStoppedError within seconds, the reader kept."""
     with Machine.boot(default_image) as m:
         assert m.has_reader
         assert m.kernel_log(timeout=30) == m.run("dmesg", check=True).stdout
+        m.qmp("stop")           # a guest that cannot run is said at once, the reader kept
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(GuestStoppedError):
+                m.kernel_log(timeout=30)
+            assert time.monotonic() - t0 < 10
+        finally:
+            m.qmp("cont")
+        assert m.has_reader and m.pull("/proc/version").startswith(b"Linux version")
         m.run("kill -STOP $(pidof kph-reader)", check=True)
         t0 = time.monotonic()
         with pytest.raises(VMLostError, match="reader .kph-reader. did not answer"):
