@@ -475,8 +475,8 @@ class Machine:
         return args[:i] + args[i + 2:]
 
     def command_line(self, fds: dict[str, int] | None = None) -> list[str]:
-        """The exact QEMU argv (``fds`` maps qmp/qga/gdb/data to the descriptors QEMU
-        inherits)."""
+        """The exact QEMU argv (``fds`` maps qmp/qga/gdb/data/reader to the descriptors
+        QEMU inherits)."""
         args = self._args(fds or {"qmp": 3, "qga": 4, "gdb": 5, "data": 7, "reader": 8},
                           self.rundir or Path("RUNDIR"))
         mem = None
@@ -1046,8 +1046,10 @@ class Machine:
 
     def _ask_reader(self, request: str, timeout: float, lines: Sequence[str] = ()) -> bytes:
         """Send kph-reader ``request`` (``a``, ``n`` or ``f``) with its id and ``lines``
-        after it, and read its answer, ``KPH ID LEN`` and LEN bytes. Any failure leaves
-        the reader out of step: it is not asked again (``has_reader`` False)."""
+        after it, and read its answer, ``KPH ID LEN`` and LEN bytes. A VMLostError (no
+        answer in time, a broken port, an answer out of step) and the reader is not asked
+        again (``has_reader`` False); after any other error (a guest that cannot run) its
+        answer is still to come, and is skipped when it does."""
         sock = self._reader
         assert sock is not None
         ident = next(self._reader_ids)
