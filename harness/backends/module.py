@@ -33,8 +33,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
-from ..errors import (GuestLossError, HarnessError, NotMirroredError, ProbeSpecError,
-                      SymbolNotFoundError)
+from ..errors import (GuestAgentError, GuestLossError, HarnessError, NotMirroredError,
+                      ProbeSpecError, SymbolNotFoundError)
 from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
@@ -491,28 +491,22 @@ class ModuleBackend:
     def _sh(self, cmd: str, *, stdin: bytes | None = None) -> str:
         return self.vm.run(cmd, check=True, timeout=self.timeout, stdin=stdin).stdout
 
-    def _stats_text(self, cmd: str) -> str:
-        """``stats`` as ``cmd`` prints it. ``kph_stats_show()`` always prints its buffer
-        line, so a ``cat`` that exits 0 with no output at all is the guest agent losing
-        the output (seen once in a CI run, 7.3, 2026-11-30; as ``file_stat`` sees with
-        ``stat``): asked once more, then :func:`buffer_stats` says what it got."""
-        text = self._sh(cmd)
-        if not text.strip():
-            log.info("the module's stats read came back empty: asked again")
-            text = self._sh(cmd)
-        return text
+    def _read(self, path: str) -> str:
+        """A guest file's text, read as a file (``Machine.pull``: kph-reader, else the
+        agent's file API): no ``cat`` process, ~15-30 ms each under TCG, and none of a
+        process's output for qemu-ga to lose (seen once in a CI run, 7.3, 2026-11-30).
+
+        :raise GuestAgentError: it cannot be read (the module is not loaded)."""
+        return self.vm.pull(path, timeout=self.timeout).decode("utf-8", "replace")
 
     def buffer_stats_now(self) -> dict[str, int]:
-        """:func:`buffer_stats` of ``stats`` read now through the agent's file API (no
-        process: and none of a process's output for qemu-ga to lose, which
-        :meth:`_stats_text` guards against).
+        """:func:`buffer_stats` of ``stats`` read now.
 
         :raise ModuleError: ``stats`` has no buffer line."""
-        return buffer_stats(self.vm.pull(f"{KPH_DIR}/stats", timeout=self.timeout).decode(
-            "utf-8", "replace"))
+        return buffer_stats(self._read(f"{KPH_DIR}/stats"))
 
     def is_loaded(self) -> bool:
-        out = self.vm.run("cat /proc/modules", check=True, timeout=self.timeout).stdout
+        out = self._read("/proc/modules")
         return any(line.split(" ", 1)[0] == MODULE_NAME for line in out.splitlines())
 
     def load(self) -> None:
@@ -555,7 +549,7 @@ class ModuleBackend:
             raise ModuleError(f"{MODULE_NAME} refused {text.strip()!r}: {self._error()}")
 
     def _error(self) -> str:
-        for line in self._sh(f"cat {KPH_DIR}/stats").splitlines():
+        for line in self._read(f"{KPH_DIR}/stats").splitlines():
             if line.startswith("error "):
                 return line[6:]
         return "no reason given"
@@ -693,7 +687,7 @@ class ModuleBackend:
         registered probe's instruction as its slot holds it (``insn HEX``) is kept in
         :attr:`insns`."""
         out = {}
-        for line in self._sh(f"cat {KPH_DIR}/list").splitlines():
+        for line in self._read(f"{KPH_DIR}/list").splitlines():
             p = line.split()
             out[int(p[0])] = (p[3], int(p[4]), p[5])
             if "insn" in p[:-1] and p[p.index("insn") + 1] != "-":
@@ -704,7 +698,13 @@ class ModuleBackend:
         """Drop what was recorded so far and start recording. The control write goes
         through the agent's file API: no shell is spawned to do it. ``recording=False``
         leaves the start to the caller's :meth:`switch`, in a halt of the guest."""
-        text = self._stats_text(f"cat {KPH_DIR}/events > /dev/null; cat {KPH_DIR}/stats")
+        # the drain read and dropped, then stats (in this order: kph_events_open()
+        # takes the drain at its open)
+        got = self.vm.pull_many([f"{KPH_DIR}/events", f"{KPH_DIR}/stats"], timeout=self.timeout)
+        for d in got:
+            if isinstance(d, GuestAgentError):
+                raise d
+        text = bytes(got[1]).decode("utf-8", "replace")  # type: ignore[arg-type]
         self._dropped0 = buffer_stats(text)["dropped"]
         self._counts0 = _probe_stats(text)
         self.hits.clear()
@@ -746,13 +746,11 @@ class ModuleBackend:
                 return None
             _KO_SYMBOL[self.vm] = where
         section, offset = where
-        r = self.vm.run(f"cat /sys/module/{MODULE_NAME}/sections/{section}",
-                        timeout=self.timeout)
         try:
-            base = int(r.stdout.strip(), 16)
-        except ValueError:
+            base = int(self._read(f"/sys/module/{MODULE_NAME}/sections/{section}").strip(), 16)
+        except (HarnessError, ValueError):
             return None
-        return base + offset if r.ok and base else None
+        return base + offset if base else None
 
     def switch_writes(self, on: bool) -> list[GuestWrite]:
         """``record on|off`` as a guest memory write (``WRITE_ONCE(recording, ...)`` of the
@@ -901,7 +899,7 @@ class ModuleBackend:
 
     def stats(self) -> dict[int, dict[str, str]]:
         """id -> the ``stats`` fields of one probe (nhit, nmissed, nentry, npost, mode)."""
-        return _probe_stats(self._sh(f"cat {KPH_DIR}/stats"))
+        return _probe_stats(self._read(f"{KPH_DIR}/stats"))
 
     def counters(self) -> dict[str, Counters]:
         """nhit/nmissed of each event, counted from :meth:`enable` (the kprobe's own
@@ -930,13 +928,13 @@ class ModuleBackend:
         if self.vm.aborting:                 # interrupted: the guest is about to vanish
             self._loaded = False
             return
-        before = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
+        before = _kprobes_list(self._read(KPROBES_LIST))
         self.control("record off\nreset\n")
         r = self.vm.run(f"rmmod {MODULE_NAME}", timeout=self.timeout)
         self._loaded = False
         if r.status != 0:
             raise ModuleError(f"rmmod {MODULE_NAME} failed: {(r.stderr or r.stdout).strip()}")
-        after = _kprobes_list(self._sh(f"cat {KPROBES_LIST}"))
+        after = _kprobes_list(self._read(KPROBES_LIST))
         ours: Counter[tuple[int, str]] = Counter()
         for p in self._placed.values():
             if p.accepted:

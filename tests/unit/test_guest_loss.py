@@ -3,6 +3,7 @@ own accounting (per_cpu/cpuN/stats, the page header's missed-events flag and sto
 kernel/trace/ring_buffer.c: ring_buffer_read_page(); trace.c: tracing_stats_read()), a
 drain that stopped before the buffer was empty, and the module's dropped counter."""
 import struct
+import types
 
 import pytest
 
@@ -164,7 +165,9 @@ def test_module_counters_count_from_the_window_not_the_registration():
     be = object.__new__(ModuleBackend)
     be.side = "module"
     text = [MSTATS.format(d=0).replace("nhit 300 nmissed 0", "nhit 40 nmissed 3")]
-    be._sh = lambda cmd: text[0]
+    be._read = lambda path: text[0]
+    be.timeout = 30
+    be.vm = types.SimpleNamespace(pull_many=lambda paths, **kw: [b"", text[0].encode()])
     be.hits, be.post_records, be._placed = [], [], {1: _Placed(1, "kprobes/k", None, 0, "p")}
     be._counts0 = {}
     assert be.counters()["kprobes/k"] == Counters("kprobes/k", 40, 3)      # no window yet
