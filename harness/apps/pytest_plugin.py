@@ -383,7 +383,7 @@ class _Reused:
 
         :raise AssertionError: probes were left behind."""
         try:
-            left = vm.run(f"cat /sys/kernel/tracing/{events}").stdout
+            left = vm.pull(f"/sys/kernel/tracing/{events}").decode("utf-8", "replace")
         except BaseException:
             self.discard(vm)
             raise
@@ -428,5 +428,5 @@ def probe_diff(request: pytest.FixtureRequest, kph_kernel: str | None) -> DiffHe
     if reused is not None:
         reused.after(request, vm, "kprobe_events")
         return
-    left = vm.run("cat /sys/kernel/tracing/kprobe_events").stdout
+    left = vm.pull("/sys/kernel/tracing/kprobe_events").decode("utf-8", "replace")
     assert left == "", f"in-guest probes left behind: {left}"

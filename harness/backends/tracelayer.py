@@ -35,7 +35,6 @@ import dataclasses
 import errno as _errno
 import fnmatch
 import logging
-import shlex
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -534,9 +533,10 @@ class TraceLayer:
         key = (system, event)
         if key not in self._formats:
             path = f"{TRACING_EVENTS}/{system}/{event}/format"
-            r = self.vm.run(f"cat {shlex.quote(path)} 2>/dev/null", timeout=30)
+            (got,) = self.vm.pull_many([path], timeout=30)
             try:
-                self._formats[key] = parse_format(r.stdout) if r.status == 0 else None
+                self._formats[key] = None if isinstance(got, Exception) else \
+                    parse_format(got.decode("utf-8", "replace"))
             except ValueError:
                 self._formats[key] = None
         return self._formats[key]

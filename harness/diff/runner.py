@@ -160,7 +160,8 @@ def events_listed(vm: Machine, specs: Sequence[ProbeSpec], text: str | None = No
     ``specs`` name (other groups' events are not this run's)."""
     groups = {s.group for s in specs if s.group}
     if text is None:
-        text = vm.run("cat /sys/kernel/tracing/dynamic_events", timeout=60).stdout
+        text = vm.pull("/sys/kernel/tracing/dynamic_events", timeout=60).decode("utf-8",
+                                                                               "replace")
     names = []
     for line in text.splitlines():
         head = line.split(" ", 1)[0]
@@ -296,8 +297,8 @@ def preempt_model(vm: Machine, text: str | None = None) -> str | None:
     on 7.3), else the model the image's config builds (CONFIG_PREEMPT: full,
     CONFIG_PREEMPT_LAZY: lazy, else voluntary or none); None when neither is known."""
     if text is None:        # else read with the run's collection (EventsBackend.after_text)
-        r = vm.run("cat /sys/kernel/debug/sched/preempt 2>/dev/null", timeout=30)
-        text = r.stdout if r.ok else ""
+        (got,) = vm.pull_many(["/sys/kernel/debug/sched/preempt"], timeout=30)
+        text = "" if isinstance(got, Exception) else got.decode("utf-8", "replace")
     m = re.search(r"\((\w+)\)", text)
     if m:
         return m[1]
