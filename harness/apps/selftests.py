@@ -128,8 +128,8 @@ def dot_func(vm) -> str:
     the guest's symbols (vmlinux's, in /proc/kallsyms's order: by address) and one read of
     that file, where the selftest's loop greps the file once a candidate (a minute under
     TCG on 7.3)."""
-    funcs = vm.run("cat /sys/kernel/tracing/available_filter_functions", check=True,
-                   timeout=120).stdout.splitlines()
+    funcs = vm.pull("/sys/kernel/tracing/available_filter_functions",
+                    timeout=120).decode("utf-8", "replace").splitlines()
     for sym in vm.symbols:
         if sym.type not in "tT" or sym.module is not None or ".isra." not in sym.name:
             continue

@@ -115,11 +115,10 @@ def _ftrace_file(vm: Machine, name: str, modules: frozenset[str], fix: str) -> l
         if kept is not None:
             lines = [ln for ln in kept.decode("utf-8", "replace").splitlines() if ln]
     if lines is None:
-        r = vm.run(f"cat /sys/kernel/tracing/{name}", timeout=60)
-        if r.status != 0:
-            raise SetupError(f"cannot read {name} in the guest: "
-                             f"{r.stderr.strip() or r.status}", fix)
-        lines = [ln for ln in r.stdout.splitlines() if ln]
+        (got,) = vm.pull_many([f"/sys/kernel/tracing/{name}"], timeout=60)
+        if isinstance(got, Exception):
+            raise SetupError(f"cannot read {name} in the guest: {got}", fix)
+        lines = [ln for ln in got.decode("utf-8", "replace").splitlines() if ln]
         if snap is not None:
             vm.keep("tracefs", state, "\n".join(lines).encode())
     if key is not None:

@@ -214,10 +214,9 @@ def test_ftrace_files_are_read_once_per_snapshot_and_set_of_modules():
         def __init__(self, mode, snap):
             self.start_mode, self.snapshot = mode, SimpleNamespace(dir=snap)
 
-        def run(self, cmd, timeout):
-            reads.append(cmd)
-            return SimpleNamespace(status=0, stdout="vfs_read\ndo_sys_openat2 [kph]\n",
-                                   stderr="")
+        def pull_many(self, paths, timeout):
+            reads.append(paths)
+            return [b"vfs_read\ndo_sys_openat2 [kph]\n" for _ in paths]
 
         def kept(self, kind, state):        # harness.vmctl.Machine.kept, in memory
             return kept.get((self.snapshot.dir, kind, state))
