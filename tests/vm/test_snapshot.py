@@ -274,13 +274,17 @@ def test_tracefs_texts_are_kept_per_snapshot(default_image):
         with Machine.boot(default_image) as m:
             if i == 0:          # as on a new snapshot: nothing kept yet
                 shutil.rmtree(m.snapshot.dir / "tracefs", ignore_errors=True)
-            real, reads = m.run, []
+            real, real_many, reads = m.run, m.pull_many, []
 
             def run(cmd, *a, real=real, reads=reads, **kw):
                 if "available_filter_functions" in cmd or "ls -d" in cmd:
                     reads.append(cmd)
                 return real(cmd, *a, **kw)
-            m.run = run
+
+            def pull_many(paths, *a, real_many=real_many, reads=reads, **kw):
+                reads.extend(p for p in paths if "available_filter_functions" in p)
+                return real_many(paths, *a, **kw)
+            m.run, m.pull_many = run, pull_many
             mods = frozenset(m.refresh_module_symbols())
             funcs = TL.filter_functions(m, mods)
             names = TL.guest_event_names(m)
