@@ -151,6 +151,21 @@ def _lock_error(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _nested_pytest_temproot(tmp_path_factory):
+    """A pytest this session starts (a test's inner run, a docs example, ``kph fuzz``) keeps
+    its numbered temporary directories under this worker's own, not beside them in
+    ``/tmp/pytest-of-USER``: at its end, pytest deletes the numbered directories there that
+    no live session holds (``cleanup_numbered_dir()``), and on a machine with an earlier
+    run's directories left (the bisect test's kernel tree is gigabytes) the watchdog test's
+    inner run spent its whole 150 s deleting one (CI of cd8eca6)."""
+    root = tmp_path_factory.getbasetemp() / "nested"
+    root.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTEST_DEBUG_TEMPROOT", str(root))
+        yield root
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _no_leftover_processes():
     """After the whole session, nothing this worker started may still run."""
     yield
