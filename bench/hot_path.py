@@ -17,7 +17,9 @@ each in-guest side (tracefs events, the module), on one execution, as ``kph diff
 plugin`` runs it (``run_differential`` then ``compare``): each phase's seconds from the
 runner's own progress messages, the host's collecting and comparing per hit, the run
 (register, workload, collect, compare) over the unprobed workload, and the command
-itself (``kph diff`` in a process of its own: boot from the snapshot included).
+itself (``kph diff`` in a process of its own: boot from the snapshot included). And the
+floor no host-side work can go under: the workload with the guest side's own probe alone
+armed, with the plugin's alone, and with both, over the unprobed workload.
 """
 from __future__ import annotations
 
@@ -94,7 +96,12 @@ def whole(n: int, rounds: int) -> int:
         timed(vm, 1000)
         for _ in range(rounds):
             base = timed(vm, n)
+            plugin_alone = with_backend(vm, PluginBackend(vm), n)[0]
             for guest in ("events", "module"):
+                # the floor: the workload with the guest's own probe alone armed (the
+                # kernel's kprobe under TCG; nothing on the host), no collecting timed
+                alone = (EventsBackend(vm) if guest == "events" else ModuleBackend(vm))
+                floor = with_backend(vm, alone, n)[0]
                 marks: list[tuple[float, str]] = []
                 spent.clear()
                 t0 = time.monotonic()
@@ -114,7 +121,8 @@ def whole(n: int, rounds: int) -> int:
                              ("collect", t1 - at["collecting"]), ("compare", t2 - t1),
                              ("run", t2 - t0), ("hits", nh),
                              ("plugin", spent.get("plugin", 0.0)),
-                             ("guest", spent.get("guest", 0.0))):
+                             ("guest", spent.get("guest", 0.0)), ("floor", floor),
+                             ("plugin_alone", plugin_alone)):
                     r.setdefault(k, []).append(v)
     med = {g: {k: statistics.median(v) for k, v in r.items()} for g, r in rows.items()}
     print(f"{SPEC!r} during {workload(n)!r}: kph diff --host plugin, median of {rounds} rounds")
@@ -130,6 +138,13 @@ def whole(n: int, rounds: int) -> int:
         print(f"  {g:7s} {m['hits']:7.0f} {m['unprobed']:9.2f} {m['register']:9.2f} "
               f"{m['workload']:9.2f} {m['collect']:8.2f} {m['compare']:8.2f} {per[0]:15.1f} "
               f"{per[1]:6.1f} {per[2]:8.1f} {host_us:6.1f} {m['run'] / m['unprobed']:15.1f}")
+    print("  the floor: the workload with the guest's own probe alone armed, with the "
+          "plugin's alone, and with both (the run's workload phase), over the unprobed "
+          "workload:")
+    for g, m in med.items():
+        print(f"  {g:7s} guest probe alone {m['floor'] / m['unprobed']:.2f}x, plugin alone "
+              f"{m['plugin_alone'] / m['unprobed']:.2f}x, both sides "
+              f"{m['workload'] / m['unprobed']:.2f}x")
     root = Path(__file__).resolve().parent.parent
     for g in ("events", "module"):
         t0 = time.monotonic()

@@ -78,6 +78,10 @@ def _context(flags: int) -> str:
     return "task"
 
 
+#: :func:`_context` of each ``common_flags`` byte (a run looks up 100,000 of them)
+_CONTEXT = tuple(_context(f) for f in range(256))
+
+
 def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
     """``uprobe_events`` for a uprobe line, ``dynamic_events`` for an ``f`` line (the
     kprobe and uprobe files take their own kind only) and for a ``-:`` line naming one
@@ -859,13 +863,13 @@ class EventsBackend:
             self._after = self._read_after(cpus)
             return []
         per_cpu, pages, truncated = [], {}, []
+        stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
+        rename_id = self._rename_fmt[0] if self._rename_fmt is not None else -1
         for cpu in cpus:
             pages[cpu], complete = self._raw_pages(cpu)
             if not complete:
                 truncated.append(cpu)
             got, _ = read_pages(pages[cpu], cpu)
-            stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
-            rename_id = self._rename_fmt[0] if self._rename_fmt is not None else -1
             per_cpu.append([r for r in got if r.type in self._formats
                             or r.type in (stack_id, rename_id)])
         self._after = self._read_after(cpus)
@@ -875,7 +879,8 @@ class EventsBackend:
         # Merged by time stamp, each CPU's own order kept: a CPU's buffer is in commit
         # order, and an event written from an interrupt that nested inside another
         # event's write can carry an earlier stamp than the one before it.
-        recs = list(heapq.merge(*per_cpu, key=lambda r: r.ts))
+        recs = per_cpu[0] if len(per_cpu) == 1 else \
+            list(heapq.merge(*per_cpu, key=lambda r: r.ts))
         comms = self._cmdlines()
         table = self.vm.symbols
 
@@ -887,33 +892,37 @@ class EventsBackend:
         decoded: dict[tuple[int, bytes], tuple[Hit, bool]] = {}
         sizes: dict[int, int] = {}          # an event's ID -> where its fixed fields end
         hits: list[Hit] = []
+        add = hits.append
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
+        formats = self._formats
+        comms[0] = "<idle>"
         for rec in recs:
-            if self._rename_fmt is not None and rec.type == self._rename_fmt[0]:
+            rtype = rec.type
+            if rtype == rename_id:
                 _, fpid, fcomm = self._rename_fmt
                 pid = int.from_bytes(rec.data[fpid.offset:fpid.offset + 4], "little", signed=True)
                 raw = rec.data[fcomm.offset:fcomm.offset + fcomm.size].split(b"\0", 1)[0]
                 renames.setdefault(pid, []).append((len(hits), escape_bytes(raw)))
                 continue
-            if rec.type not in self._formats:       # a stack trace: the last hit's here
+            if rtype not in formats:                # a stack trace: the last hit's here
                 self._attach_stack(hits, rec)
                 continue
             # what a record's payload decodes to (its ip, arguments, size) depends on its
             # bytes after struct trace_entry alone: decoded once per distinct payload
             # (a hot probe's records repeat a few payloads: vfs_read's count=1)
-            key = (rec.type, rec.data[8:])
+            data = rec.data
+            key = (rtype, data[8:])
             got = decoded.get(key)
             if got is None:
                 if len(decoded) >= DECODED_MAX:
                     decoded.clear()
                 got = decoded[key] = (self._decode(rec, templates, sizes, modes, symbolize,
                                                    ktramp),
-                                      self._formats[rec.type][1].is_uprobe)
+                                      formats[rtype][1].is_uprobe)
             base, up = got
             pid = rec.pid
-            hits.append(base.placed(len(hits), rec.cpu, pid,
-                                    "<idle>" if pid == 0 else comms.get(pid, "<...>"),
-                                    "" if up else _context(rec.data[2])))
+            add(base.placed(len(hits), rec.cpu, pid, comms.get(pid, "<...>"),
+                            "" if up else _CONTEXT[data[2]]))
         if not renames:
             return hits
         out = []

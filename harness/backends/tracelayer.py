@@ -783,22 +783,21 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     renames: dict[int, list[tuple[int, str]]] = {}
     for (_, pid, c), k in zip(comm_changes, effect):
         renames.setdefault(pid, []).append((k, c))
-    bounds = {pid: sorted({k for k, _ in rs}) for pid, rs in renames.items()}
-    memo: dict[tuple[int, int], tuple[str, ...]] = {}
-    out = []
-    for i, h in enumerate(hits):
-        if h.pid is None:
-            out.append(h)
-            continue
-        later: tuple[str, ...] = ()
-        if h.pid in renames:
-            key = (h.pid, bisect.bisect_right(bounds[h.pid], i))
-            if key not in memo:
-                memo[key] = tuple(c for k, c in renames[h.pid] if k > i)
-            later = memo[key]
-        comm = last.get(h.pid, h.comm)
-        if comm == h.comm and later == h.comm_alts:
-            out.append(h)
-        else:
-            out.append(h.changed(comm=comm, comm_alts=later))
+    # pid by pid, over its hits in order: the later comms change only where a rename
+    # takes effect (a hot probe's 100,000 hits are a few pids' runs)
+    out = list(hits)
+    for pid, idx in mine.items():
+        comm = last[pid]
+        rs = renames.get(pid)
+        bounds = sorted({k for k, _ in rs}) if rs else []
+        later: tuple[str, ...] = tuple(c for _, c in rs) if rs else ()
+        b = 0
+        for i in idx:
+            if b < len(bounds) and bounds[b] <= i:
+                while b < len(bounds) and bounds[b] <= i:
+                    b += 1
+                later = tuple(c for k, c in rs if k > i)
+            h = hits[i]
+            if comm != h.comm or later != h.comm_alts:
+                out[i] = h.changed(comm=comm, comm_alts=later)
     return out

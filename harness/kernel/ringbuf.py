@@ -43,6 +43,10 @@ _PAGE_HEADER = 16
 _MISSED = (1 << 31) | (1 << 30)
 _MISSED_EVENTS, _MISSED_STORED = 1 << 31, 1 << 30
 _PADDING, _TIME_EXTEND, _TIME_STAMP = 29, 30, 31
+#: RINGBUF_TYPE_DATA_TYPE_LEN_MAX (include/linux/ring_buffer.h): type_len 1-28 is a data
+#: event of that many 4-byte words, 0 one with its length in the next word
+_DATA_MAX = 28
+_U32, _PAGE_HEAD = struct.Struct("<I"), struct.Struct("<QQ")
 _FIELD = re.compile(r"\s*field:(?P<decl>[^;]*);\s*offset:(?P<off>\d+);\s*size:(?P<size>\d+);"
                     r"\s*signed:(?P<signed>-?\d+);")
 
@@ -181,37 +185,36 @@ def parse_page(page: bytes, cpu: int) -> tuple[list[RawRecord], bool]:
     before it (the ring buffer overwrote them)."""
     if len(page) < _PAGE_HEADER:
         return [], False
-    ts, commit = struct.unpack_from("<QQ", page, 0)
+    ts, commit = _PAGE_HEAD.unpack_from(page, 0)
     missed = bool(commit & _MISSED)
     end = min(_PAGE_HEADER + (commit & ~_MISSED & 0xFFFFFFFF), len(page))
     pos, out = _PAGE_HEADER, []
+    u32, add = _U32.unpack_from, out.append      # bound once: a page holds ~150 events
     while pos + 4 <= end:
-        (head,) = struct.unpack_from("<I", page, pos)
+        (head,) = u32(page, pos)
         type_len, delta = head & 0x1F, head >> 5
-        if type_len == _PADDING:
-            if delta == 0:                       # rb_null_event(): the rest is padding
-                break
-            (length,) = struct.unpack_from("<I", page, pos + 4)
-            pos += 4 + length                    # rb_update_read_stamp(): no time
-            continue
-        if type_len == _TIME_EXTEND:
-            (hi,) = struct.unpack_from("<I", page, pos + 4)
-            ts += (hi << 27) | delta
-            pos += 8
-            continue
-        if type_len == _TIME_STAMP:
-            (hi,) = struct.unpack_from("<I", page, pos + 4)
-            ts = (hi << 27) | delta
+        if type_len > _DATA_MAX:
+            if type_len == _PADDING:
+                if delta == 0:                   # rb_null_event(): the rest is padding
+                    break
+                (length,) = u32(page, pos + 4)
+                pos += 4 + length                # rb_update_read_stamp(): no time
+                continue
+            (hi,) = u32(page, pos + 4)
+            if type_len == _TIME_EXTEND:
+                ts += (hi << 27) | delta
+            else:                                # _TIME_STAMP
+                ts = (hi << 27) | delta
             pos += 8
             continue
         ts += delta
         if type_len == 0:
-            (length,) = struct.unpack_from("<I", page, pos + 4)
+            (length,) = u32(page, pos + 4)
             data, pos = page[pos + 8:pos + 4 + length], pos + 4 + length
         else:
             data, pos = page[pos + 4:pos + 4 + 4 * type_len], pos + 4 + 4 * type_len
         if len(data) >= 8:
-            out.append(RawRecord(cpu, ts, data))
+            add(RawRecord(cpu, ts, data))
     return out, missed
 
 

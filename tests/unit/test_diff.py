@@ -1135,3 +1135,63 @@ def test_nhit_is_compared_without_each_sides_agent_hits_and_no_more():
     res = compare(side("host", 2, 3, 5), side("events", 2, 3, 6))     # not the agent's
     assert not res.equivalent and res.first.field == "nhit"
     assert (res.first.a_value, res.first.b_value) == ("5", "6")
+
+
+def _saved_cmdlines_per_hit(hits, comm_changes):
+    """saved_cmdlines()'s per-hit form as it was before the pid-by-pid loop (3cee02f):
+    the reference the faster form must equal."""
+    import bisect
+
+    last = {0: "<idle>"}
+    mine = {}
+    for i, h in enumerate(hits):
+        if h.pid:
+            last[h.pid] = h.comm
+        if h.pid is not None:
+            mine.setdefault(h.pid, []).append(i)
+    effect = []
+    for j, pid, c in comm_changes:
+        idx = mine.get(pid, [])
+        at = bisect.bisect_left(idx, j)
+        effect.append(next((k for k in idx[at:] if hits[k].comm == c), len(hits)))
+    soonest = {}
+    for r in range(len(comm_changes) - 1, -1, -1):
+        pid = comm_changes[r][1]
+        effect[r] = soonest[pid] = min(effect[r], soonest.get(pid, effect[r]))
+    renames = {}
+    for (_, pid, c), k in zip(comm_changes, effect):
+        renames.setdefault(pid, []).append((k, c))
+    out = []
+    for i, h in enumerate(hits):
+        if h.pid is None:
+            out.append(h)
+            continue
+        later = tuple(c for k, c in renames[h.pid] if k > i) if h.pid in renames else ()
+        comm = last.get(h.pid, h.comm)
+        out.append(h if comm == h.comm and later == h.comm_alts
+                   else h.changed(comm=comm, comm_alts=later))
+    return out
+
+
+def test_saved_cmdlines_pid_by_pid_equals_the_per_hit_form_on_random_runs():
+    """Random runs of a few pids (None and 0 among them), renames at random points, some
+    hits carrying later comms already: the same hits, and the very objects where nothing
+    changes."""
+    import random
+
+    from harness.backends.tracelayer import saved_cmdlines
+
+    rng = random.Random(39)
+    comms = ["sh", "dd", "ls", "cat", "<idle>"]
+    for _ in range(400):
+        n = rng.randrange(0, 40)
+        hits = [Hit(side="host", probe="kprobes/rd", kind="p", seq=i, cpu=0,
+                    pid=rng.choice([None, 0, 5, 7, 9]), comm=rng.choice(comms),
+                    ip="vfs_read+0x0/0x10", args=(),
+                    comm_alts=rng.choice([(), (), ("dd",), ("sh", "dd")]))
+                for i in range(n)]
+        changes = sorted((rng.randrange(0, n + 1), rng.choice([5, 7, 9, 11]), rng.choice(comms))
+                         for _ in range(rng.randrange(0, 5)))
+        want, got = _saved_cmdlines_per_hit(hits, changes), saved_cmdlines(hits, changes)
+        assert got == want, (hits, changes)
+        assert [g is h for g, h in zip(got, hits)] == [w is h for w, h in zip(want, hits)]
