@@ -745,20 +745,14 @@ def register_lines(layer: TraceLayer, specs: Sequence[ProbeSpec], place: Place,
     return out
 
 
-def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, str]]) -> list[Hit]:
-    """The hits as the trace file prints them: each pid under the comm of its *last* hit
-    (the trace stores pids and prints comms from ``saved_cmdlines``, recorded after the
-    events; pid 0 is ``<idle>``: kernel/trace/trace.c, ``trace_find_cmdline()``), each
-    hit carrying the comms its pid took after it (``comm_changes``: (hits recorded
-    before the rename, pid, new comm)) for ``harness.diff.verdict``'s ``comm-change`` rule.
+#: :func:`rename_effects`: each pid's last comm, its hits' indexes, its renames
+Effects = tuple[dict[int, str], dict[int, list[int]], dict[int, list[tuple[int, str]]]]
 
-    A rename is seen at ``__set_task_comm()``'s entry, and the comm changes later in it
-    (fs/exec.c, 6.1 to 7.3: ``task_lock()``, ``trace_task_rename()``, then
-    ``strscpy_pad()`` into ``tsk->comm``; interrupts stay on): an interrupt taken in
-    between records hits of that pid under the old comm after the rename was seen. So a
-    rename takes effect at the first hit of its pid from then on that shows the new comm,
-    or where a later rename of that pid does if that is sooner, and comes after every hit
-    of that pid before it."""
+
+def rename_effects(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, str]]) -> Effects:
+    """For :func:`saved_cmdlines`: each pid's last comm (pid 0 ``<idle>``), each pid's hits'
+    indexes in order, and each pid's renames in their order with the index of the hit
+    where each takes effect (``len(hits)``: none)."""
     last: dict[int, str] = {0: "<idle>"}
     mine: dict[int, list[int]] = {}             # pid -> its hits' indexes, in order
     for i, h in enumerate(hits):
@@ -778,11 +772,28 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     for r in range(len(comm_changes) - 1, -1, -1):
         pid = comm_changes[r][1]
         effect[r] = soonest[pid] = min(effect[r], soonest.get(pid, effect[r]))
-    # per pid, the renames in their order with where each takes effect; a hit's later
-    # comms change only where one does (memoized per pid and how many took effect)
+    # per pid, the renames in their order with where each takes effect
     renames: dict[int, list[tuple[int, str]]] = {}
     for (_, pid, c), k in zip(comm_changes, effect):
         renames.setdefault(pid, []).append((k, c))
+    return last, mine, renames
+
+
+def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, str]]) -> list[Hit]:
+    """The hits as the trace file prints them: each pid under the comm of its *last* hit
+    (the trace stores pids and prints comms from ``saved_cmdlines``, recorded after the
+    events; pid 0 is ``<idle>``: kernel/trace/trace.c, ``trace_find_cmdline()``), each
+    hit carrying the comms its pid took after it (``comm_changes``: (hits recorded
+    before the rename, pid, new comm)) for ``harness.diff.verdict``'s ``comm-change`` rule.
+
+    A rename is seen at ``__set_task_comm()``'s entry, and the comm changes later in it
+    (fs/exec.c, 6.1 to 7.3: ``task_lock()``, ``trace_task_rename()``, then
+    ``strscpy_pad()`` into ``tsk->comm``; interrupts stay on): an interrupt taken in
+    between records hits of that pid under the old comm after the rename was seen. So a
+    rename takes effect at the first hit of its pid from then on that shows the new comm,
+    or where a later rename of that pid does if that is sooner, and comes after every hit
+    of that pid before it."""
+    last, mine, renames = rename_effects(hits, comm_changes)
     # pid by pid, over its hits in order: the later comms change only where a rename
     # takes effect (a hot probe's 100,000 hits are a few pids' runs)
     out = list(hits)

@@ -1138,29 +1138,11 @@ def test_nhit_is_compared_without_each_sides_agent_hits_and_no_more():
 
 
 def _saved_cmdlines_per_hit(hits, comm_changes):
-    """saved_cmdlines()'s per-hit form as it was before the pid-by-pid loop (3cee02f):
-    the reference the faster form must equal."""
-    import bisect
+    """saved_cmdlines()'s per-hit loop as it was before the pid-by-pid one (3cee02f): the
+    reference the faster form must equal, over the same rename effects."""
+    from harness.backends.tracelayer import rename_effects
 
-    last = {0: "<idle>"}
-    mine = {}
-    for i, h in enumerate(hits):
-        if h.pid:
-            last[h.pid] = h.comm
-        if h.pid is not None:
-            mine.setdefault(h.pid, []).append(i)
-    effect = []
-    for j, pid, c in comm_changes:
-        idx = mine.get(pid, [])
-        at = bisect.bisect_left(idx, j)
-        effect.append(next((k for k in idx[at:] if hits[k].comm == c), len(hits)))
-    soonest = {}
-    for r in range(len(comm_changes) - 1, -1, -1):
-        pid = comm_changes[r][1]
-        effect[r] = soonest[pid] = min(effect[r], soonest.get(pid, effect[r]))
-    renames = {}
-    for (_, pid, c), k in zip(comm_changes, effect):
-        renames.setdefault(pid, []).append((k, c))
+    last, _, renames = rename_effects(hits, comm_changes)
     out = []
     for i, h in enumerate(hits):
         if h.pid is None:
