@@ -14,7 +14,9 @@ and a trace prints each pid under the comm it had at its last hit (``saved_cmdli
 """
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import struct
 import threading
 from bisect import bisect_left
@@ -168,6 +170,18 @@ def _plan_registers(spec: ProbeSpec) -> tuple[int, ...] | None:
     return tuple(REGS.index(n) for n in names)
 
 
+@functools.lru_cache(maxsize=None)
+def _plan_key(regs: tuple[int, ...]) -> Any:
+    """What of a record's registers a register plan reads (``regs``: their indexes), as
+    one hashable value: the part of a record's memo key (``PluginBackend._hit``) that
+    varies with its arguments."""
+    return operator.itemgetter(*regs) if regs else (lambda r: ())
+
+
+#: the record types that are a probe's hits
+_HIT_TYPES = (REC_HIT, REC_RET)
+
+
 def _undecodable(rec: PluginRecord, name: str, exc: BaseException) -> EngineReadError:
     """An engine error for a plugin record ``PluginBackend._take`` could not decode: what
     it was (hit or return, of which probe, at which address) and why."""
@@ -213,6 +227,11 @@ class PluginBackend:
         self._templates: dict[int, Hit] = {}   # a probe id -> the fields all its hits share
         #: a probe id -> where its register-only arguments read (_plan_registers)
         self._plan_regs: dict[int, tuple[int, ...] | None] = {}
+        #: probe id -> (event name, the key of its register plan's values) for the probes
+        #: whose records :meth:`_decode` places from a decoded one without :meth:`_hit`
+        self._placeable: dict[int, tuple[str, Any]] = {}
+        #: a record's comm bytes -> text (a run's records carry a few comms)
+        self._comm_text: dict[bytes, str] = {}
         #: what a register-only probe's records decoded to (_hit), for the window
         self._decoded: dict[tuple[int, ...], Hit] = {}
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
@@ -547,8 +566,24 @@ class PluginBackend:
         """Records, in ``seq`` order, as hits. A record that does not decode (a fault, a
         value or a layout the decoder cannot read) is an engine error naming the record,
         counted with the others (:meth:`_check`): never a crash, never a value."""
+        placeable, decoded, hits, seqs = self._placeable, self._decoded, self._hits, self._seqs
         for rec in recs:
-            if rec.type not in (REC_HIT, REC_RET) or rec.probe_id not in self._specs:
+            # a hit of a register-plan probe whose payload was decoded already: placed
+            # here, as _hit() would place it (the same key; the flags are part of it, and
+            # no truncated, refused or unconfirmed record is ever decoded into the memo)
+            fast = placeable.get(rec.probe_id)
+            if fast is not None and rec.type in _HIT_TYPES:
+                base = decoded.get((rec.probe_id, rec.type, rec.func, rec.ret_addr, rec.flags,
+                                    fast[1](rec.regs)))
+                if base is not None:
+                    name = fast[0]
+                    self._nhit[name] = self._nhit.get(name, 0) + 1
+                    hits.append(base.placed(len(hits), rec.vcpu,
+                                            rec.pid if rec.flags & RF_PID else None,
+                                            self._comm(rec), base.irq))
+                    seqs.append(rec.seq)
+                    continue
+            if rec.type not in _HIT_TYPES or rec.probe_id not in self._specs:
                 continue
             name = self._specs[rec.probe_id][1]
             # trace_kprobe's nhit (kprobe_dispatcher(), kretprobe_dispatcher()): every hit
@@ -608,6 +643,15 @@ class PluginBackend:
         self._specs[self._comm_probe.id] = (spec, "kphinternal/comm")
         self.engine.enable_probe(self._comm_probe, True)
 
+    def _comm(self, rec: PluginRecord) -> str:
+        """The record's comm as text ("" when the plugin could not read it)."""
+        if not rec.flags & RF_COMM:
+            return ""
+        text = self._comm_text.get(rec.comm)
+        if text is None:
+            text = self._comm_text[rec.comm] = rec.comm.decode("utf-8", "replace")
+        return text
+
     def _hit(self, rec: PluginRecord, seq: int) -> Hit | None:
         """The record as a hit (None: an event probe's commit no trigger runs on).
 
@@ -632,16 +676,17 @@ class PluginBackend:
         regs = self._plan_regs.get(rec.probe_id, False)
         if regs is False:
             regs = self._plan_regs[rec.probe_id] = _plan_registers(spec)
+            if regs is not None and (self._comm_probe is None
+                                     or rec.probe_id != self._comm_probe.id):
+                self._placeable[rec.probe_id] = (name, _plan_key(regs))
         key = None
         if regs is not None:
-            r = rec.regs
             key = (rec.probe_id, rec.type, rec.func, rec.ret_addr, rec.flags,
-                   *(r[i] for i in regs))
+                   _plan_key(regs)(rec.regs))
             base = self._decoded.get(key)
             if base is not None:
                 return base.placed(seq, rec.vcpu, rec.pid if rec.flags & RF_PID else None,
-                                   rec.comm.decode("utf-8", "replace") if rec.flags & RF_COMM
-                                   else "", base.irq)
+                                   self._comm(rec), base.irq)
         if up is not None:
             # print_uprobe_event(): "(0x%lx)", or "(0x%lx <- 0x%lx)" with the real return
             # address first; %ip is the probed address itself (handle_swbp() sets it)

@@ -140,3 +140,45 @@ def test_a_register_only_probe_decodes_each_distinct_record_once_and_places_it()
         [(0, 0, 100, "cat", "5"), (1, 1, 101, "ls", "5"), (2, 0, 100, "cat", "6")]
     assert hits[3].ip.startswith("g+0x0") and hits[3].arg("here") != hits[0].arg("here")
     assert hits[4].comm == ""
+
+
+def test_a_record_placed_without_hit_counts_and_refuses_as_one_decoded_alone():
+    """PluginBackend._decode places a register-plan probe's record from a decoded one
+    before _hit() is called: its nhit counts the same, a truncated or refused record
+    among repeats of a decoded one is still counted bad, an unconfirmed one still an
+    engine error, a record of another probe ($comm: no plan) still decoded alone."""
+    from types import SimpleNamespace
+
+    from harness.kernel.grammar.program import REGS
+    from harness.kernel.symbols import SymbolTable
+    from harness.machine.pluginlink import RF_BADPROG, RF_COMM, RF_PID, RF_TRUNC
+
+    syms = SymbolTable.from_kallsyms("ffffffff81000000 T f\n")
+    f = 0xffffffff81000000
+
+    def rec(seq, di, probe=7, flags=RF_PID | RF_COMM):
+        regs = tuple(di if r == "di" else 0 for r in REGS)
+        return PluginRecord(REC_HIT, 0, probe, 0, seq, regs, 0, f, 0, 100, flags, b"cat", b"")
+    recs = [rec(1, 5), rec(2, 5), rec(3, 5, flags=RF_PID | RF_COMM | RF_TRUNC), rec(4, 5),
+            rec(5, 5, flags=RF_PID | RF_COMM | RF_BADPROG), rec(6, 5, probe=8),
+            rec(7, 5, flags=RF_PID | RF_COMM | RF_UNCONFIRMED), rec(8, 5), rec(9, 5, probe=8)]
+
+    def decoded(memo: bool):
+        be = PluginBackend(SimpleNamespace(host=_Engine(syms, [recs]), name="t"),
+                           comm_rule="at_hit")
+        be._specs = {7: (parse("p:o f x=%di:u64"), "kprobes/o"),
+                     8: (parse("p:m f c=$comm"), "kprobes/m")}
+        if not memo:
+            be._plan_regs = {7: None, 8: None}
+        be.recording = True
+        be._basis = (syms, syms.generation)
+        be._take()
+        return be
+    fast, slow = decoded(True), decoded(False)
+    assert fast._placeable and not slow._placeable
+    assert fast._hits == slow._hits and fast._seqs == slow._seqs == [1, 2, 4, 6, 8, 9]
+    assert fast._nhit == slow._nhit == {"kprobes/o": 7, "kprobes/m": 2}
+    assert fast.bad_records == slow.bad_records == {"truncated": 1,
+                                                    "program refused by the plugin": 1}
+    assert [str(e) for _, e in fast.engine_errors] == [str(e) for _, e in slow.engine_errors]
+    assert len(fast.engine_errors) == 1     # the unconfirmed one
