@@ -334,10 +334,13 @@ def test_a_tree_is_built_in_its_own_subdirectory_and_copies_leave_the_build_out(
     assert not (dest / ".kph-build").exists()
     monkeypatch.delenv("CCACHE_DIR", raising=False)
     monkeypatch.setattr(kbuild.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.delenv("CCACHE_NODEPEND", raising=False)
     assert kbuild.ccache_env() == {"CCACHE_DIR": str(tmp_path / "cache/ccache"),
-                                   "CCACHE_NOHASHDIR": "1"}
+                                   "CCACHE_NOHASHDIR": "1", "CCACHE_DEPEND": "1"}
     monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "mine"))      # the user's own cache
     assert kbuild.ccache_env()["CCACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.setenv("CCACHE_NODEPEND", "1")                    # the user's own mode
+    assert "CCACHE_DEPEND" not in kbuild.ccache_env()
     monkeypatch.setattr(kbuild.shutil, "which", lambda name: None)
     assert kbuild.ccache_env() == {}
 

@@ -349,11 +349,22 @@ def ccache_env() -> dict[str, str]:
     (unless ``CCACHE_DIR`` says otherwise) and the build directory left out of the hash
     (``-g`` would put it in), so that trees built in ``SRC/.kph-build`` share hits. The
     debug info of a hit names the build directory of the compile that filled it, whose
-    tree had the very same file."""
+    tree had the very same file.
+
+    And ccache's depend mode (unless ``CCACHE_NODEPEND`` is set): a miss compiles once and
+    takes its manifest from the ``-Wp,-MMD`` file kbuild has gcc write, where the default
+    mode first runs the preprocessor to hash its output, then compiles: a cold build of
+    6.12's ``kernel/`` and ``mm/`` took 67 s against 84-87 (2026-12-01, this machine, 2
+    jobs, twice each). Hits are unchanged: the kernel's were all direct-mode ones (the
+    source and its headers hashed), which depend mode keeps; a second tree's build of the
+    same objects took 6.5 s."""
     if not shutil.which("ccache"):
         return {}
-    return {"CCACHE_DIR": os.environ.get("CCACHE_DIR") or str(cache_dir() / "ccache"),
-            "CCACHE_NOHASHDIR": "1"}
+    env = {"CCACHE_DIR": os.environ.get("CCACHE_DIR") or str(cache_dir() / "ccache"),
+           "CCACHE_NOHASHDIR": "1"}
+    if "CCACHE_NODEPEND" not in os.environ:
+        env["CCACHE_DEPEND"] = "1"
+    return env
 
 
 def _make(src: Path, out: Path, *args: str) -> list[str]:
