@@ -118,9 +118,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     starts on the first half, in this order: the kernel builds one after the other (the
     later ones warm from the first's ccache), then the long tests; the other worker starts
     on the second half, and a worker whose queue runs dry takes the back half of the
-    other's, so the run ends on short tests. An ``alone`` test waits for the other
-    worker's current test to end: at the start that is a short one, where later it can be
-    a 7-minute docs example. ``python bench/test_durations.py run.xml`` rewrites the file.
+    other's, so neither idles at the end (the long tests, behind the builds, end the
+    first worker's run while the other takes what is left). An ``alone`` test waits for
+    the other worker's current test to end: at the start that is a short one, where later
+    it can be a 7-minute docs example. ``python bench/test_durations.py run.xml`` rewrites
+    the file.
 
     Under ``load`` (before 2026-12-01) the first worker's fixed first chunk, an eighth of
     the tests, held all of this; the other worker ran the rest and then idled for the
