@@ -3,8 +3,10 @@
 The module (``probes/kmod/kph_kprobes.c``, built into the default image as
 ``/lib/modules/kph_kprobes.ko`` and loaded on first use) calls ``register_kprobe()`` and
 ``register_kretprobe()`` for lines written to ``/sys/kernel/debug/kph/control`` and records
-every hit in a buffer that ``events`` drains. Each fetch arg travels as a small postfix
-program (the C file's header documents the ops): this module compiles a ``ProbeArg``'s
+every hit in a buffer that ``records`` drains (its bytes, which :func:`parse_records`
+decodes; ``events`` drains the same records as text, for people). Each fetch arg
+travels as a small postfix program (the C file's header documents the ops): this
+module compiles a ``ProbeArg``'s
 fetch tree and type into one, and turns the raw items the module recorded back into the
 text the trace file would print (:func:`harness.kernel.grammar.fetch.format_value`), so module hits
 compare with tracefs and host-side hits field by field.
@@ -27,7 +29,7 @@ import dataclasses
 import errno as _errno
 import io
 import logging
-import os
+import struct
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModuleBackend", "ModuleError", "UnsupportedFetchArgError", "compile_arg",
            "buffer_stats",
-           "add_line", "parse_events_line", "decode_arg", "decode_args", "ModuleRecord", "Item",
+           "add_line", "parse_events_line", "parse_records", "decode_arg", "decode_args", "ModuleRecord", "Item",
            "REG_OFFSET", "GUEST_KO", "KPH_DIR", "symbol_in_section"]
 
 MODULE_NAME = "kph_kprobes"
@@ -283,6 +285,79 @@ def parse_events_line(line: str) -> ModuleRecord:
                             int(parts[9], 16), args, ctx)
     except (ValueError, IndexError) as exc:
         raise ModuleError(f"unreadable {KPH_DIR}/events line {line!r}: {exc}") from None
+
+
+#: ``struct kph_rec`` (probes/kmod/kph_kprobes.c; its init checks the size, 72, and
+#: ``comm`` at 56): len, id, seq, addr, ip, ret_addr, pid, cpu, kind, mode, nargs, irq
+REC = struct.Struct("<IIQQQQIIccHB3x16s")
+#: ``struct kph_item``: arg, type, pad, ret, val
+ITEM = struct.Struct("<Hcxiq")
+_KINDS = {b"p": "pre", b"s": "post", b"r": "ret"}
+_MODE_OF = {b"f": "ftrace", b"o": "optimized", b"i": "int3"}
+#: a record's bytes but for its place (seq at 8, pid and cpu at 40, comm at 56): what
+#: decoding it depends on (``ModuleBackend.collect``'s memo)
+_UNPLACED = ((4, 8), (16, 40), (48, 56))
+
+
+def _items(data: bytes, pos: int, end: int, nargs: int) -> tuple[tuple[Item, ...], ...]:
+    """A record's items from ``pos`` to ``end``, grouped by argument, as
+    :func:`parse_events_line` reads them from the text (``kph_format()``): a value's
+    ``value``, a string's ``ret`` and bytes, a failed or aborted read's ``ret``."""
+    args: list[list[Item]] = [[] for _ in range(nargs)]
+    unpack = ITEM.unpack_from
+    while pos < end:
+        if end - pos < ITEM.size:
+            raise ValueError(f"an item cut short at {pos}")
+        arg, kind, ret, val = unpack(data, pos)
+        pos += ITEM.size
+        if arg >= nargs:
+            raise ValueError(f"an item of arg {arg} in a record of {nargs}")
+        if kind == b"i":
+            args[arg].append(Item("i", value=val & _M))
+        elif kind == b"s":
+            if val < 0 or pos + val > end:
+                raise ValueError(f"a string of {val} bytes past its record")
+            args[arg].append(Item("s", ret=ret, data=data[pos:pos + val]))
+            pos += (val + 7) & ~7
+        elif kind in (b"f", b"e"):
+            args[arg].append(Item(kind.decode(), ret=ret))
+        else:
+            raise ValueError(f"unknown item type {kind!r}")
+    return tuple(map(tuple, args))
+
+
+def _record(data: bytes, pos: int) -> tuple[ModuleRecord, int]:
+    """The record at ``pos`` of a ``records`` drain and where the next one starts."""
+    if len(data) - pos < REC.size:
+        raise ValueError(f"a record cut short at {pos}")
+    (ln, rid, seq, addr, ip, ret_addr, pid, cpu, kind, mode, nargs, irq,
+     comm) = REC.unpack_from(data, pos)
+    if ln < REC.size or pos + ln > len(data) or kind not in _KINDS or mode not in _MODE_OF:
+        raise ValueError(f"a record of length {ln}, kind {kind!r}, mode {mode!r} at {pos}")
+    return (ModuleRecord(seq, rid, _KINDS[kind], _MODE_OF[mode], cpu, pid, _comm(comm),
+                         addr, ip, ret_addr, _items(data, pos + REC.size, pos + ln, nargs),
+                         "irq" if irq else "task"), pos + ln)
+
+
+def _comm(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def parse_records(data: bytes) -> list[ModuleRecord]:
+    """Every record of a ``records`` drain (the module's buffer as it lay: the header
+    of probes/kmod/kph_kprobes.c documents the layout), as :func:`parse_events_line`
+    reads the same record from ``events``.
+
+    :raise ModuleError: when the bytes are not records of that layout.
+    """
+    out, pos = [], 0
+    try:
+        while pos < len(data):
+            rec, pos = _record(data, pos)
+            out.append(rec)
+    except (ValueError, struct.error) as exc:
+        raise ModuleError(f"unreadable {KPH_DIR}/records: {exc}") from None
+    return out
 
 
 def _probe_stats(text: str) -> dict[int, dict[str, str]]:
@@ -767,41 +842,36 @@ class ModuleBackend:
         self.vm.write_file(f"{KPH_DIR}/control", b"record off\n")
 
     def records(self) -> list[ModuleRecord]:
-        """Drain ``events``: the raw records since the last drain."""
-        return [parse_events_line(ln) for ln in self._lines()]
+        """Drain the module's buffer: the raw records since the last drain."""
+        return parse_records(self._drain()[0])
 
-    #: a drain of at least this many records (~100 bytes of text each) comes through the
-    #: machine's data port, fewer through the agent (a process costs ~15 ms under TCG, a
-    #: 4 KiB piece through the agent ~1.2 ms)
-    STREAM_RECORDS = 2000
+    def _drain(self) -> tuple[bytes, dict[str, int]]:
+        """Drain ``records`` (``kph_events_open()`` swaps the buffers at open and copies
+        the drained one: the records as the handlers wrote them, nothing formatted in the
+        guest) and read ``stats`` after it, in one request (``Machine.pull_many``:
+        kph-reader's raw bytes, else the agent's file API): the bytes and
+        :func:`buffer_stats`.
 
-    def _lines(self, records: int = 0) -> list[str]:
-        """Drain ``events``: the lines since the last drain (``kph_events_open()`` formats
-        the whole drain at open). ``records``: how many ``stats`` says the drain holds;
-        from :attr:`STREAM_RECORDS` on, the text comes raw through the machine's data port
-        (``Machine.read_stream``: copied to the guest's /tmp first, as its size is known
-        only once formatted), else through the agent's file API, no process."""
-        if records >= self.STREAM_RECORDS and getattr(self.vm, "has_data_port", False):
-            tmp = f"/tmp/kph-events-{os.urandom(6).hex()}"
-            size = int(self.vm.run(f"cat {KPH_DIR}/events > {tmp} && wc -c < {tmp}",
-                                   check=True, timeout=self.timeout).stdout)
-            data = self.vm.read_stream(f'cat {tmp} > "$KPH_DATA"; s=$?; rm -f {tmp}; exit $s',
-                                       size, timeout=self.timeout)
-        else:
-            data = self.vm.pull(f"{KPH_DIR}/events", timeout=self.timeout)
-        text = data.decode("utf-8", "surrogateescape")
-        return [ln for ln in text.splitlines() if ln.strip()]
+        :raise GuestAgentError: either file cannot be read (the module is not loaded).
+        """
+        got = self.vm.pull_many([f"{KPH_DIR}/records", f"{KPH_DIR}/stats"], timeout=self.timeout)
+        for g in got:
+            if isinstance(g, GuestAgentError):
+                raise g
+        data, stats = got
+        return bytes(data), buffer_stats(bytes(stats).decode("utf-8", "replace"))
 
-    def check_dropped(self) -> None:
+    def check_dropped(self, stats: dict[str, int] | None = None) -> None:
         """Fail the run on records the module dropped since :meth:`enable`: its ``dropped``
         counter (``kph_record()``, probes/kmod/kph_kprobes.c: a record that does not fit
         in what is left of the active buffer is not written, and counted), read from
-        ``stats``. The counter lives as long as the module, so the run's drops are the
-        difference from the value read at :meth:`enable`.
+        ``stats`` (now, or ``stats``: :func:`buffer_stats` read after the drain). The
+        counter lives as long as the module, so the run's drops are the difference from
+        the value read at :meth:`enable`.
 
         :raise GuestLossError: with the count.
         """
-        st = self.buffer_stats_now()
+        st = stats if stats is not None else self.buffer_stats_now()
         lost = st["dropped"] - (self._dropped0 or 0)
         if lost > 0:
             raise GuestLossError(self.side, lost, f"{MODULE_NAME} dropped {lost} record(s): "
@@ -814,49 +884,61 @@ class ModuleBackend:
         """The hits recorded since :meth:`enable`.
 
         :raise GuestLossError: when the module dropped records (:meth:`check_dropped`).
+        :raise ModuleError: when the drain is not records of the module's layout.
         """
         symbolize = remembered_symbolizer(self.vm.symbols)
-        lines = self._lines(self.buffer_stats_now()["records"])
-        self.check_dropped()
+        data, stats = self._drain()
+        self.check_dropped(stats)
         last_pre: dict[tuple[int, int], int] = {}    # (probe, cpu) -> its last pre hit
-        # A pre or ret line's hit, but for its place (SEQ, CPU, PID, COMM), is what the
-        # rest of the line says: decoded once per distinct rest (a hot probe's lines
-        # repeat a few: vfs_read's count=1), and placed (Hit.placed) at each line.
-        decoded: dict[tuple[str, ...], Hit] = {}
-        for ln in lines:
-            parts = ln.split()
-            key = (*parts[1:4], *parts[7:])
-            base = decoded.get(key)
-            if base is not None:
-                try:
-                    seq, cpu, pid = int(parts[0]), int(parts[4]), int(parts[5])
-                    comm = "" if parts[6] == "-" else bytes.fromhex(parts[6]).decode(
-                        "utf-8", "surrogateescape")
-                except (ValueError, IndexError):
-                    pass            # parse_events_line() below names what is wrong
-                else:
-                    if parts[2] == "pre":
-                        last_pre[(int(parts[1]), cpu)] = len(self.hits)
-                    self.hits.append(base.placed(seq, cpu, pid, comm, base.irq))
+        # A pre or ret record's hit, but for its place (SEQ, PID, CPU, COMM), is what the
+        # rest of its bytes say: decoded once per distinct rest (a hot probe's records
+        # repeat a few: vfs_read's count=1), and placed (Hit.placed) at each record.
+        decoded: dict[bytes, Hit] = {}
+        comms: dict[bytes, str] = {}
+        (a0, a1), (b0, b1), (c0, c1) = _UNPLACED
+        head = struct.Struct("<I4xQ24xII8x16s").unpack_from      # len, seq, pid, cpu, comm
+        hits = self.hits
+        pos, size = 0, len(data)
+        try:
+            while pos < size:
+                if size - pos < REC.size:
+                    raise ValueError(f"a record cut short at {pos}")
+                ln, seq, pid, cpu, craw = head(data, pos)
+                if ln < REC.size or pos + ln > size:
+                    raise ValueError(f"a record of length {ln} at {pos}")
+                key = data[pos + a0:pos + a1] + data[pos + b0:pos + b1] + \
+                    data[pos + c0:pos + c1] + data[pos + REC.size:pos + ln]
+                base = decoded.get(key)
+                if base is not None:
+                    comm = comms.get(craw)
+                    if comm is None:
+                        comm = comms[craw] = _comm(craw)
+                    if data[pos + 48] == 0x70:          # b"p": a pre record
+                        last_pre[(int.from_bytes(data[pos + 4:pos + 8], "little"), cpu)] = \
+                            len(hits)
+                    hits.append(base.placed(seq, cpu, pid, comm, base.irq))
+                    pos += ln
                     continue
-            rec = parse_events_line(ln)
-            placed = self._placed.get(rec.id)
-            if placed is None:
-                log.debug("record of unknown probe %d dropped", rec.id)
-            elif rec.kind == "post":
-                self.post_records.append(rec)
-                at = last_pre.pop((rec.id, rec.cpu), None)
-                wrong = self._post_ip(rec)
-                if wrong and at is not None:
-                    self.hits[at] = self.hits[at].changed(post_ip=wrong)
-            else:
-                if rec.kind == "pre":
-                    last_pre[(rec.id, rec.cpu)] = len(self.hits)
-                hit = self._hit(rec, placed, symbolize)
-                self.hits.append(hit)
-                if len(decoded) < DECODED_MAX:
-                    decoded[key] = hit
-        return list(self.hits)
+                rec, pos = _record(data, pos)
+                placed = self._placed.get(rec.id)
+                if placed is None:
+                    log.debug("record of unknown probe %d dropped", rec.id)
+                elif rec.kind == "post":
+                    self.post_records.append(rec)
+                    at = last_pre.pop((rec.id, rec.cpu), None)
+                    wrong = self._post_ip(rec)
+                    if wrong and at is not None:
+                        hits[at] = hits[at].changed(post_ip=wrong)
+                else:
+                    if rec.kind == "pre":
+                        last_pre[(rec.id, rec.cpu)] = len(hits)
+                    hit = self._hit(rec, placed, symbolize)
+                    hits.append(hit)
+                    if len(decoded) < DECODED_MAX:
+                        decoded[key] = hit
+        except (ValueError, struct.error) as exc:
+            raise ModuleError(f"unreadable {KPH_DIR}/records: {exc}") from None
+        return list(hits)
 
     def _post_ip(self, rec: ModuleRecord) -> str:
         """The post_handler's ``regs->ip`` against where the probed instruction goes

@@ -1,5 +1,5 @@
 """harness/backends/module.py without a VM: the fetch-program compiler, the events-line
-parser, and decoding records into the trace file's text."""
+parser and the records decoder, and decoding records into the trace file's text."""
 from __future__ import annotations
 
 import errno
@@ -8,7 +8,8 @@ import pytest
 
 from harness.backends.module import (FLAG_POST, REG_OFFSET, Item, ModuleBackend, ModuleError,
                                      UnsupportedFetchArgError, _Placed, add_line,
-                                     compile_arg, decode_arg, parse_events_line)
+                                     compile_arg, decode_arg, parse_events_line,
+                                     parse_records)
 from harness.errors import SymbolNotFoundError
 from harness.kernel.grammar.fetch import FAULT, UNKNOWN, FaultError, evaluate, format_value
 from harness.kernel.grammar import parse, parse_arg
@@ -217,12 +218,63 @@ def test_hits_from_records():
     assert r.line() == "cat-113 [001] kph/ret: (__x64_sys_openat+0x4a/0xa0 <- do_sys_openat2) ret=3"
 
 
-def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monkeypatch):
-    """collect() keeps each distinct line payload (all but SEQ, CPU, PID and COMM) decoded
-    once: every hit is what _hit() makes of its own line, alone; a line that repeats a
-    payload with a place that does not parse is still the module's unreadable line."""
-    import pytest
+def encode(rec, *, pad=b"\0"):
+    """``rec`` as kph_record() lays it in the module's buffer (``struct kph_rec``, then
+    ``struct kph_item``s, a string's bytes padded to 8 with ``pad``): this test's own
+    writer of the layout probes/kmod/kph_kprobes.c documents, not the decoder's."""
+    import struct
 
+    items = b""
+    for i, arg_items in enumerate(rec.args):
+        for it in arg_items:
+            val = it.value if it.type == "i" else len(it.data) if it.type == "s" else 0xdead
+            items += struct.pack("<HBBiQ", i, ord(it.type), 0, it.ret, val)
+            if it.type == "s":
+                items += it.data + pad * (-len(it.data) % 8)
+    kind = {"pre": b"p", "post": b"s", "ret": b"r"}[rec.kind]
+    head = struct.pack("<IIQQQQII", 72 + len(items), rec.id, rec.seq, rec.addr, rec.ip,
+                       rec.ret_addr, rec.pid, rec.cpu)
+    head += kind + rec.mode[:1].encode() + struct.pack("<H", len(rec.args))
+    head += bytes([rec.irq == "irq"]) + b"\0" * 3 + rec.comm.encode().ljust(16, b"\0")
+    assert len(head) == 72
+    return head + items
+
+
+LINES = [LINE_PRE.replace(" ftrace ", " ftrace:task "), LINE_RET.replace(" ftrace ", " ftrace:irq "),
+         "1 3 post int3:task 0 1 - ffffffff8134a355 ffffffff8134a357 246 2 - e-14,s0:,f-34",
+         "2 3 pre optimized:task 1 7 6b776f726b65722f303a3130 10 11 0 1 s9:6162636465666768"]
+
+
+def test_a_records_drain_reads_as_its_events_lines():
+    """The binary drain decodes to what the same records' text lines parse to (each kind,
+    mode, context, a 15-byte comm, a string whose length is a multiple of 8, an empty
+    string, failed and aborted reads, a post record's flags)."""
+    want = [parse_events_line(ln) for ln in LINES]
+    data = b"".join(encode(r, pad=b"\xaa") for r in want)
+    assert parse_records(data) == want
+    assert parse_records(b"") == []
+
+
+@pytest.mark.parametrize("cut", [
+    lambda d: d[:-1],                               # the last item cut short
+    lambda d: d[:40],                               # a header cut short
+    lambda d: d[:48] + b"x" + d[49:],               # a kind that is none
+    lambda d: d[:49] + b"q" + d[50:],               # a mode that is none
+    lambda d: b"\x10" + d[1:],                      # a length shorter than a header
+    lambda d: d[:72] + b"\x09" + d[73:],            # an item of an arg past NARGS
+    lambda d: d[:74] + b"z" + d[75:],               # an item type that is none
+])
+def test_records_that_are_not_the_layout_are_refused(cut):
+    data = encode(parse_events_line(LINES[0]))
+    with pytest.raises(ModuleError, match="unreadable .*/records"):
+        parse_records(cut(data))
+
+
+def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record(monkeypatch):
+    """collect() keeps each distinct record payload (all but SEQ, CPU, PID and COMM)
+    decoded once: every hit is what _hit() makes of its own record, alone; a record that
+    repeats a payload with a cut-short place is still the module's unreadable drain; the
+    drain and the stats after it are one request."""
     from harness.backends.module import ModuleError
     be = ModuleBackend(FakeVM())
     pre = parse("p:kph/open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring flags=%dx:x32 "
@@ -230,66 +282,46 @@ def test_collect_decodes_a_repeated_payload_once_and_places_it_at_each_line(monk
     ret = parse("r:kph/ret do_sys_openat2 ret=$retval:s64")
     be._placed = {1: _Placed(1, "kph/open", pre, 0xffffffff8134a350, "p"),
                   2: _Placed(2, "kph/ret", ret, 0xffffffff8134a350, "r")}
-    rest_pre, rest_ret = LINE_PRE.split(" ", 7)[7], LINE_RET.split(" ", 7)[7]
-    lines = [LINE_PRE, LINE_RET,
-             f"7 1 pre ftrace 1 200 6c73 {rest_pre}",              # same payload, ls-200
-             f"8 2 ret ftrace 0 200 6c73 {rest_ret}",
+    rest_pre, rest_ret = LINES[0].split(" ", 7)[7], LINES[1].split(" ", 7)[7]
+    lines = [LINES[0], LINES[1],
+             f"7 1 pre ftrace:task 1 200 6c73 {rest_pre}",         # same payload, ls-200
+             f"8 2 ret ftrace:irq 0 200 6c73 {rest_ret}",
              f"9 1 pre ftrace:irq 1 0 - {rest_pre}",               # another context
-             f"10 1 pre ftrace 0 113 636174 {rest_pre.replace('i80000', 'i8000')}"]
-    monkeypatch.setattr(be.vm, "pull", lambda path, **kw: ("\n".join(lines) + "\n").encode(),
-                        raising=False)
-    monkeypatch.setattr(be, "check_dropped", lambda: None)
-    monkeypatch.setattr(be, "buffer_stats_now", lambda: {"records": len(lines)})
+             f"10 1 pre ftrace:task 0 113 636174 {rest_pre.replace('i80000', 'i8000')}",
+             f"11 1 pre int3:task 0 113 636174 {rest_pre}"]        # another mode
+    recs = [parse_events_line(ln) for ln in lines]
+    stats = b"buffer size 4194304 used 1 records 7 dropped 0 seq 12\n"
+    asked = []
+
+    def pull_many(paths, **kw):
+        asked.append(paths)
+        return [b"".join(map(encode, recs)), stats]
+    monkeypatch.setattr(be.vm, "pull_many", pull_many, raising=False)
     sym = remembered_symbolizer(be.vm.symbols)
     got = be.collect()
-    want = [be._hit(parse_events_line(ln), be._placed[int(ln.split()[1])], sym) for ln in lines]
+    assert asked == [["/sys/kernel/debug/kph/records", "/sys/kernel/debug/kph/stats"]]
+    want = [be._hit(r, be._placed[r.id], sym) for r in recs]
     assert got == want
     assert [(h.seq, h.cpu, h.pid, h.comm, h.irq) for h in got[2:5]] == \
-        [(7, 1, 200, "ls", ""), (8, 0, 200, "ls", ""), (9, 1, 0, "", "irq")]
+        [(7, 1, 200, "ls", "task"), (8, 0, 200, "ls", "irq"), (9, 1, 0, "", "irq")]
     assert got[5].arg("flags") == "0x8000" and got[0].arg("flags") == "0x80000"
+    assert got[6].mode == "int3" and got[0].mode == "ftrace"
     be2 = ModuleBackend(FakeVM())
     be2._placed = be._placed
-    bad = [LINE_PRE, f"7 1 pre ftrace 1 x 6c73 {rest_pre}"]
-    monkeypatch.setattr(be2.vm, "pull", lambda path, **kw: "\n".join(bad).encode(),
-                        raising=False)
-    monkeypatch.setattr(be2, "check_dropped", lambda: None)
-    monkeypatch.setattr(be2, "buffer_stats_now", lambda: {"records": len(bad)})
+    data = encode(recs[0]) + encode(recs[2])[:60]
+    monkeypatch.setattr(be2.vm, "pull_many", lambda paths, **kw: [data, stats], raising=False)
     with pytest.raises(ModuleError, match="unreadable"):
         be2.collect()
 
 
-@pytest.mark.parametrize("records,streamed", [(1999, False), (2000, True)])
-def test_a_big_drain_comes_through_the_data_port(monkeypatch, records, streamed):
-    """From STREAM_RECORDS records on (as ``stats`` counts them) the drain is copied to the
-    guest's /tmp and comes raw through the data port, its size first asked; fewer come
-    through the agent's file API."""
-    import types
-
+def test_collect_fails_on_records_the_module_dropped(monkeypatch):
+    from harness.errors import GuestLossError
     be = ModuleBackend(FakeVM())
-    text = (LINE_PRE + "\n") * 3
-    calls = []
-    be.vm.has_data_port = True
-    monkeypatch.setattr(be.vm, "pull", lambda path, **kw: calls.append(("pull", path))
-                        or text.encode(), raising=False)
-
-    def run(cmd, **kw):
-        calls.append(("run", cmd))
-        return types.SimpleNamespace(stdout=f"{len(text)}\n", status=0)
-
-    def read_stream(cmd, size, **kw):
-        calls.append(("stream", cmd))
-        assert size == len(text) and "$KPH_DATA" in cmd
-        return text.encode()
-
-    monkeypatch.setattr(be.vm, "run", run, raising=False)
-    monkeypatch.setattr(be.vm, "read_stream", read_stream, raising=False)
-    assert be._lines(records) == [LINE_PRE] * 3
-    kinds = [k for k, _ in calls]
-    assert kinds == (["run", "stream"] if streamed else ["pull"])
-    if streamed:
-        tmp = calls[0][1].split("> ")[1].split()[0]
-        assert calls[0][1].startswith("cat /sys/kernel/debug/kph/events > /tmp/")
-        assert f"rm -f {tmp}" in calls[1][1]
+    be._dropped0 = 3
+    monkeypatch.setattr(be.vm, "pull_many", lambda paths, **kw: [
+        b"", b"buffer size 4096 used 0 records 0 dropped 5 seq 9\n"], raising=False)
+    with pytest.raises(GuestLossError, match="dropped 2 record"):
+        be.collect()
 
 
 def test_symbol_lookup_failure_is_enoent(monkeypatch):

@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from harness.backends.module import KPH_DIR, ModuleBackend
+from harness.backends.module import KPH_DIR, Item, ModuleBackend
 from harness.kernel.grammar.fetch import parse_trace_line
 from harness.kernel.grammar import parse
 
@@ -236,11 +236,37 @@ def test_events_drain_and_record_switch(vm, backend):
     vm.run("cat /proc/version", check=True)
     first, second = be.records(), be.records()
     paths = lambda recs: [r.args[1][0].data for r in recs]   # noqa: E731
-    # A read drains: the second holds only the opens made since (cat opening events).
+    # A read drains: the second holds only the opens made since (kph-reader opening
+    # stats after the first drain, then records again).
     assert b"/proc/version" in paths(first) and b"/proc/version" not in paths(second)
     assert min(r.seq for r in second) > max(r.seq for r in first)
     stats = vm.run(f"cat {KPH_DIR}/stats", check=True).stdout.splitlines()
     assert stats[0] == "recording 1" and "dropped 0" in stats[1]
+
+
+def test_the_records_drain_and_the_events_text_agree(vm, backend):
+    """The module's two drains of its buffer, ``events`` (text, formatted in the guest:
+    kph_format()) and ``records`` (the bytes: kph_copy(), what ``collect()`` decodes), give
+    the same records for the same workload run twice: every field but the record's place
+    (SEQ, PID, CPU), for each open, return and read of ``dd``: values, strings, a comm."""
+    from harness.backends.module import parse_events_line
+    be = backend()
+    be.register([parse("p:kph/open do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring"),
+                 parse(OPEN_RET), parse("p:kph/rd vfs_read count=%dx:u64 comm=$comm")])
+    be.enable()
+    mine = lambda recs: [r._replace(seq=0, pid=0, cpu=0) for r in recs  # noqa: E731
+                         if r.comm == "dd"]
+    workload = "dd if=/proc/version of=/dev/null bs=16 count=3"
+    vm.run(workload, check=True)
+    text = vm.pull(f"{KPH_DIR}/events").decode()
+    as_text = mine(parse_events_line(ln) for ln in text.splitlines())
+    vm.run(workload, check=True)
+    as_records = mine(be.records())
+    assert {r.kind for r in as_text} == {"pre", "ret"}, text
+    assert any(r.args[1:2] == ((Item("s", ret=14, data=b"/proc/version"),),) for r in as_text), \
+        text
+    assert sum(r.args[0] == (Item("i", value=16),) for r in as_text) >= 3, text
+    assert as_records == as_text
 
 
 def test_close_unregisters_everything(vm, backend):
