@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from ..errors import HarnessError
 from ..kernel.symbols import instruction_at
-from ..backends.module import KPH_DIR, ModuleBackend
+from ..backends.module import KPH_DIR, REG_OFFSET, ModuleBackend
 from ..kernel.grammar import parse
 from ..backends.events import EventsBackend
 from ..diff.runner import resolve_uprobes
@@ -115,8 +115,8 @@ class _Observer:
             final: str = "back in the caller", timeout: float = 60.0,
             max_steps: int = 64, after_addr: int | None = None, final_lane: str = "CPU",
             continue_after: bool = False,
-            discover: Callable[[int, dict[str, int]], dict[int, tuple[str, str]]] | None = None
-            ) -> list[Step]:
+            discover: Callable[[int, dict[str, int]], dict[int, tuple[str, str]]] | None = None,
+            run_to: Callable[[int], int | None] | None = None) -> list[Step]:
         """Record the observed path from the first stop at ``start`` to the stop at ``end``.
 
         Or, with ``after_lane``/``until``: once a step in ``after_lane`` is recorded,
@@ -126,6 +126,9 @@ class _Observer:
         ``continue_after`` records the place found, then goes on observing (until ``end``);
         ``discover(pc, regs)`` may return observers learnt at a step (an address in a
         process's own page, such as the uretprobe trampoline), armed at once.
+        ``run_to(pc)``: while stepping towards ``until``, an address to run to (a
+        breakpoint of its own) instead of stepping on from ``pc``: another task's user
+        code, scheduled in before the probed task came back to user mode.
         """
         stub, steps, prev = self.stub, [], {}
         self.arm(observers)
@@ -146,7 +149,7 @@ class _Observer:
             nonlocal prev
             if steps and steps[-1].addr == pc:
                 return    # the same place again after a page fault brought its page in
-            regs = stub.read_registers(SHOWN + ("rdi", "rax"), thread=th)
+            regs = stub.read_registers(SHOWN + ("rdi", "rsi", "rax"), thread=th)
             changed = tuple(k for k in SHOWN if k in prev and prev[k] != regs[k])
             steps.append(Step(len(steps) + 1, lane, title, self.sym.format(pc), pc,
                               self.insn(pc), regs, changed, (notes or {}).get(pc, "")))
@@ -180,7 +183,11 @@ class _Observer:
                             for x in steps):
                         n = 0
                         while not until(last, pc) and n < 20000:
-                            last, pc, n = pc, stub.step(thread=th).addr, n + 1
+                            to = run_to(pc) if run_to is not None else None
+                            if to is None:
+                                last, pc, n = pc, stub.step(thread=th).addr, n + 1
+                            else:
+                                last, pc, n = pc, self._run_to(to, deadline), n + 1
                         record(pc, th, final_lane, final)
                         if not continue_after:
                             return steps
@@ -196,6 +203,33 @@ class _Observer:
             stub.cont()
             t.join(timeout)
             self.vm.remove_stop_holder(holder)
+
+    def _run_to(self, addr: int, deadline: float) -> int:
+        """Run until a stop at ``addr`` (a breakpoint of its own, removed after), stepping
+        over the observers' breakpoints on the way; the stop's pc.
+
+        :raise HarnessError: no stop there before ``deadline``."""
+        stub = self.stub
+        num = None if addr in self.bps else stub.insert_breakpoint(addr)
+        try:
+            stub.cont()
+            while True:
+                try:
+                    stop = stub.wait_stop(timeout=max(0.1, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise HarnessError(f"trapflow: the guest did not reach {addr:#x} in time") \
+                        from None
+                if stop.addr == addr:
+                    return addr
+                st, again = stub.step_over(stop.addr, self.bps.get(stop.addr), thread=stop.thread)
+                if stop.addr in self.bps and again is None:
+                    self.bps[stop.addr] = stub._last_reinserted
+                if st.addr == addr:
+                    return addr
+                stub.cont()
+        finally:
+            if num is not None:
+                stub.delete_breakpoint(num)
 
 
 def _module(vm: Machine, post: bool) -> Any:
@@ -428,8 +462,30 @@ def uprobe_flow(vm: Machine, workload: str) -> Flow:
             ("uprobe_post_sstep_notifier", "uprobes core", "uprobe_post_sstep_notifier(): TIF_UPROBE again"),
             ("arch_uprobe_post_xol", "uprobes core", "arch_uprobe_post_xol(): ip back after the probed instruction"))))
         pre_xol = _sym(vm, "arch_uprobe_pre_xol")
+        # arch_uprobe_pre_xol(auprobe, regs) sets regs->ip to the task's XOL slot
+        # (arch/x86/kernel/uprobes.c): the first user-mode place after it is that slot
+        # unless the way back to user mode scheduled another task in, whose user code is
+        # run past (a guest slowed by a loaded host takes more timer ticks there)
+        at: dict[str, int] = {}
+
+        def discover(pc: int, regs: dict[str, int]) -> dict[int, tuple[str, str]]:
+            if pc == pre_xol:
+                at["regs"] = regs["rsi"]
+            return {}
+
+        def slot_ip() -> int | None:
+            if "slot" not in at and "regs" in at:
+                at["slot"] = int.from_bytes(obs.stub.read_memory(at["regs"] + REG_OFFSET["ip"],
+                                                                 8), "little")
+            return at.get("slot")
+
+        def user_not_slot(pc: int) -> int | None:
+            slot = slot_ip() if pc < _USER_TOP else None
+            return slot if slot is not None and pc != slot else None
         steps = obs.run(workload, lanes, p, p + size, after_addr=pre_xol,
-                        until=lambda last, pc: pc < _USER_TOP, final_lane="instruction slot",
+                        until=lambda last, pc: pc < _USER_TOP and pc == (slot_ip() or pc),
+                        run_to=user_not_slot, discover=discover,
+                        final_lane="instruction slot",
                         final="the XOL slot ([uprobes] page): the copied instruction runs there",
                         continue_after=True, max_steps=96)
         flow = Flow("uprobe", f"p {USER_PROG}:{USER_FUNC}+1 (uprobe_events, int3 in user text)",

@@ -129,6 +129,11 @@ def test_uprobe_variants_follow_the_kernels_user_path(flows, vm):
     # TF set in the XOL slot (arch_uprobe_pre_xol()). CI on 2026-11-26 recorded a first
     # slot step with eflags 0x10202 (RF set, no TF), under load, not reproduced alone (an
     # interrupt taken at the slot is a candidate): one of the slot's steps carries TF.
+    # Under load (a test run beside it, 2026-12-01) the first user-mode place after
+    # arch_uprobe_pre_xol() was once another task's code (eflags 0x293), scheduled in on
+    # the way back to user mode: the flow runs on to this task's slot (regs->ip as
+    # pre_xol left it), in the [uprobes] page, whose first slot is the uretprobe
+    # trampoline below.
     slots = [s for s in up if s.lane == "instruction slot"]
     assert slots and all(s.addr < 1 << 47 for s in slots)
     assert any(s.regs["eflags"] & trapflow.TF for s in slots), [hex(s.regs["eflags"]) for s in slots]
@@ -136,7 +141,26 @@ def test_uprobe_variants_follow_the_kernels_user_path(flows, vm):
     assert up[-1].addr == up[0].addr + 3 and "push" in up[-1].insn      # after mov %rsp,%rbp
     ret = fl["uretprobe"].steps
     tramp = ret[0].regs["rdi"]
+    assert slots[0].addr >> 12 == tramp >> 12, (hex(slots[0].addr), hex(tramp))
     assert ret[1].addr == tramp and ret[1].regs["cs"] & 3 == 3
     assert "uretprobe_dispatcher" in [s.where.split("+")[0] for s in ret]
     assert ret[-1].regs["cs"] & 3 == 3 and ret[-1].addr < 1 << 47 and ret[-1].addr != tramp
     assert vm.run("cat /sys/kernel/tracing/uprobe_events").stdout == ""  # left as it was
+
+
+def test_the_observer_runs_past_other_code_to_the_place_it_waits_for(vm):
+    """``run_to``: from the first stop at do_sys_openat2, the observer runs (a breakpoint
+    of its own, not 20,000 single-steps) to do_filp_open, which the open calls next, and
+    records it as the final place; the guest is left running and without breakpoints."""
+    obs = trapflow._Observer(vm)
+    start, target = trapflow._sym(vm, "do_sys_openat2"), trapflow._sym(vm, "do_filp_open")
+    ran = []
+
+    def run_to(pc):
+        ran.append(pc)
+        return target if pc != target else None
+    steps = obs.run("cat /proc/version", {start: ("CPU", "entry")}, start, after_addr=start,
+                    until=lambda last, pc: pc == target, run_to=run_to, final="do_filp_open")
+    assert [s.addr for s in steps] == [start, target], [s.where for s in steps]
+    assert ran and target not in ran and not obs.bps
+    assert vm.run("true", timeout=30).ok
