@@ -1044,9 +1044,11 @@ class Machine:
             self._klog = got
             return got
 
-    def _ask_reader(self, request: str, timeout: float, lines: Sequence[str] = ()) -> bytes:
-        """Send kph-reader ``request`` (``a``, ``n`` or ``f``) with its id and ``lines``
-        after it, and read its answer, ``KPH ID LEN`` and LEN bytes. A VMLostError (no
+    def _ask_reader(self, request: str, timeout: float, lines: Sequence[str] = (),
+                    count: int = 0) -> bytes:
+        """Send kph-reader ``request`` (``a``, ``n``, ``f``, or ``p`` with ``count``, its
+        MAX) with its id and ``lines`` after it, and read its answer, ``KPH ID LEN`` and
+        LEN bytes. A VMLostError (no
         answer in time, a broken port, an answer out of step) and the reader is not asked
         again (``has_reader`` False); after any other error (a guest that cannot run) its
         answer is still to come, and is skipped when it does."""
@@ -1054,7 +1056,8 @@ class Machine:
         assert sock is not None
         ident = next(self._reader_ids)
         try:
-            head = f"{request} {ident}" + (f" {len(lines)}" if request == "f" else "")
+            head = f"{request} {ident}" + (f" {len(lines)}" if request == "f" else
+                                           f" {int(count)}" if request == "p" else "")
             return self._reader_answer(sock, ident, head, lines, timeout)
         except VMLostError:
             self._reader_open = False
@@ -1118,6 +1121,45 @@ class Machine:
                     buf += chunk
         except OSError as exc:
             raise VMLostError(f"{self.name}: the reader's port broke: {exc}") from exc
+
+    def read_pieces(self, guest_path: str, max_pieces: int, *,
+                    timeout: float = C.RUN_TIMEOUT) -> tuple[list[bytes], bool] | None:
+        """Up to ``max_pieces`` reads of a guest file whose every ``read()`` is one piece
+        (``trace_pipe_raw``: a ring-buffer page a read), each kept, through kph-reader in
+        one request (no process, raw bytes): the pieces and whether a read found nothing
+        more (EAGAIN: the file is opened O_NONBLOCK, or its end). None when the machine
+        has no reader (:attr:`has_reader`): the caller reads another way.
+
+        :raise GuestAgentError: the open or a read failed (qemu-ga's words), nothing kept.
+        """
+        self._require_running()
+        if not self.has_reader or "\n" in guest_path or not guest_path.startswith("/"):
+            return None
+        with self._reader_lock:
+            body = self._ask_reader("p", timeout, [guest_path], count=max(1, max_pieces))
+        head, _, rest = body.partition(b"\n")
+        parts = head.split()
+        if len(parts) != 4 or parts[0] not in (b"P", b"O") or \
+                not all(x.isdigit() for x in parts[1:]):
+            self._reader_open = False
+            raise VMLostError(f"{self.name}: the reader's answer for {guest_path} is {head[:40]!r}")
+        err, count, ended = int(parts[1]), int(parts[2]), parts[3] == b"1"
+        pieces, at = [], 0
+        for _ in range(count):
+            nl = rest.find(b"\n", at)
+            size = int(rest[at:nl]) if nl > at and rest[at:nl].isdigit() else -1
+            if size < 0 or nl + 1 + size > len(rest):
+                self._reader_open = False
+                raise VMLostError(f"{self.name}: the reader's pieces of {guest_path} are cut short")
+            pieces.append(rest[nl + 1:nl + 1 + size])
+            at = nl + 1 + size
+        if parts[0] == b"O":
+            raise GuestAgentError(f"guest-file-open: failed to open file '{guest_path}' "
+                                  f"(mode: 'r'): {os.strerror(err)}", "GenericError")
+        if err:
+            raise GuestAgentError(f"guest-file-read: failed to read file: {os.strerror(err)}",
+                                  "GenericError")
+        return pieces, ended
 
     def _reader_files(self, paths: list[str], timeout: float) -> list[bytes | GuestAgentError]:
         """:meth:`pull_many` through kph-reader: one request, each file's bytes or the

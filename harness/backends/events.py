@@ -727,9 +727,15 @@ class EventsBackend:
         agent opens files O_NONBLOCK, so the read after the last page fails with EAGAIN
         instead of waiting for more events (``tracing_buffers_read()``). A buffer that
         holds more than the first window's pages goes through the machine's data port
-        (:meth:`_bulk_pages`)."""
-        agent = self.vm.agent
+        (:meth:`_bulk_pages`). With the image's kph-reader, all of it is one request of
+        the reader (``Machine.read_pieces``: a page a read, no process, raw bytes)."""
         path = f"{TRACING}/per_cpu/cpu{cpu}/trace_pipe_raw"
+        read_pieces = getattr(self.vm, "read_pieces", None)
+        got = read_pieces(path, self.max_pages, timeout=_scaled(30, self.max_pages // 64)) \
+            if read_pieces is not None else None
+        if got is not None:
+            return got
+        agent = self.vm.agent
         bulk = getattr(self.vm, "has_data_port", False)
         opens = [("guest-file-open", {"path": path, "mode": "r"})]
         if bulk:

@@ -18,6 +18,13 @@
  * open() failed or "R ERRNO 0\n" when a read() did (what was read is dropped, as qemu-ga's
  * guest-file-read drops it). Files are opened O_NONBLOCK, as qemu-ga opens them, so a
  * file with nothing to read yet fails with EAGAIN rather than hold the daemon.
+ * "p ID MAX" followed by one line, a path, reads a file whose every read() is one piece
+ * (trace_pipe_raw: one ring-buffer page a read, tracing_buffers_read()) up to MAX reads,
+ * keeping each: the answer is "P ERRNO COUNT END\n" (END 1 when a read found nothing
+ * more: EAGAIN or end of file; ERRNO that of a failed read(), what was read before it
+ * kept; "O ERRNO 0 0" when open() failed), then COUNT pieces, each "LEN\n" and its
+ * bytes. The ring buffer's
+ * pages come this way without a process and without base64.
  *
  * A log record is printed as syslog(READ_ALL) prints it less the "<level>" that busybox's
  * dmesg strips: each line of its text after the prefix "[%5lu.%06lu] " (printk_time on;
@@ -219,6 +226,51 @@ static void read_file(const char *path)
 	memcpy(out + at, head, 14);
 }
 
+static void read_pieces(const char *path, unsigned long max)
+{
+	char head[64];
+	size_t at = out_len;
+	unsigned long count = 0;
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC), err = 0, end = 0;
+
+	put("P 000 0000000000 0\n", 19);        /* filled in below */
+	if (fd < 0) {
+		err = errno;
+	} else {
+		while (count < max) {
+			char buf[4096];
+			ssize_t n = read(fd, buf, sizeof(buf));
+
+			if (n < 0 && errno == EINTR)
+				continue;
+			if (n < 0 && errno == EAGAIN) {
+				end = 1;
+				break;
+			}
+			if (n < 0) {
+				err = errno;
+				break;
+			}
+			if (n == 0) {
+				end = 1;
+				break;
+			}
+			if (out_len - at > FILE_MAX) {
+				err = EFBIG;
+				break;
+			}
+			snprintf(head, sizeof(head), "%zd\n", n);
+			put(head, strlen(head));
+			put(buf, (size_t)n);
+			count++;
+		}
+		close(fd);
+	}
+	snprintf(head, sizeof(head), "%c %03d %010lu %d\n", fd < 0 ? 'O' : 'P',
+		 err > 999 ? 999 : err, count, end);
+	memcpy(out + at, head, 19);
+}
+
 static int write_all(int fd, const char *p, size_t n)
 {
 	while (n) {
@@ -250,6 +302,7 @@ int main(void)
 	char path[300];
 	size_t have = 0;
 	unsigned long id = 0, files = 0;        /* an "f" request's paths still to come */
+	unsigned long pieces = 0;               /* a "p" request's MAX, its path to come */
 	int port = -1, kmsg, i;
 
 	for (i = 0; i < 500 && port < 0; i++) {     /* the port appears with virtio_console */
@@ -285,6 +338,18 @@ int main(void)
 			if (files) {
 				read_file(req);
 				if (--files == 0)
+					answer(port, id);
+			} else if (pieces) {
+				read_pieces(req, pieces);
+				pieces = 0;
+				answer(port, id);
+			} else if (req[0] == 'p' && req[1] == ' ') {
+				char *end;
+
+				id = strtoul(req + 2, &end, 10);
+				pieces = strtoul(end, NULL, 10);
+				out_len = 0;
+				if (!pieces)
 					answer(port, id);
 			} else if ((req[0] == 'a' || req[0] == 'n') && req[1] == ' ') {
 				id = strtoul(req + 2, NULL, 10);

@@ -122,6 +122,26 @@ def test_files_read_by_the_reader_are_what_the_agent_reads_errors_in_its_words(v
         vm.pull("/nosuch")
 
 
+def test_the_reader_reads_a_file_a_piece_a_read(vm, tmp_path):
+    """``Machine.read_pieces``: each read() kept (a ring buffer's pages, 4096 bytes each),
+    up to the count asked, then whether a read found nothing more (EAGAIN from an empty
+    pipe-like file, or a file's end); a missing file and a directory fail in qemu-ga's
+    words."""
+    data = os.urandom(3 * 4096 + 100)
+    (tmp_path / "f").write_bytes(data)
+    vm.push(str(tmp_path / "f"), "/tmp/kph-pieces")
+    pieces, ended = vm.read_pieces("/tmp/kph-pieces", 10)
+    assert b"".join(pieces) == data and [len(x) for x in pieces] == [4096] * 3 + [100] and ended
+    pieces, ended = vm.read_pieces("/tmp/kph-pieces", 2)
+    assert pieces == [data[:4096], data[4096:8192]] and not ended
+    assert vm.read_pieces("/sys/kernel/tracing/trace_pipe", 5) == ([], True)     # EAGAIN
+    with pytest.raises(GuestAgentError, match="open.*" + os.strerror(errno.ENOENT)):
+        vm.read_pieces("/nosuch", 5)
+    with pytest.raises(GuestAgentError, match="read.*" + os.strerror(errno.EISDIR)):
+        vm.read_pieces("/tmp", 5)
+    assert vm.pull("/proc/version").startswith(b"Linux version")    # the reader answers on
+
+
 def test_a_reader_gone_or_silent_leaves_dmesg_and_the_agent_to_read(default_image):
     """A reader that stops answering is a VMLostError within the read's timeout, then
     never asked again; one that exits closes its port (QEMU's VSERPORT_CHANGE): either
