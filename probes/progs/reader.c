@@ -343,14 +343,6 @@ int main(void)
 				read_pieces(req, pieces);
 				pieces = 0;
 				answer(port, id);
-			} else if (req[0] == 'p' && req[1] == ' ') {
-				char *end;
-
-				id = strtoul(req + 2, &end, 10);
-				pieces = strtoul(end, NULL, 10);
-				out_len = 0;
-				if (!pieces)
-					answer(port, id);
 			} else if ((req[0] == 'a' || req[0] == 'n') && req[1] == ' ') {
 				id = strtoul(req + 2, NULL, 10);
 				if (req[0] == 'a')
@@ -358,13 +350,19 @@ int main(void)
 				out_len = 0;
 				drain(kmsg);
 				answer(port, id);
-			} else if (req[0] == 'f' && req[1] == ' ') {
+			} else if ((req[0] == 'f' || req[0] == 'p') && req[1] == ' ') {
+				/* "f ID N" or "p ID MAX": the lines that follow are paths */
 				char *end;
+				unsigned long n;
 
 				id = strtoul(req + 2, &end, 10);
-				files = strtoul(end, NULL, 10);
+				n = strtoul(end, NULL, 10);
 				out_len = 0;
-				if (!files)
+				if (req[0] == 'f')
+					files = n;
+				else
+					pieces = n;
+				if (!n)
 					answer(port, id);
 			}
 			memmove(req, req + len, have - len);
