@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ..records import Hit, Outcome, SideResult, gc_paused
 from . import rules as _rules
@@ -265,15 +266,21 @@ def compare(a: SideResult, b: SideResult, *, trampoline: str | tuple[str, ...] |
                bool(b.hits) and all(h.pid is None for h in b.hits))
     for probe in dict.fromkeys([*per_a, *per_b, *(x.probe for x, y in res.outcomes.values()
                                                    if x and y and x.accepted and y.accepted)]):
-        la, lb = _ordered(res, probe, per_a.get(probe, []), per_b.get(probe, []),
-                          preempt=ctx.preempt in _rules.PREEMPTING_MODELS)
+        pa, pb = per_a.get(probe, []), per_b.get(probe, [])
+        n = min(len(pa), len(pb))
+        # the pairs' raw fields, in C (two lists of _same tuples): pairs all alike have
+        # nothing out of order either (_same holds the order rules' pid, context and CPU)
+        sa, sb = list(map(_same, islice(pa, n))), list(map(_same, islice(pb, n)))
+        la, lb = _ordered(res, probe, pa, pb, preempt=ctx.preempt in _rules.PREEMPTING_MODELS,
+                          in_step=sa == sb)
+        if la is not pa or lb is not pb:        # moved (or sorted): their tuples again
+            sa, sb = list(map(_same, la[:n])), list(map(_same, lb[:n]))
         res.counts[probe] = (len(la), len(lb))
         res.compared[probe] = (la, lb)
-        div, n = None, min(len(la), len(lb))
+        div = None
         matched = n
-        # the pairs whose raw fields differ, found in C (two lists of _same tuples); only
-        # those go through the field rules, in order, up to the first divergence
-        sa, sb = list(map(_same, la[:n])), list(map(_same, lb[:n]))
+        # the pairs whose raw fields differ; only those go through the field rules, in
+        # order, up to the first divergence
         unequal = () if sa == sb else (i for i in range(n) if sa[i] != sb[i])
         for i in unequal:
             ctx.following = (la[i + 1], lb[i + 1]) if i + 1 < n else None
@@ -440,15 +447,20 @@ _probe = operator.attrgetter("probe")
 
 
 def _ordered(res: DiffResult, probe: str, la: list[Hit], lb: list[Hit], *,
-             preempt: bool = False) -> tuple[list[Hit], list[Hit]]:
+             preempt: bool = False, in_step: bool = False) -> tuple[list[Hit], list[Hit]]:
     """Stage ``order``: ``thread-order`` for uprobes, else the single moves of
-    ``irq-order`` and ``preempt-order`` (``harness.diff.rules.moves``)."""
+    ``irq-order`` and ``preempt-order`` (``harness.diff.rules.moves``). ``in_step``: the
+    caller found every pair's pid, context and CPU alike, so no move applies (``moves``
+    would find nothing out of place). The lists themselves come back when nothing
+    moved."""
     if res.modes.get(probe) == "uprobe":
         if len({h.pid for h in la}) > 1 and all(h.pid is not None for h in [*la, *lb]):
             la = sorted(la, key=lambda h: h.pid or 0)
             lb = sorted(lb, key=lambda h: h.pid or 0)
             _count(res, "thread-order")
             res.normalized.append(Normalized(probe, -1, "order", "thread-order", "", ""))
+        return la, lb
+    if in_step:
         return la, lb
     # an entry probe's host side (at its breakpoint) records before the guest's (its
     # handler); on a return either trampoline may come first
