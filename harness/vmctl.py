@@ -1048,10 +1048,9 @@ class Machine:
                     count: int = 0) -> bytes:
         """Send kph-reader ``request`` (``a``, ``n``, ``f``, or ``p`` with ``count``, its
         MAX) with its id and ``lines`` after it, and read its answer, ``KPH ID LEN`` and
-        LEN bytes. A VMLostError (no
-        answer in time, a broken port, an answer out of step) and the reader is not asked
-        again (``has_reader`` False); after any other error (a guest that cannot run) its
-        answer is still to come, and is skipped when it does."""
+        LEN bytes. A VMLostError (no answer in time, a broken port, an answer out of step)
+        and the reader is not asked again (``has_reader`` False); after any other error (a
+        guest that cannot run) its answer is still to come, and is skipped when it does."""
         sock = self._reader
         assert sock is not None
         ident = next(self._reader_ids)
@@ -1142,7 +1141,8 @@ class Machine:
         if len(parts) != 4 or parts[0] not in (b"P", b"O") or \
                 not all(x.isdigit() for x in parts[1:]):
             self._reader_open = False
-            raise VMLostError(f"{self.name}: the reader's answer for {guest_path} is {head[:40]!r}")
+            raise VMLostError(f"{self.name}: the reader's answer for {guest_path} is "
+                              f"{head[:40]!r}")
         err, count, ended = int(parts[1]), int(parts[2]), parts[3] == b"1"
         pieces, at = [], 0
         for _ in range(count):
@@ -1150,7 +1150,8 @@ class Machine:
             size = int(rest[at:nl]) if nl > at and rest[at:nl].isdigit() else -1
             if size < 0 or nl + 1 + size > len(rest):
                 self._reader_open = False
-                raise VMLostError(f"{self.name}: the reader's pieces of {guest_path} are cut short")
+                raise VMLostError(f"{self.name}: the reader's pieces of {guest_path} are "
+                                  "cut short")
             pieces.append(rest[nl + 1:nl + 1 + size])
             at = nl + 1 + size
         if parts[0] == b"O":

@@ -6,10 +6,10 @@ The module (``probes/kmod/kph_kprobes.c``, built into the default image as
 every hit in a buffer that ``records`` drains (its bytes, which :func:`parse_records`
 decodes; ``events`` drains the same records as text, for people). Each fetch arg
 travels as a small postfix program (the C file's header documents the ops): this
-module compiles a ``ProbeArg``'s
-fetch tree and type into one, and turns the raw items the module recorded back into the
-text the trace file would print (:func:`harness.kernel.grammar.fetch.format_value`), so module hits
-compare with tracefs and host-side hits field by field.
+module compiles a ``ProbeArg``'s fetch tree and type into one, and turns the raw items
+the module recorded back into the text the trace file would print
+(:func:`harness.kernel.grammar.fetch.format_value`), so module hits compare with tracefs
+and host-side hits field by field.
 
 What the compiled programs keep from ``process_fetch_insn()`` (Linux 6.1): a failed
 dereference ends the argument (a string then prints ``(fault)``, a number is
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ModuleBackend", "ModuleError", "UnsupportedFetchArgError", "compile_arg",
            "buffer_stats",
-           "add_line", "parse_events_line", "parse_records", "decode_arg", "decode_args", "ModuleRecord", "Item",
+           "add_line", "parse_events_line", "parse_records", "decode_arg", "decode_args",
+           "ModuleRecord", "Item",
            "REG_OFFSET", "GUEST_KO", "KPH_DIR", "symbol_in_section"]
 
 MODULE_NAME = "kph_kprobes"

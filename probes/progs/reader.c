@@ -23,8 +23,7 @@
  * keeping each: the answer is "P ERRNO COUNT END\n" (END 1 when a read found nothing
  * more: EAGAIN or end of file; ERRNO that of a failed read(), what was read before it
  * kept; "O ERRNO 0 0" when open() failed), then COUNT pieces, each "LEN\n" and its
- * bytes. The ring buffer's
- * pages come this way without a process and without base64.
+ * bytes. The ring buffer's pages come this way without a process and without base64.
  *
  * A log record is printed as syslog(READ_ALL) prints it less the "<level>" that busybox's
  * dmesg strips: each line of its text after the prefix "[%5lu.%06lu] " (printk_time on;

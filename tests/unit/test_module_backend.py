@@ -240,7 +240,8 @@ def encode(rec, *, pad=b"\0"):
     return head + items
 
 
-LINES = [LINE_PRE.replace(" ftrace ", " ftrace:task "), LINE_RET.replace(" ftrace ", " ftrace:irq "),
+LINES = [LINE_PRE.replace(" ftrace ", " ftrace:task "),
+         LINE_RET.replace(" ftrace ", " ftrace:irq "),
          "1 3 post int3:task 0 1 - ffffffff8134a355 ffffffff8134a357 246 2 - e-14,s0:,f-34",
          "2 3 pre optimized:task 1 7 6b776f726b65722f303a3130 10 11 0 1 s9:6162636465666768"]
 
