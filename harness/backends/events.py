@@ -25,6 +25,7 @@ import heapq
 import logging
 import os
 import shlex
+from operator import itemgetter
 from typing import Any, Sequence
 
 from ..errors import GuestAgentError, GuestLossError, HarnessError
@@ -34,9 +35,9 @@ from ..kernel.symbols import remembered_symbolizer
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..machine.memo import PerMachine
 from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
-from ..kernel.ringbuf import (EventFormat, PAGE_SIZE, RingLoss, decode_args, format_args,
-                              parse_format, parse_stats, read_pages, record_excess, ring_loss,
-                              fixed_size)
+from ..kernel.ringbuf import (TYPE_PID, EventFormat, PAGE_SIZE, RawRecord, RingLoss,
+                              decode_args, format_args, page_events, parse_format, parse_stats,
+                              record_excess, ring_loss, fixed_size)
 from .tracelayer import GuestWrite, TraceLayer, write_switch
 from ..vmctl import Machine
 
@@ -875,9 +876,14 @@ class EventsBackend:
             pages[cpu], complete = self._raw_pages(cpu)
             if not complete:
                 truncated.append(cpu)
-            got, _ = read_pages(pages[cpu], cpu)
-            per_cpu.append([r for r in got if r.type in self._formats
-                            or r.type in (stack_id, rename_id)])
+            # (ts, cpu, bytes) of our events' records: a RawRecord is made only of one
+            # decoded (a hot probe's records repeat a few payloads) or a special one
+            wanted = {*self._formats, stack_id, rename_id}
+            mine: list[tuple[int, int, bytes]] = []
+            for page in pages[cpu]:
+                got, _ = page_events(page)
+                mine += [(ts, cpu, d) for ts, d in got if (d[0] | d[1] << 8) in wanted]
+            per_cpu.append(mine)
         self._after = self._read_after(cpus)
         stats = self._stats(cpus)
         self.check_losses([ring_loss(c, stats.get(c, {}), pages[c]) for c in cpus],
@@ -886,7 +892,7 @@ class EventsBackend:
         # order, and an event written from an interrupt that nested inside another
         # event's write can carry an earlier stamp than the one before it.
         recs = per_cpu[0] if len(per_cpu) == 1 else \
-            list(heapq.merge(*per_cpu, key=lambda r: r.ts))
+            list(heapq.merge(*per_cpu, key=itemgetter(0)))
         comms = self._cmdlines()
         table = self.vm.symbols
 
@@ -902,32 +908,31 @@ class EventsBackend:
         renames: dict[int, list[tuple[int, str]]] = {}     # pid -> (hits before it, comm)
         formats = self._formats
         comms[0] = "<idle>"
-        for rec in recs:
-            rtype = rec.type
+        type_pid = TYPE_PID.unpack_from       # struct trace_entry: type, pid
+        for ts, cpu, data in recs:
+            rtype, pid = type_pid(data)
             if rtype == rename_id:
                 _, fpid, fcomm = self._rename_fmt
-                pid = int.from_bytes(rec.data[fpid.offset:fpid.offset + 4], "little", signed=True)
-                raw = rec.data[fcomm.offset:fcomm.offset + fcomm.size].split(b"\0", 1)[0]
+                pid = int.from_bytes(data[fpid.offset:fpid.offset + 4], "little", signed=True)
+                raw = data[fcomm.offset:fcomm.offset + fcomm.size].split(b"\0", 1)[0]
                 renames.setdefault(pid, []).append((len(hits), escape_bytes(raw)))
                 continue
             if rtype not in formats:                # a stack trace: the last hit's here
-                self._attach_stack(hits, rec)
+                self._attach_stack(hits, RawRecord(cpu, ts, data))
                 continue
             # what a record's payload decodes to (its ip, arguments, size) depends on its
             # bytes after struct trace_entry alone: decoded once per distinct payload
             # (a hot probe's records repeat a few payloads: vfs_read's count=1)
-            data = rec.data
             key = (rtype, data[8:])
             got = decoded.get(key)
             if got is None:
                 if len(decoded) >= DECODED_MAX:
                     decoded.clear()
-                got = decoded[key] = (self._decode(rec, templates, sizes, modes, symbolize,
-                                                   ktramp),
+                got = decoded[key] = (self._decode(RawRecord(cpu, ts, data), templates, sizes,
+                                                   modes, symbolize, ktramp),
                                       formats[rtype][1].is_uprobe)
             base, up = got
-            pid = rec.pid
-            add(base.placed(len(hits), rec.cpu, pid, comms.get(pid, "<...>"),
+            add(base.placed(len(hits), cpu, pid, comms.get(pid, "<...>"),
                             "" if up else _CONTEXT[data[2]]))
         if not renames:
             return hits

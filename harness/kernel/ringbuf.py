@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Field", "EventFormat", "RawRecord", "parse_format", "parse_page", "decode_args",
            "read_pages", "PAGE_SIZE", "GuestArg", "format_args", "page_missed", "parse_stats",
-           "RingLoss", "ring_loss", "STATS_LOSSES"]
+           "RingLoss", "ring_loss", "STATS_LOSSES", "page_events", "TYPE_PID"]
 
 PAGE_SIZE = 4096
 _PAGE_HEADER = 16
@@ -161,7 +161,7 @@ class RawRecord:
 
     def __init__(self, cpu: int, ts: int, data: bytes) -> None:
         self.cpu, self.ts, self.data = cpu, ts, data
-        self.type, self.pid = _TYPE_PID.unpack_from(data) if len(data) >= 8 else \
+        self.type, self.pid = TYPE_PID.unpack_from(data) if len(data) >= 8 else \
             (struct.unpack_from("<H", data)[0], None)
 
     def __eq__(self, other: object) -> bool:
@@ -177,12 +177,21 @@ class RawRecord:
         return int.from_bytes(self.data[f.offset:f.offset + 8], "little")
 
 
-_TYPE_PID = struct.Struct("<H2xi")     # struct trace_entry: type, flags, preempt_count, pid
+#: ``struct trace_entry``: type, flags and preempt_count left out, pid
+TYPE_PID = struct.Struct("<H2xi")
 
 
 def parse_page(page: bytes, cpu: int) -> tuple[list[RawRecord], bool]:
     """The data events of one ``trace_pipe_raw`` page, and whether events were missed
     before it (the ring buffer overwrote them)."""
+    got, missed = page_events(page)
+    return [RawRecord(cpu, ts, data) for ts, data in got], missed
+
+
+def page_events(page: bytes) -> tuple[list[tuple[int, bytes]], bool]:
+    """:func:`parse_page` without its records: each data event's time stamp and bytes
+    (those of 8 bytes or more: a ``struct trace_entry`` at least), for a reader that
+    makes a :class:`RawRecord` only of the events it decodes."""
     if len(page) < _PAGE_HEADER:
         return [], False
     ts, commit = _PAGE_HEAD.unpack_from(page, 0)
@@ -214,7 +223,7 @@ def parse_page(page: bytes, cpu: int) -> tuple[list[RawRecord], bool]:
         else:
             data, pos = page[pos + 4:pos + 4 + 4 * type_len], pos + 4 + 4 * type_len
         if len(data) >= 8:
-            add(RawRecord(cpu, ts, data))
+            add((ts, data))
     return out, missed
 
 

@@ -196,3 +196,34 @@ def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_re
         (2, 0, "<idle>", "task", "kernel_clone+0x0/0x360", args),
         (3, 7, "cat", "task", "kernel_clone+0x0/0x360", (("s", '"v"'), ("x", "8"), ("c", '"sh"'))),
         (4, 9, "<...>", "task", "kernel_clone+0x5/0x360", args)]
+
+
+def test_events_collect_merges_cpus_by_time_stamp_keeping_each_cpus_order():
+    """Two CPUs' records in time-stamp order, a tie taken CPU 0 first, another event's
+    record left out, and a CPU's record stamped earlier than the one before it (an
+    interrupt's event nested in another's write) kept after it, as its buffer holds
+    them (kernel/trace/ring_buffer.c commits in order)."""
+    from harness.backends.events import EventsBackend
+    from harness.kernel.symbols import SymbolTable
+
+    clone = 0xFFFFFFFF810941A0
+    be = object.__new__(EventsBackend)
+    be.side, be.outcomes, be._args = "events", [], {}
+    be.vm = type("VM", (), {"symbols": SymbolTable.from_kallsyms(
+        f"ffffffff81000000 T _stext\n{clone:x} T kernel_clone\nffffffff81094500 T next\n")})()
+    be._formats = {1392: ("kprobes/b", SPEC, parse_format(FORMAT))}
+    be._cpus, be._stack_fmt, be._rename_fmt = [0, 1], None, None
+
+    def ev(x, delta, pid=7, etype=1392):
+        return event(record(pid, clone, b"v", x, b"sh", etype=etype), delta=delta)
+    stamp = struct.pack("<II", (1001 & ((1 << 27) - 1)) << 5 | 31, 1001 >> 27)  # TIME_STAMP
+    pages = {0: [page([ev(1, 0), ev(2, 10), ev(3, 10), ev(4, 10)], ts=1000)],
+             1: [page([ev(11, 0, 8), ev(99, 5, 8, etype=7), ev(12, 5, 8), ev(13, 5, 8),
+                       stamp, ev(14, 0, 8)], ts=1005)]}
+    be._raw_pages = lambda cpu: (pages[cpu], True)
+    be._read_after = lambda cpus: {**{f"stats{c}": b"entries: 0\noverrun: 0\n" for c in cpus},
+                                   "saved_cmdlines": b"7 cat\n8 ls\n"}
+    hits = be.collect()
+    assert [(h.arg("x"), h.cpu, h.comm, h.seq) for h in hits] == [
+        ("1", 0, "cat", 0), ("11", 1, "ls", 1), ("2", 0, "cat", 2), ("12", 1, "ls", 3),
+        ("3", 0, "cat", 4), ("13", 1, "ls", 5), ("14", 1, "ls", 6), ("4", 0, "cat", 7)]
