@@ -165,26 +165,34 @@ def test_an_eight_byte_record_reads_back_as_twelve():
                          fmt, ())[0] == 0
 
 
+CLONE = 0xFFFFFFFF810941A0
+
+
+def events_backend(cpus):
+    """An EventsBackend of ``cpus`` whose one event is SPEC's (FORMAT), no guest."""
+    from harness.backends.events import EventsBackend
+    from harness.kernel.symbols import SymbolTable
+
+    be = object.__new__(EventsBackend)
+    be.side, be.outcomes, be._args = "events", [], {}
+    be.vm = type("VM", (), {"symbols": SymbolTable.from_kallsyms(
+        f"ffffffff81000000 T _stext\n{CLONE:x} T kernel_clone\nffffffff81094500 T next\n")})()
+    be._formats = {1392: ("kprobes/b", SPEC, parse_format(FORMAT))}
+    be._cpus, be._stack_fmt, be._rename_fmt = cpus, None, None
+    return be
+
+
 def test_events_collect_decodes_a_repeated_payload_once_and_places_it_at_each_record():
     """The events side keeps each distinct record payload (the bytes after struct
     trace_entry) decoded once: each hit's pid, comm, CPU and context are its own record's,
     its ip and arguments its own payload's."""
-    from harness.backends.events import EventsBackend
-    from harness.kernel.symbols import SymbolTable
+    be = events_backend([0])
 
-    clone = 0xFFFFFFFF810941A0
-    be = object.__new__(EventsBackend)
-    be.side, be.outcomes, be._args = "events", [], {}
-    be.vm = type("VM", (), {"symbols": SymbolTable.from_kallsyms(
-        f"ffffffff81000000 T _stext\n{clone:x} T kernel_clone\nffffffff81094500 T next\n")})()
-    be._formats = {1392: ("kprobes/b", SPEC, parse_format(FORMAT))}
-    be._cpus, be._stack_fmt, be._rename_fmt = [0], None, None
-
-    def rec(pid, flags=0, x=7, ip=clone):
+    def rec(pid, flags=0, x=7, ip=CLONE):
         data = bytearray(record(pid, ip, b"v", x, b"sh"))
         data[2] = flags                                   # common_flags
         return event(bytes(data))
-    pg = page([rec(7), rec(8, flags=0x10), rec(0), rec(7, x=8), rec(9, ip=clone + 5)])
+    pg = page([rec(7), rec(8, flags=0x10), rec(0), rec(7, x=8), rec(9, ip=CLONE + 5)])
     be._raw_pages = lambda cpu: ([pg], True)
     be._read_after = lambda cpus: {"stats0": b"entries: 0\noverrun: 0\n",
                                    "saved_cmdlines": b"7 cat\n8 ls\n"}
@@ -203,19 +211,10 @@ def test_events_collect_merges_cpus_by_time_stamp_keeping_each_cpus_order():
     record left out, and a CPU's record stamped earlier than the one before it (an
     interrupt's event nested in another's write) kept after it, as its buffer holds
     them (kernel/trace/ring_buffer.c commits in order)."""
-    from harness.backends.events import EventsBackend
-    from harness.kernel.symbols import SymbolTable
-
-    clone = 0xFFFFFFFF810941A0
-    be = object.__new__(EventsBackend)
-    be.side, be.outcomes, be._args = "events", [], {}
-    be.vm = type("VM", (), {"symbols": SymbolTable.from_kallsyms(
-        f"ffffffff81000000 T _stext\n{clone:x} T kernel_clone\nffffffff81094500 T next\n")})()
-    be._formats = {1392: ("kprobes/b", SPEC, parse_format(FORMAT))}
-    be._cpus, be._stack_fmt, be._rename_fmt = [0, 1], None, None
+    be = events_backend([0, 1])
 
     def ev(x, delta, pid=7, etype=1392):
-        return event(record(pid, clone, b"v", x, b"sh", etype=etype), delta=delta)
+        return event(record(pid, CLONE, b"v", x, b"sh", etype=etype), delta=delta)
     stamp = struct.pack("<II", (1001 & ((1 << 27) - 1)) << 5 | 31, 1001 >> 27)  # TIME_STAMP
     pages = {0: [page([ev(1, 0), ev(2, 10), ev(3, 10), ev(4, 10)], ts=1000)],
              1: [page([ev(11, 0, 8), ev(99, 5, 8, etype=7), ev(12, 5, 8), ev(13, 5, 8),
