@@ -872,13 +872,13 @@ class EventsBackend:
         per_cpu, pages, truncated = [], {}, []
         stack_id = self._stack_fmt[0] if self._stack_fmt is not None else -1
         rename_id = self._rename_fmt[0] if self._rename_fmt is not None else -1
+        # (ts, cpu, bytes) of our events' records: a RawRecord is made only of one decoded
+        # (a hot probe's records repeat a few payloads) or a special one
+        wanted = {*self._formats, stack_id, rename_id}
         for cpu in cpus:
             pages[cpu], complete = self._raw_pages(cpu)
             if not complete:
                 truncated.append(cpu)
-            # (ts, cpu, bytes) of our events' records: a RawRecord is made only of one
-            # decoded (a hot probe's records repeat a few payloads) or a special one
-            wanted = {*self._formats, stack_id, rename_id}
             mine: list[tuple[int, int, bytes]] = []
             for page in pages[cpu]:
                 got, _ = page_events(page)

@@ -291,6 +291,8 @@ def parse_events_line(line: str) -> ModuleRecord:
 #: ``struct kph_rec`` (probes/kmod/kph_kprobes.c; its init checks the size, 72, and
 #: ``comm`` at 56): len, id, seq, addr, ip, ret_addr, pid, cpu, kind, mode, nargs, irq
 REC = struct.Struct("<IIQQQQIIccHB3x16s")
+#: ``struct kph_rec``'s place alone (the rest skipped): len, seq, pid, cpu, comm
+REC_PLACE = struct.Struct("<I4xQ24xII8x16s")
 #: ``struct kph_item``: arg, type, pad, ret, val
 ITEM = struct.Struct("<Hcxiq")
 _KINDS = {b"p": "pre", b"s": "post", b"r": "ret"}
@@ -897,7 +899,7 @@ class ModuleBackend:
         decoded: dict[bytes, Hit] = {}
         comms: dict[bytes, str] = {}
         (a0, a1), (b0, b1), (c0, c1) = _UNPLACED
-        head = struct.Struct("<I4xQ24xII8x16s").unpack_from      # len, seq, pid, cpu, comm
+        head = REC_PLACE.unpack_from
         hits = self.hits
         pos, size = 0, len(data)
         try:

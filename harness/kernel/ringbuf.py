@@ -35,7 +35,7 @@ from .grammar.fetch import FAULT, FETCH_TYPES
 log = logging.getLogger(__name__)
 
 __all__ = ["Field", "EventFormat", "RawRecord", "parse_format", "parse_page", "decode_args",
-           "read_pages", "PAGE_SIZE", "GuestArg", "format_args", "page_missed", "parse_stats",
+           "PAGE_SIZE", "GuestArg", "format_args", "page_missed", "parse_stats",
            "RingLoss", "ring_loss", "STATS_LOSSES", "page_events", "TYPE_PID"]
 
 PAGE_SIZE = 4096
@@ -300,17 +300,6 @@ def ring_loss(cpu: int, stats: dict[str, int], pages: Sequence[bytes]) -> RingLo
             stored += m
             unstored += m == 0
     return RingLoss(cpu, {k: stats.get(k, 0) for k in STATS_LOSSES}, flagged, stored, unstored)
-
-
-def read_pages(pages: Sequence[bytes], cpu: int) -> tuple[list[RawRecord], int]:
-    """Every data event of a CPU's pages in order, and how many pages said events were
-    missed before them."""
-    out, missed = [], 0
-    for page in pages:
-        recs, m = parse_page(page, cpu)
-        out += recs
-        missed += m
-    return out, missed
 
 
 def _loc_bytes(data: bytes, loc: int) -> Any:

@@ -4,7 +4,7 @@ import struct
 
 from harness.kernel.grammar.fetch import FAULT, escape_bytes, format_value
 from harness.kernel.grammar import parse
-from harness.kernel.ringbuf import decode_args, parse_format, parse_page, read_pages
+from harness.kernel.ringbuf import decode_args, parse_format, parse_page
 
 FORMAT = """name: b
 ID: 1392
@@ -91,7 +91,7 @@ def test_a_zero_length_string_is_a_fault_and_arrays_decode_per_element():
                               "\tfield:s16 v[3];\toffset:20;\tsize:6;\tsigned:1;")
     fmt = parse_format(fmt_text)
     data = struct.pack("<HBBiQI", 1392, 0, 0, 9, 0, 0) + struct.pack("<hhh", -1, 2, -3) + b"\0\0"
-    recs, _ = read_pages([page([event(data)])], cpu=0)
+    recs, _ = parse_page(page([event(data)]), cpu=0)
     assert decode_args(recs[0], fmt, spec.args) == [FAULT, [-1, 2, -3]]
 
 
