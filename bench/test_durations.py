@@ -3,6 +3,13 @@ tests that took at least ``--min`` seconds (call plus setup), which tests/confte
 schedules first so that no worker ends the run alone on a long test.
 
     python bench/test_durations.py run.xml --machine "2 cores, Debian 12" [--min 30]
+
+Or print where a run's minutes went, from the timeline tests/conftest.py writes with
+``KPH_TEST_TIMELINE=FILE``: each xdist worker's span, busy and idle seconds, its waits for
+the run lock, the longest tests and test modules (an inner pytest's tests, worker
+``main``, are left out: their time is their outer test's).
+
+    python bench/test_durations.py --timeline FILE [--top 25]
 """
 from __future__ import annotations
 
@@ -23,10 +30,16 @@ def nodeid(classname: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("junit", type=Path)
-    ap.add_argument("--machine", required=True, help="where the run was measured")
+    ap.add_argument("junit", type=Path, nargs="?")
+    ap.add_argument("--machine", help="where the run was measured")
+    ap.add_argument("--timeline", type=Path, help="a KPH_TEST_TIMELINE file: print it")
+    ap.add_argument("--top", type=int, default=25, help="tests and modules printed")
     ap.add_argument("--min", type=float, default=30.0, help="seconds (default 30)")
     a = ap.parse_args(argv)
+    if a.timeline is not None:
+        return timeline(a.timeline, a.top)
+    if a.junit is None or not a.machine:
+        ap.error("give the JUnit XML file and --machine (or --timeline FILE)")
     try:
         root = ET.parse(a.junit).getroot()
     except (OSError, ET.ParseError) as e:
@@ -39,6 +52,41 @@ def main(argv: list[str] | None = None) -> int:
     OUT.write_text(json.dumps({"measured": f"{datetime.date.today()}, {a.machine}",
                                "min_seconds": a.min, "seconds": long}, indent=1) + "\n")
     print(f"{len(long)} of {len(secs)} tests took {a.min:g} s or more; wrote {OUT}")
+    return 0
+
+
+def timeline(path: Path, top: int) -> int:
+    try:
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    except (OSError, ValueError) as e:
+        print(f"error: {path}: {e}; pass the file KPH_TEST_TIMELINE named", file=sys.stderr)
+        return 2
+    rows = [r for r in rows if r.get("worker", "main") != "main"]
+    if not rows:
+        print(f"error: {path}: no xdist worker's test in it (run with -n)", file=sys.stderr)
+        return 2
+    t0 = min(r["asked"] for r in rows)
+    t1 = max(r["end"] for r in rows)
+    print(f"{len(rows)} tests over {t1 - t0:.0f} s (first asked to last ended)")
+    for w in sorted({r["worker"] for r in rows}):
+        mine = [r for r in rows if r["worker"] == w]
+        busy = sum(r["end"] - r["start"] for r in mine)
+        wait = sum(r["start"] - r["asked"] for r in mine)
+        end = max(r["end"] for r in mine)
+        print(f"  {w}: {len(mine)} tests, busy {busy:.0f} s, waited for the run lock "
+              f"{wait:.0f} s, done at {end - t0:.0f} s ({t1 - end:.0f} s before the end)")
+    print(f"the {top} longest tests (seconds, worker, started at):")
+    for r in sorted(rows, key=lambda r: r["start"] - r["end"])[:top]:
+        print(f"  {r['end'] - r['start']:7.1f}  {r['worker']}  {r['start'] - t0:6.0f}  "
+              f"{r['nodeid']}")
+    mods: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for r in rows:
+        mods[r["nodeid"].split("::")[0]] += r["end"] - r["start"]
+        count[r["nodeid"].split("::")[0]] += 1
+    print(f"the {top} longest modules (seconds, tests):")
+    for m, s in mods.most_common(top):
+        print(f"  {s:7.1f}  {count[m]:4d}  {m}")
     return 0
 
 

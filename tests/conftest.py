@@ -148,8 +148,26 @@ def pytest_runtest_protocol(item, nextitem):
     outside pytest-timeout's own wrapper, so that waiting for an ``alone`` test on the
     other worker is not counted against a test's timeout; module fixtures, set up inside
     the first test's protocol, hold it too."""
+    t0 = time.time()
     with run_lock(exclusive=item.get_closest_marker("alone") is not None, item=item):
+        t1 = time.time()
         yield
+    if TIMELINE:
+        _timeline(item, t0, t1, time.time())
+
+
+#: ``KPH_TEST_TIMELINE=FILE``: each test's worker, lock wait, start and end appended to FILE
+#: as a JSON line (``python bench/test_durations.py --timeline FILE`` prints where a run's
+#: minutes went: per worker, busy and idle, the longest tests and modules)
+TIMELINE = os.environ.get("KPH_TEST_TIMELINE", "")
+
+
+def _timeline(item: pytest.Item, asked: float, start: float, end: float) -> None:
+    line = json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                       "nodeid": item.nodeid, "asked": round(asked, 3),
+                       "start": round(start, 3), "end": round(end, 3)})
+    with open(TIMELINE, "a") as f:       # one short write a line: whole under O_APPEND
+        f.write(line + "\n")
 
 
 @pytest.fixture(autouse=True)
