@@ -65,6 +65,8 @@ class SelftestRun:
     #: every case's status as the kernel's parser read it (name -> PASS, FAIL, ...)
     cases: dict[str, str] = field(default_factory=dict)
     test: str = ""          # the series' case, by its description
+    #: ran every other case too (``--others``, on the two kernels :func:`changed` compares)
+    others: bool = False
 
     @property
     def ok(self) -> bool:
@@ -176,8 +178,9 @@ def selector(kernel: str, series: str, fix: Path) -> str:
 def verify(name: str, series: str = "6.12", kernels: Sequence[str] = KERNELS, *,
            others: bool = False, progress: Progress | None = None) -> list[SelftestRun]:
     """Run the series' selftest under ftracetest on each of ``kernels``; ``others``:
-    with every other case of ``test.d/kprobe`` and ``test.d/dynevent`` (each run's
-    ``cases``; :func:`changed` compares them across kernels)."""
+    with every other case of ``test.d/kprobe`` and ``test.d/dynevent`` on the two kernels
+    :func:`changed` compares (:func:`compared`: each run's ``cases``); a third kernel runs
+    the series' case alone (its other cases would be compared with nothing)."""
     say = progress or (lambda s: None)
     bad = [k for k in kernels if k not in KERNELS]
     if bad or not kernels:
@@ -188,32 +191,41 @@ def verify(name: str, series: str = "6.12", kernels: Sequence[str] = KERNELS, *,
     src = find_source(series, progress)
     tarball = selftests_tarball(src, test)
     desc = description(tarball, tc)
-    target = " ".join(OTHER_DIRS) if others else tc
+    whole = compared(kernels) if others else ()
     runs = []
     for k in kernels:
         sel = selector(k, series, fix)
         expected = "pass" if k == "patched" else "fail"
+        target = " ".join(OTHER_DIRS) if k in whole else tc
         say(f"{k}: the image of {sel} (built when missing)")
         try:
             img = image_for(sel, progress=say)
             say(f"{k}: ftracetest -K {target}")
             ktap = run_selftest(img, tarball, target,
-                                timeout=OTHERS_TIMEOUT if others else RUN_TIMEOUT)
+                                timeout=OTHERS_TIMEOUT if k in whole else RUN_TIMEOUT)
         except HarnessError as exc:
             runs.append(SelftestRun(k, sel, expected, "error", "", why=str(exc)))
             continue
         cases = read_ktap(src, ktap)
         mine = [st for n, st in cases.items() if n == desc]
         runs.append(SelftestRun(k, sel, expected, verdict(mine), ktap, cases=cases,
-                                test=desc))
+                                test=desc, others=k in whole))
     return runs
+
+
+def compared(kernels: Sequence[str]) -> tuple[str, ...]:
+    """The kernels ``--others`` runs every other case on, those :func:`changed` compares:
+    the one with the bug (``source``, the same tree as the patched one, when it runs; else
+    ``stock``) and ``patched``."""
+    before = "source" if "source" in kernels else "stock"
+    return tuple(k for k in kernels if k in (before, "patched"))
 
 
 def changed(runs: Sequence[SelftestRun]) -> dict[str, tuple[str, str]]:
     """The other cases whose status differs between the kernel with the bug and the
     patched one (``source`` when it ran, else ``stock``): name -> (before, after). A case
     one of the two lacks counts as changed."""
-    by = {r.kernel: r for r in runs if r.cases}
+    by = {r.kernel: r for r in runs if r.others and r.cases}
     before = by.get("source") or by.get("stock")
     after = by.get("patched")
     if before is None or after is None:

@@ -57,7 +57,8 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("--others", action="store_true", help="run every case of "
                    "test.d/kprobe and test.d/dynevent too, and require each other case's "
                    "result to be the same on the patched kernel as on the one with the bug "
-                   "(about 1.5 min a kernel)")
+                   "(source when it runs, else stock; about 1.5 min on each of the two; a "
+                   "third kernel runs the series' case alone)")
     ci_group(v)
 
 
@@ -99,7 +100,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     from ..apps.upstream_verify import verify
 
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    from ..apps.upstream_verify import changed
+    from ..apps.upstream_verify import changed, compared
 
     runs = verify(args.finding, args.tree, kernels, others=args.others, progress=out.progress)
     out.progress.clear()
@@ -110,6 +111,10 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
                  f"{r.result} (expected {r.expected})  {said}")
     if args.others:
         for r in runs:
+            if not r.others:
+                out.text(f"{r.kernel:8s} the series' case alone (--others compares "
+                         f"{' and '.join(compared(kernels))})")
+                continue
             tally: dict[str, int] = {}
             for st in r.cases.values():
                 tally[st] = tally.get(st, 0) + 1

@@ -91,6 +91,13 @@ ALL_BEFORE = ("TAP version 13\n1..3\nnot ok 1 Kprobe event BTF string type check
               "not ok 3 Kprobe dynamic event - probing module # UNRESOLVED\n")
 
 
+def test_others_runs_every_case_on_the_two_kernels_it_compares_and_the_series_alone_else():
+    assert uv.compared(uv.KERNELS) == ("source", "patched")
+    assert uv.compared(["stock", "patched"]) == ("stock", "patched")
+    assert uv.compared(["patched", "stock"]) == ("patched", "stock")
+    assert uv.compared(["stock"]) == ("stock",) and uv.compared(["source"]) == ("source",)
+
+
 def test_the_other_cases_are_compared_between_the_bug_and_the_fix():
     """--others: ftracetest's UNRESOLVED is a failure to the kernel's parser, the same on
     both kernels is no change; a case that moved is named with both statuses."""
@@ -104,7 +111,13 @@ def test_the_other_cases_are_compared_between_the_bug_and_the_fix():
     runs = [_run("source", "fail", "fail"), _run("patched", "pass", "pass")]
     runs[0].cases, runs[1].cases = before, after
     runs[0].test = runs[1].test = test
+    runs[0].others = runs[1].others = True
     assert uv.changed(runs) == {}
+    # a kernel that ran the series' case alone is compared with nothing
+    alone = _run("stock", "fail", "fail")
+    alone.cases, alone.test = {test: "FAIL"}, test
+    assert uv.changed([alone, *runs]) == {}
+    assert uv.changed([alone, runs[1]]) == {}      # no kernel with the bug ran them all
     after["Kprobe dynamic event - adding and removing"] = "FAIL"
     assert uv.changed(runs) == {"Kprobe dynamic event - adding and removing": ("PASS", "FAIL")}
     [case] = ktap.upstream_verify_cases("btf-char-ptr", runs, uv.changed(runs))
