@@ -6,8 +6,8 @@ schedules first so that no worker ends the run alone on a long test.
 
 Or print where a run's minutes went, from the timeline tests/conftest.py writes with
 ``KPH_TEST_TIMELINE=FILE``: each xdist worker's span, busy and idle seconds, its waits for
-the run lock, the longest tests and test modules (an inner pytest's tests, worker
-``main``, are left out: their time is their outer test's).
+the run lock, the longest tests and test modules. Of the xdist runs in the file, the one
+that spans the longest (the suite; an inner pytest's tests are their outer test's time).
 
     python bench/test_durations.py --timeline FILE [--top 25]
 """
@@ -61,10 +61,17 @@ def timeline(path: Path, top: int) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {path}: {e}; pass the file KPH_TEST_TIMELINE named", file=sys.stderr)
         return 2
-    rows = [r for r in rows if r.get("worker", "main") != "main"]
-    if not rows:
+    runs: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("worker", "main") != "main":
+            runs.setdefault(r.get("run", ""), []).append(r)
+    if not runs:
         print(f"error: {path}: no xdist worker's test in it (run with -n)", file=sys.stderr)
         return 2
+    rows = max(runs.values(), key=lambda rs: max(r["end"] for r in rs) -
+               min(r["asked"] for r in rs))
+    if len(runs) > 1:
+        print(f"(the longest of {len(runs)} xdist runs in the file; the others ran inside it)")
     t0 = min(r["asked"] for r in rows)
     t1 = max(r["end"] for r in rows)
     print(f"{len(rows)} tests over {t1 - t0:.0f} s (first asked to last ended)")

@@ -156,14 +156,16 @@ def pytest_runtest_protocol(item, nextitem):
         _timeline(item, t0, t1, time.time())
 
 
-#: ``KPH_TEST_TIMELINE=FILE``: each test's worker, lock wait, start and end appended to FILE
-#: as a JSON line (``python bench/test_durations.py --timeline FILE`` prints where a run's
-#: minutes went: per worker, busy and idle, the longest tests and modules)
+#: ``KPH_TEST_TIMELINE=FILE``: each test's run, worker, lock wait, start and end appended to
+#: FILE as a JSON line, the inner runs' tests too (``python bench/test_durations.py
+#: --timeline FILE`` prints where the outer run's minutes went: per worker, busy and idle,
+#: the longest tests and modules)
 TIMELINE = os.environ.get("KPH_TEST_TIMELINE", "")
 
 
 def _timeline(item: pytest.Item, asked: float, start: float, end: float) -> None:
-    line = json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+    line = json.dumps({"run": os.environ.get("PYTEST_XDIST_TESTRUNUID", ""),
+                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
                        "nodeid": item.nodeid, "asked": round(asked, 3),
                        "start": round(start, 3), "end": round(end, 3)})
     with open(TIMELINE, "a") as f:       # one short write a line: whole under O_APPEND

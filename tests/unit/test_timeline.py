@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,23 +27,27 @@ def test_each_test_is_one_line_with_its_worker_wait_and_span(tmp_path, monkeypat
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     conftest._timeline(SimpleNamespace(nodeid="test_inner.py::test_y"), 11.0, 11.0, 12.0)
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
-    assert rows == [{"worker": "gw1", "nodeid": "tests/vm/test_a.py::test_x", "asked": 10.0,
-                     "start": 12.5, "end": 20.0},
-                    {"worker": "main", "nodeid": "test_inner.py::test_y", "asked": 11.0,
-                     "start": 11.0, "end": 12.0}]
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    assert rows == [{"run": run, "worker": "gw1", "nodeid": "tests/vm/test_a.py::test_x",
+                     "asked": 10.0, "start": 12.5, "end": 20.0},
+                    {"run": run, "worker": "main", "nodeid": "test_inner.py::test_y",
+                     "asked": 11.0, "start": 11.0, "end": 12.0}]
 
 
 def test_the_summary_gives_each_worker_its_busy_idle_and_waits(tmp_path):
     tl = tmp_path / "tl.jsonl"
-    rows = [("gw0", "tests/vm/test_a.py::test_1", 0, 0, 100),
-            ("gw0", "tests/vm/test_a.py::test_2", 100, 130, 150),   # waited 30 s
-            ("gw1", "tests/vm/test_b.py::test_3", 0, 0, 40),
-            ("main", "test_inner.py::test_4", 5, 5, 500)]           # an inner run's
-    tl.write_text("".join(json.dumps({"worker": w, "nodeid": n, "asked": a, "start": s,
-                                      "end": e}) + "\n" for w, n, a, s, e in rows))
+    rows = [("o", "gw0", "tests/vm/test_a.py::test_1", 0, 0, 100),
+            ("o", "gw0", "tests/vm/test_a.py::test_2", 100, 130, 150),   # waited 30 s
+            ("o", "gw1", "tests/vm/test_b.py::test_3", 0, 0, 40),
+            ("i", "gw2", "test_inner.py::test_5", 20, 20, 30),        # an inner xdist run
+            ("", "main", "test_inner.py::test_4", 5, 5, 500)]         # an inner plain run
+    tl.write_text("".join(json.dumps({"run": u, "worker": w, "nodeid": n, "asked": a,
+                                      "start": s, "end": e}) + "\n"
+                          for u, w, n, a, s, e in rows))
     r = _summary(tl, "--top", "2")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
+    assert lines.pop(0) == "(the longest of 2 xdist runs in the file; the others ran inside it)"
     assert lines[0] == "3 tests over 150 s (first asked to last ended)"
     assert lines[1].split() == "gw0: 2 tests, busy 120 s, waited for the run lock 30 s, " \
         "done at 150 s (0 s before the end)".split()
