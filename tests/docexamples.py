@@ -127,8 +127,11 @@ def scratch(tmp: Path) -> Path:
 
 def environment() -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
+    # PYTEST_DEBUG_TEMPROOT kept: an example's pytest run makes its temp directories
+    # under the suite's own (tests/conftest.py: NESTED_TEMPROOT)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "COV_")) and k != "PYTHONPATH"}
+           if (not k.startswith(("PYTEST_", "COV_")) or k == "PYTEST_DEBUG_TEMPROOT")
+           and k != "PYTHONPATH"}
     env.update(PATH=venv_bin + os.pathsep + env.get("PATH", ""),
                VIRTUAL_ENV=str(Path(venv_bin).parent), COLUMNS="200", LINES="50")
     return env

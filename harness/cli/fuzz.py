@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,12 +118,16 @@ def run(args: argparse.Namespace, out: Output) -> int:
         for old in runs.glob("shard-*.*"):
             old.unlink()
         log = runs / "pytest.log"
+        # the shards' pytest temp directories in one of our own, removed after: pytest's
+        # own (/tmp/pytest-of-USER) would keep one per run, and pytest deletes there, as
+        # it ends, whatever numbered directory of the user's no live run holds
+        basetemp = tempfile.mkdtemp(prefix="kph-fuzz-pytest-")
         with open(log, "w") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p",
                                      "no:cacheprovider", "-p", "no:randomly", "--pyargs",
                                      "harness.apps.fuzzshard", "-n", str(args.workers), "-o",
-                                     "timeout=0"], env=env, stdout=logf,
-                                    stderr=subprocess.STDOUT, text=True)
+                                     "timeout=0", f"--basetemp={basetemp}"], env=env,
+                                    stdout=logf, stderr=subprocess.STDOUT, text=True)
             try:
                 while proc.poll() is None:
                     time.sleep(2)
@@ -137,6 +142,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
                         proc.kill()
                         proc.wait()
                 os.unlink(tmp.name)
+                shutil.rmtree(basetemp, ignore_errors=True)
         r = subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
         shards = [json.loads(p.read_text()) for p in sorted(runs.glob("shard-*.json"))]
         for p in runs.glob("shard-*.progress"):

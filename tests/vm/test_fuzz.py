@@ -116,9 +116,21 @@ def test_the_same_seed_lists_the_same_examples_and_bad_input_is_one_line():
 
 def test_workers_shard_the_examples_and_report_progress(tmp_path):
     """``kph fuzz -n 2``: two pytest-xdist workers, each on its own machine, share the
-    examples; the merged result counts all of them and progress reaches stderr."""
+    examples; the merged result counts all of them and progress reaches stderr. Their
+    pytest keeps its temp directories in one of kph's own, removed after the run: none
+    left in the temp root a pytest would use (this suite sets it: tests/conftest.py) or
+    in the system's."""
+    import glob
     import json
+    import os
+    import tempfile
 
+    def temp_dirs() -> set[str]:
+        return set(glob.glob(os.path.join(os.environ.get("PYTEST_DEBUG_TEMPROOT", "/nonexistent"),
+                                          "pytest-of-*", "pytest-*"))
+                   + glob.glob(os.path.join(tempfile.gettempdir(), "kph-fuzz-pytest-*")))
+
+    before = temp_dirs()
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "-n", "2", "--examples",
                         "6", "--seed", "3", "--json", "--out", str(out)],
@@ -133,3 +145,4 @@ def test_workers_shard_the_examples_and_report_progress(tmp_path):
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-0.json", "shard-1.json"]
     assert json.loads((out / "findings.json").read_text())["examples"] == ran
     assert "fuzz: 6 examples on" in r.stderr
+    assert temp_dirs() - before == set(), temp_dirs() - before
