@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.constants import MACHINE  # noqa: E402
 from harness.machine.image.store import HOST_BUSYBOX, pack_cpio, default_image  # noqa: E402
 from harness.machine.qemu import find_qemu  # noqa: E402
 from harness.vmctl import Machine  # noqa: E402
@@ -40,7 +41,7 @@ def bare_initrd(dst: Path) -> None:
 def bare_boot(qemu, kernel: Path, initrd: Path) -> float:
     m = Machine(kernel=kernel, initrd=initrd, append="console=ttyS0 nokaslr quiet panic=-1",
                 qemu=qemu)
-    argv = qemu.command(["-nodefaults", "-no-user-config", "-display", "none", "-machine", "pc",
+    argv = qemu.command(["-nodefaults", "-no-user-config", "-display", "none", "-machine", MACHINE,
                          "-m", "512M", "-accel", "tcg", "-no-reboot", "-kernel", str(kernel),
                          "-initrd", str(initrd), "-append", m.append])
     t0 = time.monotonic()

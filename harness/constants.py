@@ -6,6 +6,15 @@ from pathlib import Path
 
 #: Guest memory when none is given.
 DEFAULT_MEMORY = "512M"
+#: The machine every guest is (``-machine``): a PC without an HPET. QEMU's HPET model
+#: woke QEMU's main loop every 4 ms (250 times a second) while the guest ran the TSC
+#: clocksource, the LAPIC timer and the HPET's clockevent shut down, costing each guest
+#: ~1.8% of a host CPU while it sat idle; without it the guest keeps the TSC and the LAPIC
+#: timer (``tsc=reliable``: :data:`DEFAULT_APPEND`) and takes the PIT as its broadcast
+#: device (measured on 6.1, 6.12 and 7.3, 2026-12-01: the main loop's CPU over 15 idle
+#: s, 27-32 ticks -> 1-5). A replay keeps the machine it was recorded on
+#: (``harness.machine.replay``).
+MACHINE = "pc,hpet=off"
 #: From QEMU start to the guest agent answering (TCG boot is ~1.5 s; xdist halves the CPU).
 BOOT_TIMEOUT = 60.0
 #: Default limit for one guest command.
@@ -79,8 +88,13 @@ QUIT_TIMEOUT = 3.0
 #: synchronize_rcu_expedited()): each unregister_kprobes() (kernel/kprobes.c), so each
 #: removed probe, and each ``echo > trace`` wait for one grace period: removing a kprobe
 #: event took 53 ms, 0.3 ms expedited (6.1 guest, 2026-11-30). What a probe's handlers
-#: see does not depend on how long unregistering waits.
-DEFAULT_APPEND = "console=ttyS0 nokaslr quiet panic=-1 oops=panic rcupdate.rcu_expedited=1"
+#: see does not depend on how long unregistering waits. ``tsc=reliable``
+#: (arch/x86/kernel/tsc.c: tsc_setup(); no clocksource watchdog on the TSC): TCG's TSC
+#: runs on the host's clock, and without an HPET (:data:`MACHINE`) the watchdog is the
+#: ACPI PM timer, 24 bits at 3.58 MHz, which wraps in 4.7 s: a snapshot built under load
+#: (a guest not run that long) came up with its TSC marked unstable and on ``acpi_pm``.
+DEFAULT_APPEND = ("console=ttyS0 nokaslr quiet panic=-1 oops=panic rcupdate.rcu_expedited=1 "
+                  "tsc=reliable")
 #: The first QEMU release whose gdbstub no longer flushes the translation cache on every stop.
 FAST_GDBSTUB_QEMU = (10, 2)
 #: The Debian package that names the current cloud kernel ABI.

@@ -160,9 +160,9 @@ def probe_accel(qemu: QemuBinary, accel: str, kernel: Path | None = None, *,
         return _accel_seen[key]
     if accel == "kvm" and not os.path.exists("/dev/kvm"):
         return _accel_seen.setdefault(key, (False, "no /dev/kvm on this host"))
-    cmd = qemu.command(["-nodefaults", "-no-user-config", "-display", "none", "-machine", "pc",
-                        "-accel", accel, "-m", "128", "-serial", "stdio", "-no-reboot",
-                        "-kernel", str(kernel), "-append",
+    cmd = qemu.command(["-nodefaults", "-no-user-config", "-display", "none",
+                        "-machine", C.MACHINE, "-accel", accel, "-m", "128", "-serial", "stdio",
+                        "-no-reboot", "-kernel", str(kernel), "-append",
                         "console=ttyS0 earlyprintk=serial,ttyS0 nokaslr quiet panic=-1"])
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -495,7 +495,7 @@ class Machine:
     def _args(self, fds: dict[str, int], rundir: Path) -> list[str]:
         console = rundir / "console.log"
         args = ["-name", self.name, "-nodefaults", "-no-user-config", "-display", "none",
-                "-machine", "pc", "-m", self.memory, "-smp", _smp_arg(self.smp),
+                "-machine", C.MACHINE, "-m", self.memory, "-smp", _smp_arg(self.smp),
                 "-accel", self.accel, "-no-reboot", "-action", "panic=pause",
                 "-serial", f"file:{console}",
                 "-chardev", f"socket,id=qmp0,fd={fds['qmp']},server=on,wait=off",

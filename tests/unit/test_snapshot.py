@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness import constants as C
 from harness.machine.image.store import Image
 from harness.machine.qemu import QemuBinary
 from harness.machine.snapshot import snapshot_key, unsupported, why_changed, _slot
@@ -57,7 +58,7 @@ def test_restore_command_line_maps_the_ram_file_private_and_read_only(tmp_path):
     obj = cmd[cmd.index("-object") + 1]
     assert "mem-path=" + str(tmp_path / "snap,,dir" / "ram") in obj
     assert "share=off,readonly=on,rom=off" in obj
-    assert "pc,memory-backend=kph-ram" in cmd
+    assert f"{C.MACHINE},memory-backend=kph-ram" in cmd
 
 
 def test_each_cpu_is_a_socket_of_its_own(tmp_path):

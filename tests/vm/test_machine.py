@@ -240,6 +240,18 @@ def test_qmp_answers(vm):
     assert st["status"] == "running"
 
 
+def test_the_machine_has_no_hpet_and_the_guest_keeps_its_tsc_and_lapic_timer(vm):
+    """harness.constants.MACHINE: no HPET (its QEMU model woke the main loop 250 times a
+    second in an idle guest); the guest's clocksource is the TSC (``tsc=reliable``: the
+    ACPI PM timer as its watchdog marked it unstable), its tick the LAPIC timer."""
+    out = vm.run("cd /sys/devices/system; cat clocksource/clocksource0/available_clocksource "
+                 "clocksource/clocksource0/current_clocksource; grep -h 'Clock Event Device' "
+                 "/proc/timer_list", timeout=30).stdout.split("\n")
+    assert "hpet" not in out[0].split() and out[1] == "tsc", out
+    devices = [ln.split(":", 1)[1].strip() for ln in out[2:] if ln]
+    assert "lapic" in devices and "hpet" not in devices, devices
+
+
 def test_two_machines_at_once(default_image):
     results = {}
 
