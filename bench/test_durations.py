@@ -5,8 +5,9 @@ schedules first so that no worker ends the run alone on a long test.
     python bench/test_durations.py run.xml --machine "2 cores, Debian 12" [--min 30]
 
 Or print where a run's minutes went, from the timeline tests/conftest.py writes with
-``KPH_TEST_TIMELINE=FILE``: each xdist worker's span, busy and idle seconds, its waits for
-the run lock, the longest tests and test modules. Of the xdist runs in the file, the one
+``KPH_TEST_TIMELINE=FILE``: each xdist worker's busy seconds, its waits for the run lock,
+the seconds it ran no test before its last one ended (idle), and when it was done; the
+longest tests and test modules. Of the xdist runs in the file, the one
 that spans the longest (the suite; an inner pytest's tests are their outer test's time).
 
     python bench/test_durations.py --timeline FILE [--top 25]
@@ -17,6 +18,7 @@ import argparse
 import collections
 import datetime
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -80,8 +82,10 @@ def timeline(path: Path, top: int) -> int:
         busy = sum(r["end"] - r["start"] for r in mine)
         wait = sum(r["start"] - r["asked"] for r in mine)
         end = max(r["end"] for r in mine)
+        idle = max(0.0, end - t0 - busy - wait)
         print(f"  {w}: {len(mine)} tests, busy {busy:.0f} s, waited for the run lock "
-              f"{wait:.0f} s, done at {end - t0:.0f} s ({t1 - end:.0f} s before the end)")
+              f"{wait:.0f} s, idle {idle:.0f} s, done at {end - t0:.0f} s "
+              f"({t1 - end:.0f} s before the end)")
     print(f"the {top} longest tests (seconds, worker, started at):")
     for r in sorted(rows, key=lambda r: r["start"] - r["end"])[:top]:
         print(f"  {r['end'] - r['start']:7.1f}  {r['worker']}  {r['start'] - t0:6.0f}  "
@@ -89,8 +93,9 @@ def timeline(path: Path, top: int) -> int:
     mods: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
     for r in rows:
-        mods[r["nodeid"].split("::")[0]] += r["end"] - r["start"]
-        count[r["nodeid"].split("::")[0]] += 1
+        module = r["nodeid"].split("::")[0]
+        mods[module] += r["end"] - r["start"]
+        count[module] += 1
     print(f"the {top} longest modules (seconds, tests):")
     for m, s in mods.most_common(top):
         print(f"  {s:7.1f}  {count[m]:4d}  {m}")
@@ -98,4 +103,10 @@ def timeline(path: Path, top: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:     # `| head`: the reader had enough; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(code)

@@ -50,7 +50,7 @@ def test_the_summary_gives_each_worker_its_busy_idle_and_waits(tmp_path):
     assert lines.pop(0) == "(the longest of 2 xdist runs in the file; the others ran inside it)"
     assert lines[0] == "3 tests over 150 s (first asked to last ended)"
     assert lines[1].split() == "gw0: 2 tests, busy 120 s, waited for the run lock 30 s, " \
-        "done at 150 s (0 s before the end)".split()
+        "idle 0 s, done at 150 s (0 s before the end)".split()
     assert "gw1: 1 tests, busy 40 s" in lines[2] and "(110 s before the end)" in lines[2]
     assert "test_inner" not in r.stdout
     longest = lines[lines.index("the 2 longest tests (seconds, worker, started at):") + 1]
@@ -67,3 +67,29 @@ def test_a_file_without_a_worker_s_test_is_one_line_and_exit_2(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "run with -n" in r.stderr
     r = _summary(tmp_path / "missing.jsonl")
     assert r.returncode == 2 and "KPH_TEST_TIMELINE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_worker_s_idle_seconds_are_its_gaps_before_its_last_test_ended(tmp_path):
+    tl = tmp_path / "tl.jsonl"
+    rows = [("o", "gw0", "tests/vm/test_a.py::test_1", 0, 0, 100),
+            ("o", "gw1", "tests/vm/test_b.py::test_2", 0, 0, 40),
+            ("o", "gw1", "tests/vm/test_b.py::test_3", 60, 65, 70)]   # 20 s of nothing
+    tl.write_text("".join(json.dumps({"run": u, "worker": w, "nodeid": n, "asked": a,
+                                      "start": s, "end": e}) + "\n"
+                          for u, w, n, a, s, e in rows))
+    r = _summary(tl)
+    assert r.returncode == 0, r.stderr
+    gw1 = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("gw1:"))
+    assert "busy 45 s, waited for the run lock 5 s, idle 20 s, done at 70 s" in gw1, gw1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    tl = tmp_path / "tl.jsonl"
+    tl.write_text("".join(json.dumps({"run": "o", "worker": "gw0", "nodeid": f"t.py::test_{i}",
+                                      "asked": i, "start": i, "end": i + 1}) + "\n"
+                          for i in range(50)))
+    p = subprocess.Popen([sys.executable, str(BENCH), "--timeline", str(tl), "--top", "50"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()                    # as `| head -1` does once it has its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1 and "Traceback" not in err and "Exception" not in err, err
