@@ -55,6 +55,10 @@ class SetupError(HarnessError):
         self.hint = hint
 
 
+class StaleImageError(SetupError):
+    """An image built from another recipe than this kph's (``store.check_recipe``)."""
+
+
 class VMError(HarnessError):
     """QEMU failed or the guest died; ``console_tail`` holds the last console lines."""
 

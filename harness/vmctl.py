@@ -61,7 +61,7 @@ from .errors import (GuestAgentError, GuestExecError, GuestPanicError, GuestShut
                      VMError, VMLostError)
 from .machine.handlerctx import ADVICE, stopped_reason
 from .machine.image.kbuild import boot_refusal
-from .machine.image.store import Image, default_image
+from .machine.image.store import Image, check_recipe, default_image
 from .procs import (drain_fd, listen_unix, make_run_dir, pdeathsig, reap_stale_run_dirs,
                     stop_process)
 from .machine.qemu import QemuBinary, find_qemu
@@ -408,6 +408,7 @@ class Machine:
             raise SetupError(f"unknown host-side engine {host!r}", "use --host gdbstub or --host plugin")
         if kernel is None:
             img = image if isinstance(image, Image) else default_image(image)
+            check_recipe(img)
             kpath, ipath = img.kernel, img.initrd
             if initrd is not None:
                 ipath = Path(initrd)
@@ -420,11 +421,13 @@ class Machine:
                 # initramfs (busybox, the guest agent), which boots any x86_64 kernel with
                 # virtio-pci and virtio-console built in (harness.machine.image.kbuild's do).
                 try:
-                    ipath = default_image().initrd
+                    base = default_image()
                 except SetupError as exc:
                     raise SetupError(f"--kernel {kernel} needs an initramfs, and there is no "
                                      "default image to take it from",
                                      "run `kph image build`, or pass --initrd FILE") from exc
+                check_recipe(base)
+                ipath = base.initrd
             if kpath.is_dir():  # a kernel build directory
                 cand = kpath / "arch/x86/boot/bzImage"
                 if not cand.exists():

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from . import boot, demo, diff, doctor, fuzz, image, kernel, matrix, probe, qemu, repro, worker
 from . import upstream
 from . import bisect, hunt
-from ..errors import SetupError
+from ..errors import SetupError, StaleImageError
 from .output import (EXIT_INTERRUPTED, EXIT_USAGE, LogHandler, Output, check_output,
                      clear_progress, current, output_options, report_crash, report_error)
 
@@ -200,18 +200,27 @@ def _interrupted_exit() -> int:
 def _image_first(args: argparse.Namespace, out: Output) -> None:
     """``--image`` in any verb names an image that is there when the verb runs:
     ``tree:TREE[+PATCH...]`` (a kernel tree's image) and a series of Debian's kernels not
-    built yet (``6.12``: ``kph image build --kernel 6.12``, with progress) are built, or found
-    current, first; anything else is looked up as it is (an unknown name: one line, exit 2)."""
+    built yet, or built from another recipe than this kph's (``6.12``: ``kph image build
+    --kernel 6.12``, with progress) are built, or found current, first; anything else is
+    looked up as it is (an unknown name: one line, exit 2; a stale image: one line naming
+    the command that rebuilds it, ``store.check_recipe``)."""
     sel = getattr(args, "image", None)
     if not isinstance(sel, str):
         return
-    from ..machine.image.build import image_for
+    from ..machine.image.build import build_image, image_for
     from ..machine.image.ksource import is_series
-    from ..machine.image.store import default_image
+    from ..machine.image.store import check_recipe, default_image
 
     if is_series(sel):
         try:
-            default_image(sel)
+            check_recipe(default_image(sel))
+            return
+        except StaleImageError:                 # Debian's current kernel of the series
+            out.progress(f"image: the {sel} image was built from another recipe than this "
+                         "kph's: rebuilding")
+            args.image = str(build_image(kernel=sel, qemu=getattr(args, "qemu", None),
+                                         progress=out.progress).dir)
+            out.progress.clear()
             return
         except SetupError:
             pass                                # not built yet: built below

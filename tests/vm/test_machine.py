@@ -314,6 +314,26 @@ def test_cli_boot_prints_release_and_cmdline(default_image):
     assert "console=ttyS0" in r.stdout.splitlines()[1]
 
 
+def test_cli_refuses_an_image_from_another_recipe_in_one_line(default_image, tmp_path):
+    """A copy of the default image whose manifest names another recipe (as one built
+    before a ``git pull`` does): refused before QEMU starts, one line naming the fix."""
+    import json
+    import shutil
+
+    stale = tmp_path / default_image.dir.name
+    shutil.copytree(default_image.dir, stale, symlinks=True,
+                    ignore=shutil.ignore_patterns("snapshots"))
+    mf = json.loads((stale / "manifest.json").read_text())
+    mf["recipe"] = "0123456789abcdef"
+    (stale / "manifest.json").write_text(json.dumps(mf))
+    r = subprocess.run(_kph("boot", "--image", str(stale), "--run", "true"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "built from another recipe than this kph's" in err[0] and \
+        "Traceback" not in r.stderr, r.stderr
+
+
 def test_cli_exit_status_is_the_last_commands():
     r = subprocess.run(_kph("boot", "--run", "true", "--run", "exit 5"), capture_output=True,
                        text=True, timeout=120)

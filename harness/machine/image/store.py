@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...constants import cache_dir
-from ...errors import SetupError
+from ...errors import SetupError, StaleImageError
 from .facts import KEPT, KernelFacts
 from .kernels import KernelRelease
 from .toolchain import build_module, for_kernel
@@ -189,6 +189,24 @@ def default_image(name: str | os.PathLike[str] | None = None) -> Image:
         raise SetupError(f"no default image in {cache_dir()}",
                          "run `kph image build` (or ./setup.sh) first")
     return load_image(cache_dir() / version)
+
+
+def check_recipe(img: Image) -> None:
+    """Refuse an image made from another recipe than this checkout's: its guest programs
+    (``kph-reader``, ``kph-resync``, ...), its kernel module or its initramfs recipe are
+    not the ones the host side speaks to (an image built before a ``git pull``). A
+    kph-reader without a request the host now sends answers nothing: the run ended as a
+    guest HANG, the harness's own mismatch taken for the kernel's (6.12, 2026-12-01).
+
+    :raise SetupError: the image is stale, with the command that rebuilds it."""
+    if img.manifest.get("recipe") == recipe_hash():
+        return
+    fix = ("rebuild it with the `kph image build --tree ...` that made it"
+           if img.manifest.get("kernel_origin") == "tree"
+           else "rebuild it: kph image build (or ./setup.sh)" if img.dir.name == read_default()
+           else f"rebuild it: kph image build --kernel {series_of(img.version)}")
+    raise StaleImageError(f"image {img.dir.name} was built from another recipe than this kph's "
+                     "(its guest programs, kernel module or initramfs changed since)", fix)
 
 
 def image_is_current(img: Image) -> bool:
