@@ -118,23 +118,31 @@ def test_workers_shard_the_examples_and_report_progress(tmp_path):
     """``kph fuzz -n 2``: two pytest-xdist workers, each on its own machine, share the
     examples; the merged result counts all of them and progress reaches stderr. Their
     pytest keeps its temp directories in one of kph's own, removed after the run: none
-    left in the temp root a pytest would use (this suite sets it: tests/conftest.py) or
-    in the system's."""
+    left in the temp root a pytest would use (this worker's: tests/conftest.py) or in the
+    run's TMPDIR (a short one of this test's own: the other worker may fuzz meanwhile)."""
     import glob
     import json
     import os
+    import shutil
     import tempfile
 
+    nested = os.environ.get("PYTEST_DEBUG_TEMPROOT", "/nonexistent")
+    tmpdir = tempfile.mkdtemp(prefix="kf")      # short: UNIX socket paths are made in it
+
     def temp_dirs() -> set[str]:
-        return set(glob.glob(os.path.join(os.environ.get("PYTEST_DEBUG_TEMPROOT", "/nonexistent"),
-                                          "pytest-of-*", "pytest-*"))
-                   + glob.glob(os.path.join(tempfile.gettempdir(), "kph-fuzz-pytest-*")))
+        return set(glob.glob(os.path.join(nested, "pytest-of-*", "pytest-*"))
+                   + glob.glob(os.path.join(tmpdir, "kph-fuzz-pytest-*")))
 
     before = temp_dirs()
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "-n", "2", "--examples",
-                        "6", "--seed", "3", "--json", "--out", str(out)],
-                       capture_output=True, text=True, timeout=540)
+    try:
+        r = subprocess.run([sys.executable, "-m", "harness.cli", "fuzz", "-n", "2",
+                            "--examples", "6", "--seed", "3", "--json", "--out", str(out)],
+                           capture_output=True, text=True, timeout=540,
+                           env=dict(os.environ, TMPDIR=tmpdir))
+        left = temp_dirs() - before
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     doc = json.loads(r.stdout)
     # A finding is replayed (and shrunk) by Hypothesis, and every replay is a run the
@@ -145,4 +153,4 @@ def test_workers_shard_the_examples_and_report_progress(tmp_path):
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-0.json", "shard-1.json"]
     assert json.loads((out / "findings.json").read_text())["examples"] == ran
     assert "fuzz: 6 examples on" in r.stderr
-    assert temp_dirs() - before == set(), temp_dirs() - before
+    assert left == set(), left
