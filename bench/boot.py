@@ -41,8 +41,8 @@ def bare_initrd(dst: Path) -> None:
 def bare_boot(qemu, kernel: Path, initrd: Path) -> float:
     m = Machine(kernel=kernel, initrd=initrd, append="console=ttyS0 nokaslr quiet panic=-1",
                 qemu=qemu)
-    argv = qemu.command(["-nodefaults", "-no-user-config", "-display", "none", "-machine", MACHINE,
-                         "-m", "512M", "-accel", "tcg", "-no-reboot", "-kernel", str(kernel),
+    argv = qemu.command(["-nodefaults", "-no-user-config", "-display", "none",
+                         "-machine", MACHINE, "-m", "512M", "-accel", "tcg", "-no-reboot", "-kernel", str(kernel),
                          "-initrd", str(initrd), "-append", m.append])
     t0 = time.monotonic()
     subprocess.run(argv, env=dict(os.environ, **qemu.env), stdin=subprocess.DEVNULL,

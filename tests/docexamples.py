@@ -128,7 +128,7 @@ def scratch(tmp: Path) -> Path:
 def environment() -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     # PYTEST_DEBUG_TEMPROOT kept: an example's pytest run makes its temp directories
-    # under the suite's own (tests/conftest.py: NESTED_TEMPROOT)
+    # under the suite's own (tests/conftest.py: _nested_pytest_temproot)
     env = {k: v for k, v in os.environ.items()
            if (not k.startswith(("PYTEST_", "COV_")) or k == "PYTEST_DEBUG_TEMPROOT")
            and k != "PYTHONPATH"}

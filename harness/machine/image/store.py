@@ -198,15 +198,16 @@ def check_recipe(img: Image) -> None:
     kph-reader without a request the host now sends answers nothing: the run ended as a
     guest HANG, the harness's own mismatch taken for the kernel's (6.12, 2026-12-01).
 
-    :raise SetupError: the image is stale, with the command that rebuilds it."""
+    :raise StaleImageError: the image is stale, with the command that rebuilds it."""
     if img.manifest.get("recipe") == recipe_hash():
         return
     fix = ("rebuild it with the `kph image build --tree ...` that made it"
            if img.manifest.get("kernel_origin") == "tree"
            else "rebuild it: kph image build (or ./setup.sh)" if img.dir.name == read_default()
            else f"rebuild it: kph image build --kernel {series_of(img.version)}")
-    raise StaleImageError(f"image {img.dir.name} was built from another recipe than this kph's "
-                     "(its guest programs, kernel module or initramfs changed since)", fix)
+    raise StaleImageError(f"image {img.dir.name} was built from another recipe than this "
+                          "kph's (its guest programs, kernel module or initramfs changed "
+                          "since)", fix)
 
 
 def image_is_current(img: Image) -> bool:
