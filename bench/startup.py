@@ -10,7 +10,11 @@ set-ups, interleaved, N rounds each, medians:
   a build       image build parses kallsyms and BTF and keeps them;
   no bytecode   what a process pays where PYTHONDONTWRITEBYTECODE is set and nothing
                 wrote harness' bytecode: each of its modules compiled (harness'
-                ``__pycache__`` removed for the run, written again after it).
+                ``__pycache__`` removed for the run, written again after it);
+  shutdown      as set up, but the objects ``kph`` leaves out of the interpreter's
+  collected     shutdown collections (``harness.cli.main._freeze_for_exit``) given back
+                to them (``gc.unfreeze()`` in an ``atexit`` hook): what the exit cost
+                before.
 
 ``--image`` picks the image (default: the default image).
 """
@@ -34,8 +38,16 @@ from harness.machine.image.store import default_image  # noqa: E402
 LINE = "p:o do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring"
 
 
-def one(kernel: str | None, env: dict[str, str]) -> float:
+#: ``python -m harness.cli`` with the freeze at its end undone: the hook is registered
+#: first, so it runs after main() froze (atexit runs its hooks last in, first out)
+UNFROZEN = ("import atexit, gc, runpy, sys; atexit.register(gc.unfreeze); sys.argv[0] = 'kph'; "
+            "runpy.run_module('harness.cli', run_name='__main__')")
+
+
+def one(kernel: str | None, env: dict[str, str], *, unfrozen: bool = False) -> float:
     argv = [sys.executable, "-m", "harness.cli", "diff", "-q", LINE, "--run", "cat /proc/version"]
+    if unfrozen:
+        argv[1:3] = ["-c", UNFROZEN]
     if kernel:
         argv[4:4] = ["--image", kernel]
     t0 = time.monotonic()
@@ -58,9 +70,10 @@ def main() -> int:
     base.pop("PYTHONPYCACHEPREFIX", None)
     one(args.image, base)                  # the snapshot and the kept facts exist now
     times: dict[str, list[float]] = {"as set up": [], "first after a build": [],
-                                     "no bytecode": []}
+                                     "no bytecode": [], "shutdown collected": []}
     for _ in range(args.n):
         times["as set up"].append(one(args.image, base))
+        times["shutdown collected"].append(one(args.image, base, unfrozen=True))
         for p in img.dir.glob(f".*{KEPT}"):
             p.unlink()
         times["first after a build"].append(one(args.image, base))

@@ -3,6 +3,7 @@ maps what a verb raised to one line and an exit status (``harness.cli.output``).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -177,9 +178,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(s, signal.SIG_IGN if program else
                           signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
         sys.unraisablehook = unraisable
+        if program:
+            _freeze_for_exit()
         if signal.getsignal(signal.SIGALRM) is _on_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, alarm if alarm is not None else signal.SIG_DFL)
+
+
+def _freeze_for_exit() -> None:
+    """As the program, once its outcome is decided: every object alive is left out of the
+    collections of the interpreter's shutdown (``gc.freeze()``), which walk them all just
+    before the process ends, whether or not the collector is switched off (measured:
+    ``gc.disable()`` alone left 0.12 s of the exit, the freeze 0.03): 0.1-0.15 s of a
+    small ``kph diff``, 0.2 s of one holding 60,000 hits (``bench/startup.py``,
+    ``bench/hot_path.py --whole``). Objects are still freed by their counts,
+    ``atexit`` hooks (the machines' reaping: ``harness.vmctl``) and the flushing of stdout
+    and stderr still run; what is left out is only the finalizers of objects in reference
+    cycles, and nothing here cleans up in one (files are closed by ``with``, processes by
+    pid). Imported as a library (``main([...])`` in a test), nothing is frozen."""
+    gc.freeze()
 
 
 def _interrupted_exit() -> int:
