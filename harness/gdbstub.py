@@ -115,10 +115,11 @@ class GdbStub:
 
     def __init__(self, target: str | os.PathLike[str], *, gdb: str | None = None,
                  log_path: str | os.PathLike[str] | None = None,
-                 timeout: float = COMMAND_TIMEOUT, pre_connect: Iterable[str] = ()) -> None:
-        exe = gdb or shutil.which("gdb")
-        if not exe:
-            raise SetupError("gdb not found", "apt-get install gdb (./setup.sh does)")
+                 timeout: float = COMMAND_TIMEOUT, pre_connect: Iterable[str] = (),
+                 proc: "subprocess.Popen[bytes] | None" = None) -> None:
+        """``proc``: a gdb :func:`spawn` started already (its start, ~50-70 ms, then
+        overlaps the caller's other work: ``Machine(early_gdb=True)``); it is this
+        session's to end from here on, whatever happens."""
         self.target = str(target)
         self.timeout = timeout
         self._tokens = itertools.count(1)
@@ -131,15 +132,7 @@ class GdbStub:
         #: (vCPU, register) -> value of the segment bases read since the last stop
         self._segments: dict[tuple[int | None, str], int] = {}
         self.stats = collections.Counter()
-        stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        try:
-            self.proc = subprocess.Popen([exe, "--nx", "--quiet", "--interpreter=mi3"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=stderr, bufsize=0, start_new_session=True,
-                                         preexec_fn=pdeathsig)
-        finally:
-            if log_path:
-                stderr.close()  # type: ignore[union-attr]
+        self.proc = proc if proc is not None else spawn(gdb=gdb, log_path=log_path)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in = self.proc.stdin
         self._fd = self.proc.stdout.fileno()
@@ -608,15 +601,37 @@ class GdbStub:
         return data
 
 
+def spawn(*, gdb: str | None = None,
+          log_path: str | os.PathLike[str] | None = None) -> "subprocess.Popen[bytes]":
+    """A gdb process for a :class:`GdbStub` (GDB/MI on its stdin and stdout, its stderr to
+    ``log_path``), in a session of its own, ended with its parent (``pdeathsig``).
+
+    :raise SetupError: no gdb."""
+    exe = gdb or shutil.which("gdb")
+    if not exe:
+        raise SetupError("gdb not found", "apt-get install gdb (./setup.sh does)")
+    stderr = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([exe, "--nx", "--quiet", "--interpreter=mi3"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=stderr, bufsize=0, start_new_session=True,
+                                preexec_fn=pdeathsig)
+    finally:
+        if log_path:
+            stderr.close()  # type: ignore[union-attr]
+
+
 def readable(fd: int) -> bool:
     """``fd`` has data (or EOF) to read now."""
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def attach(vm: Any, *, resume: bool = True) -> GdbStub:
-    """A GdbStub on ``vm``'s stub socket; the guest is resumed unless ``resume`` is False."""
+def attach(vm: Any, *, resume: bool = True,
+           proc: "subprocess.Popen[bytes] | None" = None) -> GdbStub:
+    """A GdbStub on ``vm``'s stub socket (through ``proc``, a gdb :func:`spawn` started
+    already, if given); the guest is resumed unless ``resume`` is False."""
     logp = Path(vm.rundir) / "gdb.log" if vm.rundir else None
-    stub = GdbStub(vm.gdb_socket, log_path=logp)
+    stub = GdbStub(vm.gdb_socket, log_path=logp, proc=proc)
     if resume:
         stub.cont()
     return stub

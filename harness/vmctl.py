@@ -67,7 +67,7 @@ from .procs import (drain_fd, listen_unix, make_run_dir, pdeathsig, reap_stale_r
 from .machine.qemu import QemuBinary, find_qemu
 from .machine.pluginlink import build_plugin, qemu_args
 from .machine.snapshot import ensure, file_sha256, say_once
-from .gdbstub import attach
+from .gdbstub import attach, spawn as spawn_gdb
 from .kernel.symbols import SymbolTable
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,10 @@ class Machine:
         self._lock = threading.RLock()
         self._host: Any = None
         self._stub: Any = None
+        #: Start gdb with QEMU (``boot(early_gdb=True)``); the gdb started so, until
+        #: :meth:`gdbstub` attaches through it (ended by its pid in :meth:`close` if never)
+        self.early_gdb = False
+        self._early_gdb: subprocess.Popen[bytes] | None = None
         self._symbols: Any = None
         #: refresh_module_symbols(): kallsyms lines per module state seen
         self._module_kallsyms: dict[frozenset[Any], dict[str, str]] = {}
@@ -297,7 +301,7 @@ class Machine:
              qemu: QemuBinary | str | None = None, name: str | None = None,
              timeout: float = C.BOOT_TIMEOUT, extra_args: Sequence[str] = (),
              vmlinux: str | os.PathLike[str] | None = None, fresh: bool = True,
-             host: str = "gdbstub") -> "Machine":
+             host: str = "gdbstub", early_gdb: bool = False) -> "Machine":
         """Boot the default image (or ``image``, or ``kernel``/``initrd``) until the agent answers.
 
         ``fresh`` (the default) starts from the image's ready snapshot, building it on first
@@ -307,6 +311,8 @@ class Machine:
         ``host`` picks the engine ``vm.host`` is: "gdbstub" (``harness.engines.gdbstub_engine``) or "plugin"
         (``harness.engines.plugin_engine``: QEMU starts with ``probes/plugin`` loaded, inert; it is
         built on first use, a failed build is a SetupError).
+        ``early_gdb``: the caller will attach GDB (:meth:`gdbstub`, the gdbstub engine):
+        gdb starts with QEMU, its own start (~50-70 ms) beside the guest's.
 
         :raise SetupError: a kernel, initrd or image that does not exist.
         :raise GuestPanicError: the guest panicked while booting.
@@ -316,6 +322,7 @@ class Machine:
         m = cls.prepare(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                         memory=memory, append=append, qemu=qemu, name=name,
                         extra_args=extra_args, vmlinux=vmlinux, host=host)
+        m.early_gdb = early_gdb
         if fresh and os.environ.get(C.COLD_ENV, "") in ("", "0"):
             m.use_snapshot()
         elif fresh:
@@ -334,7 +341,7 @@ class Machine:
             cold = cls.boot(image, kernel=kernel, initrd=initrd, smp=smp, accel=accel,
                             memory=memory, append=append, qemu=m.qemu, name=name,
                             timeout=timeout, extra_args=extra_args, vmlinux=vmlinux, fresh=False,
-                            host=host)
+                            host=host, early_gdb=early_gdb)
             cold.cold_reason = why
             return cold
         except BaseException:
@@ -555,6 +562,10 @@ class Machine:
                              "run `kph doctor`") from exc
         finally:
             qlog.close()
+        if self.early_gdb:
+            # gdb starts beside the restore and the guest's first answers; it attaches
+            # when first asked for (gdbstub()): its start is then done
+            self._early_gdb = spawn_gdb(log_path=self.rundir / "gdb.log")
         # QEMU holds the listening sockets now; ours are only needed to connect.
         self._loop = LoopThread(f"{self.name}-qmp")
         try:
@@ -689,6 +700,12 @@ class Machine:
                     if not self.aborting:
                         self.log.exception("closing %r failed", part)
             self._host = self._stub = None
+            early, self._early_gdb = self._early_gdb, None
+            if early is not None:               # never attached: ended by its pid
+                stop_process(early, ((signal.SIGKILL, 5.0),))
+                for f in (early.stdin, early.stdout):
+                    if f is not None:
+                        f.close()
             if self.agent is not None:
                 self.agent.close()
             if self._data is not None:
@@ -1267,7 +1284,14 @@ class Machine:
             # registers matter. Only a dead QEMU has no stub.
             if self.proc is None or self.proc.poll() is not None or self.rundir is None:
                 raise StateError(f"{self.name} has no QEMU process", self.state, VmState.RUNNING)
-            self._stub = attach(self, resume=resume and self.state is VmState.RUNNING)
+            early, self._early_gdb = self._early_gdb, None
+            if early is not None and early.poll() is not None:     # it died: a new one
+                for f in (early.stdin, early.stdout):
+                    if f is not None:
+                        f.close()
+                early = None
+            self._stub = attach(self, resume=resume and self.state is VmState.RUNNING,
+                                proc=early)
         return self._stub
 
     @property

@@ -217,10 +217,12 @@ def machine(args: argparse.Namespace) -> Any:
     """The machine of a verb that places probes (``--host plugin``/``both``: the plugin's)."""
     from ..vmctl import Machine
 
-    host = "plugin" if getattr(args, "host", "gdbstub") in ("plugin", "both") else "gdbstub"
+    kind = getattr(args, "host", "gdbstub")
+    host = "plugin" if kind in ("plugin", "both") else "gdbstub"
     return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
                         smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
-                        qemu=args.qemu, fresh=not args.cold, host=host)
+                        qemu=args.qemu, fresh=not args.cold, host=host,
+                        early_gdb=kind in ("gdbstub", "both"))
 
 
 def started(vm: Machine, args: argparse.Namespace) -> str:

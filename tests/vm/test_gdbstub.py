@@ -186,6 +186,34 @@ def test_gdb_is_reaped_when_a_test_fails_mid_stop(default_image):
     assert pid and not os.path.exists(f"/proc/{pid}")
 
 
+def test_an_early_gdb_is_the_one_attached_and_is_reaped_when_never_attached(default_image):
+    """Machine.boot(early_gdb=True) (kph diff --host gdbstub): gdb starts with QEMU, and the
+    session gdbstub() attaches is that process, working; a machine that never attaches
+    ends its early gdb by pid when it closes; one whose early gdb died starts another."""
+    with Machine.boot(default_image, early_gdb=True) as vm:
+        early = vm._early_gdb
+        assert early is not None and early.poll() is None
+        g = vm.gdbstub(resume=False)
+        assert g.proc is early and vm._early_gdb is None
+        assert g.read_registers(("rip",))["rip"] > 0
+        g.cont()
+        assert vm.run("echo alive").stdout == "alive\n"
+    assert early.poll() is not None and not os.path.exists(f"/proc/{early.pid}")
+    with Machine.boot(default_image, early_gdb=True) as vm:
+        unused = vm._early_gdb
+        assert unused is not None and unused.poll() is None
+    assert unused.poll() is not None and not os.path.exists(f"/proc/{unused.pid}")
+    with Machine.boot(default_image, early_gdb=True) as vm:
+        dead = vm._early_gdb
+        dead.kill()
+        dead.wait(5)
+        g = vm.gdbstub()
+        assert g.proc is not dead and g.proc.poll() is None
+        assert vm.run("echo alive").stdout == "alive\n"
+    with Machine.boot(default_image) as vm:
+        assert vm._early_gdb is None
+
+
 def test_symbols_of_a_bare_kernel_are_harvested_from_the_guest(default_image, tmp_path,
                                                               monkeypatch):
     monkeypatch.setenv("KPH_CACHE", str(tmp_path))
