@@ -213,16 +213,20 @@ def workload_ran(r: Any, workload: str) -> None:
                          "/usr/bin/kph-*)")
 
 
-def machine(args: argparse.Namespace) -> Any:
-    """The machine of a verb that places probes (``--host plugin``/``both``: the plugin's)."""
+def machine(args: argparse.Namespace, *, gdb: bool | None = None) -> Any:
+    """The machine of a verb that places probes (``--host plugin``/``both``: the plugin's).
+    ``gdb``: whether the verb attaches GDB (its start then overlaps the boot:
+    ``Machine.boot(early_gdb=True)``); by default, where ``--host`` is gdbstub or both."""
     from ..vmctl import Machine
 
     kind = getattr(args, "host", "gdbstub")
     host = "plugin" if kind in ("plugin", "both") else "gdbstub"
+    if gdb is None:
+        gdb = kind in ("gdbstub", "both")
     return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
                         smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
                         qemu=args.qemu, fresh=not args.cold, host=host,
-                        early_gdb=kind in ("gdbstub", "both"))
+                        early_gdb=gdb)
 
 
 def started(vm: Machine, args: argparse.Namespace) -> str:

@@ -197,7 +197,7 @@ def run_refusals(args: argparse.Namespace, lines: list[str], out: Output) -> int
 
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
     rows = []
-    with machine(args) as vm:
+    with machine(args, gdb=False) as vm:
         booted(vm, args, out)
         oracle = Oracle(vm, guest=args.guest, workload=args.run, timeout=args.timeout)
         kernel = ci.kernel_of(vm)

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     specs = load_specs(args)
     backend = "plugin" if args.backend == "host" and args.host == "plugin" else args.backend
     out.progress("booting" + (" cold (--cold)" if args.cold else ""))
-    with machine(args) as vm:
+    with machine(args, gdb=backend == "host") as vm:
         booted(vm, args, out)
         res = run_single(vm, backend, specs, args.run, timeout=args.timeout,
                          progress=out.progress)
