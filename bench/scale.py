@@ -7,7 +7,10 @@ first, so that hits happen, then functions of ``available_filter_functions`` out
 kprobe blacklist, in address order) are placed by each side alone, on one fresh machine
 per side and N (``harness.diff.runner.run_single``, whose progress marks the phases):
 
-- ``events``: the guest's tracefs ``kprobe_events`` (one guest script writes the lines);
+- ``events``: the guest's tracefs ``kprobe_events`` (kph-reader writes the lines, one
+  request: ``Machine.reader_writes``);
+- ``events-shell``: the same, the lines written by one guest shell script instead (what
+  ``events`` did before 2026-12-02; ``EventsBackend.shell_writes``);
 - ``host``: the gdbstub engine (a breakpoint per line);
 - ``plugin``: the TCG plugin engine (a site per line).
 
@@ -34,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import Machine  # noqa: E402
+from harness.backends.events import EventsBackend  # noqa: E402
 from harness.diff.runner import run_single  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.kernel.grammar import parse  # noqa: E402
@@ -45,8 +49,8 @@ WORKLOAD = ("i=0; while [ $i -lt 20 ]; do cat /proc/version > /dev/null; "
             "head -c 20 /proc/cpuinfo > /dev/null; i=$((i+1)); done")
 HOT = ("do_sys_openat2", "vfs_read", "ksys_read", "do_filp_open", "path_openat",
        "kernel_clone", "do_exit", "vfs_write", "filp_close", "fput")
-SIDES = {"events": ("events", "gdbstub"), "host": ("host", "gdbstub"),
-         "plugin": ("plugin", "plugin")}
+SIDES = {"events": ("events", "gdbstub"), "events-shell": ("events", "gdbstub"),
+         "host": ("host", "gdbstub"), "plugin": ("plugin", "plugin")}
 
 
 def traceable(vm: Machine) -> list[str]:
@@ -105,6 +109,7 @@ def rss_kib(pid: int) -> int:
 def one(img, side: str, lines: list[str], engine: str) -> dict:
     backend = SIDES[side][0]
     marks: list[tuple[float, str]] = []
+    EventsBackend.shell_writes = side == "events-shell"
     with Machine.boot(img, host=engine) as vm:
         t = time.monotonic()
         vm.run(WORKLOAD, timeout=600, check=True)
@@ -158,7 +163,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,10,100,1000",
                     help="numbers of probes, comma-separated (default 1,10,100,1000)")
     ap.add_argument("--sides", default="events,host,plugin",
-                    help="events, host (gdbstub), plugin (default all three)")
+                    help="events, events-shell, host (gdbstub), plugin (default events, "
+                    "host, plugin)")
     ap.add_argument("--fprobe", action="store_true", help="also f: globs of about N functions")
     ap.add_argument("--whole", action="store_true", help="also a whole kph diff per N")
     args = ap.parse_args()
@@ -166,7 +172,7 @@ def main() -> int:
     sides = [s for s in args.sides.split(",") if s]
     bad = [s for s in sides if s not in SIDES]
     if bad:
-        ap.error(f"--sides: unknown {', '.join(bad)}; use events, host, plugin")
+        ap.error(f"--sides: unknown {', '.join(bad)}; use {', '.join(SIDES)}")
     img = default_image(args.image)
     with Machine.boot(img) as vm:
         names = traceable(vm)
@@ -176,7 +182,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {s: [] for s in sides}
     fields = ("register_s", "workload_s", "bare_s", "hits", "refused", "added_us_per_hit",
               "collect_s", "total_s", "kph_rss_mib", "qemu_rss_mib")
-    print("side     N      " + "  ".join(f"{f:>16}" for f in fields)
+    print("side         N      " + "  ".join(f"{f:>16}" for f in fields)
           + ("  whole_kph_diff_s" if args.whole else ""))
     for n in sizes:
         lines = [f"p:s{i} {fn}" for i, fn in enumerate(funcs[:n])]
@@ -184,12 +190,12 @@ def main() -> int:
             try:
                 r = one(img, side, lines, SIDES[side][1])
             except HarnessError as exc:     # printed in its own words, the curve goes on
-                print(f"{side:8s} {n:<6d} failed: {str(exc).splitlines()[0]}", flush=True)
+                print(f"{side:12s} {n:<6d} failed: {str(exc).splitlines()[0]}", flush=True)
                 continue
             rows[side].append(r)
-            w = f"  {whole(args.image, side, lines):16.1f}" if args.whole and side != "events" \
-                else ""
-            print(f"{side:8s} {n:<6d} " + "  ".join(
+            w = f"  {whole(args.image, side, lines):16.1f}" if args.whole and \
+                not side.startswith("events") else ""
+            print(f"{side:12s} {n:<6d} " + "  ".join(
                 f"{r[f]:16.3f}" if isinstance(r[f], float) else f"{r[f]:16d}" for f in fields)
                 + w, flush=True)
         if args.fprobe:
@@ -207,10 +213,10 @@ def main() -> int:
                       f"({glob[0]}: {matched} functions listed)", flush=True)
     print("\n# growth of registration (ratio of seconds / ratio of N; 1.0 = linear)")
     for side in sides:
-        print(f"{side:8s} {growth(rows[side], 'register_s')}")
+        print(f"{side:12s} {growth(rows[side], 'register_s')}")
     print("# growth of the whole side's time")
     for side in sides:
-        print(f"{side:8s} {growth(rows[side], 'total_s')}")
+        print(f"{side:12s} {growth(rows[side], 'total_s')}")
     return 0
 
 

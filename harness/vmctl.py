@@ -80,6 +80,9 @@ _live: "weakref.WeakSet[Machine]" = weakref.WeakSet()
 _READER_DEVICE = "kphreaderport"
 #: characters of the kernel log :meth:`Machine.kernel_log` keeps (whole lines)
 KLOG_MAX = 4 << 20
+#: the longest op of :meth:`Machine.reader_writes`, in bytes (kph-reader keeps a request
+#: line of up to 16 KiB, and writes an op's text with its newline from a 16,400-byte buffer)
+READER_OP_MAX = 16000
 _plugin_said: set[str] = set()
 #: Host-side engines by name (``vm.host``), registered by their modules when imported.
 HOST_ENGINES: dict[str, Callable[["Machine"], Any]] = {}
@@ -1066,8 +1069,8 @@ class Machine:
 
     def _ask_reader(self, request: str, timeout: float, lines: Sequence[str] = (),
                     count: int = 0) -> bytes:
-        """Send kph-reader ``request`` (``a``, ``n``, ``f``, or ``p`` with ``count``, its
-        MAX) with its id and ``lines`` after it, and read its answer, ``KPH ID LEN`` and
+        """Send kph-reader ``request`` (``a``, ``n``, ``f``, ``w``, or ``p`` with ``count``,
+        its MAX) with its id and ``lines`` after it, and read its answer, ``KPH ID LEN`` and
         LEN bytes. A VMLostError (no answer in time, a broken port, an answer out of step)
         and the reader is not asked again (``has_reader`` False); after any other error (a
         guest that cannot run) its answer is still to come, and is skipped when it does."""
@@ -1075,7 +1078,7 @@ class Machine:
         assert sock is not None
         ident = next(self._reader_ids)
         try:
-            head = f"{request} {ident}" + (f" {len(lines)}" if request == "f" else
+            head = f"{request} {ident}" + (f" {len(lines)}" if request in ("f", "w") else
                                            f" {int(count)}" if request == "p" else "")
             return self._reader_answer(sock, ident, head, lines, timeout)
         except VMLostError:
@@ -1181,6 +1184,23 @@ class Machine:
             raise GuestAgentError(f"guest-file-read: failed to read file: {os.strerror(err)}",
                                   "GenericError")
         return pieces, ended
+
+    def reader_writes(self, ops: Sequence[Sequence[str]], *,
+                      timeout: float = C.RUN_TIMEOUT) -> str | None:
+        """kph-reader's ``w`` request: ``ops`` (each a list of fields: ``P``, ``L`` or
+        ``C`` and their arguments, probes/progs/reader.c) carried out in the guest in
+        order, by plain syscalls in one request, no process; the text they print. None
+        when the machine has no reader (:attr:`has_reader`) or a field cannot be sent (a
+        newline, a NUL or the 0x1f that separates the fields, or an op longer than
+        :data:`READER_OP_MAX`): the caller writes another way."""
+        self._require_running()
+        lines = ["\x1f".join(op) for op in ops]
+        if not self.has_reader or not lines or any(
+                len(ln.encode()) > READER_OP_MAX or "\n" in ln or "\0" in ln
+                or any("\x1f" in f for f in op) for ln, op in zip(lines, ops)):
+            return None
+        with self._reader_lock:
+            return self._ask_reader("w", timeout, lines).decode("utf-8", "replace")
 
     def _reader_files(self, paths: list[str], timeout: float) -> list[bytes | GuestAgentError]:
         """:meth:`pull_many` through kph-reader: one request, each file's bytes or the

@@ -146,6 +146,50 @@ def written_column(spec: ProbeSpec, command: str, column: int) -> int:
     return sum(len(w) + 1 for w in words[:k]) + off
 
 
+def write_error(text: str) -> str:
+    """The ``strerror()`` text of a failed ``echo ... > FILE`` as busybox's shell says it:
+    ``sh: write error: TEXT`` (echo's write), or ``sh: can't create FILE: TEXT`` (the
+    open; shell/ash.c: openredirect(), its errmsg() saying ``nonexistent directory`` for
+    ENOENT and ENOTDIR); any other text as it is."""
+    if "write error: " in text:
+        return text.rsplit("write error: ", 1)[-1]
+    if "can't create " in text and ": " in text:
+        msg = text.rsplit(": ", 1)[-1]
+        return os.strerror(_errno.ENOENT) if msg == _ASH_ENOENT else msg
+    return text
+
+
+#: what busybox's shell says for an open() that failed with ENOENT or ENOTDIR
+_ASH_ENOENT = "nonexistent directory"
+
+
+def reader_script_text(text: str, files: Sequence[tuple[str, str]]) -> str:
+    """kph-reader's answer to the registration's ``w`` request (probes/progs/reader.c)
+    as the shell script's text: ``@errw ERRNO`` and ``@erro ERRNO`` in the words
+    busybox's shell uses (:func:`write_error` reads both). ``files``: each ``L`` op's
+    file and ``enable`` file as the script names them, in order; an ``@erro`` names the
+    line's file, or its enable file when ``enable: error: failed`` follows it."""
+    lines = text.split("\n")
+    n = -1
+    for i, line in enumerate(lines):
+        if line.startswith("@ok") or line.startswith("@err"):
+            n += 1
+        if line.startswith("@errw ") and line[6:].isdigit():
+            lines[i] = f"@err sh: write error: {os.strerror(int(line[6:]))}"
+        elif line.startswith("@erro ") and line[6:].isdigit():
+            err = int(line[6:])
+            what = _ASH_ENOENT if err in (_errno.ENOENT, _errno.ENOTDIR) else os.strerror(err)
+            file, enable = files[n] if 0 <= n < len(files) else ("?", "?")
+            on_enable = i + 1 < len(lines) and lines[i + 1] == _ENABLE_FAILED
+            lines[i] = f"@err sh: can't create {enable if on_enable else file}: {what}"
+    return "\n".join(lines)
+
+
+#: what the registration prints after an enable's error (``logged_words``: subsystem
+#: ``enable``)
+_ENABLE_FAILED = "enable: error: failed"
+
+
 def refusal_outcome(name: str, spec: ProbeSpec, status: str, detail: Sequence[str], *,
                     index: int) -> Outcome:
     """The Outcome of a line the guest refused: the write's errno (the shell's ``write
@@ -154,7 +198,7 @@ def refusal_outcome(name: str, spec: ProbeSpec, status: str, detail: Sequence[st
     (:func:`written_column`; an event filter's caret is in the filter, a ``dynevent``
     one at 0). Nothing logged: the write's ``strerror()`` text, no subsystem, column -1;
     so for an enable that failed (uprobe_register() at ``echo 1 > enable``)."""
-    msg = status[5:].strip().rsplit("write error: ", 1)[-1]
+    msg = write_error(status[5:].strip())
     errno = STRERROR.get(msg, _errno.EINVAL)
     got = logged_words(detail)
     if got is None or got[0] == "enable":
@@ -270,6 +314,10 @@ class EventsBackend:
     """``kprobe_events`` in the guest. One instance per Machine and run."""
 
     side = "events"
+    #: write the lines with the guest's shell even where kph-reader could (its ``w``
+    #: request: :meth:`register`); the two ways give the same outcomes
+    #: (tests/vm/test_events_register.py; bench/scale.py's side ``events-shell``)
+    shell_writes = False
 
     def __init__(self, vm: Machine, *, buffer_kb: int | None = None) -> None:
         """``buffer_kb``: each CPU's ring buffer (``buffer_size_kb``, default
@@ -298,6 +346,10 @@ class EventsBackend:
         #: (event, counter, address): its per-cpu nhit words and its nmissed words
         self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
         self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
+        #: write the lines with the guest's shell even where kph-reader could (its ``w``
+        #: request: :meth:`register`); the two ways give the same outcomes
+        #: (tests/vm/test_events_backend.py)
+        self.shell_writes = False
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
@@ -339,7 +391,9 @@ class EventsBackend:
         return self._after[name].decode("utf-8", "replace")
 
     def register(self, specs: Sequence[ProbeSpec]) -> list[Outcome]:
-        """All specs in one guest script (one agent round trip), each line's fate reported.
+        """All specs in one request, each line's fate reported: kph-reader's ``w``
+        request (plain syscalls, no process) where the machine has the reader, else one
+        guest shell script through the agent, the same steps either way.
 
         ``error_log`` is emptied before each line, so a refusal's text is that line's (or
         none: some refusals, -ECANCELED for one, log nothing)."""
@@ -363,31 +417,51 @@ class EventsBackend:
         err, last_error = "kph_err", "kph_log"
         fprobes = frozenset(n for s in specs if s.is_fprobe or s.is_eprobe
                             for n in (f"{s.group}/{s.event}", s.event))
+        # the same steps as kph-reader ops (probes/progs/reader.c: "w"): no process, and
+        # no shell reading error_log a byte a read() (a refused line cost ~9 ms of the
+        # guest under TCG, ~2 ms with the reader: multiple_kprobes.tc writes thousands)
+        ops: list[list[str]] = [["P", TRACING, str(kb)]]
+        files: list[tuple[str, str]] = []
         for spec in specs:
-            line = shlex.quote(guest_line(spec))
+            text = guest_line(spec)
+            line = shlex.quote(text)
             # quoted: an event name the kernel made from a symbol keeps any character
             # sanitize_event_name() leaves (only ':', '.' and '*' become '_')
-            enable = shlex.quote(f"events/{spec.group}/{spec.event}/enable")
+            enable_file = f"events/{spec.group}/{spec.event}/enable"
+            enable = shlex.quote(enable_file)
+            # stderr redirected first: an open that fails says so into /tmp/kph.err
             if spec.kind == "-":        # dyn_event_release(): nothing to enable after it
+                file = _events_file(spec, fprobes)
                 script.append(
-                    f": > error_log; if echo {line} >> {_events_file(spec, fprobes)} "
-                    "2>/tmp/kph.err; "
+                    f": > error_log; if echo {line} 2>/tmp/kph.err >> {file}; "
                     f"then echo '@ok'; else {err}; {last_error}; fi")
+                ops.append(["L", f"{TRACING}/{file}", text, "", ""])
+                files.append((file, ""))
                 continue
+            file = _events_file(spec)
+            remove = f"-:{spec.group}/{spec.event}"
             script.append(
-                f": > error_log; if echo {line} >> {_events_file(spec)} 2>/tmp/kph.err; then "
-                f"if echo 1 > {enable} 2>/tmp/kph.err; then echo 0 > {enable}; echo '@ok'; "
-                f"else {err}; echo 'enable: error: failed'; "
-                f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {_events_file(spec)}; "
+                f": > error_log; if echo {line} 2>/tmp/kph.err >> {file}; then "
+                f"if echo 1 2>/tmp/kph.err > {enable}; then echo 0 > {enable}; echo '@ok'; "
+                f"else {err}; echo '{_ENABLE_FAILED}'; "
+                f"echo {shlex.quote(remove)} >> {file}; "
                 f"fi; else {err}; {last_error}; fi")
+            ops.append(["L", f"{TRACING}/{file}", text, f"{TRACING}/{enable_file}", remove])
+            files.append((file, enable_file))
         # the CPUs by a glob (a shell builtin: no process)
         script.append("echo '@cpus'; for d in per_cpu/cpu*; do echo \"${d##*/}\"; done")
+        ops.append(["C", f"{TRACING}/per_cpu"])
         # the formats of every event ours after these lines
         names = list(dict.fromkeys([*self.specs, *(f"{s.group}/{s.event}" for s in specs
                                                     if s.kind != "-")]))
-        text = self._sh("\n".join(script), timeout=_scaled(120, len(specs) + len(names)))
+        timeout = _scaled(120, len(specs) + len(names))
+        text = None if self.shell_writes else self.vm.reader_writes(ops, timeout=timeout)
+        text = reader_script_text(text, files) if text is not None else \
+            self._sh("\n".join(script), timeout=timeout)
         results, _, cpus = text.partition("@cpus\n")
-        self._cpus = [int(c[3:]) for c in cpus.split() if c.startswith("cpu") and c[3:].isdigit()]
+        # sorted as the shell's glob sorts (C locale)
+        self._cpus = [int(c[3:]) for c in sorted(cpus.split())
+                      if c.startswith("cpu") and c[3:].isdigit()]
         # each line's fate first: an event the script added is ours (close() removes
         # it) even when a read below fails
         out, lines, i = [], results.splitlines(), 0

@@ -24,6 +24,16 @@
  * more: EAGAIN or end of file; ERRNO that of a failed read(), what was read before it
  * kept; "O ERRNO 0 0" when open() failed), then COUNT pieces, each "LEN\n" and its
  * bytes. The ring buffer's pages come this way without a process and without base64.
+ * "w ID N" followed by N lines writes probe lines as EventsBackend.register()'s shell
+ * script writes them (harness/backends/events.py), without a process and without the
+ * shell's reads of a byte a read(): each line a 0x1f-separated list, "P DIR KB" (the
+ * tracing directory; tracing_on 0, trace emptied, buffer_size_kb KB unless it is),
+ * "L FILE LINE ENABLE REMOVE" (error_log emptied, LINE appended to FILE, then ENABLE
+ * written 1 and 0, or when that fails REMOVE appended to FILE; no ENABLE for a removal
+ * line) and "C DIR" (the names in DIR that start with "cpu"). The answer is the script's
+ * text: "@ok", or "@errw ERRNO" (the write failed) or "@erro ERRNO" (the open did) and
+ * then the error_log entry as kph_log prints it (its first line, its command line, "caret
+ * N" with N the caret line's length) or "enable: error: failed"; "@cpus" and the names.
  *
  * A log record is printed as syslog(READ_ALL) prints it less the "<level>" that busybox's
  * dmesg strips: each line of its text after the prefix "[%5lu.%06lu] " (printk_time on;
@@ -32,6 +42,7 @@
  * character, a byte >= 127 and the backslash: msg_add_ext_text()) are undone. Records
  * the buffer overwrote before they were read (EPIPE) are gone, as they are from dmesg.
  */
+#define _GNU_SOURCE         /* memmem() */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -286,6 +297,197 @@ static int write_all(int fd, const char *p, size_t n)
 	return 0;
 }
 
+/* `echo TEXT > PATH` (`>> PATH` with append), as busybox's echo writes it: TEXT and a
+ * newline in one write() (full_write(): a short write goes on). 0, or the errno of the
+ * open (*opened 0) or of the write. */
+static int echo_to(const char *path, const char *text, int append, int *opened)
+{
+	static char buf[16400];
+	size_t n = strlen(text);
+	int fd, err = 0;
+
+	*opened = 0;
+	fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0666);
+	if (fd < 0)
+		return errno;
+	*opened = 1;
+	if (n > sizeof(buf) - 1)
+		n = sizeof(buf) - 1;
+	memcpy(buf, text, n);
+	buf[n++] = '\n';
+	{
+		const char *p = buf;
+
+		while (n) {
+			ssize_t w = write(fd, p, n);
+
+			if (w < 0 && errno == EINTR)
+				continue;
+			if (w <= 0) {
+				err = w < 0 ? errno : EIO;
+				break;
+			}
+			p += w;
+			n -= (size_t)w;
+		}
+	}
+	close(fd);
+	return err;
+}
+
+static void put_str(const char *s)
+{
+	put(s, strlen(s));
+}
+
+/* "@errw ERRNO" or "@erro ERRNO" */
+static void put_err(int err, int opened)
+{
+	char head[32];
+
+	snprintf(head, sizeof(head), "@err%c %d\n", opened ? 'w' : 'o', err);
+	put_str(head);
+}
+
+/* kph_log of the script: the last error_log entry (kernel/trace/trace.c:
+ * tracing_err_log_seq_show(): "[ts] SUBSYSTEM: error: MSG", "  Command: CMD", the caret
+ * line), read whole, its complete lines taken as the script's `while read` loop takes
+ * them: a line that starts with '[' and holds ": error: " starts an entry, the next two
+ * are its command and caret. */
+static void last_error(const char *log)
+{
+	static char buf[65536];
+	size_t len = 0;
+	const char *x = NULL, *c = NULL, *line;
+	size_t xl = 0, cl = 0, p = 0;
+	int n = 0, have_p = 0, fd = open(log, O_RDONLY | O_CLOEXEC);
+	char num[32];
+
+	if (fd < 0)
+		return;
+	for (;;) {
+		ssize_t r = read(fd, buf + len, sizeof(buf) - len);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0)
+			break;
+		len += (size_t)r;
+		if (len == sizeof(buf))
+			break;
+	}
+	close(fd);
+	for (line = buf; line < buf + len;) {
+		const char *nl = memchr(line, '\n', (size_t)(buf + len - line));
+		size_t ll;
+
+		if (!nl)
+			break;          /* no newline: `read` fails, the loop ends */
+		ll = (size_t)(nl - line);
+		if (ll && line[0] == '[' && memmem(line, ll, ": error: ", 9)) {
+			x = line;
+			xl = ll;
+			n = 1;
+		} else if (n == 1) {
+			c = line;
+			cl = ll;
+			n = 2;
+		} else if (n == 2) {
+			p = ll;
+			have_p = 1;
+			n = 0;
+		}
+		line = nl + 1;
+	}
+	if (!x || !xl)
+		return;
+	put(x, xl);
+	put("\n", 1);
+	if (c)
+		put(c, cl);
+	put("\n", 1);
+	if (have_p)
+		snprintf(num, sizeof(num), "caret %zu\n", p);
+	else
+		snprintf(num, sizeof(num), "caret \n");
+	put_str(num);
+}
+
+static char tdir[256] = "/sys/kernel/tracing";
+
+static void tracing_path(char *dst, size_t size, const char *name)
+{
+	snprintf(dst, size, "%s/%s", tdir, name);
+}
+
+/* One line of a "w" request (see the top of this file). */
+static void write_op(char *op)
+{
+	char *f[6] = { 0 }, path[512];
+	int nf = 0, opened, err;
+
+	while (nf < 6) {
+		f[nf++] = op;
+		op = strchr(op, 0x1f);
+		if (!op)
+			break;
+		*op++ = 0;
+	}
+	if (!strcmp(f[0], "P") && nf == 3) {
+		char kb[64] = "";
+		int fd;
+
+		snprintf(tdir, sizeof(tdir), "%s", f[1]);
+		tracing_path(path, sizeof(path), "tracing_on");
+		echo_to(path, "0", 0, &opened);
+		tracing_path(path, sizeof(path), "trace");
+		echo_to(path, "", 0, &opened);
+		tracing_path(path, sizeof(path), "buffer_size_kb");
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			ssize_t r = read(fd, kb, sizeof(kb) - 1);
+
+			kb[r > 0 ? r : 0] = 0;
+			kb[strcspn(kb, " \t\n")] = 0;
+			close(fd);
+		}
+		if (strcmp(kb, f[2]))
+			echo_to(path, f[2], 0, &opened);
+	} else if (!strcmp(f[0], "L") && nf == 5) {
+		char log[300];
+
+		tracing_path(log, sizeof(log), "error_log");
+		close(open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
+		err = echo_to(f[1], f[2], 1, &opened);
+		if (err) {
+			put_err(err, opened);
+			last_error(log);
+		} else if (!f[3][0]) {
+			put_str("@ok\n");
+		} else if (!(err = echo_to(f[3], "1", 0, &opened))) {
+			echo_to(f[3], "0", 0, &opened);
+			put_str("@ok\n");
+		} else {
+			put_err(err, opened);
+			put_str("enable: error: failed\n");
+			echo_to(f[1], f[4], 1, &opened);
+		}
+	} else if (!strcmp(f[0], "C") && nf == 2) {
+		DIR *d = opendir(f[1]);
+		struct dirent *e;
+
+		put_str("@cpus\n");
+		while (d && (e = readdir(d))) {
+			if (!strncmp(e->d_name, "cpu", 3)) {
+				put_str(e->d_name);
+				put("\n", 1);
+			}
+		}
+		if (d)
+			closedir(d);
+	}
+}
+
 static void answer(int port, unsigned long id)
 {
 	char head[64];
@@ -302,6 +504,7 @@ int main(void)
 	size_t have = 0;
 	unsigned long id = 0, files = 0;        /* an "f" request's paths still to come */
 	unsigned long pieces = 0;               /* a "p" request's MAX, its path to come */
+	unsigned long ops = 0;                  /* a "w" request's lines still to come */
 	int port = -1, kmsg, i;
 
 	for (i = 0; i < 500 && port < 0; i++) {     /* the port appears with virtio_console */
@@ -334,7 +537,11 @@ int main(void)
 			size_t len = (size_t)(nl - req) + 1;
 
 			*nl = 0;
-			if (files) {
+			if (ops) {
+				write_op(req);
+				if (--ops == 0)
+					answer(port, id);
+			} else if (files) {
 				read_file(req);
 				if (--files == 0)
 					answer(port, id);
@@ -349,8 +556,9 @@ int main(void)
 				out_len = 0;
 				drain(kmsg);
 				answer(port, id);
-			} else if ((req[0] == 'f' || req[0] == 'p') && req[1] == ' ') {
-				/* "f ID N" or "p ID MAX": the lines that follow are paths */
+			} else if ((req[0] == 'f' || req[0] == 'p' || req[0] == 'w') && req[1] == ' ') {
+				/* "f ID N" or "p ID MAX": the lines that follow are paths;
+				 * "w ID N": they are write ops */
 				char *end;
 				unsigned long n;
 
@@ -359,6 +567,8 @@ int main(void)
 				out_len = 0;
 				if (req[0] == 'f')
 					files = n;
+				else if (req[0] == 'w')
+					ops = n;
 				else
 					pieces = n;
 				if (!n)

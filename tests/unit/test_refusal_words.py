@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from harness.backends.events import logged_words, refusal_outcome, written_column
+from harness.backends.events import (logged_words, reader_script_text, refusal_outcome,
+                                     write_error, written_column)
 from harness.backends.tracelayer import refused
 from harness.errors import ProbeSpecError
 from harness.kernel.dynevent import (FAIL_REG_PROBE, UNKNOWN_WORDS, WORDS_MODULE, EventTable,
@@ -192,6 +193,41 @@ def test_a_guest_refusal_outcome():
         o = refusal_outcome("kprobes/x", spec, "@err sh: write error: Invalid argument",
                             detail, index=0)
         assert o.error_log() == ("", "Invalid argument", -1) and o.errno == errno.EINVAL
+
+
+def test_a_failed_open_is_its_errno_not_a_stale_text():
+    """busybox's shell words for an ``echo ... > FILE`` that failed: its write's, or the
+    open's (ENOENT said as "nonexistent directory", shell/ash.c: errmsg())."""
+    assert write_error("sh: write error: File exists") == "File exists"
+    assert write_error("/bin/sh: can't create events/a/b/enable: nonexistent directory") \
+        == os.strerror(errno.ENOENT)
+    assert write_error("sh: can't create kprobe_events: Permission denied") == \
+        "Permission denied"
+    assert write_error("") == ""
+    spec = parse("p:kprobes/x vfs_read")
+    o = refusal_outcome("kprobes/x", spec, "@err sh: can't create events/kprobes/x/enable: "
+                        "nonexistent directory", ["enable: error: failed"], index=0)
+    assert (o.errno, o.message, o.reason) == (errno.ENOENT, os.strerror(errno.ENOENT),
+                                              "enabling it failed")
+
+
+def test_the_readers_answer_reads_as_the_shells_text():
+    """kph-reader's ``w`` answer (errnos) in the shell script's words, each ``@erro``
+    naming the file whose open failed: the line's, or its enable file's."""
+    files = [("kprobe_events", "events/k/a/enable"), ("kprobe_events", "events/k/b/enable"),
+             ("kprobe_events", "events/k/c/enable"), ("uprobe_events", "")]
+    text = ("@ok\n@errw 22\n[ 1.0] trace_kprobe: error: Invalid argument\n  Command: p x\n"
+            "caret 13\n@erro 2\nenable: error: failed\n@erro 13\n@cpus\ncpu0\n")
+    assert reader_script_text(text, files).split("\n") == [
+        "@ok", "@err sh: write error: Invalid argument",
+        "[ 1.0] trace_kprobe: error: Invalid argument", "  Command: p x", "caret 13",
+        "@err sh: can't create events/k/c/enable: nonexistent directory",
+        "enable: error: failed", "@err sh: can't create uprobe_events: Permission denied",
+        "@cpus", "cpu0", ""]
+    spec = parse("p:kprobes/x vfs_read")
+    status, *detail = reader_script_text("@errw 17\n", files[:1]).split("\n")
+    o = refusal_outcome("kprobes/x", spec, status, [d for d in detail if d], index=0)
+    assert (o.errno, o.message) == (errno.EEXIST, os.strerror(errno.EEXIST))
 
 
 def test_a_registration_that_fails_for_memory_or_an_existing_probe_logs_nothing_there():

@@ -6,12 +6,31 @@ definitions, workloads, what each kernel answers, :func:`fill`) live in
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 
 from harness.apps.selftests import (  # noqa: F401 - re-exported for the test modules
     ACCEPT, ANY, EEXIST_ARG, EEXIST_EVENT, EEXIST_SAME, EEXIST_TYPE, EXEC, FORK, FTRACE,
     MKEVENT, MKINST, OPEN, PROBEFUNC, PVPANIC, READ, SH, STAND_IN, SYMLINK, C, Case, case_id,
     fill, guest_error, ids)
+
+
+@contextlib.contextmanager
+def series_machine(request, series: str):
+    """A fresh machine of ``series`` (its image built first when there is none), booted
+    with the run's options."""
+    from harness.apps.pytest_plugin import _boot_opts, boot_machine
+    from harness.errors import HarnessError
+    from harness.machine.image.build import build_image
+    from harness.machine.image.store import default_image
+
+    try:
+        img = default_image(series)
+    except HarnessError:
+        img = build_image(kernel=series, progress=lambda s: None)
+    with boot_machine(img, **_boot_opts(request.config)) as vm:
+        assert vm.facts.series == series
+        yield vm
 
 
 def check_case(probe_diff, case: Case, series: str):

@@ -10,6 +10,7 @@ import dataclasses
 import errno
 
 import pytest
+from selftests import series_machine
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 
@@ -45,17 +46,7 @@ _BASE = {"p": "p:kph/base do_sys_openat2", "r": "r:kph/base vfs_read",
 
 @pytest.fixture(params=["6.12", "7.3"])
 def machine(request):
-    from harness.errors import HarnessError
-    from harness.machine.image.build import build_image
-    from harness.machine.image.store import default_image
-    from harness.apps.pytest_plugin import _boot_opts, boot_machine
-
-    try:
-        img = default_image(request.param)
-    except HarnessError:
-        img = build_image(kernel=request.param, progress=lambda s: None)
-    with boot_machine(img, **_boot_opts(request.config)) as vm:
-        assert vm.facts.series == request.param
+    with series_machine(request, request.param) as vm:
         yield vm
 
 
