@@ -47,6 +47,7 @@ from ..diff.verdict import compare
 from ..diff.report import findings_text
 from ..kernel.splat import KernelFinding, during, headline
 from ..machine.kwatch import KernelWatch
+from ..backends.events import events_file_of, try_lines
 from ..backends.tracelayer import TraceLayer
 from .fuzzdraw import UPROBE_PLACES, grammar_only, strategies
 from ..vmctl import Machine
@@ -210,40 +211,16 @@ def _traced(vm: Machine, workload: str) -> dict[str, Any]:
 # -- the oracle -------------------------------------------------------------------------
 
 def guest_error(vm: Machine, line: str) -> tuple[bool, int, str | None, int | None]:
-    """Write ``line`` to the guest's kprobe_events (uprobe_events for a path target):
-    (accepted, errno, error_log message or None, caret column or None). An accepted line
-    is deleted again."""
-    f = _events_file(line)
-    r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
-               "echo \"@rc=$?\"; cat error_log", timeout=30)
-    if "@rc=0" in r.stdout:
-        vm.run("cd /sys/kernel/tracing; echo > dynamic_events", timeout=30)
-        return True, 0, None, None
-    import os
-    err = r.stderr.rsplit("write error: ", 1)[-1].strip()
-    code = {os.strerror(n): n for n in range(1, 134)}.get(err, 22)
-    log_lines = r.stdout.split("\n", 1)[1].splitlines() if "\n" in r.stdout else []
-    if not log_lines or " error: " not in log_lines[0]:
-        return False, code, None, None
-    # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
-    # "[ts] SUBSYSTEM: error: MSG" (an event filter's: "event filter parse error: error:")
-    msg = [ln for ln in log_lines if " error: " in ln][-1].split(": error: ", 1)[1]
-    caret = log_lines[-1].index("^") - len("  Command: ") if "^" in log_lines[-1] else None
-    return False, code, msg, caret
+    """Write ``line`` to the guest's tracefs file it names, alone: (accepted, errno,
+    error_log message or None, caret column or None). An accepted line is deleted
+    again (``harness.backends.events.try_lines``)."""
+    return try_lines(vm, [line])[0]
 
 
 #: one error_log entry: "[ts] SUBSYSTEM: error: MSG", "  Command: CMD", the caret line
 _LOG_ENTRY = re.compile(r"^\[[ \d.]+\] (\S+): error: (.*)\n  Command: (.*)\n( *)\^", re.M)
 #: concurrent refusals: rounds, and the writes of each writer in a round
 WRITER_ROUNDS, WRITER_WRITES = 10, 40
-
-
-def _events_file(line: str) -> str:
-    """The tracefs file a line goes to: by its first word, as trace_parse_run_command()
-    splits it (leading blanks skipped)."""
-    toks = line.split()
-    return "dynamic_events" if line.lstrip()[:1] in "fte" else \
-        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
 
 
 def concurrent_refusals(vm: Machine, lines: tuple[str, ...], *, writers: int,
@@ -265,14 +242,14 @@ def concurrent_refusals(vm: Machine, lines: tuple[str, ...], *, writers: int,
     alone: dict[tuple[str, ...], str] = {}
     for ln in lines:
         r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(ln)} >> "
-                   f"{_events_file(ln)}; cat error_log", timeout=30)
+                   f"{events_file_of(ln)}; cat error_log", timeout=30)
         for entry in _LOG_ENTRY.findall(r.stdout):
             alone.setdefault(entry, ln)
     if not alone:
         return None
     mine = list(dict.fromkeys(alone.values()))
     loops = " ".join(
-        f"(i=0; while [ $i -lt {writes} ]; do echo {shlex.quote(ln)} >> {_events_file(ln)} "
+        f"(i=0; while [ $i -lt {writes} ]; do echo {shlex.quote(ln)} >> {events_file_of(ln)} "
         "2>/dev/null; i=$((i+1)); done) &"
         for ln in (mine[k % len(mine)] for k in range(max(writers, len(mine)))))
     for rnd in range(rounds):

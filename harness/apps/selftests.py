@@ -25,12 +25,12 @@ function creating an event's directory, ``eventfs_create_dir`` where tracefs has
 """
 from __future__ import annotations
 
-import os
 import re
-import shlex
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..backends.events import try_lines
 
 FORK = "ls / >/dev/null; ls / >/dev/null"              # ( echo "forked" ) in ash forks nothing
 READ = "head -c 20 /proc/version >/dev/null"           # busybox head read()s: vfs_read
@@ -177,27 +177,17 @@ def fill(text: str, vm) -> str:
                   one, text)
 
 
+def guest_errors(vm, lines: list[str]) -> list[tuple[int, str | None, int | None] | None]:
+    """Each line written alone to the guest's kprobe_events, uprobe_events or
+    dynamic_events (``harness.backends.events.try_lines``, all in one request): (errno,
+    error_log message or None, caret column or None), or None when the guest accepts it
+    (then removed)."""
+    return [None if ok else (code, msg, col) for ok, code, msg, col in try_lines(vm, lines)]
+
+
 def guest_error(vm, line: str) -> tuple[int, str | None, int | None] | None:
-    """Write ``line`` to the guest's kprobe_events/uprobe_events: (errno, error_log message
-    or None, caret column or None), or None when the guest accepts it (then removed)."""
-    target = line.split()[1] if len(line.split()) > 1 else ""
-    f = "dynamic_events" if line[:1] in "fte" else \
-        "uprobe_events" if "/" in target else "kprobe_events"
-    r = vm.run(f"cd /sys/kernel/tracing; : > error_log; echo {shlex.quote(line)} >> {f}; "
-               "echo \"@rc=$?\"; cat error_log")
-    if "@rc=0" in r.stdout:
-        vm.run(f"echo > /sys/kernel/tracing/{f}")
-        return None
-    err = r.stderr.rsplit("write error: ", 1)[-1].strip()
-    code = {os.strerror(n): n for n in range(1, 134)}[err]
-    log = r.stdout.split("@rc=1\n", 1)[1].splitlines()
-    if not log:
-        return code, None, None
-    # the last entry: a write can log twice (6.12's fprobe %REG: BAD_VAR, BAD_FETCH_ARG)
-    # "[ts] event_probe: error: MSG", or "[ts] event filter parse error: error: MSG"
-    msg = [ln for ln in log if " error: " in ln][-1].split(": error: ", 1)[1]
-    caret = log[-1].index("^") - len("  Command: ")
-    return code, msg, caret
+    """:func:`guest_errors` of one line."""
+    return guest_errors(vm, [line])[0]
 
 
 # ---------------------------------------------------------------- Linux 6.1's own

@@ -281,6 +281,77 @@ def profile_counters(dynamic_events: str, kprobe_profile: str, uprobe_profile: s
     return sums, unclear
 
 
+#: The registration script's shell functions (busybox's builtins only: a fork costs ~5 ms
+#: under TCG). kph_err prints the write's error as the shell said it; kph_log prints the
+#: last error_log entry whole (kernel/trace/trace.c: tracing_err_log_seq_show(): "[ts]
+#: SUBSYSTEM: error: MSG", "  Command: CMD", the caret line), the caret line as its length.
+#: kph-reader's "w" request prints the same (probes/progs/reader.c: last_error()).
+_SH_FUNCS = ("kph_err() { read -r e < /tmp/kph.err; echo \"@err $e\"; }",
+             "kph_log() { x=; c=; p=; n=0; while IFS= read -r l; do case $n$l in "
+             "[012]'['*': error: '*) x=$l; n=1;; "
+             "1*) c=$l; n=2;; 2*) p=${#l}; n=0;; esac; done < error_log; "
+             "[ -n \"$x\" ] && { echo \"$x\"; echo \"$c\"; echo \"caret $p\"; }; }")
+
+
+def _fates(text: str, n: int) -> list[tuple[str, list[str]]]:
+    """Each of ``n`` lines' fate in a registration's text: its status line (``@ok`` or
+    ``@err ...``; ``@err unknown`` for a line the text does not reach) and the up to three
+    lines after it (kph_log's, or ``enable: error: failed``)."""
+    out, lines, i = [], text.splitlines(), 0
+    for _ in range(n):
+        while i < len(lines) and not lines[i].startswith("@"):
+            i += 1
+        status = lines[i] if i < len(lines) else "@err unknown"
+        i += 1
+        detail = []
+        while i < len(lines) and not lines[i].startswith("@") and len(detail) < 3:
+            detail.append(lines[i])
+            i += 1
+        out.append((status, detail))
+    return out
+
+
+def events_file_of(line: str) -> str:
+    """The tracefs file a written line goes to: by its first word, as
+    trace_parse_run_command() splits it (leading blanks skipped): ``dynamic_events`` for
+    an ``f``, ``t`` or ``e`` line, ``uprobe_events`` for a path target, else
+    ``kprobe_events``."""
+    toks = line.split()
+    return "dynamic_events" if line.lstrip()[:1] in "fte" else \
+        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+
+
+def try_lines(vm: Machine, lines: Sequence[str], *, timeout: float = 30
+              ) -> list[tuple[bool, int, str | None, int | None]]:
+    """Each line as written (no parsing of ours) to its tracefs file
+    (:func:`events_file_of`), alone: ``error_log`` emptied before it, and an accepted line
+    removed again (its file emptied, ``echo > FILE``). For each, (accepted, errno, the
+    ``error_log`` message or None, its caret column or None). kph-reader's ``T`` ops in
+    one request (probes/progs/reader.c), else one guest shell script; ``timeout`` grows
+    by half a second a line."""
+    files = [events_file_of(ln) for ln in lines]
+    wait = timeout + 0.5 * len(lines)
+    text = vm.reader_writes([["T", f"{TRACING}/{f}", ln] for f, ln in zip(files, lines)],
+                            timeout=wait) if lines else ""
+    if text is not None:
+        text = reader_script_text(text, [(f, "") for f in files])
+    else:
+        text = vm.run("\n".join([f"cd {TRACING}", *_SH_FUNCS, *(
+            f": > error_log; if echo {shlex.quote(ln)} 2>/tmp/kph.err >> {f}; then "
+            f"echo '@ok'; echo > {f}; else kph_err; kph_log; fi"
+            for f, ln in zip(files, lines)), "true"]), timeout=wait, check=True).stdout
+    out: list[tuple[bool, int, str | None, int | None]] = []
+    for status, detail in _fates(text, len(lines)):
+        if status == "@ok":
+            out.append((True, 0, None, None))
+            continue
+        code = STRERROR.get(write_error(status[5:].strip()), _errno.EINVAL)
+        got = logged_words(detail)
+        out.append((False, code, None, None) if got is None else
+                   (False, code, got[1], got[3] if got[3] >= 0 else None))
+    return out
+
+
 def _scaled(base: float, lines: int) -> float:
     """A guest script's timeout that grows with the probe lines it handles: each
     registration or removal of a kprobe event waits for the kernel (a removal's
@@ -406,14 +477,7 @@ class EventsBackend:
         # Shell builtins only on a refusal's path (read, case: a fork costs ~5 ms under
         # TCG, and multiple_kprobes.tc writes thousands of lines the kernel refuses), in
         # two functions: the script is one argument of at most 128 KiB (MAX_ARG_STRLEN).
-        # kph_log prints the last error_log entry whole (kernel/trace/trace.c:
-        # tracing_err_log_seq_show(): "[ts] SUBSYSTEM: error: MSG", "  Command: CMD", the
-        # caret line), the caret line as its length
-        script += ["kph_err() { read -r e < /tmp/kph.err; echo \"@err $e\"; }",
-                   "kph_log() { x=; c=; p=; n=0; while IFS= read -r l; do case $n$l in "
-                   "[012]'['*': error: '*) x=$l; n=1;; "
-                   "1*) c=$l; n=2;; 2*) p=${#l}; n=0;; esac; done < error_log; "
-                   "[ -n \"$x\" ] && { echo \"$x\"; echo \"$c\"; echo \"caret $p\"; }; }"]
+        script += list(_SH_FUNCS)
         err, last_error = "kph_err", "kph_log"
         fprobes = frozenset(n for s in specs if s.is_fprobe or s.is_eprobe
                             for n in (f"{s.group}/{s.event}", s.event))
@@ -464,17 +528,9 @@ class EventsBackend:
                       if c.startswith("cpu") and c[3:].isdigit()]
         # each line's fate first: an event the script added is ours (close() removes
         # it) even when a read below fails
-        out, lines, i = [], results.splitlines(), 0
-        for n, spec in enumerate(specs):
+        out = []
+        for n, (spec, (status, detail)) in enumerate(zip(specs, _fates(results, len(specs)))):
             name = f"{spec.group}/{spec.event}"
-            while i < len(lines) and not lines[i].startswith("@"):
-                i += 1
-            status = lines[i] if i < len(lines) else "@err unknown"
-            i += 1
-            detail = []
-            while i < len(lines) and not lines[i].startswith("@") and len(detail) < 3:
-                detail.append(lines[i])
-                i += 1
             if status == "@ok":
                 if spec.kind != "-":
                     self.specs.setdefault(name, spec)

@@ -30,7 +30,9 @@
  * tracing directory; tracing_on 0, trace emptied, buffer_size_kb KB unless it is),
  * "L FILE LINE ENABLE REMOVE" (error_log emptied, LINE appended to FILE, then ENABLE
  * written 1 and 0, or when that fails REMOVE appended to FILE; no ENABLE for a removal
- * line) and "C DIR" (the names in DIR that start with "cpu"). The answer is the script's
+ * line), "T FILE LINE" (error_log emptied, LINE appended to FILE, and when FILE took it,
+ * FILE emptied: `echo > FILE`) and "C DIR" (the names in DIR that start with "cpu"). The
+ * answer is the script's
  * text: "@ok", or "@errw ERRNO" (the write failed) or "@erro ERRNO" (the open did) and
  * then the error_log entry as kph_log prints it (its first line, its command line, "caret
  * N" with N the caret line's length) or "enable: error: failed"; "@cpus" and the names.
@@ -420,6 +422,23 @@ static void tracing_path(char *dst, size_t size, const char *name)
 	snprintf(dst, size, "%s/%s", tdir, name);
 }
 
+/* error_log emptied, LINE appended to FILE: 0, or the errno after "@errw"/"@erro" and
+ * the error_log entry are put out */
+static int write_line(const char *file, const char *line)
+{
+	char log[300];
+	int opened, err;
+
+	tracing_path(log, sizeof(log), "error_log");
+	close(open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
+	err = echo_to(file, line, 1, &opened);
+	if (err) {
+		put_err(err, opened);
+		last_error(log);
+	}
+	return err;
+}
+
 /* One line of a "w" request (see the top of this file). */
 static void write_op(char *op)
 {
@@ -454,15 +473,9 @@ static void write_op(char *op)
 		if (strcmp(kb, f[2]))
 			echo_to(path, f[2], 0, &opened);
 	} else if (!strcmp(f[0], "L") && nf == 5) {
-		char log[300];
-
-		tracing_path(log, sizeof(log), "error_log");
-		close(open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666));
-		err = echo_to(f[1], f[2], 1, &opened);
-		if (err) {
-			put_err(err, opened);
-			last_error(log);
-		} else if (!f[3][0]) {
+		if (write_line(f[1], f[2]))
+			return;
+		if (!f[3][0]) {                 /* a removal: nothing to enable */
 			put_str("@ok\n");
 		} else if (!(err = echo_to(f[3], "1", 0, &opened))) {
 			echo_to(f[3], "0", 0, &opened);
@@ -471,6 +484,11 @@ static void write_op(char *op)
 			put_err(err, opened);
 			put_str("enable: error: failed\n");
 			echo_to(f[1], f[4], 1, &opened);
+		}
+	} else if (!strcmp(f[0], "T") && nf == 3) {
+		if (!write_line(f[1], f[2])) {
+			put_str("@ok\n");
+			echo_to(f[1], "", 0, &opened);
 		}
 	} else if (!strcmp(f[0], "C") && nf == 2) {
 		DIR *d = opendir(f[1]);

@@ -15,8 +15,17 @@ LINE = "p:kph/m vfs_read a=%di"
 
 
 class FakeVM:
+    """A machine without kph-reader: the guest script's text (``try_lines``), the write's
+    error as the shell said it and ``kph_log``'s lines of ``log`` (its entry's first
+    line, command and caret line's length)."""
+
     def __init__(self, stderr: str, log: str) -> None:
-        self.out = SimpleNamespace(stdout="@rc=1\n" + log, stderr=stderr)
+        x, c, caret = (log.splitlines() + ["", "", ""])[:3] if log else ("", "", "")
+        entry = f"{x}\n{c}\ncaret {len(caret)}\n" if x else ""
+        self.out = SimpleNamespace(stdout=f"@err {stderr}\n{entry}", stderr="", status=1)
+
+    def reader_writes(self, ops, **kw):
+        return None
 
     def run(self, cmd, **kw):
         return self.out

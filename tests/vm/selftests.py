@@ -12,7 +12,7 @@ import errno
 from harness.apps.selftests import (  # noqa: F401 - re-exported for the test modules
     ACCEPT, ANY, EEXIST_ARG, EEXIST_EVENT, EEXIST_SAME, EEXIST_TYPE, EXEC, FORK, FTRACE,
     MKEVENT, MKINST, OPEN, PROBEFUNC, PVPANIC, READ, SH, STAND_IN, SYMLINK, C, Case, case_id,
-    fill, guest_error, ids)
+    fill, guest_error, guest_errors, ids)
 
 
 @contextlib.contextmanager
@@ -81,16 +81,18 @@ def check_parse_refusals(vm, items, *, carets: bool = True) -> tuple[int, int, i
 
     view = TraceLayer(vm).view()        # the booted kernel: rules, BTF, symbols, events
     bad, logged, silent, accepted = [], 0, 0, 0
-    for source, raw in items:
-        raw = fill(raw, vm)
-        line, caret = raw.replace("^", "", 1), (raw.index("^") if "^" in raw else None)
+    filled = [(source, fill(raw, vm)) for source, raw in items]
+    lines = [(source, raw.replace("^", "", 1), raw.index("^") if "^" in raw else None)
+             for source, raw in filled]
+    # each line alone in the guest, all in one request (accepted ones removed at once)
+    gots = guest_errors(vm, [line for _, line, _ in lines])
+    for (source, line, caret), got in zip(lines, gots, strict=True):
         try:
             parse(line, kernel=view)
         except ProbeSpecError as exc:
             ours = (str(exc), exc.column, exc.errno, exc.logged)
         else:
             ours = None
-        got = guest_error(vm, line)
         if got is None or ours is None:
             if got is not None or ours is not None:
                 bad.append(f"{source}: {line!r}: the " + (
@@ -153,15 +155,14 @@ def check_lines(vm, lines: list[str]) -> list[str]:
 
     view = kernel_view(vm.facts, vm.symbols, read=lambda a, n: vm.host.read(a, n))
     bad = []
-    for raw in lines:
-        line = fill(raw, vm)
+    filled = [fill(raw, vm) for raw in lines]
+    for line, got in zip(filled, guest_errors(vm, filled), strict=True):
         try:
             parse(line, kernel=view)
             ours = None
         except ProbeSpecError as exc:
             ours = (errno.errorcode[exc.errno], str(exc) if exc.logged else None,
                     exc.column if exc.logged else None)
-        got = guest_error(vm, line)
         theirs = None if got is None else (errno.errorcode[got[0]], got[1], got[2])
         if ours is None and theirs is not None:
             # refused at registration, not while parsing: the host side's trace layer and
