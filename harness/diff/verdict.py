@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import compress, islice
 
 from ..records import Hit, Outcome, SideResult, gc_paused
 from . import rules as _rules
@@ -165,11 +165,19 @@ class DiffResult:
                 if x and y and x.accepted and y.accepted and x.pending and y.pending]
 
 
-def _relevant(hits: list[Hit]) -> list[Hit]:
-    return [h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight]
+def _partition(hits: list[Hit], flying: bool) -> tuple[list[Hit], list[Hit]]:
+    """(the hits compared: neither the agent's nor in flight, the agent's hits not in
+    flight), each in order; ``flying``: some hit is in flight. Selected in C (a hot
+    probe's 100,000 hits), by each hit's comm."""
+    agent = list(map(AGENT_COMMS.__contains__, map(_comm, hits)))
+    if flying:
+        return ([h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight],
+                [h for h in compress(hits, agent) if not h.in_flight])
+    return list(compress(hits, map(operator.not_, agent))), list(compress(hits, agent))
 
 
 _in_flight = operator.attrgetter("in_flight")
+_comm = operator.attrgetter("comm")
 
 
 def _in_flight_checked(side: SideResult) -> SideResult:
@@ -200,9 +208,11 @@ def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
     for h in a:
         if h.comm in AGENT_COMMS and h.pid is not None and h.comm_alts:
             owed.setdefault(h.pid, []).append(h)
-    out = []
-    for h in b:
-        left = owed.get(h.pid) if h.pid is not None else None
+    out: list[Hit] = []
+    if not owed:
+        return out
+    for h in [h for h in b if h.pid in owed]:      # (None is never a key of owed)
+        left = owed[h.pid]
         if left and h.probe == left[0].probe and h.comm in left[0].comm_alts \
                 and h.comm in h.comm_alts:
             left.pop(0)
@@ -405,30 +415,28 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
     """Stage ``hits``: the ``agent`` and ``in-flight`` rules, then the hits of each side
     per probe."""
     a, b = _in_flight_checked(a), _in_flight_checked(b)
-    ha, hb = _relevant(a.hits), _relevant(b.hits)
+    in_flight = any(map(_in_flight, a.hits)), any(map(_in_flight, b.hits))
+    (ha, agent_a), (hb, agent_b) = _partition(a.hits, in_flight[0]), \
+        _partition(b.hits, in_flight[1])
     renamed = _agent_in_b(a.hits, hb)
     if renamed:
         gone = {id(h) for h in renamed}
         hb = [h for h in hb if id(h) not in gone]
-    flying = [h for h in (*a.hits, *b.hits) if h.in_flight and h.comm not in AGENT_COMMS] \
-        if any(map(_in_flight, a.hits)) or any(map(_in_flight, b.hits)) else []
+    fly_a, fly_b = ([h for h in s.hits if h.in_flight and h.comm not in AGENT_COMMS]
+                    if f else [] for s, f in zip((a, b), in_flight))
+    flying = fly_a + fly_b
     res.applied["agent"] = (len(a.hits) - len(ha)) + (len(b.hits) - len(hb)) - len(flying)
     if flying:
         _count(res, "in-flight", len(flying))
         for h in flying:
             res.normalized.append(Normalized(h.probe, -1, "hits", "in-flight",
                                              f"{h.comm}-{h.pid} cpu{h.cpu} {h.ip}", ""))
-    renamed_ids = {id(r) for r in renamed}
-    for side, hits, kept in ((0, a.hits, ha), (1, b.hits, hb)):
-        if len(kept) + len(flying) == len(hits) and not renamed_ids:
-            continue        # nothing left out on this side (the usual run)
-        for h in hits:
-            if h.in_flight:
-                continue
-            if h.comm in AGENT_COMMS or (side == 1 and id(h) in renamed_ids):
-                n = list(res.left_out.get(h.probe, (0, 0)))
-                n[side] += 1
-                res.left_out[h.probe] = (n[0], n[1])
+    # left out: the agent's hits not in flight, and side b's renamed ones
+    for side, out in ((0, agent_a), (1, agent_b + renamed)):
+        for h in out:
+            n = list(res.left_out.get(h.probe, (0, 0)))
+            n[side] += 1
+            res.left_out[h.probe] = (n[0], n[1])
     return _per_probe(ha), _per_probe(hb)
 
 

@@ -26,6 +26,22 @@ def test_equal_streams_are_equivalent_and_agent_hits_are_left_out():
     assert res.applied["agent"] == 1
 
 
+def test_agent_hits_are_counted_as_left_out_on_their_side_whatever_is_in_flight():
+    """``left_out`` counts each side's agent hits (and side b's renamed agent children),
+    also when the other side has a hit in flight: an in-flight host hit once hid the
+    guest side's agent hit from the count (the skip compared each side's hits with both
+    sides' in-flight ones)."""
+    tail = dataclasses.replace(hit("host", 2, comm="kthreadd"), in_flight=True)
+    a = run("host", [hit("host", 0), hit("host", 1, comm="qemu-ga"), tail])
+    b = run("events", [hit("events", 0), hit("events", 1, comm="qemu-ga")])
+    res = compare(a, b)
+    assert res.equivalent and res.applied["in-flight"] == 1
+    assert res.left_out == {"kprobes/open": (1, 1)} and res.applied["agent"] == 2
+    # and with nothing in flight, nothing of the agent's: nothing left out
+    res = compare(run("host", [hit("host", 0)]), run("events", [hit("events", 0)]))
+    assert res.left_out == {} and res.applied["agent"] == 0
+
+
 def test_first_differing_field_is_named_with_context():
     a = run("host", [hit("host", i, dfd=-100, path='"/x"') for i in range(5)])
     bh = [hit("events", i, dfd=-100, path='"/x"') for i in range(5)]
