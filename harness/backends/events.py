@@ -417,10 +417,6 @@ class EventsBackend:
         #: (event, counter, address): its per-cpu nhit words and its nmissed words
         self._nhit_ptrs: list[tuple[str, str, int]] | None | bool = False  # False: not looked
         self._nhit_marks: list[dict[tuple[str, str], int] | None] = []
-        #: write the lines with the guest's shell even where kph-reader could (its ``w``
-        #: request: :meth:`register`); the two ways give the same outcomes
-        #: (tests/vm/test_events_backend.py)
-        self.shell_writes = False
 
     def _sh(self, cmd: str, *, check: bool = True, timeout: float = 60) -> str:
         return self.vm.run(cmd, check=check, timeout=timeout).stdout
