@@ -118,7 +118,7 @@ class GdbStub:
                  timeout: float = COMMAND_TIMEOUT, pre_connect: Iterable[str] = (),
                  proc: "subprocess.Popen[bytes] | None" = None) -> None:
         """``proc``: a gdb :func:`spawn` started already (its start, ~50-70 ms, then
-        overlaps the caller's other work: ``Machine(early_gdb=True)``); it is this
+        overlaps the caller's other work: ``Machine.boot(early_gdb=True)``); it is this
         session's to end from here on, whatever happens."""
         self.target = str(target)
         self.timeout = timeout

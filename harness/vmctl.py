@@ -202,6 +202,14 @@ def _opt(path: Path) -> str:
     return str(path).replace(",", ",,")
 
 
+def _close_pipes(proc: "subprocess.Popen[bytes]") -> None:
+    """Close the pipes of a gdb started early (``Machine.boot(early_gdb=True)``) that no
+    session took: it ended, or the machine closes before attaching."""
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
+
+
 def _smp_arg(smp: int) -> str:
     """``-smp``'s value: one CPU a socket. QEMU's default topology puts every CPU in one
     package (cores), and SeaBIOS's MP table lists one entry a package (its
@@ -706,9 +714,7 @@ class Machine:
             early, self._early_gdb = self._early_gdb, None
             if early is not None:               # never attached: ended by its pid
                 stop_process(early, ((signal.SIGKILL, 5.0),))
-                for f in (early.stdin, early.stdout):
-                    if f is not None:
-                        f.close()
+                _close_pipes(early)
             if self.agent is not None:
                 self.agent.close()
             if self._data is not None:
@@ -1306,9 +1312,7 @@ class Machine:
                 raise StateError(f"{self.name} has no QEMU process", self.state, VmState.RUNNING)
             early, self._early_gdb = self._early_gdb, None
             if early is not None and early.poll() is not None:     # it died: a new one
-                for f in (early.stdin, early.stdout):
-                    if f is not None:
-                        f.close()
+                _close_pipes(early)
                 early = None
             self._stub = attach(self, resume=resume and self.state is VmState.RUNNING,
                                 proc=early)

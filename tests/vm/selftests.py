@@ -12,7 +12,7 @@ import errno
 from harness.apps.selftests import (  # noqa: F401 - re-exported for the test modules
     ACCEPT, ANY, EEXIST_ARG, EEXIST_EVENT, EEXIST_SAME, EEXIST_TYPE, EXEC, FORK, FTRACE,
     MKEVENT, MKINST, OPEN, PROBEFUNC, PVPANIC, READ, SH, STAND_IN, SYMLINK, C, Case, case_id,
-    fill, guest_error, guest_errors, ids)
+    fill, guest_errors, ids)
 
 
 @contextlib.contextmanager
