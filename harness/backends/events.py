@@ -84,19 +84,8 @@ _CONTEXT = tuple(_context(f) for f in range(256))
 
 
 def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
-    """``uprobe_events`` for a uprobe line, ``dynamic_events`` for an ``f`` line (the
-    kprobe and uprobe files take their own kind only) and for a ``-:`` line naming one
-    (``fprobes`` holds their ``GROUP/EVENT`` and ``EVENT`` names), else ``kprobe_events``."""
-    if spec.is_uprobe:
-        return "uprobe_events"
-    if spec.is_fprobe or spec.is_eprobe:
-        return "dynamic_events"
-    if spec.kind == "-" and (f"{spec.group}/{spec.event}" in fprobes or
-                             (not spec.group and spec.event in fprobes) or
-                             (not spec.event and any(n.startswith(f"{spec.group}/")
-                                                     for n in fprobes))):
-        return "dynamic_events"
-    return "kprobe_events"
+    """:func:`events_file_of` the line written for ``spec``."""
+    return events_file_of(guest_line(spec), fprobes)
 
 
 def logged_words(detail: Sequence[str]) -> tuple[str, str, str, int] | None:
@@ -311,14 +300,23 @@ def _fates(text: str, n: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def events_file_of(line: str) -> str:
-    """The tracefs file a written line goes to: by its first word, as
+def events_file_of(line: str, fprobes: frozenset[str] = frozenset()) -> str:
+    """The tracefs file a written line goes to, by its first word as
     trace_parse_run_command() splits it (leading blanks skipped): ``dynamic_events`` for
-    an ``f``, ``t`` or ``e`` line, ``uprobe_events`` for a path target, else
-    ``kprobe_events``."""
+    an ``f``, ``t`` or ``e`` line, and for a ``-:`` line naming one of ``fprobes`` (their
+    ``GROUP/EVENT`` and ``EVENT`` names: ``kprobe_events`` and ``uprobe_events`` remove
+    their own kind only, kernel/trace/trace_kprobe.c: create_or_delete_trace_kprobe()),
+    ``uprobe_events`` for a path target (a ``-:`` line's too), else ``kprobe_events``."""
     toks = line.split()
-    return "dynamic_events" if line.lstrip()[:1] in "fte" else \
-        "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+    head = toks[0] if toks else ""
+    if head[:1] in "fte":
+        return "dynamic_events"
+    if head.startswith("-:"):
+        group, _, event = head[2:].rpartition("/")
+        if (f"{group}/{event}" in fprobes or (not group and event in fprobes) or
+                (not event and any(n.startswith(f"{group}/") for n in fprobes))):
+            return "dynamic_events"
+    return "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
 
 
 def try_lines(vm: Machine, lines: Sequence[str], *, timeout: float = 30

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from harness.backends.events import (logged_words, reader_script_text, refusal_outcome,
-                                     write_error, written_column)
+from harness.backends.events import (_events_file, events_file_of, logged_words,
+                                     reader_script_text, refusal_outcome, write_error,
+                                     written_column)
 from harness.backends.tracelayer import refused
 from harness.errors import ProbeSpecError
 from harness.kernel.dynevent import (FAIL_REG_PROBE, UNKNOWN_WORDS, WORDS_MODULE, EventTable,
@@ -239,3 +240,27 @@ def test_a_registration_that_fails_for_memory_or_an_existing_probe_logs_nothing_
         assert r.errno == e and r.words(spec) == ("", os.strerror(e), -1)
     r = registration_refusal(spec, errno.EBUSY, lambda m: True)
     assert r.words(spec) == ("trace_kprobe", FAIL_REG_PROBE, 12)
+
+
+@pytest.mark.parametrize("line, fprobes, file", [
+    ("p:k/o do_sys_openat2", (), "kprobe_events"),
+    ("  r10 vfs_read", (), "kprobe_events"),
+    ("p:u/b /bin/busybox:0x10", (), "uprobe_events"),
+    ("f:f/r vfs_read%return", (), "dynamic_events"),
+    ("t:t/s sched_switch", (), "dynamic_events"),
+    ("e:e/o syscalls/sys_enter_openat", (), "dynamic_events"),
+    ("-:k/o", (), "kprobe_events"),
+    ("-:u/b /bin/busybox:0x10", (), "uprobe_events"),
+    ("-:f/r", ("f/r",), "dynamic_events"),
+    ("-:r", ("f/r", "r"), "dynamic_events"),
+    ("-:f/", ("f/r",), "dynamic_events"),
+    ("-:g/r", ("f/r",), "kprobe_events"),
+    ("-:g/", ("f/r",), "kprobe_events"),
+])
+def test_a_line_goes_to_the_file_of_its_kind_and_a_spec_to_the_same(line, fprobes, file):
+    """kernel/trace/trace_kprobe.c: create_or_delete_trace_kprobe() (and trace_uprobe.c's)
+    remove their own kind only, so a ``-:`` line naming an fprobe goes to dynamic_events;
+    the parsed line goes where its text goes."""
+    assert events_file_of(line, frozenset(fprobes)) == file
+    spec = parse(line, kernel=KernelView(rules_for("6.12")))
+    assert _events_file(spec, frozenset(fprobes)) == file
