@@ -139,30 +139,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         s = secs.get(item.nodeid)
         return (1, -s) if s else (2, 0.0)
 
-    # A long test that shares a module fixture with others of its module takes them along,
-    # right behind it, so that one worker sets the fixture up once: test_remote.py's
-    # prepared worker (~65 s) was made on both workers of CI's run on 2026-12-02, its long
-    # test listed and the other two not.
-    keys = {id(item): key(item) for item in items}
-    for item in items:
-        k = keys[id(item)]
-        if k[0] != 1:
-            continue
-        shared = _module_fixtures(item)
-        for other in items:
-            if other.module is item.module and keys[id(other)][0] == 2 \
-                    and shared & _module_fixtures(other):
-                keys[id(other)] = k
-    items.sort(key=lambda item: keys[id(item)])
-
-
-def _module_fixtures(item: pytest.Item) -> set[str]:
-    """The module-scoped fixtures ``item`` uses."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return set()
-    return {name for name, defs in info.name2fixturedefs.items()
-            if defs and defs[-1].scope == "module"}
+    items.sort(key=key)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
