@@ -32,29 +32,47 @@ from pathlib import Path
 
 from ..constants import cache_dir
 from ..errors import SetupError
+from ..procs import lock_file
 
 PACKAGES = ("openssh-server", "libwrap0")
 HOST_ALIAS = "kph-loopback"
 START_TIMEOUT = 10.0
+#: seconds to wait for another process downloading sshd into the cache
+DOWNLOAD_TIMEOUT = 600.0
 
 
 def _tree() -> Path:
-    """sshd unpacked in the cache (downloaded once)."""
+    """sshd unpacked in the cache (downloaded once). Under a lock: two processes with an
+    empty cache (both xdist workers of a test run) each downloaded into one directory and
+    removed it when done, under the other's ``dpkg-deb -x``."""
     root = cache_dir() / "sshd"
-    sshd = root / "tree/usr/sbin/sshd"
-    if sshd.exists():
-        return root / "tree"
-    work = root / "debs"
-    work.mkdir(parents=True, exist_ok=True)
-    for cmd in (["apt-get", "download", "-q", *PACKAGES],):
-        out = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=300, check=False)
-        if out.returncode != 0:
-            raise SetupError(f"apt-get download {' '.join(PACKAGES)} failed: "
-                             f"{out.stderr.strip()[-200:]}", "check apt's access to the mirror")
-    for deb in work.glob("*.deb"):
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(root / "tree")], check=True, timeout=120)
-    shutil.rmtree(work)
-    return root / "tree"
+    tree = root / "tree"
+    if (tree / "usr/sbin/sshd").exists():
+        return tree
+    root.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(root / ".lock", DOWNLOAD_TIMEOUT,
+                   f"another kph is downloading sshd into {root}: wait, or remove the directory")
+    try:
+        if (tree / "usr/sbin/sshd").exists():
+            return tree
+        with tempfile.TemporaryDirectory(prefix=".debs-", dir=root) as work:
+            out = subprocess.run(["apt-get", "download", "-q", *PACKAGES], cwd=work,
+                                 capture_output=True, text=True, timeout=300, check=False)
+            if out.returncode != 0:
+                raise SetupError(f"apt-get download {' '.join(PACKAGES)} failed: "
+                                 f"{out.stderr.strip()[-200:]}", "check apt's access to the mirror")
+            unpacked = Path(work) / "tree"
+            for deb in sorted(Path(work).glob("*.deb")):
+                r = subprocess.run(["dpkg-deb", "-x", str(deb), str(unpacked)],
+                                   capture_output=True, text=True, timeout=120, check=False)
+                if r.returncode != 0:
+                    raise SetupError(f"dpkg-deb -x {deb.name} failed: {r.stderr.strip()[-200:]}",
+                                     f"remove {root} and try again")
+            shutil.rmtree(tree, ignore_errors=True)         # a partial one of an older kph
+            unpacked.rename(tree)
+        return tree
+    finally:
+        os.close(fd)
 
 
 def _free_port() -> int:
