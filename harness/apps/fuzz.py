@@ -47,7 +47,8 @@ from ..diff.verdict import compare
 from ..diff.report import findings_text
 from ..kernel.splat import KernelFinding, during, headline
 from ..machine.kwatch import KernelWatch
-from ..backends.events import events_file_of, try_lines
+from ..backends.events import try_lines
+from ..kernel.dynevent import events_file_of
 from ..backends.tracelayer import TraceLayer
 from .fuzzdraw import UPROBE_PLACES, grammar_only, strategies
 from ..vmctl import Machine

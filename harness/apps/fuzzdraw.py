@@ -355,6 +355,14 @@ def strategies(pool: list[str], *, rules: Any = None, guest: str = "events",
         st.tuples(st.sampled_from(kinds), st.just(":kph/e"), syms, args).map(line),
         st.one_of(st.sampled_from(["-:kph/e", "-:e", "-:kph/", "-:kph/x", "-:x/e", "-:"]),
                   syms.map(lambda s: f"-:kph/e {s}")))
+    # after a uprobe's definition: a -: line goes to uprobe_events, the file that frees
+    # uprobes (kernel/trace/trace_uprobe.c: create_or_delete_trace_uprobe()); a place is
+    # compared with PATH:0x%016lx (trace_uprobe_match_command_head(): a symbol never is)
+    release = st.one_of(release, st.tuples(
+        st.tuples(st.sampled_from(["p", "r"]), st.just(":kph/e"), st.sampled_from(UPROBE_PLACES),
+                  u_args).map(line),
+        st.sampled_from(["-:kph/e", "-:e", "-:kph/", "-:x/e",
+                         *(f"-:kph/e {p}" for p in UPROBE_PLACES)])))
     if e_lines:     # eprobe_dyn_event_match(): the attached event, then the arguments
         release = st.one_of(release, st.tuples(
             st.just("e:kph/e sched.sched_process_fork c=$child_pid"),

@@ -32,6 +32,7 @@ from ..errors import GuestAgentError, GuestLossError, HarnessError
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
+from ..kernel.dynevent import events_file, events_file_of, line_files
 from ..kernel.grammar import ProbeSpec, guest_line
 from ..machine.memo import PerMachine
 from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
@@ -81,11 +82,6 @@ def _context(flags: int) -> str:
 
 #: :func:`_context` of each ``common_flags`` byte (a run looks up 100,000 of them)
 _CONTEXT = tuple(_context(f) for f in range(256))
-
-
-def _events_file(spec: ProbeSpec, fprobes: frozenset[str] = frozenset()) -> str:
-    """:func:`events_file_of` the line written for ``spec``."""
-    return events_file_of(guest_line(spec), fprobes)
 
 
 def logged_words(detail: Sequence[str]) -> tuple[str, str, str, int] | None:
@@ -300,25 +296,6 @@ def _fates(text: str, n: int) -> list[tuple[str, list[str]]]:
     return out
 
 
-def events_file_of(line: str, fprobes: frozenset[str] = frozenset()) -> str:
-    """The tracefs file a written line goes to, by its first word as
-    trace_parse_run_command() splits it (leading blanks skipped): ``dynamic_events`` for
-    an ``f``, ``t`` or ``e`` line, and for a ``-:`` line naming one of ``fprobes`` (their
-    ``GROUP/EVENT`` and ``EVENT`` names: ``kprobe_events`` and ``uprobe_events`` remove
-    their own kind only, kernel/trace/trace_kprobe.c: create_or_delete_trace_kprobe()),
-    ``uprobe_events`` for a path target (a ``-:`` line's too), else ``kprobe_events``."""
-    toks = line.split()
-    head = toks[0] if toks else ""
-    if head[:1] in "fte":
-        return "dynamic_events"
-    if head.startswith("-:"):
-        group, _, event = head[2:].rpartition("/")
-        if (f"{group}/{event}" in fprobes or (not group and event in fprobes) or
-                (not event and any(n.startswith(f"{group}/") for n in fprobes))):
-            return "dynamic_events"
-    return "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
-
-
 def try_lines(vm: Machine, lines: Sequence[str], *, timeout: float = 30
               ) -> list[tuple[bool, int, str | None, int | None]]:
     """Each line as written (no parsing of ours) to its tracefs file
@@ -473,8 +450,7 @@ class EventsBackend:
         # two functions: the script is one argument of at most 128 KiB (MAX_ARG_STRLEN).
         script += list(_SH_FUNCS)
         err, last_error = "kph_err", "kph_log"
-        fprobes = frozenset(n for s in specs if s.is_fprobe or s.is_eprobe
-                            for n in (f"{s.group}/{s.event}", s.event))
+        defined = line_files(specs)
         # the same steps as kph-reader ops (probes/progs/reader.c: "w"): no process, and
         # no shell reading error_log a byte a read() (a refused line cost ~9 ms of the
         # guest under TCG, ~2 ms with the reader: multiple_kprobes.tc writes thousands)
@@ -489,14 +465,14 @@ class EventsBackend:
             enable = shlex.quote(enable_file)
             # stderr redirected first: an open that fails says so into /tmp/kph.err
             if spec.kind == "-":        # dyn_event_release(): nothing to enable after it
-                file = _events_file(spec, fprobes)
+                file = events_file(spec, defined)
                 script.append(
                     f": > error_log; if echo {line} 2>/tmp/kph.err >> {file}; "
                     f"then echo '@ok'; else {err}; {last_error}; fi")
                 ops.append(["L", f"{TRACING}/{file}", text, "", ""])
                 files.append((file, ""))
                 continue
-            file = _events_file(spec)
+            file = events_file(spec)
             remove = f"-:{spec.group}/{spec.event}"
             script.append(
                 f": > error_log; if echo {line} 2>/tmp/kph.err >> {file}; then "
@@ -1173,7 +1149,7 @@ class EventsBackend:
                 cmds.append(f"echo '!stacktrace' > {shlex.quote(f'{TRACING}/events/{name}/trigger')}")
         for spec in self.specs.values():
             cmds.append(f"echo 0 > {shlex.quote(f'{TRACING}/events/{spec.group}/{spec.event}/enable')}")
-            cmds.append(f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {TRACING}/{_events_file(spec)}")
+            cmds.append(f"echo {shlex.quote(f'-:{spec.group}/{spec.event}')} >> {TRACING}/{events_file(spec)}")
         cmds.append(f"echo > {TRACING}/trace; echo 1 > {TRACING}/tracing_on")
         self.vm.run("; ".join(cmds), timeout=_scaled(60, len(self.specs)))
         self.specs.clear()

@@ -39,8 +39,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, other_event_names,
-                        registration_refusal, resolve_fetch_symbols, target_refusal)
+from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, events_file,
+                              line_files, other_event_names, registration_refusal,
+                              resolve_fetch_symbols, target_refusal)
 from ..errors import NotMirroredError, ProbeRejectedError, ProbeSpecError, SetupError
 from ..kernel.grammar import (ProbeSpec, error_subsystem, format as format_spec, parse,
                               split_symbol_offset)
@@ -388,6 +389,8 @@ class TraceLayer:
         self._loaded: frozenset[str] | None = None
         self._traced: dict[str, bool] = {}      # function name -> has an ftrace location
         self._formats: dict[tuple[str, str], EventFormat | None] = {}
+        #: GROUP/EVENT -> the file its line of the batch goes to (a ``-:`` line's file)
+        self._line_files: dict[str, set[str]] = {}
 
     @property
     def symbols(self) -> Any:
@@ -415,7 +418,9 @@ class TraceLayer:
 
     def prepare(self, specs: Sequence[ProbeSpec]) -> None:
         """Before admitting ``specs``: module symbols, and which probed functions have an
-        ftrace location (two guest commands at most, for the whole batch)."""
+        ftrace location (two guest commands at most, for the whole batch); which file each
+        event's line goes to, where a ``-:`` line of the batch goes (:func:`line_files`)."""
+        self._line_files = line_files(specs)
         self.sync_modules(specs)
         self._ftrace_locations(specs)
 
@@ -656,9 +661,10 @@ class TraceLayer:
         return Admission(spec, ref)
 
     def release(self, spec: ProbeSpec) -> tuple[list[ProbeSpec], Refusal | None]:
-        """A ``-:`` line: the lines it frees (``EventTable.release``), or -ENOENT when it
-        matches none (``dyn_event_release()`` logs nothing then)."""
-        gone = self.table.release(spec)
+        """A ``-:`` line: the lines it frees written to the file the guest's side writes
+        it to (``EventTable.release``), or -ENOENT when it matches none
+        (``dyn_event_release()`` logs nothing then)."""
+        gone = self.table.release(spec, events_file(spec, self._line_files))
         if not gone:
             return [], Refusal.silent(_errno.ENOENT)
         return gone, None

@@ -43,15 +43,64 @@ import errno as _errno
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
-from .grammar import (ProbeArg, ProbeSpec, format as format_spec, render_body,
+from .grammar import (ProbeArg, ProbeSpec, format as format_spec, guest_line, render_body,
                       split_symbol_offset)
 from .grammar.common import DYNEVENT_SUBSYSTEM, FILTER_SUBSYSTEM, SUBSYSTEM  # noqa: F401
 
 __all__ = ["Refusal", "EventTable", "target_refusal", "resolve_fetch_symbols",
            "registration_refusal", "module_pending", "arg_column", "subsystem_of",
-           "UNKNOWN_WORDS", "WORDS_MODULE"]
+           "UNKNOWN_WORDS", "WORDS_MODULE", "events_file_of", "events_file", "line_files",
+           "RELEASED"]
+
+#: The probe families (:func:`_family`) a ``-:`` line written to each tracefs file frees:
+#: the file's own ``dyn_event_operations`` (kernel/trace/trace_kprobe.c:
+#: create_or_delete_trace_kprobe() -> dyn_event_release(raw_command, &trace_kprobe_ops),
+#: trace_uprobe.c: create_or_delete_trace_uprobe() with &trace_uprobe_ops), every kind
+#: through ``dynamic_events`` (trace_dynevent.c: create_dyn_event() ->
+#: dyn_event_release(raw_command, NULL)); Debian's 6.12.117 and 7.3.4.
+RELEASED = {"kprobe_events": frozenset("k"), "uprobe_events": frozenset("u"),
+            "dynamic_events": frozenset("kufe")}
+
+
+def events_file_of(line: str, defined: Mapping[str, Collection[str]] | None = None) -> str:
+    """The tracefs file a written line goes to, by its first word as
+    trace_parse_run_command() splits it (leading blanks skipped): ``dynamic_events`` for
+    an ``f``, ``t`` or ``e`` line; ``uprobe_events`` for a path target; else
+    ``kprobe_events``. A ``-:`` line goes where the events it names were defined
+    (``defined``: ``GROUP/EVENT`` -> the files of its lines, :func:`line_files`), since
+    each file frees its own kind only (:data:`RELEASED`), and to ``dynamic_events`` when
+    they were defined in more than one; naming none of them, by its arguments as above."""
+    toks = line.split()
+    head = toks[0] if toks else ""
+    if head[:1] in "fte":
+        return "dynamic_events"
+    if head.startswith("-:") and defined:
+        group, _, event = head[2:].rpartition("/")
+        files = {f for name, fs in defined.items()
+                 if (not event or name.rpartition("/")[2] == event)
+                 and (not group or name.rpartition("/")[0] == group) for f in fs}
+        if files:
+            return files.pop() if len(files) == 1 else "dynamic_events"
+    return "uprobe_events" if len(toks) > 1 and "/" in toks[1] else "kprobe_events"
+
+
+def events_file(spec: ProbeSpec, defined: Mapping[str, Collection[str]] | None = None) -> str:
+    """:func:`events_file_of` the line written for ``spec`` (:func:`guest_line`)."""
+    return events_file_of(guest_line(spec), defined)
+
+
+def line_files(specs: Sequence[ProbeSpec]) -> dict[str, set[str]]:
+    """``GROUP/EVENT`` -> the files its defining lines of ``specs`` go to (refused ones
+    too: ``e:G/E`` then ``p:G/E``, EEXIST, is two files): where a batch's ``-:`` lines go
+    (:func:`events_file_of`), the same on every side."""
+    out: dict[str, set[str]] = {}
+    for s in specs:
+        if s.kind != "-":
+            out.setdefault(f"{s.group}/{s.event}", set()).add(events_file(s))
+    return out
+
 
 #: The error_log texts (``ERRORS`` in kernel/trace/trace_probe.h) this module uses.
 BAD_PROBE_ADDR = "Invalid probed address or symbol"
@@ -236,19 +285,20 @@ class EventTable:
         """Record an accepted line (``dyn_event_add()``)."""
         self.defined.setdefault((spec.group, spec.event), []).append(spec)
 
-    def release(self, spec: ProbeSpec) -> list[ProbeSpec]:
-        """A ``-:[GROUP/]EVENT [MATCH...]`` line: ``dyn_event_release()``
-        (kernel/trace/trace_dynevent.c) frees every kprobe event ``trace_kprobe_match()``
-        (kernel/trace/trace_kprobe.c) takes: the name (or any, for ``GROUP/``), the group
-        when written, then ``trace_kprobe_match_command_head()``: ``SYM``, ``SYM+OFFS``
-        (decimal) or the probed address, and ``NAME=COMM`` of the first arguments
+    def release(self, spec: ProbeSpec, file: str) -> list[ProbeSpec]:
+        """A ``-:[GROUP/]EVENT [MATCH...]`` line written to ``file``:
+        ``dyn_event_release()`` (kernel/trace/trace_dynevent.c) frees every event of the
+        families ``file`` frees (:data:`RELEASED`) that the family's ``match()`` takes:
+        the name (or any, for ``GROUP/``), the group when written, then its command head
+        (:func:`_match_head`) and ``NAME=COMM`` of the first arguments
         (``trace_probe_match_command_args()``). The freed lines leave the table and are
         returned; none is the kernel's -ENOENT (the caller's, with no error_log entry)."""
+        families = RELEASED[file]
         gone = []
         for key, olds in list(self.defined.items()):
             keep = []
             for old in olds:
-                if (not old.is_uprobe and (not spec.event or old.event == spec.event)
+                if (_family(old) in families and (not spec.event or old.event == spec.event)
                         and (not spec.group or old.group == spec.group)
                         and _match_head(old, spec.match)):
                     gone.append(old)
@@ -274,15 +324,22 @@ def _family(spec: ProbeSpec) -> str:
 
 
 def _match_head(old: ProbeSpec, argv: tuple[str, ...]) -> bool:
-    """``trace_kprobe_match_command_head()``: a raw-address probe prints as ``0x%p``
-    (hashed: no text a user writes matches it)."""
+    """The family's ``*_match_command_head()``: ``trace_kprobe_match_command_head()``
+    (``SYM``, ``SYM+OFFS`` in decimal; a raw-address probe prints as ``0x%p``, hashed: no
+    text a user writes matches it), ``trace_uprobe_match_command_head()``
+    (``PATH:0x%016lx``, with ``(0x%lx)`` of a reference counter: the offset as the
+    probe line wrote it, ``0x1139``, does not match), ``eprobe_dyn_event_match()``."""
     if not argv:
         return True
     if old.is_eprobe:
         return _match_eprobe(old, argv)
-    if old.symbol is None:
+    if old.is_uprobe:
+        head = f"{old.path}:0x{old.offset:016x}" + (
+            f"(0x{old.ref_ctr_offset:x})" if old.ref_ctr_offset else "")
+    elif old.symbol is None:
         return False
-    head = old.symbol_name + (f"+{old.offset}" if old.offset else "")
+    else:
+        head = old.symbol_name + (f"+{old.offset}" if old.offset else "")
     if argv[0] != head or len(argv) - 1 > len(old.args):
         return False
     return all(a == f"{p.name}={_comm(p)}" for a, p in zip(argv[1:], old.args))

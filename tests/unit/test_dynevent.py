@@ -136,3 +136,31 @@ def test_arg_column_counts_tokens_of_the_line_as_written():
     # command error_log shows: each word's start there, and one past the end of it
     # past the last argument
     assert [arg_column(spec, i) for i in range(4)] == [0, 20, 28, 35]
+
+
+def test_a_removal_frees_the_kinds_of_its_file_and_matches_a_uprobe_by_its_padded_offset():
+    """dyn_event_release() with the file's ops (kprobe_events: kprobes, uprobe_events:
+    uprobes, dynamic_events: every kind), and trace_uprobe_match_command_head()'s
+    ``PATH:0x%016lx[(0x%lx)]`` (kernel/trace/trace_uprobe.c, Debian's 6.12.117)."""
+    def p(line):
+        return parse(line, uprobe_symbols=False)
+
+    t = EventTable()
+    for line in ("p:m/u /bin/sh:0x10 x=%di", "p:m/k vfs_read", "p:m/r /bin/sh:0x20(0x8)"):
+        t.add(p(line))
+    for line, file in (("-:m/u /bin/sh:0x10", "uprobe_events"),
+                       ("-:m/u /bin/sh:0x0000000000000010", "kprobe_events"),
+                       ("-:m/u /bin/sh:0x0000000000000010 x=%si", "uprobe_events"),
+                       ("-:m/u /bin/sh:0x0000000000000011", "uprobe_events"),
+                       ("-:m/r /bin/sh:0x0000000000000020", "uprobe_events"),
+                       ("-:m/k", "uprobe_events")):
+        assert t.release(p(line), file) == [], line
+    assert [s.event for s in t.release(p("-:m/u /bin/sh:0x0000000000000010 x=%di"),
+                                       "uprobe_events")] == ["u"]
+    assert [s.event for s in t.release(p("-:m/r /bin/sh:0x0000000000000020(0x8)"),
+                                       "uprobe_events")] == ["r"]
+    t.add(p("p:m/u /bin/sh:0x10"))
+    assert [s.event for s in t.release(p("-:m/"), "kprobe_events")] == ["k"]
+    t.add(p("p:m/k vfs_read"))
+    assert sorted(s.event for s in t.release(p("-:m/"), "dynamic_events")) == ["k", "u"]
+    assert t.specs() == []

@@ -259,14 +259,14 @@ def test_release_matches_as_eprobe_dyn_event_match_does():
                   "-:eprobes/eprobe_chdir syscalls/sys_enter_chdir",
                   "-:eprobe_chdir syscalls.sys_enter_chdir file=+0($filename):ustring"):
         table.add(_parse(line, "6.12"))
-        assert table.release(_parse(minus, "6.12")), minus
+        assert table.release(_parse(minus, "6.12"), "dynamic_events"), minus
     table.add(_parse(line, "6.12"))
     # kph fuzz (7.3, seed 31): a prefix of the system is no match (the kernel checks the
     # system's end after its strncmp())
     for minus in ("-:eprobe_chdir sched/sys_enter_chdir", "-:eprobe_chdir syscalls",
                   "-:eprobe_chdir sys/sys_enter_chdir",
                   "-:eprobe_chdir syscalls/sys_enter_chdir file=$filename"):
-        assert not table.release(_parse(minus, "6.12")), minus
+        assert not table.release(_parse(minus, "6.12"), "dynamic_events"), minus
     # an event probe is never appended to: the name is taken
     ref = table.check(_parse("e:eprobe_chdir sched.sched_switch", "6.12"))
     assert ref is not None and ref.errno == errno.EEXIST

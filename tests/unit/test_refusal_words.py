@@ -8,13 +8,14 @@ import os
 
 import pytest
 
-from harness.backends.events import (_events_file, events_file_of, logged_words,
+from harness.backends.events import (logged_words,
                                      reader_script_text, refusal_outcome, write_error,
                                      written_column)
 from harness.backends.tracelayer import refused
 from harness.errors import ProbeSpecError
 from harness.kernel.dynevent import (FAIL_REG_PROBE, UNKNOWN_WORDS, WORDS_MODULE, EventTable,
-                                     Refusal, arg_column, subsystem_of)
+                                     Refusal, arg_column, events_file, events_file_of,
+                                     line_files, subsystem_of)
 from harness.kernel.grammar import (KernelView, error_subsystem, format_error, guest_line,
                                     line_subsystem, parse)
 from harness.kernel.rules import SOURCES, rules_for
@@ -242,25 +243,50 @@ def test_a_registration_that_fails_for_memory_or_an_existing_probe_logs_nothing_
     assert r.words(spec) == ("trace_kprobe", FAIL_REG_PROBE, 12)
 
 
-@pytest.mark.parametrize("line, fprobes, file", [
-    ("p:k/o do_sys_openat2", (), "kprobe_events"),
-    ("  r10 vfs_read", (), "kprobe_events"),
-    ("p:u/b /bin/busybox:0x10", (), "uprobe_events"),
-    ("f:f/r vfs_read%return", (), "dynamic_events"),
-    ("t:t/s sched_switch", (), "dynamic_events"),
-    ("e:e/o syscalls/sys_enter_openat", (), "dynamic_events"),
-    ("-:k/o", (), "kprobe_events"),
-    ("-:u/b /bin/busybox:0x10", (), "uprobe_events"),
-    ("-:f/r", ("f/r",), "dynamic_events"),
-    ("-:r", ("f/r", "r"), "dynamic_events"),
-    ("-:f/", ("f/r",), "dynamic_events"),
-    ("-:g/r", ("f/r",), "kprobe_events"),
-    ("-:g/", ("f/r",), "kprobe_events"),
+#: events a batch defines, and the file each one's line goes to
+_DEFINED = {"f/r": {"dynamic_events"}, "e/o": {"dynamic_events"}, "u/b": {"uprobe_events"},
+            "k/o": {"kprobe_events"}, "m/u": {"uprobe_events"}, "m/k": {"kprobe_events"},
+            # e:d/e then p:d/e (refused: the name is taken), as dynevent/test_duplicates.tc
+            "d/e": {"dynamic_events", "kprobe_events"}}
+
+
+@pytest.mark.parametrize("line, defined, file", [
+    ("p:k/o do_sys_openat2", {}, "kprobe_events"),
+    ("  r10 vfs_read", {}, "kprobe_events"),
+    ("p:u/b /bin/busybox:0x10", {}, "uprobe_events"),
+    ("f:f/r vfs_read%return", {}, "dynamic_events"),
+    ("t:t/s sched_switch", {}, "dynamic_events"),
+    ("e:e/o syscalls/sys_enter_openat", {}, "dynamic_events"),
+    ("-:k/o", {}, "kprobe_events"),
+    ("-:u/b /bin/busybox:0x10", {}, "uprobe_events"),
+    ("-:f/r", _DEFINED, "dynamic_events"),
+    ("-:r", _DEFINED, "dynamic_events"),
+    ("-:f/", _DEFINED, "dynamic_events"),
+    ("-:e/o", _DEFINED, "dynamic_events"),
+    ("-:u/b", _DEFINED, "uprobe_events"),
+    ("-:b", _DEFINED, "uprobe_events"),
+    ("-:k/o", _DEFINED, "kprobe_events"),
+    ("-:m/", _DEFINED, "dynamic_events"),          # a uprobe and a kprobe: every kind
+    ("-:m/k", _DEFINED, "kprobe_events"),
+    ("-:g/r", _DEFINED, "kprobe_events"),
+    ("-:g/", _DEFINED, "kprobe_events"),
+    ("-:g/b /bin/busybox:0x10", _DEFINED, "uprobe_events"),
+    ("-:d/e", _DEFINED, "dynamic_events"),
 ])
-def test_a_line_goes_to_the_file_of_its_kind_and_a_spec_to_the_same(line, fprobes, file):
+def test_a_line_goes_to_the_file_of_its_kind_and_a_spec_to_the_same(line, defined, file):
     """kernel/trace/trace_kprobe.c: create_or_delete_trace_kprobe() (and trace_uprobe.c's)
-    remove their own kind only, so a ``-:`` line naming an fprobe goes to dynamic_events;
-    the parsed line goes where its text goes."""
-    assert events_file_of(line, frozenset(fprobes)) == file
-    spec = parse(line, kernel=KernelView(rules_for("6.12")))
-    assert _events_file(spec, frozenset(fprobes)) == file
+    remove their own kind only, so a ``-:`` line goes where the events it names were
+    defined, and to dynamic_events when they were defined in two; the parsed line goes
+    where its text goes."""
+    assert events_file_of(line, defined) == file
+    spec = parse(line, kernel=KernelView(rules_for("6.12")), uprobe_symbols=False)
+    assert events_file(spec, defined) == file
+
+
+def test_line_files_names_each_defined_events_file():
+    specs = [parse(ln, kernel=KernelView(rules_for("6.12")), uprobe_symbols=False) for ln in (
+        "p:k/o do_sys_openat2", "p:u/b /bin/busybox:0x10", "f:f/r vfs_read%return",
+        "e:e/o syscalls/sys_enter_openat", "-:k/o", "p:e/o vfs_read")]
+    assert line_files(specs) == {"k/o": {"kprobe_events"}, "u/b": {"uprobe_events"},
+                                 "f/r": {"dynamic_events"},
+                                 "e/o": {"dynamic_events", "kprobe_events"}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from selftests import series_machine
-from test_refusal_words import LINES, _spec
+from test_refusal_words import LINES, _spec, register_both
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(300)]
 
@@ -72,3 +72,37 @@ def test_the_readers_writes_and_the_shells_give_the_same_outcomes(machine, monke
     assert by["p:kph/u3 /bin/busybox:0x7fffffff"][6] == "enabling it failed"
     assert by["p:kph/k1 do_sys_openat2 x=%zz"][4] == "trace_kprobe"
     assert machine.pull("/sys/kernel/tracing/dynamic_events") == b""
+
+
+def test_a_removal_naming_a_uprobes_path_goes_to_uprobe_events(machine):
+    """A ``-:`` line whose arguments name a path removes a uprobe event: written to
+    uprobe_events (kprobe_events removes kprobes only, and would answer ENOENT), where
+    the kernel matches its first argument against ``PATH:0x%016lx`` of the probe
+    (kernel/trace/trace_uprobe.c: trace_uprobe_match_command_head()): the offset as the
+    probe was written (``0x1139``) does not match, nor does another offset. A group of
+    both kinds is removed through dynamic_events. The host backend predicts each
+    outcome."""
+    import errno
+
+    from harness.diff.runner import resolve_uprobes
+    from harness.kernel.grammar import KernelView, parse
+
+    view = KernelView(machine.facts.rules)
+    off = resolve_uprobes(machine, [parse("p:kph/u4 /usr/bin/kph-loop:kph_add",
+                                          kernel=view)])[0].offset
+    at, padded = f"/usr/bin/kph-loop:{off:#x}", f"/usr/bin/kph-loop:{off:#018x}"
+    lines = [f"p:kph/u4 {at} a=%di", f"-:kph/u4 /usr/bin/kph-loop:{off + 1:#018x}",
+             f"-:kph/u4 {at}", f"-:kph/u4 {padded} a=%si", f"-:kph/u4 {padded} a=%di",
+             f"-:kph/u4 {padded}", f"p:kph/u5 {at}", f"-:kph/ {padded}", f"-:kph/u5",
+             # a group of both kinds: dynamic_events frees every kind
+             "p:kph2/k vfs_read", f"p:kph2/u {at}", "-:kph2/", "-:kph2/k"]
+    specs = [_spec(line, view) for line in lines]
+    h_out, g_out = register_both(machine, specs)
+    nope = (False, errno.ENOENT)
+    assert [(o.accepted, o.errno) for o in g_out] == [
+        (True, 0), nope, nope, nope, (True, 0), nope, (True, 0), (True, 0), nope,
+        (True, 0), (True, 0), (True, 0), nope], g_out
+    assert [(o.accepted, o.errno) for o in h_out] == [(o.accepted, o.errno) for o in g_out], \
+        [(s.text, o.accepted, o.errno, o.reason) for s, o in zip(specs, h_out)]
+    for f in ("uprobe_events", "kprobe_events", "dynamic_events"):
+        assert machine.pull(f"/sys/kernel/tracing/{f}") == b"", f

@@ -62,19 +62,26 @@ def _spec(line: str, view):
         return dataclasses.replace(base, event=head.split("/")[1], text=line)
 
 
-def test_refusals_are_predicted_in_the_kernels_words(machine):
+def register_both(machine, specs):
+    """The Outcomes of ``specs`` registered host-side (unarmed) and in the guest's
+    tracefs, each backend closed after."""
     from harness.backends.events import EventsBackend
     from harness.backends.host import HostBackend
+
+    host, guest = HostBackend(machine, armed=False), EventsBackend(machine)
+    try:
+        return host.register(specs), guest.register(specs)
+    finally:
+        host.close()
+        guest.close()
+
+
+def test_refusals_are_predicted_in_the_kernels_words(machine):
     from harness.kernel.grammar import KernelView
 
     view = KernelView(machine.facts.rules)
     specs = [_spec(line, view) for line, _ in LINES]
-    host, guest = HostBackend(machine, armed=False), EventsBackend(machine)
-    try:
-        h_out, g_out = host.register(specs), guest.register(specs)
-    finally:
-        host.close()
-        guest.close()
+    h_out, g_out = register_both(machine, specs)
 
     def words(o):
         return "accepted" if o.accepted else (errno.errorcode.get(o.errno, o.errno),
