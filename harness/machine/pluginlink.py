@@ -61,6 +61,9 @@ CHANNEL_SPIN_NS = 200_000
 PROTO = 2
 #: limits the plugin bounds every request by (CMD_ADD past one: ENOSPC with a FULL_* reason)
 MAX_VCPUS, MAX_PROBES, MAX_PER_SITE, MAX_PROG, MAX_MAXACTIVE = 64, 8192, 64, 1024, 4096
+#: a return probe's entry-saved ``$argN`` (CMD_ADD past it: EINVAL): the kernel's
+#: MAX_TRACE_ARGS, which the grammar bounds a line's arguments by already
+MAX_EDATA = 128
 REC_MAX = 64 * 1024
 CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
 CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11

@@ -221,6 +221,8 @@ static void probe_free(probe *p)
     free(p->prog);
     free(p->insts);
     free(p->freelist);
+    free(p->save);
+    free(p->edata_pool);
     free(p);
 }
 
@@ -291,7 +293,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         }
         {
             size_t k;
-            uint8_t j;
+            uint32_t j;
 
             for (k = 0; k < nprog; k++) {
                 if (p->prog[k].op == KOP_CPU_PTR) {
@@ -303,11 +305,21 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
                 for (j = 0; j < p->nsave && p->save[j] != p->prog[k].imm; j++) {
                 }
                 if (j == p->nsave) {
-                    if (p->nsave >= 8 || p->prog[k].imm > 255) {
+                    uint32_t *grown;
+
+                    /* $argN: N <= PARAM_MAX_STACK (kernel/trace/trace_probe.c:
+                     * parse_probe_vars()), one saved argument per argument of the line */
+                    if (p->nsave >= KPH_MAX_EDATA || p->prog[k].imm >= KPH_THREAD_SIZE / 8) {
                         probe_free(p);
                         return reply(fd, EINVAL, NULL, 0);
                     }
-                    p->save[p->nsave++] = (uint8_t)p->prog[k].imm;
+                    grown = realloc(p->save, (p->nsave + 1) * sizeof(*p->save));
+                    if (!grown) {
+                        probe_free(p);
+                        return reply(fd, ENOMEM, NULL, 0);
+                    }
+                    p->save = grown;
+                    p->save[p->nsave++] = (uint32_t)p->prog[k].imm;
                 }
             }
         }
@@ -338,12 +350,14 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
         p->maxactive = p->nfree = maxactive;
         p->insts = calloc(maxactive, sizeof(inst));
         p->freelist = calloc(maxactive, sizeof(inst *));
-        if (!p->insts || !p->freelist) {
+        p->edata_pool = p->nsave ? calloc((size_t)maxactive * p->nsave, sizeof(uint64_t)) : NULL;
+        if (!p->insts || !p->freelist || (p->nsave && !p->edata_pool)) {
             probe_free(p);
             return reply(fd, ENOMEM, NULL, 0);
         }
         for (i = 0; i < maxactive; i++) {
             p->insts[i].rp = p;
+            p->insts[i].edata = p->edata_pool ? p->edata_pool + (size_t)i * p->nsave : NULL;
             p->freelist[i] = &p->insts[i];
         }
     }

@@ -85,7 +85,7 @@ typedef struct {
     uint64_t task, percpu;
     int has_percpu;
     const uint64_t *edata;
-    const uint8_t *edata_idx;
+    const uint32_t *edata_idx;
     uint32_t nedata;
 } kph_capture;
 

@@ -65,9 +65,12 @@ typedef struct probe {
     struct inst *insts;
     struct inst **freelist;
     uint64_t born;                  /* the order of adds (CMD_STATS: the newest of an id) */
-    /* a return probe's $argN (KOP_EDATA): the arguments its entry saves, in first-use
-     * order (__store_entry_arg()); its program adds the per-cpu offset (KOP_CPU_PTR) */
-    uint8_t nsave, save[8];
+    /* a return probe's $argN (KOP_EDATA): the arguments its entry saves (0-based), in
+     * first-use order (__store_entry_arg(): one for each, up to the line's
+     * MAX_TRACE_ARGS arguments); its instances' saved values are edata_pool, nsave each;
+     * its program adds the per-cpu offset (KOP_CPU_PTR) */
+    uint32_t nsave, *save;
+    uint64_t *edata_pool;
     int uses_percpu;
 } probe;
 
@@ -75,7 +78,7 @@ typedef struct inst {
     probe *rp;
     uint64_t slot, ret_addr, task;
     uint64_t mm;                    /* user return probes: the address space of the slot */
-    uint64_t edata[8];              /* the arguments the entry saved (probe.save) */
+    uint64_t *edata;                /* the arguments the entry saved (probe.save): nsave */
     struct inst *next;              /* same bucket of the live table */
 } inst;
 

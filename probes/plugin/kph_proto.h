@@ -22,6 +22,7 @@
 #define KPH_MAX_PER_SITE 64         /* live probes at one address (CMD_ADD: ENOSPC past it) */
 #define KPH_MAX_PROG 1024           /* kph_insn per probe */
 #define KPH_MAX_MAXACTIVE 4096      /* instances of one return probe */
+#define KPH_MAX_EDATA 128           /* $argN one return probe saves (MAX_TRACE_ARGS) */
 #define KPH_REC_MAX (64 * 1024)     /* bytes of one record */
 
 /* requests: u32 type, u32 len, payload; replies: u32 status (0 or an errno), u32 len, payload */

@@ -54,10 +54,10 @@ int filter_ok(vcpu_t *v, probe *p)
 static void save_entry_args(vcpu_t *v, const probe *p, inst *ri)
 {
     static const uint8_t areg[6] = {KREG_DI, KREG_SI, KREG_DX, KREG_CX, KREG_R8, KREG_R9};
-    uint8_t i;
+    uint32_t i;
 
     for (i = 0; i < p->nsave; i++) {
-        uint8_t n = p->save[i];
+        uint32_t n = p->save[i];
         uint64_t sp = v->regs[KREG_SP], a, val = 0;
 
         if (n < 6) {
@@ -161,7 +161,9 @@ void user_fork(vcpu_t *v)
             continue;
         }
         c = p->freelist[--p->nfree];
-        memcpy(c->edata, from[i]->edata, sizeof(c->edata));
+        if (p->nsave) {
+            memcpy(c->edata, from[i]->edata, p->nsave * sizeof(*c->edata));
+        }
         c->slot = from[i]->slot;
         c->ret_addr = from[i]->ret_addr;
         c->task = child;

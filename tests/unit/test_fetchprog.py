@@ -187,12 +187,12 @@ int main(void) {
     for (unsigned k = 0; k < npages; k++) { fread(&base[k], 8, 1, stdin); fread(page[k], 4096, 1, stdin); }
     fread(regs, 8, KREG_NUM, stdin); fread(&n, 4, 1, stdin); fread(prog, 16, n, stdin);
     kph_capture c = {.buf = out, .cap = sizeof(out), .read = rd};
-    static uint64_t edata[8]; static uint8_t idx[8]; uint32_t hp = 0, ne = 0;
+    static uint64_t edata[8]; static uint32_t idx[8]; uint32_t hp = 0, ne = 0;
     if (fread(&c.task, 8, 1, stdin) == 1 && fread(&c.percpu, 8, 1, stdin) == 1 &&
         fread(&hp, 4, 1, stdin) == 1 && fread(&ne, 4, 1, stdin) == 1) {
         c.has_percpu = (int)hp;
         for (uint32_t i = 0; i < ne && i < 8; i++) {
-            uint64_t k; fread(&k, 8, 1, stdin); fread(&edata[i], 8, 1, stdin); idx[i] = (uint8_t)k;
+            uint64_t k; fread(&k, 8, 1, stdin); fread(&edata[i], 8, 1, stdin); idx[i] = (uint32_t)k;
         }
         c.edata = edata; c.edata_idx = idx; c.nedata = ne;
     }

@@ -338,3 +338,43 @@ def test_array_count_over_the_kernels_max_is_refused(pvm):
     with pytest.raises(PluginError) as err:
         pvm.host.add_spec_probe(addr, ret=False, program=bytes(prog))
     assert err.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("series", ["6.12", "7.3"])
+def test_a_return_probe_saves_every_entry_argument_the_kernel_does(series):
+    """``$argN`` of a return probe (6.12+): the kernel saves one value per argument at
+    the entry (kernel/trace/trace_probe.c: __store_entry_arg(), N up to PARAM_MAX_STACK;
+    7.3's fprobe 15 words at most, refused past them on both sides); the plugin kept 8 and
+    refused a line with more (CMD_ADD: EINVAL), which crashed the run (kph fuzz, 6.12,
+    seed 7: ``f alloc_buf.isra.0%return $arg1 .. $arg14``). On a function without a BTF
+    prototype (a compiler's clone), where the kernel takes any N."""
+    from harness.apps.fuzz import DEFAULT_WORKLOAD, symbol_calls
+    from harness.errors import HarnessError
+    from harness.kernel.grammar import KernelView
+    from harness.machine.image.build import build_image
+    from harness.machine.image.store import default_image
+
+    def args(n):
+        return " ".join(f"$arg{i}" for i in range(1, n + 1))
+
+    try:
+        img = default_image(series)
+    except HarnessError:
+        img = build_image(kernel=series, progress=lambda s: None)
+    with Machine.boot(img, host="plugin") as vm:
+        calls = symbol_calls(vm, DEFAULT_WORKLOAD)
+        clones = sorted((n for n, c in calls.items()
+                         if c and (".isra." in n or ".constprop." in n)),
+                        key=lambda n: (-calls[n], n))
+        assert clones, "the workload called no compiler clone"
+        fn = clones[0]
+        view = KernelView(vm.facts.rules)
+        specs = [parse(f"f:kph/fl {fn}%return {args(14)}", kernel=view),
+                 parse(f"r:kph/rl {fn} {args(20)} $arg300 $arg2048", kernel=view)]
+        runs = run_differential(vm, specs, DEFAULT_WORKLOAD)
+        res = compare(*runs, trampoline=trampoline_text(vm))
+    assert runs[0].side == "plugin"
+    assert res.equivalent, res.first
+    assert res.counts["kph/fl"][0] > 0 and res.counts["kph/rl"][0] > 0, res.counts
+    hit = next(h for h in runs[0].hits if h.probe == "kph/rl")
+    assert len(hit.args) == 22, hit.args
