@@ -300,6 +300,7 @@ class PluginBackend:
         fgraph = self.layer.rules.fprobe == "fgraph"
         pool = fprobe_pool(self.layer.rules, spec, len(targets), self.vm.smp)
         prog = compile_spec(spec.args, resolve=lambda s: self.engine.symbols.lookup(s).addr)
+        self.engine.prefetch_text([addr for addr, _fn in targets])
         done: list[Any] = []
         try:
             for addr, _fn in targets:
@@ -341,9 +342,13 @@ class PluginBackend:
     def _arrange(self) -> None:
         """The kernel's order of the callbacks at each place an fprobe is (``FprobeOps``):
         this side's probes there by group, newest first within one."""
-        mine = [p for ps in self._probes.values() for p in ps]
-        for addr in {p.addr for p in mine if self._specs[p.id][0].is_fprobe}:
-            here = [p for p in mine if p.addr == addr]
+        at: dict[int, list[Any]] = {}
+        for ps in self._probes.values():
+            for p in ps:
+                at.setdefault(p.addr, []).append(p)
+        for addr, here in at.items():
+            if not any(self._specs[p.id][0].is_fprobe for p in here):
+                continue
             here.sort(key=lambda p: (self._ops.rank(spec_group(self._specs[p.id][0])), -p.id))
             self.engine.arrange_probes(addr, here)
 

@@ -90,6 +90,22 @@ _HMP_LINE = re.compile(r"^([0-9a-f]+):((?:\s+0x[0-9a-f]{2})+)\s*$")
 #: bytes a monitor read takes while probes are placed (PluginEngine.text_reads): an
 #: ENDBR, a 5-byte call and a 15-byte instruction past it; and the reads kept
 TEXT_READ, TEXT_MEMO = 64, 64
+#: Many sites placed at once (an ``f:`` glob: PluginEngine.prefetch_text): sites less than
+#: PREFETCH_GAP apart share a cluster; a cluster of PREFETCH_MIN sites or more is read
+#: with one ``memsave`` (1.9 ms for 64 KiB, 61 ms for 16 MiB of text on this machine,
+#: where a monitor read of one site takes ~0.7-1.3 ms), up to PREFETCH_SPAN bytes
+PREFETCH_GAP, PREFETCH_MIN, PREFETCH_SPAN = 1 << 20, 4, 64 << 20
+
+
+def _clusters(addrs: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Sorted site addresses as ``(lo, hi, sites)`` ranges: each covers its sites' reads
+    (the symbol's ENDBR before a site past it, TEXT_READ bytes from the site), a gap
+    under PREFETCH_GAP joins two sites."""
+    first = 0
+    for i in range(1, len(addrs) + 1):
+        if i == len(addrs) or addrs[i] - addrs[i - 1] >= PREFETCH_GAP:
+            yield addrs[first] - 16, addrs[i - 1] + TEXT_READ, i - first
+            first = i
 
 
 @dataclass
@@ -226,7 +242,7 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             return bytes(buf)
         memo = self._text_memo
         if memo is not None:
-            for base, data in memo:
+            for base, data in itertools.chain(self._text_spans, memo):
                 if base <= addr and addr + n <= base + len(data):
                     return data[addr - base:addr - base + n]
             if n < TEXT_READ:
@@ -261,6 +277,8 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
     #: None, or while a batch of probes is placed (:meth:`text_reads`): the monitor
     #: reads made, (address, bytes), newest last
     _text_memo: list[tuple[int, bytes]] | None = None
+    #: while a batch of probes is placed: the clusters :meth:`prefetch_text` read
+    _text_spans: Sequence[tuple[int, bytes]] = ()
 
     @contextlib.contextmanager
     def text_reads(self) -> Iterator[None]:
@@ -278,7 +296,35 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         try:
             yield
         finally:
-            self._text_memo = None
+            self._text_memo, self._text_spans = None, ()
+
+    def prefetch_text(self, addrs: Sequence[int]) -> int:
+        """Inside :meth:`text_reads`: the text around many sites to be placed, read by
+        cluster with QMP ``memsave`` (CPU 0's address space, as the monitor's ``x``) into
+        the machine's private run directory, so the reads of placing them are served from
+        it; a cluster that does not map whole is left to the per-site reads. Placing an
+        ``f:`` glob of 968 functions read the monitor ~800 times (~0.65 s). The number
+        of clusters read."""
+        rundir = getattr(self.vm, "rundir", None)
+        if self._text_memo is None or rundir is None:
+            return 0
+        read = 0
+        for lo, hi, n in _clusters(sorted(set(addrs))):
+            if n < PREFETCH_MIN or hi - lo > PREFETCH_SPAN:
+                continue
+            f = rundir / "text.bin"
+            try:
+                self.vm.qmp("memsave", {"val": lo, "size": hi - lo, "filename": str(f)})
+                data = f.read_bytes()
+            except (HarnessError, OSError) as exc:
+                log.debug("memsave of %#x..%#x: %s", lo, hi, exc)
+                continue
+            finally:
+                f.unlink(missing_ok=True)
+            if len(data) == hi - lo:
+                self._text_spans = [*self._text_spans, (lo, data)]
+                read += 1
+        return read
 
     # -- probes ---------------------------------------------------------------------------
     def ftrace_flag(self, addr: int) -> int:

@@ -272,3 +272,20 @@ def test_the_filter_function_names_are_made_once_per_list_of_lines(monkeypatch):
     assert tracelayer.filter_functions(vm, frozenset()) is first
     reads.append(["vfs_write"])             # read again (modules changed)
     assert tracelayer.filter_functions(vm, frozenset({"m"})) == {"vfs_write"}
+
+
+def test_an_f_glob_s_sites_are_read_in_clusters_of_near_sites():
+    """PluginEngine.prefetch_text's clusters: sites under PREFETCH_GAP apart share one,
+    each covers 16 bytes before its first site (the ENDBR of a symbol whose site is at
+    +4) to TEXT_READ bytes past its last, and counts its sites."""
+    from harness.engines.plugin_engine import PREFETCH_GAP, TEXT_READ, _clusters
+    base = 0xffffffff81000000
+    sites = [base, base + 0x40, base + PREFETCH_GAP - 1 + 0x40,
+             base + 3 * PREFETCH_GAP, base + 3 * PREFETCH_GAP + 8]
+    assert list(_clusters(sites)) == [
+        (base - 16, base + PREFETCH_GAP - 1 + 0x40 + TEXT_READ, 3),
+        (base + 3 * PREFETCH_GAP - 16, base + 3 * PREFETCH_GAP + 8 + TEXT_READ, 2)]
+    assert list(_clusters([base])) == [(base - 16, base + TEXT_READ, 1)]
+    assert list(_clusters([])) == []
+    # exactly PREFETCH_GAP apart: two clusters
+    assert [n for _, _, n in _clusters([base, base + PREFETCH_GAP])] == [1, 1]
