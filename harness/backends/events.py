@@ -1034,13 +1034,16 @@ class EventsBackend:
             base, up = got
             add(base.placed(len(hits), cpu, pid, comms.get(pid, "<...>"),
                             "" if up else _CONTEXT[data[2]]))
-        if not renames:
-            return hits
-        out = []
-        for i, h in enumerate(hits):
-            later = tuple(c for n, c in renames[h.pid] if n > i) if h.pid in renames else ()
-            out.append(h.changed(comm_alts=later) if later else h)
-        return out
+        # a hit carries the comms its pid took after it (those renames recorded after
+        # it): no hit from its pid's last rename on does, so the hits before the latest
+        # rename of all are the ones looked at (an exec at a run's start: a few)
+        end = min(len(hits), max((n for rs in renames.values() for n, _ in rs), default=0))
+        for i in range(end):
+            rs = renames.get(hits[i].pid)
+            later = tuple(c for n, c in rs if n > i) if rs is not None else ()
+            if later:
+                hits[i] = hits[i].changed(comm_alts=later)
+        return hits
 
     def _decode(self, rec: Any, templates: dict[int, Hit], sizes: dict[int, int],
                 modes: dict[str, str], symbolize: Any, ktramp: Any) -> Hit:

@@ -35,9 +35,11 @@ import dataclasses
 import errno as _errno
 import fnmatch
 import logging
+import operator
 import re
 import weakref
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any, Callable, Sequence
 
 from ..kernel.dynevent import (FAIL_REG_PROBE, EventTable, Refusal, arg_column, events_file,
@@ -772,13 +774,17 @@ def rename_effects(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     """For :func:`saved_cmdlines`: each pid's last comm (pid 0 ``<idle>``), each pid's hits'
     indexes in order, and each pid's renames in their order with the index of the hit
     where each takes effect (``len(hits)``: none)."""
-    last: dict[int, str] = {0: "<idle>"}
     mine: dict[int, list[int]] = {}             # pid -> its hits' indexes, in order
-    for i, h in enumerate(hits):
-        if h.pid:
-            last[h.pid] = h.comm
-        if h.pid is not None:
-            mine.setdefault(h.pid, []).append(i)
+    pids = list(map(_pid, hits))
+    distinct = set(pids) - {None}
+    if len(distinct) <= _FEW_PIDS:              # a hot probe's run: a few pids, found in C
+        mine = {p: list(compress(range(len(pids)), map(operator.eq, pids, repeat(p))))
+                for p in distinct}
+    else:
+        for i, p in enumerate(pids):
+            if p is not None:
+                mine.setdefault(p, []).append(i)
+    last = {0: "<idle>", **{p: hits[idx[-1]].comm for p, idx in mine.items() if p}}
     effect = []
     for j, pid, c in comm_changes:
         idx = mine.get(pid, [])
@@ -813,21 +819,30 @@ def saved_cmdlines(hits: Sequence[Hit], comm_changes: Sequence[tuple[int, int, s
     or where a later rename of that pid does if that is sooner, and comes after every hit
     of that pid before it."""
     last, mine, renames = rename_effects(hits, comm_changes)
-    # pid by pid, over its hits in order: the later comms change only where a rename
-    # takes effect (a hot probe's 100,000 hits are a few pids' runs)
+    # pid by pid, in pieces of its hits cut where its renames take effect: a piece's
+    # later comms are one, and a piece that shows them and the pid's comm already (a
+    # hot probe's 100,000 hits are a few pids' runs) is found so in C
     out = list(hits)
+    comms, alts = list(map(_comm, hits)), list(map(_alts, hits))
     for pid, idx in mine.items():
         comm = last[pid]
-        rs = renames.get(pid)
-        bounds = sorted({k for k, _ in rs}) if rs else []
-        later: tuple[str, ...] = tuple(c for _, c in rs) if rs else ()
-        b = 0
-        for i in idx:
-            if b < len(bounds) and bounds[b] <= i:
-                while b < len(bounds) and bounds[b] <= i:
-                    b += 1
-                later = tuple(c for k, c in rs if k > i)
-            h = hits[i]
-            if comm != h.comm or later != h.comm_alts:
-                out[i] = h.changed(comm=comm, comm_alts=later)
+        rs = renames.get(pid) or []
+        cuts = [bisect.bisect_left(idx, k) for k in sorted({k for k, _ in rs})]
+        for lo, hi in zip([0, *cuts], [*cuts, len(idx)]):
+            piece = idx[lo:hi]
+            if not piece:
+                continue
+            later = tuple(c for k, c in rs if k > piece[0])
+            if list(map(comms.__getitem__, piece)).count(comm) == len(piece) and \
+                    list(map(alts.__getitem__, piece)).count(later) == len(piece):
+                continue
+            for i in piece:
+                h = hits[i]
+                if comm != h.comm or later != h.comm_alts:
+                    out[i] = h.changed(comm=comm, comm_alts=later)
     return out
+
+
+#: :func:`rename_effects` finds each pid's hits in C (a pass each) up to this many pids
+_FEW_PIDS = 8
+_pid, _comm, _alts = (operator.attrgetter(a) for a in ("pid", "comm", "comm_alts"))

@@ -165,28 +165,30 @@ class DiffResult:
                 if x and y and x.accepted and y.accepted and x.pending and y.pending]
 
 
-def _partition(hits: list[Hit], flying: bool) -> tuple[list[Hit], list[Hit]]:
+def _partition(hits: list[Hit], flying: bool) -> tuple[list[Hit], list[Hit], list[Hit]]:
     """(the hits compared: neither the agent's nor in flight, the agent's hits not in
-    flight), each in order; ``flying``: some hit is in flight. Selected in C (a hot
-    probe's 100,000 hits), by each hit's comm."""
+    flight, every hit of the agent's comms), each in order; ``flying``: some hit is in
+    flight. Selected in C (a hot probe's 100,000 hits), by each hit's comm."""
     agent = list(map(AGENT_COMMS.__contains__, map(_comm, hits)))
+    every = list(compress(hits, agent))
     if flying:
         return ([h for h in hits if h.comm not in AGENT_COMMS and not h.in_flight],
-                [h for h in compress(hits, agent) if not h.in_flight])
-    return list(compress(hits, map(operator.not_, agent))), list(compress(hits, agent))
+                [h for h in every if not h.in_flight], every)
+    return list(compress(hits, map(operator.not_, agent))), every, every
 
 
 _in_flight = operator.attrgetter("in_flight")
 _comm = operator.attrgetter("comm")
 
 
-def _in_flight_checked(side: SideResult) -> SideResult:
+def _in_flight_checked(side: SideResult) -> tuple[SideResult, bool]:
     """``side`` with each ``in_flight`` mark the recorded order does not bear out taken off
-    (the hit is then compared like any other): only a host side marks, and a hit in flight
-    when the recording ended is its CPU's last, but for hits also in flight or, for a
-    task-context one, the interrupt hits nested in its window."""
+    (the hit is then compared like any other), and whether a mark is left: only a host
+    side marks, and a hit in flight when the recording ended is its CPU's last, but for
+    hits also in flight or, for a task-context one, the interrupt hits nested in its
+    window."""
     if not any(map(_in_flight, side.hits)):
-        return side
+        return side, False
     keep = side.side not in _rules.GUEST_SIDES
 
     def borne_out(f: Hit) -> bool:
@@ -194,11 +196,12 @@ def _in_flight_checked(side: SideResult) -> SideResult:
                             for h in side.hits if h.cpu == f.cpu and h.seq > f.seq)
     hits = [h if not h.in_flight or borne_out(h) else dataclasses.replace(h, in_flight=False)
             for h in side.hits]
-    return dataclasses.replace(side, hits=hits)
+    return dataclasses.replace(side, hits=hits), any(map(_in_flight, hits))
 
 
 def _agent_in_b(a: list[Hit], b: list[Hit]) -> list[Hit]:
-    """Side ``b``'s hits that are side ``a``'s agent hits under a later comm: a child the
+    """Side ``b``'s hits that are side ``a``'s agent hits (``a``: those of the agent's
+    comms, in their order) under a later comm: a child the
     agent forked hits before it execs (it opens /dev/null for the command's stdin), side
     ``a`` (the host) saw comm ``qemu-ga`` there, and the trace prints the comm the pid had
     when ``saved_cmdlines`` caught it, after the exec (``comm-change``). Per pid, as many
@@ -414,11 +417,11 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
                    ) -> tuple[dict[str, list[Hit]], dict[str, list[Hit]]]:
     """Stage ``hits``: the ``agent`` and ``in-flight`` rules, then the hits of each side
     per probe."""
-    a, b = _in_flight_checked(a), _in_flight_checked(b)
-    in_flight = any(map(_in_flight, a.hits)), any(map(_in_flight, b.hits))
-    (ha, agent_a), (hb, agent_b) = _partition(a.hits, in_flight[0]), \
-        _partition(b.hits, in_flight[1])
-    renamed = _agent_in_b(a.hits, hb)
+    (a, fly_in_a), (b, fly_in_b) = _in_flight_checked(a), _in_flight_checked(b)
+    in_flight = fly_in_a, fly_in_b
+    (ha, agent_a, every_a), (hb, agent_b, _) = _partition(a.hits, fly_in_a), \
+        _partition(b.hits, fly_in_b)
+    renamed = _agent_in_b(every_a, hb)
     if renamed:
         gone = {id(h) for h in renamed}
         hb = [h for h in hb if id(h) not in gone]
@@ -443,8 +446,8 @@ def _compared_hits(res: DiffResult, a: SideResult, b: SideResult
 def _per_probe(hits: list[Hit]) -> dict[str, list[Hit]]:
     """``hits`` per probe, each probe's in their order (one probe's hits: the list)."""
     probes = set(map(_probe, hits))
-    if len(probes) == 1:
-        return {hits[0].probe: list(hits)}
+    if len(probes) == 1:        # hits: a list of the caller's own (_partition's)
+        return {hits[0].probe: hits}
     out: dict[str, list[Hit]] = {}
     for h in hits:
         out.setdefault(h.probe, []).append(h)

@@ -517,14 +517,18 @@ def test_saved_cmdlines_gives_what_the_plain_scan_gives_on_random_runs():
             for i, h in enumerate(hits)]
 
     rng = random.Random(39)
-    for _ in range(300):
-        n = rng.randint(0, 40)
-        hits = [dataclasses.replace(hit("host", i, comm=rng.choice(["sh", "ls", "dd"])),
-                                    pid=rng.choice([None, 0, 7, 8, 9]))
-                for i in range(n)]
-        changes = sorted((rng.randint(0, n), rng.choice([0, 7, 8]), rng.choice(["sh", "ls", "dd"]))
-                         for _ in range(rng.randint(0, 5)))
-        assert saved_cmdlines(hits, changes) == reference(hits, changes), (hits, changes)
+    # a few pids (found in C) and more than _FEW_PIDS (one Python pass)
+    for pids in ([None, 0, 7, 8, 9], [None, 0, *range(7, 20)]):
+        for _ in range(300):
+            n = rng.randint(0, 40)
+            hits = [dataclasses.replace(hit("host", i, comm=rng.choice(["sh", "ls", "dd"])),
+                                        pid=rng.choice(pids))
+                    for i in range(n)]
+            if rng.random() < 0.3:          # hits that carry the comms they will show
+                hits = reference(hits, [])
+            changes = sorted((rng.randint(0, n), rng.choice(pids[1:4]),
+                              rng.choice(["sh", "ls", "dd"])) for _ in range(rng.randint(0, 5)))
+            assert saved_cmdlines(hits, changes) == reference(hits, changes), (hits, changes)
 
 
 def test_comm_change_takes_only_a_comm_the_pid_took_later():

@@ -226,3 +226,27 @@ def test_events_collect_merges_cpus_by_time_stamp_keeping_each_cpus_order():
     assert [(h.arg("x"), h.cpu, h.comm, h.seq) for h in hits] == [
         ("1", 0, "cat", 0), ("11", 1, "ls", 1), ("2", 0, "cat", 2), ("12", 1, "ls", 3),
         ("3", 0, "cat", 4), ("13", 1, "ls", 5), ("14", 1, "ls", 6), ("4", 0, "cat", 7)]
+
+
+def test_events_collect_gives_each_hit_the_renames_of_its_pid_recorded_after_it():
+    """``task:task_rename`` records (``_rename_fmt``): each hit carries the comms its pid
+    took in renames recorded after it, in their order (``comm_alts``, for the diff's
+    ``comm-change`` rule), the last hit too when a rename follows it; another pid's
+    renames none."""
+    from types import SimpleNamespace as NS
+    be = events_backend([0])
+    be._rename_fmt = (300, NS(offset=8, size=4), NS(offset=12, size=16))
+
+    def ren(pid, comm):
+        return event(struct.pack("<HBBii16s", 300, 0, 0, pid, pid, comm.encode()))
+
+    def hit(pid, x):
+        return event(record(pid, CLONE, b"v", x, b"sh"))
+    pg = page([hit(7, 1), ren(7, "ls"), hit(7, 2), ren(7, "dd"), hit(7, 3), hit(8, 4),
+               ren(8, "sh"), hit(7, 5), ren(7, "cat")])
+    be._raw_pages = lambda cpu: ([pg], True)
+    be._read_after = lambda cpus: {"stats0": b"entries: 0\noverrun: 0\n",
+                                   "saved_cmdlines": b"7 dd\n8 sh\n"}
+    assert [(h.arg("x"), h.comm_alts) for h in be.collect()] == [
+        ("1", ("ls", "dd", "cat")), ("2", ("dd", "cat")), ("3", ("cat",)), ("4", ("sh",)),
+        ("5", ("cat",))]
