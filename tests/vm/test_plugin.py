@@ -367,12 +367,16 @@ def test_a_return_probe_saves_every_entry_argument_the_kernel_does(series):
                          if c and (".isra." in n or ".constprop." in n)),
                         key=lambda n: (-calls[n], n))
         assert clones, "the workload called no compiler clone"
-        fn = clones[0]
         view = KernelView(vm.facts.rules)
-        specs = [parse(f"f:kph/fl {fn}%return {args(14)}", kernel=view),
-                 parse(f"r:kph/rl {fn} {args(20)} $arg300 $arg2048", kernel=view)]
-        runs = run_differential(vm, specs, DEFAULT_WORKLOAD)
-        res = compare(*runs, trampoline=trampoline_text(vm))
+        # symbol_calls counted one run of the workload; a clone it saw called may be idle
+        # in the next (a once-a-boot path): the first clone either side hit is the case.
+        for fn in clones[:4]:
+            specs = [parse(f"f:kph/fl {fn}%return {args(14)}", kernel=view),
+                     parse(f"r:kph/rl {fn} {args(20)} $arg300 $arg2048", kernel=view)]
+            runs = run_differential(vm, specs, DEFAULT_WORKLOAD)
+            res = compare(*runs, trampoline=trampoline_text(vm))
+            if runs[0].hits or runs[1].hits:  # a side's lone hits stay a difference
+                break
     assert runs[0].side == "plugin"
     assert res.equivalent, res.first
     assert res.counts["kph/fl"][0] > 0 and res.counts["kph/rl"][0] > 0, res.counts
