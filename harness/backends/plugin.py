@@ -31,7 +31,7 @@ from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compil
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline, preempt_context
 from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NMI, RF_NOUACCESS,
                                   RF_PID, RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
-                                  REC_RET, PluginRecord)
+                                  REC_RET, REGS_OFF, PluginRecord, decode, lean_seq)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from ..engines.plugin_uprobes import user_filter, user_trampoline
@@ -173,9 +173,11 @@ def _plan_registers(spec: ProbeSpec) -> tuple[int, ...] | None:
 @functools.lru_cache(maxsize=None)
 def _plan_key(regs: tuple[int, ...]) -> Any:
     """What of a record's registers a register plan reads (``regs``: their indexes), as
-    one hashable value: the part of a record's memo key (``PluginBackend._hit``) that
-    varies with its arguments."""
-    return operator.itemgetter(*regs) if regs else (lambda r: ())
+    one hashable value of the record's bytes: the part of a record's memo key
+    (``PluginBackend._hit``) that varies with its arguments."""
+    if not regs:
+        return lambda raw: b""
+    return operator.itemgetter(*(slice(REGS_OFF + 8 * i, REGS_OFF + 8 * i + 8) for i in regs))
 
 
 #: the record types that are a probe's hits
@@ -232,6 +234,7 @@ class PluginBackend:
         self._placeable: dict[int, tuple[str, Any]] = {}
         #: a record's comm bytes -> text (a run's records carry a few comms)
         self._comm_text: dict[bytes, str] = {}
+        self._comm_raw: dict[bytes, str] = {}  # the same, of a record's NUL-padded bytes
         #: what a register-only probe's records decoded to (_hit), for the window
         self._decoded: dict[tuple[int, ...], Hit] = {}
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
@@ -249,7 +252,7 @@ class PluginBackend:
         # order of each hit and comm change (its ``seq``), what the decoding read the
         # symbols from, and the thread
         self._lock = threading.Lock()
-        self._raw: list[PluginRecord] = []
+        self._raw: list[tuple[tuple[Any, ...], bytes]] = []   # pluginlink.lean()'s
         self._seqs: list[int] = []
         self._comm_seqs: list[int] = []
         self._basis: tuple[Any, int] | None = None
@@ -447,7 +450,7 @@ class PluginBackend:
             attach_stubs(self.vm, self._stubs)
         # with a guest switch, the window stays closed while the probes arm
         self.engine.window(switch is None and opened, now=True)
-        self.engine.records()              # what came before does not count
+        self.engine.lean_records()         # what came before does not count
         self._dropped0 = self.engine.link.dropped
         self.arm()
         if switch is not None:
@@ -526,7 +529,7 @@ class PluginBackend:
         syms = self.engine.symbols
         if self._basis is not None and (self._basis[0] is not syms or
                                         self._basis[1] != getattr(syms, "generation", 0)):
-            recs = sorted(self._raw, key=lambda r: r.seq)
+            recs = sorted(self._raw, key=lean_seq)
             self._forget()
             self._basis = (syms, getattr(syms, "generation", 0))
             self._decode(recs)
@@ -560,61 +563,74 @@ class PluginBackend:
         """
         with self._lock:
             try:
-                recs = self.engine.records()
+                recs = self.engine.lean_records()
             except (FaultError, ValueError, struct.error) as exc:
                 raise EngineReadError(f"the plugin engine's ring could not be decoded: "
                                       f"{type(exc).__name__}: {exc}") from exc
             self._raw.extend(recs)
             self._decode(recs)
 
-    def _decode(self, recs: Sequence[PluginRecord]) -> None:
-        """Records, in ``seq`` order, as hits. A record that does not decode (a fault, a
-        value or a layout the decoder cannot read) is an engine error naming the record,
-        counted with the others (:meth:`_check`): never a crash, never a value."""
+    def _decode(self, recs: Sequence[tuple[tuple[Any, ...], bytes]]) -> None:
+        """Records (``pluginlink.lean()``'s, in ``seq`` order) as hits. A record that
+        does not decode (a fault, a value or a layout the decoder cannot read) is an
+        engine error naming the record, counted with the others (:meth:`_check`): never a
+        crash, never a value."""
         placeable, decoded, hits, seqs = self._placeable, self._decoded, self._hits, self._seqs
-        for rec in recs:
+        nhit, comms = self._nhit, self._comm_raw
+        for f, raw in recs:
             # a hit of a register-plan probe whose payload was decoded already: placed
-            # here, as _hit() would place it (the same key; the flags are part of it, and
-            # no truncated, refused or unconfirmed record is ever decoded into the memo)
-            fast = placeable.get(rec.probe_id)
-            if fast is not None and rec.type in _HIT_TYPES:
-                base = decoded.get((rec.probe_id, rec.type, rec.func, rec.ret_addr, rec.flags,
-                                    fast[1](rec.regs)))
+            # here from the record's header and bytes, as _hit() would place it (the same
+            # key; the flags are part of it, and no truncated, refused or unconfirmed
+            # record is ever decoded into the memo)
+            _, rtype, vcpu, probe_id, _, seq, _, func, ret_addr, pid, flags, comm = f
+            fast = placeable.get(probe_id)
+            if fast is not None and rtype in _HIT_TYPES:
+                base = decoded.get((probe_id, rtype, func, ret_addr, flags, fast[1](raw)))
                 if base is not None:
                     name = fast[0]
-                    self._nhit[name] = self._nhit.get(name, 0) + 1
-                    hits.append(base.placed(len(hits), rec.vcpu,
-                                            rec.pid if rec.flags & RF_PID else None,
-                                            self._comm(rec), base.irq))
-                    seqs.append(rec.seq)
+                    nhit[name] = nhit.get(name, 0) + 1
+                    if flags & RF_COMM:
+                        text = comms.get(comm)
+                        if text is None:
+                            text = comms[comm] = self._comm(decode(raw))
+                    else:
+                        text = ""
+                    hits.append(base.placed(len(hits), vcpu, pid if flags & RF_PID else None,
+                                            text, base.irq))
+                    seqs.append(seq)
                     continue
-            if rec.type not in _HIT_TYPES or rec.probe_id not in self._specs:
-                continue
-            name = self._specs[rec.probe_id][1]
-            # trace_kprobe's nhit (kprobe_dispatcher(), kretprobe_dispatcher()): every hit
-            # the window recorded, counted before its record is read
-            self._nhit[name] = self._nhit.get(name, 0) + 1
-            if rec.flags & (RF_TRUNC | RF_BADPROG):
-                what = "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin"
-                self.bad_records[what] = self.bad_records.get(what, 0) + 1
-                continue
-            try:
-                h = self._hit(rec, len(self._hits))
-            except EngineReadError as exc:
-                self.engine_errors.append((name, exc))
-                continue
-            except (FaultError, ValueError, struct.error) as exc:
-                self.engine_errors.append((name, _undecodable(rec, name, exc)))
-                continue
-            if h is None:       # a commit no event probe's trigger runs on
-                continue
-            if self._comm_probe is not None and rec.probe_id == self._comm_probe.id:
-                if h.pid:
-                    self._comm_changes.append((len(self._hits), h.pid, h.arg("comm")[1:-1]))
-                    self._comm_seqs.append(rec.seq)
-                continue
-            self._hits.append(h)
-            self._seqs.append(rec.seq)
+            self._decode_one(decode(raw), raw)
+
+    def _decode_one(self, rec: PluginRecord, raw: bytes) -> None:
+        """One record (``raw``, decoded: ``rec``) as a hit, a comm change, or what made
+        it none."""
+        if rec.type not in _HIT_TYPES or rec.probe_id not in self._specs:
+            return
+        name = self._specs[rec.probe_id][1]
+        # trace_kprobe's nhit (kprobe_dispatcher(), kretprobe_dispatcher()): every hit
+        # the window recorded, counted before its record is read
+        self._nhit[name] = self._nhit.get(name, 0) + 1
+        if rec.flags & (RF_TRUNC | RF_BADPROG):
+            what = "truncated" if rec.flags & RF_TRUNC else "program refused by the plugin"
+            self.bad_records[what] = self.bad_records.get(what, 0) + 1
+            return
+        try:
+            h = self._hit(rec, len(self._hits), raw)
+        except EngineReadError as exc:
+            self.engine_errors.append((name, exc))
+            return
+        except (FaultError, ValueError, struct.error) as exc:
+            self.engine_errors.append((name, _undecodable(rec, name, exc)))
+            return
+        if h is None:       # a commit no event probe's trigger runs on
+            return
+        if self._comm_probe is not None and rec.probe_id == self._comm_probe.id:
+            if h.pid:
+                self._comm_changes.append((len(self._hits), h.pid, h.arg("comm")[1:-1]))
+                self._comm_seqs.append(rec.seq)
+            return
+        self._hits.append(h)
+        self._seqs.append(rec.seq)
 
     def _check(self) -> None:
         """Fail the run on an incomplete record stream (never a warning alone).
@@ -657,8 +673,10 @@ class PluginBackend:
             text = self._comm_text[rec.comm] = rec.comm.decode("utf-8", "replace")
         return text
 
-    def _hit(self, rec: PluginRecord, seq: int) -> Hit | None:
-        """The record as a hit (None: an event probe's commit no trigger runs on).
+    def _hit(self, rec: PluginRecord, seq: int, raw: bytes = b"") -> Hit | None:
+        """The record as a hit (None: an event probe's commit no trigger runs on); with
+        the record's bytes (``raw``), a register-only probe's hit is kept for the records
+        that carry the same (:meth:`_decode`).
 
         :raise EngineReadError: a read of the hit's program failed where the memory maps
             (``RF_UNCONFIRMED``: the plugin's failure, not a fault the guest took; the
@@ -685,9 +703,9 @@ class PluginBackend:
                                      or rec.probe_id != self._comm_probe.id):
                 self._placeable[rec.probe_id] = (name, _plan_key(regs))
         key = None
-        if regs is not None:
+        if regs is not None and raw:
             key = (rec.probe_id, rec.type, rec.func, rec.ret_addr, rec.flags,
-                   _plan_key(regs)(rec.regs))
+                   _plan_key(regs)(raw))
             base = self._decoded.get(key)
             if base is not None:
                 return base.placed(seq, rec.vcpu, rec.pid if rec.flags & RF_PID else None,

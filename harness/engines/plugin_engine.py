@@ -70,7 +70,7 @@ from ..machine.pluginlink import (
     CMD_MARKS, MARKS_READ, MAX_WIN_READS,
     PK_FLUSH, PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, PK_UFREE, WIN_FAILED,
     WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode,
-    host_waiter)
+    host_waiter, lean)
 from .plugin_handlers import HandlerDispatch
 from .plugin_uprobes import PluginUprobes, user_ext
 from ..machine.image.facts import percpu_current_task, percpu_preempt_count, uaccess_offsets
@@ -598,6 +598,11 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         recs = [decode(r) for r in self.link.take_records()]
         recs.sort(key=lambda r: r.seq)
         return recs
+
+    def lean_records(self) -> list[tuple[tuple[Any, ...], bytes]]:
+        """:meth:`records` undecoded: each as its header's fields but the registers
+        (``pluginlink.REC_LEAN``) and its bytes (``pluginlink.decode`` makes the record)."""
+        return lean(self.link.take_records())
 
     # -- Python handlers: the kprobes API (kernel names, harness.kernel.kprobes values) ---------
     def _ensure_channels(self) -> None:

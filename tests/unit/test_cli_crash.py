@@ -12,6 +12,7 @@ import importlib
 
 cli_main = importlib.import_module("harness.cli.main")
 from harness.errors import EngineReadError, GuestLossError
+from harness.machine.pluginlink import lean
 
 
 @pytest.mark.parametrize("exc", [TypeError("unsupported operand"), KeyError("x"),
@@ -60,13 +61,14 @@ def test_usage_errors_still_exit_through_argparse(capsys):
 
 def _backend(records, hit):
     from harness.backends.plugin import PluginBackend
-    from harness.machine.pluginlink import REC_HIT
+    from harness.machine.pluginlink import REC_HDR, REC_HIT
 
-    be = PluginBackend(SimpleNamespace(host=SimpleNamespace(kind="plugin", records=records),
-                                       name="t"))
+    be = PluginBackend(SimpleNamespace(host=SimpleNamespace(kind="plugin",
+                                                            lean_records=records), name="t"))
     be._specs = {7: (None, "kprobes/open")}
     be._hit = hit
-    rec = SimpleNamespace(type=REC_HIT, probe_id=7, flags=0)
+    # a hit of probe 7 as the plugin's ring holds it: kph_rec_hdr, no body
+    rec = REC_HDR.pack(REC_HDR.size, REC_HIT, 0, 7, 0, 1, *(0,) * 21, 0, 0, 0, 0, 0, b"")
     return be, rec
 
 
@@ -77,10 +79,10 @@ def test_a_record_that_does_not_decode_is_an_engine_error(exc):
 
     err = FaultError(0xffff888000001000, 8) if exc == "fault" else exc
 
-    def hit(rec, seq):
+    def hit(rec, seq, raw):
         raise err
     holder = []
-    be, rec = _backend(lambda: holder, hit)
+    be, rec = _backend(lambda: lean(holder), hit)
     holder.append(rec)
     be._take()
     assert len(be.engine_errors) == 1

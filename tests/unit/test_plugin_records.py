@@ -7,7 +7,8 @@ import pytest
 from harness.backends.plugin import PluginBackend
 from harness.errors import EngineReadError
 from harness.kernel.grammar import parse
-from harness.machine.pluginlink import REC_HIT, RF_TASK, RF_UNCONFIRMED, PluginRecord
+from harness.machine.pluginlink import (REC_HDR, REC_HIT, RF_TASK, RF_UNCONFIRMED, PluginRecord,
+                                        decode, lean)
 
 
 def _backend(spec):
@@ -41,8 +42,28 @@ class _Engine:
     def __init__(self, symbols, batches):
         self.symbols, self.batches = symbols, list(batches)
 
-    def records(self):
-        return sorted(self.batches.pop(0), key=lambda r: r.seq) if self.batches else []
+    def lean_records(self):
+        return lean([_packed(r) for r in self.batches.pop(0)] if self.batches else [])
+
+
+def _packed(r: PluginRecord) -> bytes:
+    """The record as the plugin writes it to its ring (kph_rec_hdr, then its body)."""
+    return REC_HDR.pack(REC_HDR.size + len(r.body), r.type, r.vcpu, r.probe_id, r.nblocks,
+                        r.seq, *r.regs, r.task, r.func, r.ret_addr, r.pid, r.flags,
+                        r.comm) + r.body
+
+
+def test_a_record_packed_as_the_plugin_writes_it_decodes_to_itself():
+    """The test's records reach the backend as bytes (:func:`_packed`): what the ring
+    holds decodes back to the record, and its lean header (the registers skipped) has
+    the same fields but them."""
+    r = PluginRecord(REC_HIT, 1, 7, 0, 42, tuple(range(21)), 0xffff888000001000,
+                     0xffffffff81000000, 0xffffffff81000100, 100, RF_TASK, b"cat", b"xy")
+    raw = _packed(r)
+    assert decode(raw) == r
+    (f, got), = lean([raw])
+    assert got is raw and f == (len(raw), REC_HIT, 1, 7, 0, 42, r.task, r.func, r.ret_addr,
+                                100, RF_TASK, b"cat".ljust(16, b"\0"))
 
 
 def _at(seq: int, func: int, vcpu: int = 0) -> PluginRecord:
