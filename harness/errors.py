@@ -40,7 +40,7 @@ refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an e
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 class HarnessError(Exception):
@@ -215,18 +215,37 @@ class PluginRecordError(HarnessError):
         self.counts = dict(counts or {})
 
 
+def needed_mib(size: int, kept: int, lost: int) -> int:
+    """The buffer (MiB) that would have held ``kept + lost`` records where ``size``
+    bytes held ``kept`` (a quarter more, for a run that differs a little the next time):
+    the size a :class:`GuestLossError` suggests. 0 when nothing was kept
+    to scale from."""
+    if kept <= 0 or size <= 0:
+        return 0
+    return max(1, -(-size * (kept + lost) * 5 // (4 * kept) // (1 << 20)))
+
+
 class GuestLossError(HarnessError):
     """An in-guest side's records of a run are incomplete: ``count`` records (or pages,
     as ``what`` says) lost on ``side`` (``events``, ``module``), ``what`` naming the loss
     and the kernel's source of the count (``per_cpu/cpu0/stats overrun``, the module's
     ``dropped`` counter, a read that stopped before the buffer was empty). Never a
-    warning alone, never a divergence: the run is not compared (``kph diff`` exit 2)."""
+    warning alone, never a divergence: the run is not compared (``kph diff`` exit 2).
+    ``needed_mib``: the guest buffer that would have held the run, as the side estimates
+    it from what it kept (MiB; 0 when it cannot say): the size to pass as ``kph diff
+    --guest-buffer``."""
 
-    def __init__(self, side: str, count: int, what: str) -> None:
-        super().__init__(f"{side}: {what}; the run is not compared")
+    def __init__(self, side: str, count: int, what: str, needed_mib: int = 0) -> None:
+        hint = (f"; a guest buffer of {needed_mib} MiB would hold it "
+                f"(kph diff --guest-buffer {needed_mib})" if needed_mib else "")
+        super().__init__(f"{side}: {what}; the run is not compared{hint}")
         self.side = side
         self.count = count
         self.what = what
+        self.needed_mib = needed_mib
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.side, self.count, self.what, self.needed_mib)
 
 
 class SymbolNotFoundError(HarnessError, KeyError):

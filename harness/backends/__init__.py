@@ -48,17 +48,21 @@ class ProbeBackend(Protocol):
         """Unregister everything; the guest is left as it was."""
 
 
-def make_backend(name: str, vm: Machine, *, post_handler: bool = False) -> ProbeBackend:
+def make_backend(name: str, vm: Machine, *, post_handler: bool = False,
+                 buffer_mib: int | None = None) -> ProbeBackend:
     """The backend called ``name`` (host, events, module) on ``vm``; a host engine's as
     in a host-only run (``alone``: it puts tracepoint probes' stubs on itself).
     ``post_handler``: the module's kprobes get a post_handler each (checked where the
-    probed instruction went: ``ModuleBackend._post_ip``)."""
+    probed instruction went: ``ModuleBackend._post_ip``). ``buffer_mib``: an in-guest
+    side's record buffer (the events side's ring buffer a CPU, the module's buffer), MiB;
+    each side's own default without it."""
     if name == "host":        # alone: a host-only run (run_single)
         return HostBackend(vm, alone=True)
     if name == "events":
-        return EventsBackend(vm)
+        return EventsBackend(vm, buffer_kb=buffer_mib * 1024 if buffer_mib else None)
     if name == "module":
-        return ModuleBackend(vm, post_handler=post_handler)
+        return ModuleBackend(vm, post_handler=post_handler,
+                             bufsize=buffer_mib << 20 if buffer_mib else None)
     if name == "plugin":
         return PluginBackend(vm, alone=True)
     raise ValueError(f"unknown backend {name!r}: use host, plugin, events or module")

@@ -28,7 +28,7 @@ import shlex
 from operator import itemgetter
 from typing import Any, Sequence
 
-from ..errors import GuestAgentError, GuestLossError, HarnessError
+from ..errors import GuestAgentError, GuestLossError, HarnessError, needed_mib
 from ..kernel.grammar.fetch import escape_bytes, format_ip, format_value
 from ..kernel.kprobes import kernel_rethook_trampoline
 from ..kernel.symbols import remembered_symbolizer
@@ -928,22 +928,27 @@ class EventsBackend:
                 out[c] = parse_stats(text)
         return out
 
-    def check_losses(self, losses: Sequence[RingLoss], unread: dict[int, int]) -> None:
+    def check_losses(self, losses: Sequence[RingLoss], unread: dict[int, int],
+                     kept: dict[int, int] | None = None) -> None:
         """Fail the run on events the guest's ring buffer lost over it, or left unread.
 
         The buffer is emptied when the window opens (``enable()`` writes ``trace``:
         ``tracing_reset_online_cpus()`` -> ``rb_reset_cpu()`` sets the counters to 0), so
         the counters read after the drain are the run's. ``unread``: CPU -> entries the
-        stats still count after a drain that stopped at :attr:`max_pages`.
+        stats still count after a drain that stopped at :attr:`max_pages`. ``kept``: CPU
+        -> the run's records its buffer did hold, for the size the error suggests.
 
         :raise GuestLossError: with the count and where the kernel gave it.
         """
         lost = [x for x in losses if x.count]
         if lost:
             n = sum(x.count for x in lost)
+            # each CPU's buffer scaled by what it lost over what it kept (the largest)
+            need = max((needed_mib(self.buffer_kb << 10, (kept or {}).get(x.cpu, 0), x.count)
+                        for x in lost), default=0)
             raise GuestLossError(self.side, n, f"the guest's ring buffer lost {n} event(s) "
                                  f"({'; '.join(x.describe() for x in lost)}; buffer_size_kb "
-                                 f"{self.buffer_kb})")
+                                 f"{self.buffer_kb})", needed_mib=need)
         if unread:
             n = sum(unread.values())
             where = ", ".join(f"cpu{c} {k}" for c, k in unread.items())
@@ -987,7 +992,8 @@ class EventsBackend:
         self._after = self._read_after(cpus)
         stats = self._stats(cpus)
         self.check_losses([ring_loss(c, stats.get(c, {}), pages[c]) for c in cpus],
-                          {c: max(1, stats.get(c, {}).get("entries", 0)) for c in truncated})
+                          {c: max(1, stats.get(c, {}).get("entries", 0)) for c in truncated},
+                          {c: len(mine) for c, mine in zip(cpus, per_cpu)})
         # Merged by time stamp, each CPU's own order kept: a CPU's buffer is in commit
         # order, and an event written from an interrupt that nested inside another
         # event's write can carry an earlier stamp than the one before it.

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 from ..errors import (GuestAgentError, GuestLossError, HarnessError, NotMirroredError,
-                      ProbeSpecError, SymbolNotFoundError)
+                      ProbeSpecError, SymbolNotFoundError, needed_mib)
 from ..kernel.grammar.fetch import (FAULT, FETCH_TYPES, MAX_STRING_SIZE, UNKNOWN, BtfVar, Comm, Current,
                          Deref, EntryArg, FetchArg, PerCpu,
                          FuncArg, Imm, ImmString, MemAddr, MemSymbol, Reg, RetVal,
@@ -450,6 +450,13 @@ def decode_args(args: Sequence[ProbeArg], items: Sequence[Sequence[Item]],
     return vals
 
 
+#: The module's record buffer (``bufsize``, bytes; two are allocated) as the harness loads
+#: it: 16 MiB, as the events side's ring buffer a CPU (``events.BUFFER_KB``), ~200,000
+#: records of a probe with one argument (72 bytes of header and 16 an item; the module's
+#: own default, 4 MiB, held ~50,000).
+BUFSIZE = 16 << 20
+
+
 def buffer_stats(text: str) -> dict[str, int]:
     """The ``buffer size N used N records N dropped N seq N`` line of the module's
     ``stats`` (``kph_stats_show()``), as ``{size, used, records, dropped, seq}``.
@@ -535,11 +542,11 @@ class ModuleBackend:
                  buggy: frozenset[str] = frozenset(), bufsize: int | None = None) -> None:
         """``buggy``: probe names (GROUP/EVENT) whose module pre_handler dereferences NULL
         once recording starts (``kph repro`` uses it to reproduce a crashing handler).
-        ``bufsize``: the module's ``bufsize`` parameter (bytes per record buffer; its
-        default 4 MiB) when this backend loads it; a run whose records did not fit fails
-        (:class:`harness.errors.GuestLossError`)."""
+        ``bufsize``: the module's ``bufsize`` parameter (bytes per record buffer, two
+        allocated; :data:`BUFSIZE` unless given) when this backend loads it; a run whose
+        records did not fit fails (:class:`harness.errors.GuestLossError`)."""
         self.vm = vm
-        self.bufsize = bufsize
+        self.bufsize = bufsize or BUFSIZE
         self._dropped0: int | None = None
         self._counts0: dict[int, dict[str, str]] = {}      # stats at enable()
         self.post_handler = post_handler
@@ -598,8 +605,11 @@ class ModuleBackend:
         param = f" bufsize={int(self.bufsize)}" if self.bufsize else ""
         r = self.vm.run(f"insmod {GUEST_KO}{param}", timeout=self.timeout)
         if r.status != 0:
-            raise ModuleError(f"insmod {GUEST_KO} failed: {(r.stderr or r.stdout).strip()}; "
-                              "rebuild the image with `kph image build`")
+            why = (r.stderr or r.stdout).strip()
+            fix = ("give it a smaller buffer (kph diff --guest-buffer) or the guest more "
+                   "memory (--memory)" if "memory" in why.lower() else
+                   "rebuild the image with `kph image build`")
+            raise ModuleError(f"insmod {GUEST_KO}{param} failed: {why}; {fix}")
         self._loaded = True
 
     def instructions(self, addr: int, size: int, *, first_id: int = 1 << 24
@@ -864,23 +874,32 @@ class ModuleBackend:
         data, stats = got
         return bytes(data), buffer_stats(bytes(stats).decode("utf-8", "replace"))
 
-    def check_dropped(self, stats: dict[str, int] | None = None) -> None:
+    def check_dropped(self, stats: dict[str, int] | None = None, data: bytes = b"") -> None:
         """Fail the run on records the module dropped since :meth:`enable`: its ``dropped``
         counter (``kph_record()``, probes/kmod/kph_kprobes.c: a record that does not fit
         in what is left of the active buffer is not written, and counted), read from
         ``stats`` (now, or ``stats``: :func:`buffer_stats` read after the drain). The
         counter lives as long as the module, so the run's drops are the difference from
-        the value read at :meth:`enable`.
+        the value read at :meth:`enable`. ``data``: the drained buffer, whose records say
+        what a buffer holding the run would be (the stats after a drain count the other,
+        empty, buffer's).
 
         :raise GuestLossError: with the count.
         """
         st = stats if stats is not None else self.buffer_stats_now()
         lost = st["dropped"] - (self._dropped0 or 0)
         if lost > 0:
+            kept, pos = st["records"], 0
+            if data:                        # the records' lengths (REC's first field)
+                kept = 0
+                while pos + 4 <= len(data) and (ln := int.from_bytes(data[pos:pos + 4],
+                                                                     "little")) >= REC.size:
+                    kept, pos = kept + 1, pos + ln
             raise GuestLossError(self.side, lost, f"{MODULE_NAME} dropped {lost} record(s): "
                                  f"its buffer ({st['size']} bytes) was full ({KPH_DIR}/stats "
                                  f"dropped {st['dropped']}, {self._dropped0 or 0} at the "
-                                 "window's start)")
+                                 "window's start)",
+                                 needed_mib=needed_mib(st["size"], kept, lost))
 
     @gc_paused()
     def collect(self) -> list[Hit]:
@@ -891,7 +910,7 @@ class ModuleBackend:
         """
         symbolize = remembered_symbolizer(self.vm.symbols)
         data, stats = self._drain()
-        self.check_dropped(stats)
+        self.check_dropped(stats, data)
         last_pre: dict[tuple[int, int], int] = {}    # (probe, cpu) -> its last pre hit
         # A pre or ret record's hit, but for its place (SEQ, PID, CPU, COMM), is what the
         # rest of its bytes say: decoded once per distinct rest (a hot probe's records

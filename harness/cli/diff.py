@@ -13,6 +13,21 @@ from .common import kernel_report
 from .output import Output, check_output
 
 NAME = "diff"
+#: --guest-buffer's bound (MiB): the events side takes it on each CPU, the module twice
+MAX_BUFFER_MIB = 1024
+
+
+def buffer_mib(text: str) -> int:
+    """``--guest-buffer``'s value: whole MiB, 1 to :data:`MAX_BUFFER_MIB`."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_BUFFER_MIB:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in MiB from 1 to "
+                                         f"{MAX_BUFFER_MIB} (e.g. --guest-buffer 64)")
+    return n
+
 EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
             "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
             "kph diff -f probes/examples/open.spec --run 'cat /proc/version' --json "
@@ -51,6 +66,12 @@ def add_parser(subparsers: Any) -> None:
                     "without an ftrace location is not refused), so register_kprobe()'s "
                     "own refusals (blacklist, CFI preamble, instruction boundary) are what "
                     "is compared (docs/diff.md)")
+    df.add_argument("--guest-buffer", type=buffer_mib, metavar="MIB",
+                    help="the in-guest side's record buffer in MiB: each CPU's ring buffer "
+                    "(buffer_size_kb) with --guest events, kph_kprobes.ko's bufsize with "
+                    "--guest module (default: 16 each). A run whose records do not fit is "
+                    "not compared (exit 2), and its error gives the size that would hold "
+                    "them")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     df.add_argument("--trigger", metavar="EVENT=stacktrace[:N]", action="append", default=[],
                     help="put a stacktrace trigger on an event of the lines (GROUP/EVENT or "
@@ -130,7 +151,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         runs = run_differential(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
                                 progress=out.progress, triggers=triggers,
                                 post_handler=args.post_handler,
-                                raw_kprobes=args.raw_kprobes)
+                                raw_kprobes=args.raw_kprobes, buffer_mib=args.guest_buffer)
         tramp = trampoline_text(vm)
         kernel = ci.kernel_of(vm)
     workload_ran(runs[0], args.run)
@@ -162,7 +183,7 @@ def run_three(args: argparse.Namespace, specs: list[Any], out: Output,
         booted(vm, args, out)
         out.progress("three worlds: registering, running the workload, collecting")
         three = three_worlds(vm, specs, args.run, guest=args.guest, timeout=args.timeout,
-                             **verdict)
+                             buffer_mib=args.guest_buffer, **verdict)
         kernel = ci.kernel_of(vm)
     workload_ran(three.runs[0], args.run)       # as plain kph diff: 126/127 is exit 2
     out.progress.clear()

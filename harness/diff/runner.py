@@ -118,8 +118,8 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                      guest: str = "events", hook: FetchHook | None = None,
                      timeout: float = 120.0, progress: ProgressFn | None = None,
                      triggers: Mapping[str, int] | None = None, post_handler: bool = False,
-                     raw_kprobes: bool = False, registrations_only: bool = False
-                     ) -> tuple[SideResult, SideResult]:
+                     raw_kprobes: bool = False, registrations_only: bool = False,
+                     buffer_mib: int | None = None) -> tuple[SideResult, SideResult]:
     """Host-side and in-guest (``guest``: events or module) on one execution of ``workload``.
 
     :param progress: told each phase (``harness.progress``), and the host-side hit count
@@ -131,6 +131,8 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         ``trace_kprobe``'s own checks around it (``TraceLayer.raw``)
     :param registrations_only: register on both sides and unregister, with no workload
         and no hit: the sides' outcomes alone (the host arms nothing)
+    :param buffer_mib: the in-guest side's record buffer, MiB (``make_backend``); a run
+        that overflows it fails with the size that would hold it (``GuestLossError``)
     :param triggers: ``{EVENT: count}`` of ``stacktrace`` triggers
         (``harness.backends.triggers.parse_triggers``; -1: no count): the guest's events
         get them, the host takes ``regs.stack_trace()`` at the same hits.
@@ -147,7 +149,8 @@ def run_differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
         host, guest_res = _differential(vm, specs, workload, guest=guest, hook=hook,
                                         timeout=timeout, progress=progress, triggers=triggers,
                                         post_handler=post_handler, raw_kprobes=raw_kprobes,
-                                        registrations_only=registrations_only)
+                                        registrations_only=registrations_only,
+                                        buffer_mib=buffer_mib)
         splats = watch.finish()
     return (dataclasses.replace(host, splats=splats),
             dataclasses.replace(guest_res, splats=splats))
@@ -185,7 +188,8 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
                   guest: str, hook: FetchHook | None, timeout: float,
                   progress: ProgressFn | None, triggers: Mapping[str, int] | None,
                   post_handler: bool = False, raw_kprobes: bool = False,
-                  registrations_only: bool = False) -> tuple[SideResult, SideResult]:
+                  registrations_only: bool = False, buffer_mib: int | None = None
+                  ) -> tuple[SideResult, SideResult]:
     specs = resolve_uprobes(vm, specs)
     trig = resolve_triggers(triggers or {}, [f"{s.group}/{s.event}" for s in specs
                                              if s.kind != "-"])
@@ -203,7 +207,7 @@ def _differential(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *,
     if raw_kprobes and guest != "module":
         raise SetupError("raw kprobes are the module's (kprobe_events always runs "
                          "trace_kprobe's checks)", "use --guest module with --raw-kprobes")
-    g = make_backend(guest, vm, post_handler=post_handler)
+    g = make_backend(guest, vm, post_handler=post_handler, buffer_mib=buffer_mib)
     g.raw_kprobes = raw_kprobes
     if trig:
         g.triggers = trig

@@ -56,22 +56,26 @@ class ThreeWay:
 
 
 def run_three(vm: Machine, specs: Sequence[ProbeSpec], workload: str, *, guest: str = "events",
-              timeout: float = 120.0, **verdict: Any) -> ThreeWay:
+              timeout: float = 120.0, buffer_mib: int | None = None,
+              **verdict: Any) -> ThreeWay:
     """Arm ``specs`` in the gdbstub engine, the plugin engine and the guest; run once.
 
     :param verdict: ``harness.diff.verdict.compare``'s ``strict``, ``allow``, ``expect_empty``,
         for every pair.
+    :param buffer_mib: the guest side's record buffer, MiB (``make_backend``).
     """
     if getattr(vm, "host_kind", "") != "plugin":
         raise SetupError("three worlds need the plugin loaded", "boot with host='plugin'")
 
     watch = KernelWatch(vm)     # the kernel's splats, a panic or a hang: kernel findings
     with watch.watching():
-        return _three(vm, watch, specs, workload, guest=guest, timeout=timeout, **verdict)
+        return _three(vm, watch, specs, workload, guest=guest, timeout=timeout,
+                      buffer_mib=buffer_mib, **verdict)
 
 
 def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload: str, *,
-           guest: str, timeout: float, **verdict: Any) -> ThreeWay:
+           guest: str, timeout: float, buffer_mib: int | None = None,
+           **verdict: Any) -> ThreeWay:
     specs = resolve_uprobes(vm, specs)
     comm_rule = "saved_cmdlines" if guest == "events" else "at_hit"
     stub = HostEngine(vm, emulate=False)
@@ -80,7 +84,7 @@ def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload
         h = HostBackend(vm, comm_rule=comm_rule)
         h.engine = stub                   # the gdbstub engine, not vm.host (the plugin's)
         p = PluginBackend(vm, comm_rule=comm_rule)
-        g = make_backend(guest, vm)
+        g = make_backend(guest, vm, buffer_mib=buffer_mib)
         outs = h.register(specs), p.register(specs), g.register(specs)
         stub.invalidate_code()
         # All three switch in one settled halt of the guest (harness.diff.runner): the

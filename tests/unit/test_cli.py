@@ -32,6 +32,13 @@ def test_bad_accel_is_a_usage_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+def test_a_guest_buffer_that_is_not_a_size_is_one_line_exit_2():
+    for bad in ("0", "lots", "1025"):
+        r = _kph("diff", "p:x do_sys_openat2", "--run", "true", "--guest-buffer", bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"'{bad}' is not a size in MiB from 1 to 1024" in r.stderr, r.stderr
+
+
 def test_a_bad_output_path_is_one_line_exit_2_before_any_boot(tmp_path):
     for opt, path in (("-o", "/nonexistent/dir/x.json"), ("--html", str(tmp_path))):
         r = _kph("diff", "p:x do_sys_openat2", "--run", "true", opt, path,

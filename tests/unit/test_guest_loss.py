@@ -2,6 +2,7 @@
 own accounting (per_cpu/cpuN/stats, the page header's missed-events flag and stored count,
 kernel/trace/ring_buffer.c: ring_buffer_read_page(); trace.c: tracing_stats_read()), a
 drain that stopped before the buffer was empty, and the module's dropped counter."""
+import pickle
 import struct
 import types
 
@@ -9,7 +10,7 @@ import pytest
 
 from harness.backends.events import EventsBackend
 from harness.backends.module import ModuleBackend, ModuleError, buffer_stats
-from harness.errors import GuestLossError
+from harness.errors import GuestLossError, needed_mib
 from harness.kernel.ringbuf import page_missed, parse_page, parse_stats, ring_loss
 
 # per_cpu/cpu1/stats as 6.1 prints it after a run that overflowed a 4 KiB buffer
@@ -72,6 +73,32 @@ def test_events_losses_fail_the_run_with_the_count():
     assert (e.side, e.count) == ("events", 1187)
     assert "lost 1187 event(s)" in str(e) and "cpu1/stats overrun 1187" in str(e)
     assert "buffer_size_kb 4" in str(e) and "\n" not in str(e)
+
+
+def test_a_loss_error_gives_the_buffer_that_would_hold_the_run():
+    """The size is the lossy CPU's buffer scaled by what it lost over what it kept, a
+    quarter more, in whole MiB (kph diff --guest-buffer's unit); no size without a count
+    of what was kept."""
+    be = _events()
+    be.buffer_kb = 16384
+    losses = [ring_loss(0, {}, [page()]), ring_loss(1, parse_stats(STATS), [page()])]
+    with pytest.raises(GuestLossError) as ei:
+        be.check_losses(losses, {}, {0: 50, 1: 1187})
+    # cpu1: 16 MiB held 1,187, lost 1,187: 32 MiB, and a quarter: 40
+    assert ei.value.needed_mib == 40
+    assert str(ei.value).endswith("the run is not compared; a guest buffer of 40 MiB would "
+                                  "hold it (kph diff --guest-buffer 40)")
+    with pytest.raises(GuestLossError) as ei:
+        be.check_losses(losses, {})
+    assert ei.value.needed_mib == 0 and "--guest-buffer" not in str(ei.value)
+    assert pickle.loads(pickle.dumps(ei.value)).args == ei.value.args
+
+
+@pytest.mark.parametrize("size,kept,lost,mib", [
+    (4 << 20, 50_000, 50_000, 10), (1 << 20, 1000, 1, 2), (4096, 40, 260, 1),
+    (16 << 20, 100, 0, 20), (4 << 20, 0, 5, 0), (0, 5, 5, 0)])
+def test_the_suggested_buffer_scales_what_held_the_kept_records(size, kept, lost, mib):
+    assert needed_mib(size, kept, lost) == mib
 
 
 def test_a_drain_cut_short_fails_the_run():

@@ -321,7 +321,13 @@ def test_collect_fails_on_records_the_module_dropped(monkeypatch):
     be._dropped0 = 3
     monkeypatch.setattr(be.vm, "pull_many", lambda paths, **kw: [
         b"", b"buffer size 4096 used 0 records 0 dropped 5 seq 9\n"], raising=False)
-    with pytest.raises(GuestLossError, match="dropped 2 record"):
+    with pytest.raises(GuestLossError, match="dropped 2 record") as ei:
+        be.collect()
+    assert ei.value.needed_mib == 0         # no record kept to scale from
+    monkeypatch.setattr(be.vm, "pull_many", lambda paths, **kw: [
+        b"", b"buffer size 4194304 used 4194300 records 40000 dropped 40003 seq 9\n"],
+        raising=False)
+    with pytest.raises(GuestLossError, match=r"dropped 40000 record.*--guest-buffer 10\)$"):
         be.collect()
 
 

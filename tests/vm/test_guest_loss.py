@@ -3,6 +3,10 @@ image (issue 36): the ring buffer overwritten under a hot probe (a 4 KiB buffer_
 a drain cut short, and kph_kprobes.ko's buffer full (its bufsize parameter at 4 KiB)."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
 from harness.backends import events as events_mod
@@ -13,6 +17,11 @@ from harness.errors import GuestLossError
 from harness.kernel.grammar import parse
 
 pytestmark = pytest.mark.vm
+
+def kph(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *argv], capture_output=True,
+                          text=True, timeout=600)
+
 
 OPEN = "p:kph/hot do_sys_openat2 path=+0(%si):ustring"
 # opens from the shell itself (a redirection of a builtin): no fork per open
@@ -159,6 +168,26 @@ def test_a_full_module_buffer_fails_the_run(vm):
         print(f"measured: {ei.value}")
     finally:
         be.close()
+
+
+@pytest.mark.parametrize("guest", ["module", "events"])
+def test_kph_diff_past_its_guest_buffer_names_the_size_that_then_holds_the_run(guest):
+    """``kph diff --guest-buffer 1`` under 40,000 vfs_read hits of two arguments (~4 MB of
+    the module's records, 104 bytes each; ~1.4 MB of the events side's ring buffer, 36
+    bytes each): not compared, exit 2, one line naming the size; the same run with that
+    size is compared, equivalent."""
+    argv = ("diff", "--guest", guest, "--host", "plugin", "-q",
+            "p:kph/rd vfs_read count=%dx:u64 buf=%si:x64",
+            "--run", "dd if=/dev/zero of=/dev/null bs=1 count=40000 2>/dev/null")
+    small = kph(*argv, "--guest-buffer", "1")
+    assert small.returncode == 2, small.stdout[-2000:] + small.stderr[-2000:]
+    line = small.stderr.strip().splitlines()[-1]
+    m = re.search(r"the run is not compared; a guest buffer of (\d+) MiB would hold it "
+                  r"\(kph diff --guest-buffer (\d+)\)$", line)
+    assert m and m[1] == m[2] and int(m[1]) > 1, small.stderr
+    print(f"measured: {line}")
+    big = kph(*argv, "--guest-buffer", m[1])
+    assert big.returncode == 0, big.stdout[-2000:] + big.stderr[-2000:]
 
 
 def test_a_big_module_drain_comes_whole_in_one_reader_request(vm, monkeypatch):
