@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import typing
+import warnings
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -124,8 +125,12 @@ def _on_signal(signum: int, frame: object) -> None:
     _interrupted.append(signum)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)
-    # Teardown after an interruption is quiet: what fails there fails because of it.
+    # Teardown after an interruption is quiet: what fails there fails because of it (a
+    # coroutine made and not yet scheduled when the signal came, QMP's connect for one,
+    # would print a RuntimeWarning as it is collected).
     logging.disable(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                            category=RuntimeWarning)
     vmctl = sys.modules.get("harness.vmctl")   # not loaded yet: no machine to abort
     if vmctl is not None:
         vmctl.abort_all()

@@ -100,3 +100,33 @@ def test_a_ring_that_does_not_decode_is_an_engine_error():
     be, _ = _backend(records, None)
     with pytest.raises(EngineReadError, match="ring could not be decoded: error: unpack_from"):
         be._take()
+
+
+def test_an_interruption_prints_no_warning_for_a_coroutine_it_left_unscheduled(monkeypatch):
+    """SIGTERM between making a coroutine and scheduling it (``Machine.start``'s QMP
+    connect; CI's run of b24a38e): collected later, Python would print "coroutine ... was
+    never awaited" under the interruption's one line."""
+    import gc
+    import logging
+    import signal
+    import warnings
+
+    m = importlib.import_module("harness.cli.main")
+
+    async def connect() -> None:
+        pass
+
+    monkeypatch.setattr(m, "_interrupted", [])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)     # the test's handlers stay
+    monkeypatch.delitem(sys.modules, "harness.vmctl", raising=False)   # no machine to abort
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            coro = connect()
+            with pytest.raises(KeyboardInterrupt):
+                m._on_signal(signal.SIGTERM, None)
+            del coro
+            gc.collect()
+    finally:
+        logging.disable(logging.NOTSET)
+    assert not [w for w in seen if "never awaited" in str(w.message)], seen
