@@ -162,8 +162,7 @@ def whole(n: int, rounds: int) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=None,
-                    help="vfs_read calls (default 100000; 40000 with --whole: the module's "
-                         "4-MiB record buffer holds ~48,000 of these records)")
+                    help="vfs_read calls (default 100000; 40000 with --whole)")
     ap.add_argument("--n-gdbstub", type=int, default=400, help="the gdbstub's shorter run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--whole", action="store_true",

@@ -14,7 +14,11 @@ set-ups, interleaved, N rounds each, medians:
   shutdown      as set up, but the objects ``kph`` leaves out of the interpreter's
   collected     shutdown collections (``harness.cli.main._freeze_for_exit``) given back
                 to them (``gc.unfreeze()`` in an ``atexit`` hook): what the exit cost
-                before.
+                before;
+  loaded after  as set up, but the image's BTF and the disassembler loaded when first
+  the start     asked for, after the guest's start, not in a thread beside it
+                (``harness.vmctl.Machine._warm_host_side`` made a no-op): what the
+                start cost before.
 
 ``--image`` picks the image (default: the default image).
 """
@@ -42,12 +46,16 @@ LINE = "p:o do_sys_openat2 dfd=%di:s32 path=+0(%si):ustring"
 #: first, so it runs after main() froze (atexit runs its hooks last in, first out)
 UNFROZEN = ("import atexit, gc, runpy, sys; atexit.register(gc.unfreeze); sys.argv[0] = 'kph'; "
             "runpy.run_module('harness.cli', run_name='__main__')")
+#: the same with nothing loaded beside the guest's start
+UNWARMED = ("import runpy, sys; import harness.vmctl as v; "
+            "v.Machine._warm_host_side = lambda self: None; sys.argv[0] = 'kph'; "
+            "runpy.run_module('harness.cli', run_name='__main__')")
 
 
-def one(kernel: str | None, env: dict[str, str], *, unfrozen: bool = False) -> float:
+def one(kernel: str | None, env: dict[str, str], *, prelude: str | None = None) -> float:
     argv = [sys.executable, "-m", "harness.cli", "diff", "-q", LINE, "--run", "cat /proc/version"]
-    if unfrozen:
-        argv[1:3] = ["-c", UNFROZEN]
+    if prelude:
+        argv[1:3] = ["-c", prelude]
     if kernel:
         argv[4:4] = ["--image", kernel]
     t0 = time.monotonic()
@@ -70,10 +78,12 @@ def main() -> int:
     base.pop("PYTHONPYCACHEPREFIX", None)
     one(args.image, base)                  # the snapshot and the kept facts exist now
     times: dict[str, list[float]] = {"as set up": [], "first after a build": [],
-                                     "no bytecode": [], "shutdown collected": []}
+                                     "no bytecode": [], "shutdown collected": [],
+                                     "loaded after the start": []}
     for _ in range(args.n):
         times["as set up"].append(one(args.image, base))
-        times["shutdown collected"].append(one(args.image, base, unfrozen=True))
+        times["shutdown collected"].append(one(args.image, base, prelude=UNFROZEN))
+        times["loaded after the start"].append(one(args.image, base, prelude=UNWARMED))
         for p in img.dir.glob(f".*{KEPT}"):
             p.unlink()
         times["first after a build"].append(one(args.image, base))

@@ -68,7 +68,7 @@ from .machine.qemu import QemuBinary, find_qemu
 from .machine.pluginlink import build_plugin, qemu_args
 from .machine.snapshot import ensure, file_sha256, say_once
 from .gdbstub import attach, spawn as spawn_gdb
-from .kernel.symbols import SymbolTable
+from .kernel.symbols import SymbolTable, load_disassembler
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,8 @@ class Machine:
         #: Start gdb with QEMU (``boot(early_gdb=True)``); the gdb started so, until
         #: :meth:`gdbstub` attaches through it (ended by its pid in :meth:`close` if never)
         self.early_gdb = False
+        #: The thread loading the host side beside the start (:meth:`_warm_host_side`)
+        self.warmer: threading.Thread | None = None
         self._early_gdb: subprocess.Popen[bytes] | None = None
         self._symbols: Any = None
         #: refresh_module_symbols(): kallsyms lines per module state seen
@@ -573,6 +575,7 @@ class Machine:
                              "run `kph doctor`") from exc
         finally:
             qlog.close()
+        self._warm_host_side()
         if self.early_gdb:
             # gdb starts beside the restore and the guest's first answers; it attaches
             # when first asked for (gdbstub()): its start is then done
@@ -612,6 +615,31 @@ class Machine:
             self._resync()
         self.boot_seconds = time.monotonic() - t0
         self.log.debug("ready in %.2f s (%s)", self.boot_seconds, self.start_mode)
+
+    def _warm_host_side(self) -> None:
+        """Load what the host side asks for first, in a thread beside the guest's start
+        (QEMU's start, the restore, the resync: ~0.5 s in which this process waits): the
+        image's BTF and, where the addresses are fixed (``nokaslr``), its kallsyms table
+        (parsed, or read back from their kept copies: harness.machine.image.facts), and
+        the disassembler. Whoever asks for one of them first waits for its load
+        (``functools.cached_property`` holds a lock in Python 3.11; ``_load_btf`` and
+        ``_load_symbols`` are cached per file); a failure here is left for that caller
+        to meet and report, never raised from the thread."""
+        facts = self.facts
+        if facts is None:
+            return
+        fixed = "nokaslr" in self.append.split()
+
+        def warm() -> None:
+            try:
+                facts.btf
+                if fixed:
+                    facts.symbols
+                load_disassembler()
+            except Exception as exc:  # noqa: BLE001 - the caller that needs it reports it
+                self.log.debug("loading the host side beside the start: %s", exc)
+        self.warmer = threading.Thread(target=warm, name=f"{self.name}-warm", daemon=True)
+        self.warmer.start()
 
     def _resync(self) -> None:
         """Bring a restored guest back in step with the host: without this, every guest

@@ -645,6 +645,12 @@ def _capstone() -> capstone.Cs:   # imported on first use, like pyelftools
     return capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 
 
+def load_disassembler() -> None:
+    """Import capstone and make the decoder :func:`instruction_at` uses now (~40 ms),
+    for a caller that has idle time before the first instruction is checked."""
+    _capstone()
+
+
 def instruction_at(code: bytes, addr: int) -> Insn | None:
     """The instruction at the start of ``code`` (located at ``addr``); None if invalid.
     A Xen/KVM emulate prefix joins the instruction after it, as in ``insn_decode()``.

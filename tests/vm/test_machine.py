@@ -272,6 +272,23 @@ def test_two_machines_at_once(default_image):
         assert not _alive(pid)
 
 
+def test_the_host_side_loads_btf_and_symbols_beside_the_start(default_image):
+    """A machine's start loads the image's BTF and kallsyms table in a thread while the
+    guest restores: on an image object no one has asked yet (a new one, its own facts),
+    both are there once that thread is done, before anything asked for them, and they
+    are what asking gives."""
+    from harness.machine.image.store import load_image
+
+    img = load_image(default_image.dir)
+    with Machine.boot(img) as vm:
+        assert "nokaslr" in vm.append.split() and vm.warmer is not None
+        vm.warmer.join(60)
+        assert not vm.warmer.is_alive()
+        loaded = vars(img.facts)
+        assert {"btf", "symbols"} <= loaded.keys(), sorted(loaded)
+        assert vm.btf is loaded["btf"] and vm.symbols is loaded["symbols"]
+
+
 def test_panic_raises_within_seconds_and_cleans_up(default_image):
     m = Machine.boot(default_image)
     pid = m.pid

@@ -42,6 +42,7 @@ import gzip
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -196,7 +197,8 @@ def _derived(path: Path, kind: str, stamp: tuple[int, ...], build: Callable[[], 
         if got is not None:
             return got
     value = build()
-    tmp = keep.with_name(f"{keep.name}.{os.getpid()}.tmp")
+    # per thread: a machine loads its facts in a thread beside its start (vmctl)
+    tmp = keep.with_name(f"{keep.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         tmp.write_bytes(head + dump(value))
         os.replace(tmp, keep)
