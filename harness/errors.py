@@ -208,11 +208,41 @@ class EngineReadError(HarnessError):
 class PluginRecordError(HarnessError):
     """The plugin's records of a run are incomplete: records dropped on a full ring,
     truncated records, or programs the plugin refused. ``counts`` has each kind's number.
-    A run with any of them is not compared (``kph diff`` exit 3)."""
+    A run with any of them is not compared (``kph diff`` exit 2, 3 when the VM was lost
+    under it). ``ring_mib``: with records dropped, the ring per vCPU that would have held
+    them (:func:`ring_mib`; 0 when none the plugin takes would): the size to pass as
+    ``kph diff --host-buffer``, which the message names."""
 
-    def __init__(self, msg: str, counts: dict[str, int] | None = None) -> None:
-        super().__init__(msg)
+    def __init__(self, msg: str, counts: dict[str, int] | None = None,
+                 ring_mib: int = 0) -> None:
+        hint = (f"; a ring of {ring_mib} MiB per vCPU would have held them (kph diff "
+                f"--host-buffer {ring_mib})" if ring_mib else "")
+        super().__init__(msg + hint)
+        self.msg = msg
         self.counts = dict(counts or {})
+        self.ring_mib = ring_mib
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.msg, self.counts, self.ring_mib)
+
+
+#: The largest ring per vCPU the plugin takes, in MiB (probes/plugin/kph_plugin.h:
+#: RING_MAX_SIZE; ``kph diff --host-buffer``'s bound)
+MAX_RING_MIB = 1024
+
+
+def ring_mib(size: int, dropped: int, record_bytes: float) -> int:
+    """The plugin's ring per vCPU (MiB, a power of two, as the plugin takes it) that would
+    have held ``dropped`` more records of ``record_bytes`` each beside the ``size`` bytes
+    that were full, twice over: the records arrived while the drain was behind, so a ring
+    that holds them too rides out a lag as long, and twice a lag as long or a guest that
+    writes twice as fast (the same run's hits came 30% faster or slower from one run to
+    the next on this machine under load). 0 past :data:`MAX_RING_MIB`."""
+    need = (size + dropped * record_bytes) * 2
+    mib = 1
+    while (mib << 20) < need:
+        mib <<= 1
+    return mib if mib <= MAX_RING_MIB else 0
 
 
 def needed_mib(size: int, kept: int, lost: int) -> int:

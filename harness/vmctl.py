@@ -289,6 +289,10 @@ class Machine:
         self.early_gdb = False
         #: The thread loading the host side beside the start (:meth:`_warm_host_side`)
         self.warmer: threading.Thread | None = None
+        #: The plugin engine's record ring per vCPU in MiB (a power of two; None:
+        #: ``harness.machine.pluginlink.RING_SIZE``), read when the engine starts
+        #: (``kph diff --host-buffer``)
+        self.plugin_ring_mib: int | None = None
         self._early_gdb: subprocess.Popen[bytes] | None = None
         self._symbols: Any = None
         #: refresh_module_symbols(): kallsyms lines per module state seen

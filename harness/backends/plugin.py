@@ -24,14 +24,14 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from ..errors import (EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError,
-                      SetupError)
+                      SetupError, ring_mib)
 from ..kernel.grammar.fetch import (UNKNOWN, FaultError, below_sp, evaluate, format_ip,
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
 from ..kernel.kprobes import INT3_INSN_SIZE, kernel_rethook_trampoline, preempt_context
 from ..machine.pluginlink import (RF_BADPROG, RF_COMM, RF_CTX, RF_HARDIRQ, RF_NMI, RF_NOUACCESS,
                                   RF_PID, RF_SOFTIRQ, RF_TASK, RF_TRUNC, RF_UNCONFIRMED, REC_HIT,
-                                  REC_RET, REGS_OFF, PluginRecord, decode, lean_seq)
+                                  REC_HDR, REC_RET, REGS_OFF, PluginRecord, decode, lean_seq)
 from ..kernel.grammar import ProbeSpec, parse
 from ..records import DECODED_MAX, Counters, Hit, Outcome, gc_paused
 from ..engines.plugin_uprobes import user_filter, user_trampoline
@@ -240,6 +240,8 @@ class PluginBackend:
         self._nhit: dict[str, int] = {}     # recorded hits per event, over the window
         self.capture_misses = 0
         self.dropped = 0
+        #: with records dropped: the ring per vCPU that would have held them (MiB, 0: none)
+        self.ring_mib = 0
         #: Hits that could not be evaluated (probe, the error) and records the plugin
         #: left incomplete (kind -> count): collect() fails the run on either.
         self.engine_errors: list[tuple[str, EngineReadError]] = []
@@ -475,13 +477,16 @@ class PluginBackend:
         self.recording = False
         self._stop_stream()
         self._take()
-        with self._lock:
-            self._redecode_if_stale()
-            self._raw, self._basis = [], None   # decoded as the window closed, as before
         #: Records the plugin had to drop (a ring full: the host drained too slowly).
         self.dropped = self.engine.link.dropped - getattr(self, "_dropped0", 0)
+        with self._lock:
+            self._redecode_if_stale()
+            sizes = [len(raw) for _, raw in self._raw] if self.dropped else []
+            self._raw, self._basis = [], None   # decoded as the window closed, as before
         if self.dropped:
             self.bad_records["dropped (ring full)"] = self.dropped
+            self.ring_mib = ring_mib(self.engine.link.ring.size, self.dropped,
+                                     sum(sizes) / len(sizes) if sizes else REC_HDR.size)
 
     def _decode_while_recording(self) -> None:
         """The recording window's records, decoded as they come (every
@@ -641,7 +646,9 @@ class PluginBackend:
         if self.bad_records:
             what = ", ".join(f"{n} {k}" for k, n in self.bad_records.items())
             raise PluginRecordError(f"the plugin engine's records are incomplete: {what}; "
-                                    "the run is not compared", self.bad_records)
+                                    "the run is not compared", self.bad_records,
+                                    self.ring_mib if "dropped (ring full)" in self.bad_records
+                                    else 0)
         EngineReadError.raise_first(self.engine_errors)
 
     def _watch_comms(self) -> None:

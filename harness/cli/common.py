@@ -223,10 +223,12 @@ def machine(args: argparse.Namespace, *, gdb: bool | None = None) -> Any:
     host = "plugin" if kind in ("plugin", "both") else "gdbstub"
     if gdb is None:
         gdb = kind in ("gdbstub", "both")
-    return Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
-                        smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
-                        qemu=args.qemu, fresh=not args.cold, host=host,
-                        early_gdb=gdb)
+    vm = Machine.boot(args.image, kernel=args.kernel, initrd=args.initrd, vmlinux=args.vmlinux,
+                      smp=args.smp, accel=args.accel, memory=args.memory, append=args.append,
+                      qemu=args.qemu, fresh=not args.cold, host=host, early_gdb=gdb)
+    # read when the plugin engine starts, at its first use (kph diff --host-buffer)
+    vm.plugin_ring_mib = getattr(args, "host_buffer", None)
+    return vm
 
 
 def started(vm: Machine, args: argparse.Namespace) -> str:

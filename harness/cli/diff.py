@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import SetupError
+from ..errors import MAX_RING_MIB, SetupError
 from . import ci
 from .common import (booted, ci_group, examples, exit_for, kernel_group, load_specs, machine,
                      qemu_group, spec_args, sub, verdict_group, verdict_opts, workload_ran)
@@ -27,6 +27,20 @@ def buffer_mib(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size in MiB from 1 to "
                                          f"{MAX_BUFFER_MIB} (e.g. --guest-buffer 64)")
     return n
+
+
+def ring_mib(text: str) -> int:
+    """``--host-buffer``'s value: MiB, a power of two from 1 to :data:`MAX_RING_MIB` (the
+    plugin takes a ring of a power of two, probes/plugin/control.c: cmd_ring)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_RING_MIB or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a power of two of MiB from 1 to "
+                                         f"{MAX_RING_MIB} (e.g. --host-buffer 64)")
+    return n
+
 
 EXAMPLES = ["kph diff 'p:open do_sys_openat2 path=+0(%si):ustring' "
             "'r:openret do_sys_openat2 ret=$retval:s64' --run 'cat /proc/version'",
@@ -72,6 +86,12 @@ def add_parser(subparsers: Any) -> None:
                     "--guest module (default: 16 each). A run whose records do not fit is "
                     "not compared (exit 2), and its error gives the size that would hold "
                     "them")
+    df.add_argument("--host-buffer", type=ring_mib, metavar="MIB",
+                    help="with --host plugin or both: the plugin engine's record ring per "
+                    "vCPU in MiB, a power of two (default: 16). The host drains it every "
+                    "2 ms while the workload runs; a hot probe whose records outrun the "
+                    "drain has them dropped, the run is not compared (exit 2), and its "
+                    "error gives the ring that would have held them")
     df.add_argument("--html", metavar="FILE", help="write a self-contained HTML report")
     df.add_argument("--trigger", metavar="EVENT=stacktrace[:N]", action="append", default=[],
                     help="put a stacktrace trigger on an event of the lines (GROUP/EVENT or "
@@ -139,6 +159,10 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.raw_kprobes and args.guest != "module":
         raise SetupError("--raw-kprobes is the module backend's (kprobe_events always runs "
                          "trace_kprobe's checks)", "add --guest module")
+    if args.host_buffer and args.host == "gdbstub":
+        raise SetupError(f"--host-buffer {args.host_buffer}: the ring is the plugin engine's "
+                         "(the gdbstub engine records at each stop)",
+                         "add --host plugin (or --host both)")
     if (args.post_handler or args.raw_kprobes) and args.host == "both":
         raise SetupError("--post-handler and --raw-kprobes with --host both are not "
                          "supported",

@@ -67,7 +67,7 @@ from ..machine.pluginlink import (
     ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE, CMD_CONFIG, CMD_ENABLE,
     CMD_FAILREAD, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, CMD_WINDOW, FULL_PROBES,
     FULL_SITE, INVAL_PENDING, INVAL_TEXT, MAX_PER_SITE, MAX_PROBES, MAX_WIN_WRITES, NGSTATS,
-    CMD_MARKS, MARKS_READ, MAX_WIN_READS,
+    CMD_MARKS, MARKS_READ, MAX_WIN_READS, RING_SIZE,
     PK_FLUSH, PK_FORK, PK_KPROBE, PK_KRET, PK_SPEC_P, PK_SPEC_R, PK_UFREE, WIN_FAILED,
     WIN_PENDING, WIN_TEXT, WIN_UNSETTLED, Channel, PluginError, PluginLink, PluginRecord, decode,
     host_waiter, lean)
@@ -154,7 +154,9 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
             self.trampoline = self._executable_trampoline()
         self.task_offsets = (percpu_current_task(self.symbols, vm.btf) or 0, self._btf("pid"),
                              self._btf("comm"))
-        self.link = PluginLink(vm.rundir / "plugin.sock")
+        mib = getattr(vm, "plugin_ring_mib", None)
+        self.link = PluginLink(vm.rundir / "plugin.sock",
+                               ring_size=mib << 20 if mib else RING_SIZE)
         facts = getattr(vm, "facts", None)
         flags = CFG_URET_SYSCALL if facts is not None and facts.rules.uretprobe_syscall else 0
         # where preempt_count()'s hardirq bits start on this kernel (kph_proto.h:

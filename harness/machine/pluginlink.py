@@ -132,8 +132,13 @@ ADD_EXT_SIZE = 64
 RING_MAGIC = 0x4B504852
 RING_CTL_OFF = 4096
 RING_CTL_SIZE = 128
-#: Bytes of ring per vCPU (a power of two): ~15,000 typical records.
-RING_SIZE = 4 << 20
+#: Bytes of ring per vCPU (a power of two), unless the machine says otherwise
+#: (``Machine.plugin_ring_mib``, ``kph diff --host-buffer``): ~70,000 register-only
+#: records (240 bytes each). A record the ring has no room for is dropped, and the run is
+#: not compared: a hot probe's vCPU writes ~35 MB a second of them (100,000 ``vfs_read``
+#: hits in 0.7 s, 2026-12-03, this machine), so the drain thread (every 2 ms) may fall
+#: behind by ~0.5 s; it was 4 MiB, 0.12 s, and one run of that bench lost records so.
+RING_SIZE = 16 << 20
 #: kph_rec_hdr
 REC_HDR = struct.Struct("<IHHIIQ21QQQQiI16s")
 assert REC_HDR.size == 240
@@ -146,6 +151,8 @@ assert REC_LEAN.size == REC_HDR.size
 REGS_OFF = 24
 #: How often the drain thread empties the rings while the guest runs (seconds).
 DRAIN_INTERVAL = 0.002
+#: How much of a ring a drain copies before it gives that space back (bytes)
+DRAIN_RELEASE = 256 << 10
 REQUEST_TIMEOUT = 15.0
 
 
@@ -323,22 +330,29 @@ class _Ring:
         return sum(d.value for d in self._dropped)
 
     def drain(self, out: list[bytes]) -> int:
-        """Move every complete record into ``out``; return how many."""
+        """Move every complete record into ``out``; return how many. The space is given
+        back to the producer as the copying goes (every :data:`DRAIN_RELEASE` bytes),
+        not once at the end: a full ring's drain (16 MiB, ~70,000 records, tens of ms in
+        Python) would otherwise leave it full, and drop what comes meanwhile, for as long."""
         got = 0
         for i in range(self.n):
             head = self._heads[i].value          # an aligned 8-byte load (x86: atomic)
             tail = self._tails[i].value
             base = self.data_off + i * self.size
+            release = tail + DRAIN_RELEASE
             while tail < head:
                 pos = tail & (self.size - 1)
                 size, rtype = struct.unpack_from("<IH", self.map, base + pos)
                 if size < 8 or size & 7 or pos + size > self.size:
                     raise PluginError(f"corrupt record in vCPU {i}'s ring at {tail}")
                 if rtype != REC_PAD:
-                    out.append(self.map[base + pos:base + pos + size])
+                    out.append(self.map[base + pos:base + pos + size])   # a copy
                     got += 1
                 tail += size
-            self._tails[i].value = tail          # releases the space to the producer
+                if tail >= release:
+                    self._tails[i].value = tail  # releases the space copied to the producer
+                    release = tail + DRAIN_RELEASE
+            self._tails[i].value = tail
         return got
 
     def close(self) -> None:

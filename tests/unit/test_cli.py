@@ -39,6 +39,23 @@ def test_a_guest_buffer_that_is_not_a_size_is_one_line_exit_2():
         assert f"'{bad}' is not a size in MiB from 1 to 1024" in r.stderr, r.stderr
 
 
+def test_a_host_buffer_that_is_not_a_power_of_two_of_mib_is_one_line_exit_2():
+    for bad in ("0", "3", "lots", "2048"):
+        r = _kph("diff", "--host", "plugin", "p:x do_sys_openat2", "--run", "true",
+                 "--host-buffer", bad)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"'{bad}' is not a power of two of MiB from 1 to 1024" in r.stderr, r.stderr
+
+
+def test_a_host_buffer_without_the_plugin_engine_is_refused_before_any_boot():
+    r = _kph("diff", "p:x do_sys_openat2", "--run", "true", "--host-buffer", "64",
+             "--kernel", "/nonexistent")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--host-buffer 64: the ring is the plugin engine's" in lines[0], r.stderr
+    assert "add --host plugin" in lines[0], r.stderr
+
+
 def test_a_bad_output_path_is_one_line_exit_2_before_any_boot(tmp_path):
     for opt, path in (("-o", "/nonexistent/dir/x.json"), ("--html", str(tmp_path))):
         r = _kph("diff", "p:x do_sys_openat2", "--run", "true", opt, path,

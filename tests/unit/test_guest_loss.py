@@ -10,7 +10,7 @@ import pytest
 
 from harness.backends.events import EventsBackend
 from harness.backends.module import ModuleBackend, ModuleError, buffer_stats
-from harness.errors import GuestLossError, needed_mib
+from harness.errors import GuestLossError, PluginRecordError, needed_mib, ring_mib
 from harness.kernel.ringbuf import page_missed, parse_page, parse_stats, ring_loss
 
 # per_cpu/cpu1/stats as 6.1 prints it after a run that overflowed a 4 KiB buffer
@@ -92,6 +92,26 @@ def test_a_loss_error_gives_the_buffer_that_would_hold_the_run():
         be.check_losses(losses, {})
     assert ei.value.needed_mib == 0 and "--guest-buffer" not in str(ei.value)
     assert pickle.loads(pickle.dumps(ei.value)).args == ei.value.args
+
+
+@pytest.mark.parametrize("size,dropped,rec,mib", [
+    (1 << 20, 11_608, 240, 8), (16 << 20, 1, 240, 64), (4 << 20, 0, 240, 8),
+    (1 << 20, 1, 240, 4), (512 << 20, 1, 240, 0), (256 << 20, 10, 240, 1024)])
+def test_the_suggested_plugin_ring_holds_the_dropped_records_twice_over(size, dropped, rec,
+                                                                          mib):
+    """The ring that held ``size`` bytes, and the dropped records beside them, twice, as
+    a power of two of MiB (the plugin takes no other); 0 past the plugin's 1 GiB."""
+    assert ring_mib(size, dropped, rec) == mib
+
+
+def test_a_plugin_record_error_names_the_ring_only_with_one_to_name():
+    e = PluginRecordError("the plugin engine's records are incomplete: 5 dropped (ring "
+                          "full); the run is not compared", {"dropped (ring full)": 5}, 8)
+    assert str(e).endswith("; a ring of 8 MiB per vCPU would have held them (kph diff "
+                           "--host-buffer 8)")
+    back = pickle.loads(pickle.dumps(e))
+    assert str(back) == str(e) and back.counts == e.counts and back.ring_mib == 8
+    assert "--host-buffer" not in str(PluginRecordError("1 truncated", {"truncated": 1}))
 
 
 @pytest.mark.parametrize("size,kept,lost,mib", [

@@ -203,3 +203,36 @@ def test_a_record_placed_without_hit_counts_and_refuses_as_one_decoded_alone():
                                                     "program refused by the plugin": 1}
     assert [str(e) for _, e in fast.engine_errors] == [str(e) for _, e in slow.engine_errors]
     assert len(fast.engine_errors) == 1     # the unconfirmed one
+
+
+def test_a_drain_gives_the_ring_back_as_it_copies_not_once_at_its_end():
+    """A full ring's drain hands the space it has copied back to the producer every
+    DRAIN_RELEASE bytes (the tail moves while records are still being copied), so a long
+    drain does not keep the ring full; every record comes out once, in order."""
+    import struct
+
+    from harness.machine import pluginlink
+
+    ring = pluginlink._Ring(1, 1 << 20)
+    try:
+        size, n = 4096, 250                   # 1,000 KiB of records in a 1 MiB ring
+        base = ring.data_off
+        for i in range(n):
+            struct.pack_into("<IHH", ring.map, base + i * size, size, REC_HIT, i)
+        ring._heads[0].value = n * size
+        tails: list[int] = []
+
+        class Seen(list):
+            def append(self, rec: bytes) -> None:
+                tails.append(ring._tails[0].value)
+                super().append(rec)
+        out = Seen()
+        assert ring.drain(out) == n
+        assert [struct.unpack_from("<H", r, 6)[0] for r in out] == list(range(n))
+        assert ring._tails[0].value == n * size
+        step = pluginlink.DRAIN_RELEASE
+        # before copying record k, the space of every whole DRAIN_RELEASE before it is free
+        assert all(t == (k * size) // step * step for k, t in enumerate(tails)), tails[::16]
+        assert tails[-1] > 0
+    finally:
+        ring.close()

@@ -1,20 +1,26 @@
 """Losses of the in-guest sides fail the run with their count, on the booted default
 image (issue 36): the ring buffer overwritten under a hot probe (a 4 KiB buffer_size_kb),
-a drain cut short, and kph_kprobes.ko's buffer full (its bufsize parameter at 4 KiB)."""
+a drain cut short, and kph_kprobes.ko's buffer full (its bufsize parameter at 4 KiB). And
+the host side's: the plugin engine's ring full while its drain is held back."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from harness.backends import events as events_mod
 from harness.backends.events import EventsBackend
 from harness.backends.module import ModuleBackend
+from harness.cli.common import machine
+from harness.cli.main import make_parser
 from harness.diff.runner import run_differential
-from harness.errors import GuestLossError
+from harness.diff.verdict import compare
+from harness.errors import GuestLossError, PluginRecordError
 from harness.kernel.grammar import parse
+from harness.vmctl import Machine
 
 pytestmark = pytest.mark.vm
 
@@ -238,3 +244,64 @@ def test_counters_of_two_groups_sharing_an_event_name_stay_apart(vm):
     for name in c:
         mine = [h for h in hits if h.probe == name]
         assert c[name].nhit >= len(mine) >= 5, (name, c[name], len(mine))
+
+
+HOT = "dd if=/dev/zero of=/dev/null bs=1 count=40000 2>/dev/null"
+
+
+def _held_drain(vm: Machine, seconds: float) -> list[float]:
+    """Hold the plugin's drain back once, for ``seconds``, as soon as its ring (vCPU 0)
+    holds 64 KiB: both the drain thread and the decoding's takes wait on the link's
+    record lock, as they would behind a host too busy to run them. The list gets the
+    hold's start."""
+    link, held = vm.host.link, []
+    real = link.drain
+
+    def drain() -> None:
+        ring = link.ring
+        if not held and ring._heads[0].value - ring._tails[0].value > 64 << 10:
+            held.append(time.monotonic())
+            with link._rec_lock:
+                time.sleep(seconds)
+        real()
+    link.drain = drain
+    return held
+
+
+def test_a_plugin_ring_outrun_while_its_drain_is_held_names_the_ring_that_holds_the_run(
+        default_image):
+    """40,000 vfs_read hits with the plugin's drain held back for 0.5 s: a ring of 1 MiB
+    per vCPU fills, the records that found it full are dropped and the run is not compared
+    (PluginRecordError, its count and the ring that would have held them); the same run
+    with that ring, the drain held back alike, is compared: equivalent."""
+    spec = parse("p:kph/rd vfs_read count=%dx:u64")
+    with Machine.boot(default_image, host="plugin") as vm:
+        vm.plugin_ring_mib = 1
+        assert vm.host.link.ring.size == 1 << 20
+        held = _held_drain(vm, 0.5)
+        with pytest.raises(PluginRecordError) as err:
+            run_differential(vm, [spec], HOT, guest="events", timeout=300)
+    assert held, "the ring never held 64 KiB"
+    exc = err.value
+    print(f"measured: {exc}")
+    assert exc.counts.get("dropped (ring full)", 0) > 0, exc.counts
+    assert exc.ring_mib > 1 and str(exc).endswith(
+        f"a ring of {exc.ring_mib} MiB per vCPU would have held them "
+        f"(kph diff --host-buffer {exc.ring_mib})"), exc
+    with Machine.boot(default_image, host="plugin") as vm:
+        vm.plugin_ring_mib = exc.ring_mib
+        held = _held_drain(vm, 0.5)
+        runs = run_differential(vm, [spec], HOT, guest="events", timeout=300)
+    assert held
+    res = compare(*runs)
+    assert res.equivalent and len(runs[0].hits) >= 40000, res.verdict_word
+
+
+def test_kph_diff_host_buffer_sizes_the_plugin_engine_s_ring(default_image):
+    """``--host-buffer 2`` as kph diff parses it: the machine the verb boots gives its
+    plugin engine a ring of 2 MiB per vCPU; without it, the default 16 MiB."""
+    for argv, mib in ((["--host-buffer", "2"], 2), ([], 16)):
+        args = make_parser().parse_args(["diff", "--host", "plugin", *argv, "p:a vfs_read",
+                                         "--run", "true"])
+        with machine(args) as vm:
+            assert vm.host.link.ring.size == mib << 20, (argv, vm.host.link.ring.size)
