@@ -29,8 +29,9 @@ refuses a probe is a *result* (see ``harness.engines.gdbstub_engine``), not an e
      │                                    out or refused, a capture the plugin lacks): the
      │                                    hit has no value, and the run fails, never
      │                                    "equivalent"
-     ├─ PluginRecordError(.counts)        the plugin's records of a run are incomplete
-     │                                    (ring overflow, truncated or refused records)
+     ├─ PluginRecordError(.counts, .ring_mib)    the plugin's records of a run are
+     │                                    incomplete (ring overflow, truncated or refused
+     │                                    records); .ring_mib: the ring that would hold them
      ├─ SymbolNotFoundError(.name)        also a KeyError
      ├─ ProbeRejectedError(.errno, .addr) the kernel's rules refuse this probe address
      ├─ ProbeSpecError(.text, .column, .errno)   a probe spec the kernel would not parse
@@ -205,18 +206,32 @@ class EngineReadError(HarnessError):
                   first.address, first.size) from first
 
 
+#: The largest ring per vCPU the plugin takes, in MiB (probes/plugin/kph_plugin.h:
+#: RING_MAX_SIZE; ``kph diff --host-buffer``'s bound)
+MAX_RING_MIB = 1024
+#: :class:`PluginRecordError`'s count of the records dropped on a full ring
+DROPPED = "dropped (ring full)"
+
+
 class PluginRecordError(HarnessError):
     """The plugin's records of a run are incomplete: records dropped on a full ring,
     truncated records, or programs the plugin refused. ``counts`` has each kind's number.
     A run with any of them is not compared (``kph diff`` exit 2, 3 when the VM was lost
     under it). ``ring_mib``: with records dropped, the ring per vCPU that would have held
     them (:func:`ring_mib`; 0 when none the plugin takes would): the size to pass as
-    ``kph diff --host-buffer``, which the message names."""
+    ``kph diff --host-buffer``, which the message names (or, with records dropped and no
+    such ring, that fewer hits are the way)."""
 
     def __init__(self, msg: str, counts: dict[str, int] | None = None,
                  ring_mib: int = 0) -> None:
-        hint = (f"; a ring of {ring_mib} MiB per vCPU would have held them (kph diff "
-                f"--host-buffer {ring_mib})" if ring_mib else "")
+        if ring_mib:
+            hint = (f"; a ring of {ring_mib} MiB per vCPU would have held them (kph diff "
+                    f"--host-buffer {ring_mib})")
+        elif (counts or {}).get(DROPPED):
+            hint = (f"; no ring the plugin takes ({MAX_RING_MIB} MiB per vCPU at most) "
+                    "would have held them: fewer hits (a narrower probe or workload)")
+        else:
+            hint = ""
         super().__init__(msg + hint)
         self.msg = msg
         self.counts = dict(counts or {})
@@ -224,11 +239,6 @@ class PluginRecordError(HarnessError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.msg, self.counts, self.ring_mib)
-
-
-#: The largest ring per vCPU the plugin takes, in MiB (probes/plugin/kph_plugin.h:
-#: RING_MAX_SIZE; ``kph diff --host-buffer``'s bound)
-MAX_RING_MIB = 1024
 
 
 def ring_mib(size: int, dropped: int, record_bytes: float) -> int:

@@ -23,8 +23,8 @@ from bisect import bisect_left
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..errors import (EngineReadError, HarnessError, PluginRecordError, ProbeRejectedError,
-                      SetupError, ring_mib)
+from ..errors import (DROPPED, EngineReadError, HarnessError, PluginRecordError,
+                      ProbeRejectedError, SetupError, ring_mib)
 from ..kernel.grammar.fetch import (UNKNOWN, FaultError, below_sp, evaluate, format_ip,
                                    format_value)
 from ..kernel.grammar.program import EDATA, PERCPU, REGS, CaptureContext, compile_spec, parse_blocks
@@ -484,7 +484,7 @@ class PluginBackend:
             sizes = [len(raw) for _, raw in self._raw] if self.dropped else []
             self._raw, self._basis = [], None   # decoded as the window closed, as before
         if self.dropped:
-            self.bad_records["dropped (ring full)"] = self.dropped
+            self.bad_records[DROPPED] = self.dropped
             self.ring_mib = ring_mib(self.engine.link.ring.size, self.dropped,
                                      sum(sizes) / len(sizes) if sizes else REC_HDR.size)
 
@@ -647,8 +647,7 @@ class PluginBackend:
             what = ", ".join(f"{n} {k}" for k, n in self.bad_records.items())
             raise PluginRecordError(f"the plugin engine's records are incomplete: {what}; "
                                     "the run is not compared", self.bad_records,
-                                    self.ring_mib if "dropped (ring full)" in self.bad_records
-                                    else 0)
+                                    self.ring_mib if DROPPED in self.bad_records else 0)
         EngineReadError.raise_first(self.engine_errors)
 
     def _watch_comms(self) -> None:

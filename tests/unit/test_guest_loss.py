@@ -112,6 +112,9 @@ def test_a_plugin_record_error_names_the_ring_only_with_one_to_name():
     back = pickle.loads(pickle.dumps(e))
     assert str(back) == str(e) and back.counts == e.counts and back.ring_mib == 8
     assert "--host-buffer" not in str(PluginRecordError("1 truncated", {"truncated": 1}))
+    past = PluginRecordError("9 dropped", {"dropped (ring full)": 9}, 0)
+    assert str(past).endswith("; no ring the plugin takes (1024 MiB per vCPU at most) would "
+                              "have held them: fewer hits (a narrower probe or workload)")
 
 
 @pytest.mark.parametrize("size,kept,lost,mib", [
