@@ -326,14 +326,19 @@ class GdbStub:
             for rec in recs:
                 if rec["type"] == "result" and rec["token"] == tok:
                     result = rec
+                    if rec["message"] == "running":
+                        # In its place among the records: a *stopped read in the same
+                        # batch after it is newer (a step's ^running, *running and
+                        # *stopped came in one read under load, and a flag set after
+                        # the batch left the stub "running" on a halted guest, which
+                        # the engine's close() then never resumed: CI, 2026-12-03).
+                        self.running = True
                 else:
                     self._dispatch(rec)
             if result is not None:
                 if result["message"] == "error":
                     msg = (result["payload"] or {}).get("msg", "error")
                     raise GdbMIError(f"{cmd}: {msg}", tok)
-                if result["message"] == "running":
-                    self.running = True
                 return result["payload"] or {}
 
     # -- execution control ----------------------------------------------------------------
@@ -390,12 +395,10 @@ class GdbStub:
         """
         if self.gone:
             raise VMLostError(self.gone)
-        if self.running and self._all_stopped():
-            # Our flag is only a cache of GDB's view: seen stale under load (a stop already
-            # consumed, the flag still set), and an -exec-interrupt to a halted target
-            # never produces the *stopped that wait_stop would wait for.
-            self.running = False
-        if not self.running:
+        # Our flag is only a cache of GDB's view: seen stale under load (a stop already
+        # consumed, the flag still set), and an -exec-interrupt to a halted target never
+        # produces the *stopped that wait_stop would wait for.
+        if self.halted():
             # A stop still in the pipe, or dispatched while asking (a breakpoint hit that
             # raced -thread-info), is this halt's: the newest one is where the vCPU is.
             self.poll_stop(keep=True)
@@ -428,6 +431,13 @@ class GdbStub:
                 break
             time.sleep(0.002)
         self._drop_queued("the interrupt's own stop, after the guest had stopped on its own")
+
+    def halted(self) -> bool:
+        """The guest is halted: our flag says so, or GDB's own view does (the flag is a
+        cache; a halted guest nobody resumes stays halted for good)."""
+        if self.running and self._all_stopped():
+            self.running = False
+        return not self.running
 
     def _all_stopped(self) -> bool:
         """GDB's own view: every thread it knows is stopped (``-thread-info``)."""

@@ -1015,7 +1015,7 @@ class HostEngine(EngineCore, Rethook, HandlerErrors):
         self._closing = True
         os.write(self._wake_w, b"!")
         self._thread.join(5)
-        if self._fatal is None and self.stub.proc.poll() is None and not self.stub.running:
+        if self._fatal is None and self.stub.proc.poll() is None and self.stub.halted():
             try:
                 self.stub.resume(self._final_resume)
                 self.stub.poll_stop()

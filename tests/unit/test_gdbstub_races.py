@@ -29,3 +29,21 @@ def test_a_hit_that_races_the_interrupt_is_returned_once_not_queued_for_the_next
         step = stub.step()
         assert (step.reason, step.addr) == ("end-stepping-range", 0xFFFFFFFFC0405000)
         assert stub.poll_stop() is None
+
+
+def test_a_step_whose_stop_comes_in_the_same_read_as_its_answer_leaves_the_stub_halted(
+        tmp_path, monkeypatch):
+    """Under load GDB's ``^running``, ``*running`` and ``*stopped`` for one step reached
+    the reader in one read: the flag was set to running after the whole batch, so the
+    stub took the halted guest for a running one, the engine's close() never resumed it,
+    and the next test met a guest stopped at a debug event (CI, 2026-12-03). The flag
+    follows the records in their order, and ``halted()`` asks GDB when the flag says
+    running."""
+    monkeypatch.setenv("FAKE_GDB_ONE_READ", "1")
+    with _stub(tmp_path) as stub:
+        stub.interrupt()
+        step = stub.step()
+        assert (step.reason, step.addr) == ("end-stepping-range", 0xFFFFFFFFC0405000)
+        assert not stub.running
+        stub.running = True          # a stale flag: GDB's own view corrects it
+        assert stub.halted() and not stub.running

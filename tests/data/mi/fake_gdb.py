@@ -4,8 +4,10 @@
 It answers the commands GdbStub sends with the records a real GDB 13 sent in a recorded
 run (DEBUG log of harness.gdbstub, 2026-11-25), in the same order, including the race
 that once killed the probe dispatcher: a breakpoint hit that arrives while -thread-info
-is refused because the target was running.
+is refused because the target was running. ``FAKE_GDB_ONE_READ=1``: a step's records
+all come in one write.
 """
+import os
 import re
 import sys
 import time
@@ -49,6 +51,10 @@ for line in sys.stdin:
     elif cmd.startswith(("-exec-jump", "-exec-continue")):
         running = True
         out(f"{tok}^running", '*running,thread-id="all"')
+    elif cmd.startswith("-exec-step-instruction") and os.environ.get("FAKE_GDB_ONE_READ"):
+        # as recorded under load (2026-12-03): the step's answer, its *running and its
+        # *stopped reach the reader in one read
+        out(f"{tok}^running", '*running,thread-id="1"', stopped("end-stepping-range", AFTER_STEP))
     elif cmd.startswith("-exec-step-instruction"):
         running = True
         out(f"{tok}^running", '*running,thread-id="1"')
