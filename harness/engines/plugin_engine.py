@@ -64,6 +64,7 @@ from ..kernel.kprobes import (Kprobe, Kretprobe, KretprobeInstance, ProbeFlags, 
                               kernel_rethook_trampoline)
 from ..machine.pluginlink import (
     ADD_ENABLED, ADD_EXT, ADD_FGRAPH, ADD_FLUSH, ADD_FTRACE, ADD_FTRACE_OPS, ADD_KPROBE_RUNNING,
+    ANSWER_SPIN_DENSE_US, ANSWER_SPIN_US,
     ADD_NO_INVALIDATE, ADD_POST, CFG_URET_SYSCALL, CMD_ADD, CMD_ARRANGE, CMD_CONFIG, CMD_ENABLE,
     CMD_FAILREAD, CMD_GSTATS, CMD_INVALIDATE, CMD_REMOVE, CMD_STATS, CMD_WINDOW, FULL_PROBES,
     FULL_SITE, INVAL_PENDING, INVAL_TEXT, MAX_PER_SITE, MAX_PROBES, MAX_WIN_WRITES, NGSTATS,
@@ -611,11 +612,13 @@ class PluginEngine(EngineCore, HandlerDispatch, HandlerErrors):
         if self._channels:
             return
         # A channel's thread polls for its next event while hits are dense, on a core
-        # the vCPUs leave free; with as many vCPUs as cores it would take theirs.
+        # the vCPUs leave free; with as many vCPUs as cores it would take theirs. Where
+        # it polls, the vCPU polls as long for the answer (docs/plugin.md).
         spin = self.link.nvcpus < (os.cpu_count() or 1)
         waiter = host_waiter(self.vm.plugin_path) if spin else None
+        answer = ANSWER_SPIN_DENSE_US if waiter is not None else ANSWER_SPIN_US
         for i in range(self.link.nvcpus):
-            ch = Channel(self.link, i, waiter=waiter)
+            ch = Channel(self.link, i, waiter=waiter, answer_spin_us=answer)
             th = threading.Thread(target=self._serve, args=(ch,), daemon=True,
                                   name=f"{self.vm.name}-plugin-vcpu{i}")
             self._channels.append(ch)

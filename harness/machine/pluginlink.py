@@ -54,6 +54,11 @@ WAITER_SO = "kph_waiter.so"
 #: How long a channel's thread polls for the next event before it sleeps (ns): the
 #: handler round trips of a dense workload then start without a thread wake-up.
 CHANNEL_SPIN_NS = 200_000
+#: How long a vCPU polls its channel for a handler's answer before it sleeps (us), where a
+#: core is left over for the channel's thread (as long as that thread polls for events:
+#: a vCPU asleep when the answer comes is woken by the harness's send(), which then often
+#: waits for a core); else the plugin's own :data:`ANSWER_SPIN_US`.
+ANSWER_SPIN_DENSE_US = CHANNEL_SPIN_NS // 1000
 
 # The wire protocol: probes/plugin/kph_proto.h is the one definition; these spell the
 # same names and values (tests/unit/test_plugin_build.py compiles a program against the
@@ -65,6 +70,8 @@ MAX_VCPUS, MAX_PROBES, MAX_PER_SITE, MAX_PROG, MAX_MAXACTIVE = 64, 8192, 64, 102
 #: MAX_TRACE_ARGS, which the grammar bounds a line's arguments by already
 MAX_EDATA = 128
 REC_MAX = 64 * 1024
+#: CMD_CHANNEL's default answer_spin_us
+ANSWER_SPIN_US = 40
 CMD_HELLO, CMD_RING, CMD_CONFIG, CMD_ADD, CMD_REMOVE, CMD_ENABLE = 1, 2, 3, 4, 5, 6
 CMD_STATS, CMD_GSTATS, CMD_INVALIDATE, CMD_CHANNEL, CMD_ARRANGE = 7, 8, 9, 10, 11
 #: tests only: the plugin's reads of a range fail although it maps (an unconfirmed fault)
@@ -498,14 +505,20 @@ class Channel:
 
     def __init__(self, link: "PluginLink", vcpu: int, *,
                  waiter: Callable[[int, int], int] | None = None,
-                 spin_ns: int = CHANNEL_SPIN_NS) -> None:
+                 spin_ns: int = CHANNEL_SPIN_NS, answer_spin_us: int = ANSWER_SPIN_US) -> None:
         """``waiter`` (:func:`host_waiter`): poll for the next event ``spin_ns`` before
-        sleeping, without the GIL; None: sleep in recv() at once."""
+        sleeping, without the GIL; None: sleep in recv() at once. ``answer_spin_us``: how
+        long the vCPU polls for each answer before it sleeps."""
         self.vcpu = vcpu
         self._waiter, self._spin_ns = waiter, spin_ns
+        self.answer_spin_us = answer_spin_us
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            link.request(CMD_CHANNEL, struct.pack("<I", vcpu), fds=[theirs.fileno()])
+            link.request(CMD_CHANNEL, struct.pack("<II", vcpu, answer_spin_us),
+                         fds=[theirs.fileno()])
+        except BaseException:
+            self.sock.close()
+            raise
         finally:
             theirs.close()
         self._buf = bytearray(EV_SIZE)

@@ -596,21 +596,25 @@ int serve(int fd)
             break;
         }
         case CMD_CHANNEL: {
-            /* u32 vcpu, one descriptor: that vCPU's handler channel */
-            uint32_t i32 = 0;
+            /* u32 vcpu [, u32 answer_spin_us], one descriptor: that vCPU's handler channel */
+            uint32_t i32 = 0, spin_us = KPH_ANSWER_SPIN_US;
             vcpu_t *v;
 
             if (len >= 4) {
                 memcpy(&i32, pl, 4);
             }
+            if (len >= 8) {
+                memcpy(&spin_us, pl + 4, 4);
+            }
             v = vc(i32);
-            if (!v || rfd < 0) {
+            if (!v || rfd < 0 || spin_us > 1000000) {
                 if (rfd >= 0) {
                     close(rfd);
                 }
                 rc = reply(fd, EINVAL, NULL, 0);
                 break;
             }
+            atomic_store(&v->answer_spin_ns, spin_us * 1000ull);
             chan_set(v, rfd);
             rc = reply(fd, 0, NULL, 0);
             break;

@@ -1251,6 +1251,7 @@ static void on_vcpu_init(unsigned int vcpu, void *ud)
     }
     v->gb = g_byte_array_new();     /* g_malloc: aborts rather than return NULL */
     atomic_store(&v->chan, -1);
+    atomic_store(&v->answer_spin_ns, KPH_ANSWER_SPIN_US * 1000ull);
     pthread_mutex_init(&v->chan_lock, NULL);
     if (!atomic_load(&g_regs_ready)) {
         GArray *regs = qemu_plugin_get_registers();

@@ -108,6 +108,7 @@ typedef struct {
      * instruction (the one after the probed instruction at post_addr) */
     atomic_int chan;
     pthread_mutex_t chan_lock;
+    _Atomic uint64_t answer_spin_ns; /* a round trip polls this long for each answer */
     int in_rt;
     int unconfirmed;                /* reads that failed where the page translates */
     int uaccess;                    /* this record's nmi_uaccess_okay(): 0 not asked, 1, 2 */

@@ -24,11 +24,15 @@
 #define KPH_MAX_MAXACTIVE 4096      /* instances of one return probe */
 #define KPH_MAX_EDATA 128           /* $argN one return probe saves (MAX_TRACE_ARGS) */
 #define KPH_REC_MAX (64 * 1024)     /* bytes of one record */
+#define KPH_ANSWER_SPIN_US 40       /* CMD_CHANNEL's default answer_spin_us */
 
 /* requests: u32 type, u32 len, payload; replies: u32 status (0 or an errno), u32 len, payload */
 enum {
     CMD_HELLO = 1, CMD_RING = 2, CMD_CONFIG = 3, CMD_ADD = 4, CMD_REMOVE = 5, CMD_ENABLE = 6,
     CMD_STATS = 7, CMD_GSTATS = 8, CMD_INVALIDATE = 9, CMD_CHANNEL = 10, CMD_ARRANGE = 11,
+    /* CMD_CHANNEL: u32 vcpu [, u32 answer_spin_us], one descriptor: that vCPU's handler
+     * channel, and how long the vCPU polls it for each answer before it sleeps
+     * (KPH_ANSWER_SPIN_US when not given) */
     /* tests only: u64 addr, u64 len; the plugin's reads of those bytes fail although the
      * page maps (an unconfirmed fault: the harness must not take it for the guest's) */
     CMD_FAILREAD = 12,

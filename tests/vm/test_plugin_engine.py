@@ -63,8 +63,13 @@ def test_pre_and_post_around_the_entry_nop(pvm, host):
 
 def test_a_one_vcpu_guest_s_channel_polls_for_events_while_hits_are_dense(pvm, host):
     """With a core the vCPU leaves free, the channel's thread polls for the next event
-    (probes/plugin/waiter.c) before sleeping; the hits are served all the same."""
+    (probes/plugin/waiter.c) before sleeping, and the vCPU as long for each answer; the
+    hits are served all the same. The plugin takes the vCPU's poll from CMD_CHANNEL: one
+    it refuses (over a second) leaves the channel as it was."""
     import os
+
+    from harness.machine.pluginlink import (ANSWER_SPIN_DENSE_US, ANSWER_SPIN_US, Channel,
+                                            PluginError)
 
     hits = []
     host.register_kprobe(Kprobe(symbol_name="vfs_read", pre_handler=lambda p, r: hits.append(r.dx)))
@@ -72,7 +77,15 @@ def test_a_one_vcpu_guest_s_channel_polls_for_events_while_hits_are_dense(pvm, h
     chans = host._channels
     assert len(chans) == host.link.nvcpus == 1
     assert (chans[0]._waiter is not None) == ((os.cpu_count() or 1) > 1)
+    assert chans[0].answer_spin_us == (ANSWER_SPIN_DENSE_US if chans[0]._waiter is not None
+                                       else ANSWER_SPIN_US)
     assert hits.count(1) >= 300
+    with pytest.raises(PluginError) as err:
+        Channel(host.link, 0, answer_spin_us=1_000_001)
+    assert err.value.errno == errno.EINVAL
+    hits.clear()
+    pvm.run("dd if=/dev/zero of=/dev/null bs=1 count=30 2>/dev/null", check=True)
+    assert hits.count(1) >= 30          # the refused channel replaced nothing
 
 
 def test_mid_function_push_and_mov_effects(pvm, host):
