@@ -369,15 +369,21 @@ def test_a_return_probe_saves_every_entry_argument_the_kernel_does(series):
         assert clones, "the workload called no compiler clone"
         view = KernelView(vm.facts.rules)
         # symbol_calls counted one run of the workload; a clone it saw called may be idle
-        # in the next (a once-a-boot path): the first clone either side hit is the case.
-        for fn in clones[:4]:
+        # in the next (a once-a-boot path), or called there by the guest agent alone (7.3's
+        # poll_schedule_timeout.constprop.0: qemu-ga's poll(), hits the agent rule leaves
+        # out, so nothing compared): the first clone either side has a compared hit of is
+        # the case.
+        tried = []
+        for fn in clones[:8]:
             specs = [parse(f"f:kph/fl {fn}%return {args(14)}", kernel=view),
                      parse(f"r:kph/rl {fn} {args(20)} $arg300 $arg2048", kernel=view)]
             runs = run_differential(vm, specs, DEFAULT_WORKLOAD)
             res = compare(*runs, trampoline=trampoline_text(vm))
-            if runs[0].hits or runs[1].hits:  # a side's lone hits stay a difference
+            tried.append((fn, res.counts, res.left_out))
+            if any(a or b for a, b in res.counts.values()):  # a side's lone hits stay a difference
                 break
     assert runs[0].side == "plugin"
+    assert any(a or b for a, b in res.counts.values()), f"no clone had a compared hit: {tried}"
     assert res.equivalent, res.first
     assert res.counts["kph/fl"][0] > 0 and res.counts["kph/rl"][0] > 0, res.counts
     hit = next(h for h in runs[0].hits if h.probe == "kph/rl")
