@@ -1,6 +1,7 @@
 """Every shipped scenario is met by `kph repro`, and its summary names the cause."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ SCENARIOS = Path(__file__).resolve().parents[2] / "probes" / "scenarios"
 CAUSES = {
     "blacklisted": ["refused kprobes/bl: EINVAL", "blacklist"],
     "maxactive-too-low": ["nmissed 1"],
-    "maxactive-default": ["nhit 3, nmissed 0"],
+    "maxactive-default": ["nmissed 0"],
     "change-path": ["Permission denied"],
     "null-deref-handler": ["NULL pointer dereference", "kph_null_deref_handler"],
     "do-exit-kretprobe": ["exitret: nhit 0"],
@@ -32,6 +33,11 @@ def test_shipped_scenario_is_met(name, tmp_path):
     cause = next(ln for ln in summary.splitlines() if ln.startswith("**Cause:**"))
     for word in CAUSES[name]:
         assert word in cause, cause
+    if name == "maxactive-default":
+        # each side counted the three sleeps; a hit of the guest agent's own (a child of
+        # qemu-ga before its exec) is named apart, not taken for the trigger's
+        sides = re.findall(r"nhit (\d+)(?: \((\d+) the guest agent's\))?, nmissed 0", cause)
+        assert len(sides) == 2 and all(int(n) - int(a or 0) == 3 for n, a in sides), cause
     for f in ("console.log", "kprobes_list.txt", "host_probes.txt", "scenario.toml",
               "manifest.json", "registers.txt", "stack.txt"):
         assert (out / f).exists(), f
