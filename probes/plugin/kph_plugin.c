@@ -608,6 +608,28 @@ int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len)
     return qemu_plugin_write_memory_vaddr(addr, v->gb) ? 0 : -1;
 }
 
+/* Two members of one object, [base + a, +alen) and [base + b, +blen), read at once
+ * where they lie within PAIR_MAX bytes of each other. QEMU walks the guest's page tables
+ * for every read (cpu_memory_rw_debug()), and a hit reads two such pairs: preempt_count
+ * and current_task, a task's pid and comm (read_context(): 0.94 us a hit in four reads,
+ * 0.62 in two; the registers' 21 reads 0.65). 0: both read. -1: not read (too far
+ * apart, or the read failed): the caller reads each alone, so a failure still says
+ * which one failed. */
+#define PAIR_MAX 1024
+static int read_pair(vcpu_t *v, uint64_t base, uint64_t a, void *abuf, size_t alen,
+                     uint64_t b, void *bbuf, size_t blen)
+{
+    uint8_t buf[PAIR_MAX];
+    uint64_t lo = a < b ? a : b, hi = a + alen > b + blen ? a + alen : b + blen;
+
+    if (hi - lo > PAIR_MAX || read_once(v, base + lo, buf, hi - lo) != 0) {
+        return -1;
+    }
+    memcpy(abuf, buf + (a - lo), alen);
+    memcpy(bbuf, buf + (b - lo), blen);
+    return 0;
+}
+
 /* The pt_regs of this hit, and `current` with its pid and comm (read through the
  * per-cpu current_task at the kernel's GS base: in user mode that base waits in
  * MSR_KERNEL_GS_BASE until swapgs).
@@ -619,8 +641,8 @@ int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len)
  * callback `flags` holds IF and the other system bits, not ZF/SF/CF/... (README). */
 void read_context(vcpu_t *v, uint64_t pc)
 {
-    int i;
-    uint64_t base;
+    int i, task_read = 0;
+    uint64_t base, pid_off;
 
     for (i = 0; i < KREG_NUM; i++) {
         if (i != KREG_IP || !pc) {
@@ -638,12 +660,20 @@ void read_context(vcpu_t *v, uint64_t pc)
     base = reg_read(v, (v->regs[KREG_CS] & 3) == 3 ? g_kgs_base : g_gs_base);
     if (g_preempt_off) {
         uint32_t pc;
+        int got;
 
         /* the low 32 bits (7.3's x86 preempt_count is an unsigned long): SOFTIRQ at 8,
          * HARDIRQ at HARDIRQ_SHIFT, NMI after it (CFG_HARDIRQ_SHIFT) */
         unsigned shift = CFG_HARDIRQ_SHIFT(atomic_load(&g_cfg_flags));
 
-        if (mem_read(v, base + g_preempt_off, &pc, 4) == 0) {
+        /* 6.2+ keeps both in one struct pcpu_hot: one read */
+        if (g_cur_task_off &&
+            read_pair(v, base, g_preempt_off, &pc, 4, g_cur_task_off, &v->task, 8) == 0) {
+            got = task_read = 1;
+        } else {
+            got = mem_read(v, base + g_preempt_off, &pc, 4) == 0;
+        }
+        if (got) {
             v->tflags |= RF_CTX | (pc & 0x100 ? RF_SOFTIRQ : 0) |
                          (pc & (0xFu << shift) ? RF_HARDIRQ : 0) |
                          (pc & (0xFu << (shift + 4)) ? RF_NMI : 0);
@@ -652,11 +682,17 @@ void read_context(vcpu_t *v, uint64_t pc)
     if (!g_cur_task_off) {
         return;
     }
-    if (mem_read(v, base + g_cur_task_off, &v->task, 8) != 0) {
+    if (!task_read && mem_read(v, base + g_cur_task_off, &v->task, 8) != 0) {
         return;
     }
     v->tflags |= RF_TASK;
-    if (g_pid_off && mem_read(v, v->task + g_pid_off, &v->pid, 4) == 0) {
+    pid_off = g_pid_off;
+    if (pid_off && g_comm_off &&
+        read_pair(v, v->task, pid_off, &v->pid, 4, g_comm_off, v->comm, 16) == 0) {
+        v->tflags |= RF_PID | RF_COMM;
+        return;
+    }
+    if (pid_off && mem_read(v, v->task + pid_off, &v->pid, 4) == 0) {
         v->tflags |= RF_PID;
     }
     if (g_comm_off && mem_read(v, v->task + g_comm_off, v->comm, 16) == 0) {
