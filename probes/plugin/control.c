@@ -280,6 +280,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
     p->kind = kind;
     p->addr = addr;
     p->nprog = nprog;
+    p->regs = kph_prog_regs(NULL, 0);
     if (nprog) {
         p->prog = malloc(nprog * sizeof(kph_insn));
         if (!p->prog) {
@@ -291,6 +292,7 @@ static int cmd_add(int fd, const uint8_t *pl, uint32_t len)
             probe_free(p);
             return reply(fd, EINVAL, NULL, 0);
         }
+        p->regs = kph_prog_regs(p->prog, nprog);
         {
             size_t k;
             uint32_t j;

@@ -153,6 +153,38 @@ static int is_store(uint8_t op)
 
 static const uint8_t arg_regs[6] = {KREG_DI, KREG_SI, KREG_DX, KREG_CX, KREG_R8, KREG_R9};
 
+/* Every stage-1 operation run_one() takes a register from, and nothing else reads one
+ * (the later stages work on the value). An immediate string's bytes may follow its
+ * KOP_DATA and read as operations here: they can only add registers, never drop one. */
+uint32_t kph_prog_regs(const kph_insn *prog, size_t n)
+{
+    uint32_t m = 1u << KREG_SP | 1u << KREG_CS | 1u << KREG_IP;
+    size_t k;
+    int i;
+
+    for (k = 0; k < n; k++) {
+        switch (prog[k].op) {
+        case KOP_REG:
+            m |= prog[k].a < KREG_NUM ? 1u << prog[k].a : KREG_ALL;
+            break;
+        case KOP_RETVAL:
+            m |= 1u << KREG_AX;
+            break;
+        case KOP_ARG:
+            for (i = 0; i < 6; i++) {
+                m |= 1u << arg_regs[i];
+            }
+            break;
+        case KOP_TP_ARG:
+            m |= 1u << KREG_DI;
+            break;
+        default:            /* %sp's (KOP_STACK, KOP_STACKP, KOP_USTACK), or none */
+            break;
+        }
+    }
+    return m;
+}
+
 /* One argument's program, code[0..end); returns 0 (the harness judges the outcome). */
 static int run_one(kph_capture *c, const kph_insn *code, size_t end, const uint64_t *regs)
 {

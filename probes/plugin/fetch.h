@@ -56,6 +56,7 @@ enum {
     KREG_R8, KREG_AX, KREG_CX, KREG_DX, KREG_SI, KREG_DI, KREG_ORIG_AX, KREG_IP, KREG_CS,
     KREG_FLAGS, KREG_SP, KREG_SS, KREG_NUM
 };
+#define KREG_ALL ((1u << KREG_NUM) - 1)
 
 /* trace_eprobe.c: get_event_field(), by the field's filter_type */
 enum { KTP_INT = 0, KTP_DYN, KTP_RDYN, KTP_STATIC, KTP_PTR,
@@ -93,6 +94,12 @@ typedef struct {
  * Returns the number of arguments run, or -1 for a malformed program. */
 int kph_capture_args(kph_capture *cap, const kph_insn *prog, size_t n,
                      const uint64_t regs[KREG_NUM]);
+
+/* The registers (a bit per KREG_*) the programs prog[0..n) read, with %sp and %cs, which
+ * every hit reads (the stack's bounds, the task's gs base), and %ip (given by the site):
+ * what a spec probe's hit needs read (read_context_regs()). Never fewer than a program
+ * reads; an instruction it cannot place counts as reading every register. */
+uint32_t kph_prog_regs(const kph_insn *prog, size_t n);
 
 /* 0 when every array count in prog[0..n) is one the kernel accepts (1..MAX_ARRAY_LEN,
  * parse_probe_arg() in kernel/trace/trace_probe.c), else -1: the plugin refuses the probe. */

@@ -51,6 +51,7 @@ typedef struct probe {
     atomic_int dead;
     kph_insn *prog;
     size_t nprog;
+    uint32_t regs;      /* a spec probe's: the registers its hit reads (kph_prog_regs()) */
     atomic_uint_fast64_t nhit, nmissed;
     /* kretprobe instances, under rp_lock */
     uint32_t maxactive, nfree, flags;
@@ -197,6 +198,7 @@ int read_once(vcpu_t *v, uint64_t addr, void *buf, size_t len);
 int mem_read(void *ctx, uint64_t addr, void *buf, size_t len);
 int mem_write(vcpu_t *v, uint64_t addr, const void *buf, size_t len);
 void read_context(vcpu_t *v, uint64_t pc);
+void read_context_regs(vcpu_t *v, uint64_t pc, uint32_t regs);
 void emit(vcpu_t *v, unsigned int vcpu, probe *p, uint16_t type, uint64_t func, uint64_t ret_addr, const inst *ri);
 int reset_all(int timeout_ms);
 /* user code: translations of a user address reached without a full flush (kph_plugin.c) */

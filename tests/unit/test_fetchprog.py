@@ -203,17 +203,22 @@ int main(void) {
 """
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory):
+def _build(tmp_path_factory, name: str, source: str) -> Path:
+    """``source`` compiled with ``fetch.c`` into a program of its own."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.fail("no C compiler: apt-get install gcc (./setup.sh installs it)")
-    d = tmp_path_factory.mktemp("fetchc")
-    (d / "driver.c").write_text(DRIVER)
-    exe = d / "driver"
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.c").write_text(source)
+    exe = d / name
     subprocess.run([cc, "-O2", "-Wall", "-Werror", "-I", str(PLUGIN), "-o", str(exe),
-                    str(d / "driver.c"), str(PLUGIN / "fetch.c")], check=True, timeout=60)
+                    str(d / f"{name}.c"), str(PLUGIN / "fetch.c")], check=True, timeout=60)
     return exe
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    return _build(tmp_path_factory, "driver", DRIVER)
 
 
 def run_driver(driver, mem: Memory, prog: bytes, regs: dict[str, int] = REGS, *,
@@ -417,3 +422,62 @@ def test_a_plain_user_read_is_refused_where_nmi_uaccess_okay_is_false():
     why.clear()
     failed.clear()
     assert evaluate(spec, Here(_direct(mem)), why, failed) == plain and not failed, why
+
+
+REGS_DRIVER = r"""
+#include <stdio.h>
+#include "fetch.h"
+/* stdin: kph_insn[] to the end; stdout: kph_prog_regs() of them, decimal */
+int main(void) {
+    static kph_insn prog[1024];
+    size_t n = fread(prog, sizeof(kph_insn), 1024, stdin);
+    printf("%u\n", kph_prog_regs(prog, n));
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def regs_driver(tmp_path_factory):
+    return _build(tmp_path_factory, "regs", REGS_DRIVER)
+
+
+REG_SPECS = SPECS + [
+    "r:rr vfs_read ret=$retval:s64 a=%ax:x64",
+    "p:all vfs_read " + " ".join(f"r{n}=%{n}:x64" for n in fetchprog.REGS if n != "orig_ax"),
+    "p:args vfs_read a6=$arg6:x64 a8=$arg8:x64",
+    "p:none vfs_read",
+]
+
+
+@pytest.mark.parametrize("text", REG_SPECS)
+def test_a_spec_hit_reads_every_register_its_programs_and_evaluate_read(regs_driver, driver, text):
+    """A spec probe's hit reads only the registers ``kph_prog_regs()`` names (the plugin's
+    read_context_regs(), the others 0 in the record): every register evaluate() reads (and
+    %sp, which the backend's reads check the stack against) is among them, and fetch.c
+    captures exactly the same with the others zeroed as with all of them."""
+    spec = parse(text)
+    prog = fetchprog.compile_spec(spec.args, resolve=SYMBOLS.__getitem__)
+    mask = int(subprocess.run([str(regs_driver)], input=prog, capture_output=True, check=True,
+                              timeout=30).stdout)
+    kept = {n for i, n in enumerate(fetchprog.REGS) if mask >> i & 1}
+    assert {"sp", "cs", "ip"} <= kept, kept
+
+    read: set[str] = set()
+
+    class Recording(_Ctx):
+        def reg(self, name: str) -> int:
+            read.add(name)
+            return super().reg(name)
+
+        def retval(self) -> int:
+            read.add("ax")
+            return super().retval()
+
+    evaluate(spec, Recording(_direct(Memory(7))))
+    assert read <= kept, f"evaluate() reads {sorted(read - kept)}, which the hit does not"
+    full = run_driver(driver, Memory(7), prog)
+    zeroed = {n: v for n, v in REGS.items() if n in kept}
+    assert run_driver(driver, Memory(7), prog, zeroed) == full
+    if text.startswith("p:all"):
+        assert set(fetchprog.REGS) - {"orig_ax"} <= kept, kept
