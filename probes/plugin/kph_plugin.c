@@ -672,7 +672,7 @@ void read_context_regs(vcpu_t *v, uint64_t pc, uint32_t regs)
          * HARDIRQ at HARDIRQ_SHIFT, NMI after it (CFG_HARDIRQ_SHIFT) */
         unsigned shift = CFG_HARDIRQ_SHIFT(atomic_load(&g_cfg_flags));
 
-        /* 6.2+ keeps both in one struct pcpu_hot: one read */
+        /* 16 to 64 bytes apart on 6.1, 6.12 and 7.3 (struct pcpu_hot since 6.2) */
         if (g_cur_task_off &&
             read_pair(v, base, g_preempt_off, &pc, 4, g_cur_task_off, &v->task, 8) == 0) {
             got = task_read = 1;
