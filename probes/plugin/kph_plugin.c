@@ -993,7 +993,7 @@ static void on_site(unsigned int vcpu, void *ud)
     vcpu_t *v = vc(vcpu);
     plist *l;
     int i, have = 0, running = -1;
-    uint32_t want = 0;
+    uint32_t want = 0, need;
 
     if (!v) {
         return;
@@ -1050,8 +1050,11 @@ static void on_site(unsigned int vcpu, void *ud)
             atomic_load_explicit(&p->dead, memory_order_relaxed)) {
             continue;
         }
-        if (!have) {
-            read_context_regs(v, s->addr, want | 1u << KREG_IP);
+        /* a probe enabled since `want` was taken may need more: then all, read again */
+        need = p->kind == PK_SPEC_P ? p->regs : KREG_ALL;
+        if (!have || (need & ~want)) {
+            want = have ? KREG_ALL : want | need | 1u << KREG_IP;
+            read_context_regs(v, s->addr, want);
             if (p->flags & ADD_FTRACE) {
                 /* arch/x86/kernel/ftrace_64.S, save_mcount_regs: movq $0, ORIG_RAX(%rsp) */
                 v->regs[KREG_ORIG_AX] = 0;
