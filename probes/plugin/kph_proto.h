@@ -143,7 +143,8 @@ typedef struct {
     uint32_t probe_id;
     uint32_t nblocks;
     uint64_t seq;
-    uint64_t regs[21];              /* struct pt_regs order (fetch.h KREG_*) */
+    uint64_t regs[21];              /* struct pt_regs order (fetch.h KREG_*); a spec
+                                     * probe's: those kph_prog_regs() names, others 0 */
     uint64_t task;
     uint64_t func;
     uint64_t ret_addr;
