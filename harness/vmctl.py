@@ -248,6 +248,11 @@ class Machine:
         #: "cold" or "snapshot" once started; ``cold_reason`` says why a fresh boot was cold.
         self.start_mode = "cold"
         self.cold_reason = ""
+        #: Where the start's seconds went, once started, in order: ``qemu`` (the process
+        #: started and its QMP connected), ``agent`` (a cold boot, or a snapshot's restore,
+        #: up to the guest agent answering), and after a restore ``resync`` (the clock and
+        #: the random seed: :meth:`_resync`, the guest's first exec since the restore).
+        self.boot_phases: dict[str, float] = {}
         #: After a restore: the bound on the guest clock's error, from the offset measurement.
         self.clock_error_ns: int | None = None
         self.log = log.getChild(self.name)
@@ -591,6 +596,7 @@ class Machine:
         except Exception as exc:  # noqa: BLE001 - turned into a precise error below
             self._check()
             raise VMLostError(f"QMP did not answer: {exc}", self.console_tail()) from exc
+        t_qmp = time.monotonic()
         qga = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         qga.connect(str(self.rundir / "qga.sock"))
         self.agent = GuestAgent(qga, check=self._check, stalled=self._stall_check)
@@ -614,9 +620,12 @@ class Machine:
             raise VMLostError(f"{self.name}: guest agent not ready after {timeout:.0f} s "
                               f"(kernel {self.kernel})", self.console_tail()) from exc
         self.state = VmState.RUNNING
+        t_agent = time.monotonic()
+        self.boot_phases = {"qemu": t_qmp - t0, "agent": t_agent - t_qmp}
         if self.snapshot is not None:
             self.start_mode = "snapshot"
             self._resync()
+            self.boot_phases["resync"] = time.monotonic() - t_agent
         self.boot_seconds = time.monotonic() - t0
         self.log.debug("ready in %.2f s (%s)", self.boot_seconds, self.start_mode)
 

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     with vm:
         how = started(vm, args)
         doc["start"] = {"mode": vm.start_mode, "seconds": round(vm.boot_seconds, 3),
+                        "phases": {k: round(v, 3) for k, v in vm.boot_phases.items()},
                         "reason": how}
         out.text(f"boot: {how}")
         rules_note(vm, out)

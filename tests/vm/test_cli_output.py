@@ -43,6 +43,12 @@ def test_quiet_json_and_file_for_probe_boot_and_repro(tmp_path):
     assert r.returncode == 1 and r.stderr == ""              # the last command's status
     doc = json.loads(r.stdout)
     assert [c["status"] for c in doc["commands"]] == [0, 1] and doc["start"]["mode"]
+    # where the start's seconds went: each phase measured, together within the whole
+    phases = doc["start"]["phases"]
+    assert list(phases) == (["qemu", "agent", "resync"] if doc["start"]["mode"] == "snapshot"
+                            else ["qemu", "agent"]), phases
+    assert all(v > 0 for v in phases.values()), phases
+    assert sum(phases.values()) <= doc["start"]["seconds"] + 0.003, doc["start"]
     r = kph("boot", "--run", "echo hi")                      # without --json: guest output
     assert r.returncode == 0 and r.stdout == "hi\n" and "boot: " in r.stderr
     r = kph("repro", "probes/scenarios/blacklisted.toml", "--out", str(tmp_path / "b"),
