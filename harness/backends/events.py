@@ -673,13 +673,14 @@ class EventsBackend:
             marks[(name, what)] = marks.get((name, what), 0) + v
         self._nhit_marks.append(marks)
 
-    def mark_nhits(self) -> None:
+    def mark_nhits(self, engine: Any = None) -> None:
         """Read every kprobe event's ``nhit`` now: for a caller holding the guest halted at
         the window's start and at its end (``counters(window=True)`` gives the
-        difference)."""
+        difference). ``engine``: the host engine that holds it halted and reads (default
+        the machine's, ``vm.host``)."""
         words = self.nhit_words()
         if words:
-            read = self.vm.host.read
+            read = (engine if engine is not None else self.vm.host).read
             self.add_nhit_mark([int.from_bytes(read(a, 8), "little") for a in words])
 
     def trigger_counts(self) -> dict[str, int]:

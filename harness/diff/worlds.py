@@ -87,6 +87,16 @@ def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload
         g = make_backend(guest, vm, buffer_mib=buffer_mib)
         outs = h.register(specs), p.register(specs), g.register(specs)
         stub.invalidate_code()
+        # As harness.diff.runner does it, so that every world counts nmissed over the
+        # same span as the guest: the module's probes are live from its registration to
+        # its unloading, so both host engines arm right after registering it and disarm
+        # after its counters are read; a kprobe event's nhit and nmissed are read in the
+        # two halts of the window (EventsBackend.mark_nhits, through the stub that holds
+        # them), since its profile counts from its enabling (a miss as the harness set
+        # up, a kfree() in an interrupt while a guest kprobe handler ran, is not the run's).
+        if guest == "module":
+            h.arm()
+            p.arm()
         # All three switch in one settled halt of the guest (harness.diff.runner): the
         # gdbstub engine's breakpoints, the guest's tracing_on or recording flag (written
         # through the stub) and the plugin's recording window (its vCPUs are stopped: the
@@ -95,21 +105,31 @@ def _three(vm: Machine, watch: KernelWatch, specs: Sequence[ProbeSpec], workload
         p.enable(opened=False)
 
         writes = {on: g.switch_writes(on) for on in (True, False)}
+        marks = guest == "events"
+        unsettled = stub.stats.get("unsettled", 0)
 
         def switch(on: bool) -> None:
             write_switch(stub, writes[on])
             p.engine.window(on)
+            if marks:
+                g.mark_nhits(stub)
         h.enable(also=lambda: switch(True))
         r = vm.run(workload, timeout=timeout)
-        h.disable(also=lambda: switch(False))
-        p.disable()
+        h.disable(disarm=guest != "module", also=lambda: switch(False))
+        p.disable(disarm=guest != "module")
         g.disable()
+        settled = stub.stats.get("unsettled", 0) == unsettled
         text = r.stdout + r.stderr
         g_left = events_listed(vm, specs) if guest == "events" else None
         lefts = (events_modelled(h), events_modelled(p), g_left) if g_left is not None \
             else (None, None, None)
         model = preempt_model(vm)
-        runs = tuple(SideResult(be.side, o, be.collect(), be.counters(), r.status, text,
+        g_hits = g.collect()
+        g_counters = g.counters(window=settled) if marks else g.counters()
+        h.disarm()
+        p.disarm()
+        runs = tuple(SideResult(be.side, o, g_hits if be is g else be.collect(),
+                                g_counters if be is g else be.counters(), r.status, text,
                                 r.stderr, events_left=left,
                                 preempt=model if be is g else None)
                      for be, o, left in zip((h, p, g), outs, lefts, strict=True))
