@@ -142,10 +142,15 @@ def _on_unraisable(u: Any) -> None:
     raises can land where Python cannot raise (an at-fork callback such as logging's
     ``_releaseLock``, a ``__del__``): Python would print it as "Exception ignored in" with
     a traceback and go on. Silent instead, and delivered again 10 ms later (SIGALRM), where
-    it can unwind ``main``."""
-    if _interrupted and u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
-        signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, 0.01)
+    it can unwind ``main``. Any other exception Python cannot raise after an interruption
+    is silent too: it comes of the interruption (an object it left half made, such as an
+    asyncio loop whose ``__init__`` it cut before ``_debug`` was set, fails in its
+    ``__del__`` when collected: CI, 2026-12-04, a SIGTERM during ``kph diff``)."""
+    if _interrupted:
+        if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt) \
+                and not _exiting:
+            signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, 0.01)
         return
     sys.__unraisablehook__(u)
 
@@ -198,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in (signal.SIGINT, signal.SIGTERM):   # the outcome is decided (cli/__init__.py)
             signal.signal(s, signal.SIG_IGN if program else
                           signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
-        sys.unraisablehook = unraisable
+        # after an interruption the hook stays: what it left half made may be collected
+        # after main returns, as the process ends
+        sys.unraisablehook = _on_unraisable if _interrupted else unraisable
         if program:
             _freeze_for_exit()
         if signal.getsignal(signal.SIGALRM) is _on_alarm:
